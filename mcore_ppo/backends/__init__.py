@@ -1,0 +1,78 @@
+"""Backend registry: ``torch`` (chunked reference), ``triton`` (fused kernels), ``liger``.
+
+Optional backends are imported lazily with :func:`import_optional`, which fails soft only
+when the missing module *is* the optional package itself: a broken install of that package
+(one of *its* dependencies missing) still raises, instead of silently degrading to a slower
+backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from mcore_ppo.backends.base import Backend
+from mcore_ppo.backends.torch_backend import TorchBackend
+
+BACKENDS = ("auto", "torch", "triton", "liger")
+
+
+def import_optional(package: str) -> ModuleType | None:
+    """Import ``package``; None if the package itself is not installed, else re-raise.
+
+    ``ModuleNotFoundError.name`` names the module that was missing: when it is ``package`` or
+    one of its parents (``liger_kernel`` for ``liger_kernel.ops``) the package is absent and
+    we return None; any other missing module is a broken install and propagates.
+    """
+    try:
+        return importlib.import_module(package)
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        parts = package.split(".")
+        if any(missing == ".".join(parts[: i + 1]) for i in range(len(parts))):
+            return None
+        raise
+
+
+def _triton_backend() -> Backend | None:
+    module = import_optional("mcore_ppo.backends.triton_backend")
+    if module is None or not module.is_available():
+        return None
+    return module.TritonBackend()
+
+
+def _liger_backend() -> Backend | None:
+    module = import_optional("mcore_ppo.backends.liger_backend")
+    if module is None or not module.is_available():
+        return None
+    return module.LigerBackend()
+
+
+_FACTORIES = {"torch": TorchBackend, "triton": _triton_backend, "liger": _liger_backend}
+
+
+def resolve_backend(name: str, device: torch.device) -> Backend:
+    """The backend object for ``name`` on ``device``.
+
+    ``auto`` picks the fused Triton kernels on CUDA when they are available and the chunked
+    torch reference elsewhere. An explicitly named backend that is not available raises.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(name).__name__}")
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        backend = _triton_backend() if device.type == "cuda" else None
+        return backend if backend is not None else TorchBackend()
+    backend = _FACTORIES[name]()
+    if backend is None:
+        raise RuntimeError(
+            f"backend={name!r} is not available here (its package is not installed or it needs "
+            "a CUDA device); use backend='torch' or 'auto'"
+        )
+    return backend
+
+
+__all__ = ["BACKENDS", "Backend", "TorchBackend", "import_optional", "resolve_backend"]

@@ -1,0 +1,63 @@
+"""The contract every backend of the head implements.
+
+A backend computes, for one rank's vocab shard, the per-token softmax statistics of the
+tempered logits ``z = hidden @ weight.T / T`` and, in the backward, this shard's gradient
+contributions. It never communicates: the cross-rank combine and the ``d_hidden`` reduction
+live in :mod:`parallel` and in the autograd Function.
+
+Arguments shared by both methods:
+    hidden: ``[n, h]`` activations (any float dtype; the backend computes in fp32).
+    weight: ``[v, h]`` this rank's vocab shard.
+    local_labels: ``[n]`` int64, the label's row in this shard, or -1 where the label is
+        ignored or owned by another rank.
+    valid: ``[n]`` bool, False for ignored tokens (their outputs and gradients are zero, and
+        a backend may skip their GEMM work).
+    temperature: python float > 0.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    """Per-shard statistics and gradients of the fused head."""
+
+    name: str
+
+    def shard_statistics(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        local_labels: torch.Tensor,
+        valid: torch.Tensor,
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 ``[n]`` tensors ``(m, s, u, y)``: shard max, Σexp(z-m), Σexp(z-m)(z-m), z_label (0 if not here)."""
+        ...
+
+    def shard_gradients(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        local_labels: torch.Tensor,
+        valid: torch.Tensor,
+        temperature: float,
+        lse: torch.Tensor,
+        entropy: torch.Tensor,
+        grad_log_prob: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
+        need_hidden_grad: bool,
+        weight_grad: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This shard's ``(d_hidden, d_weight)`` in fp32.
+
+        ``lse`` and ``entropy`` are the combined (global) fp32 values per token; the upstream
+        gradients are per token (``None`` = that output is unused). ``d_hidden`` is this
+        shard's partial sum (the caller reduces it over TP). ``weight_grad`` is None when no
+        weight gradient is needed, else an fp32 ``[v, h]`` buffer to accumulate into (zeros,
+        or Megatron's ``main_grad``), which is returned.
+        """
+        ...

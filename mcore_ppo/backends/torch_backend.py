@@ -1,0 +1,120 @@
+"""Chunked PyTorch backend: the oracle every faster backend is checked against.
+
+It follows DESIGN §1 literally, in fp32 (fp64 for fp64 inputs), on any device, and never holds more than one
+``[token_chunk, vocab_chunk]`` block of logits. No host synchronisation: ignored tokens are
+computed and masked rather than compacted (that needs a device-to-host count).
+
+Backward, per token with upstream ``g`` (log-prob) and ``e`` (entropy), ``p = exp(z - lse)``:
+
+    dz_j = g·(1[j = label] - p_j) - e·p_j·(log p_j + H)
+         = g·1[j = label] - p_j·(g + e·(log p_j + H))
+
+since ``z_j - lse = log p_j``. The logits are ``x·w/T``, so ``d_hidden = (dz/T) @ W`` and
+``d_W = (dz/T)ᵀ @ x``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.combine import merge_statistics
+
+TOKEN_CHUNK = 2048
+VOCAB_CHUNK = 4096
+
+
+def _chunks(total: int, size: int):
+    for start in range(0, total, size):
+        yield start, min(start + size, total)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 inputs; fp64 inputs stay fp64 (gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    acc = accumulation_dtype(x.dtype)
+    return torch.matmul(x.to(acc), w.to(acc).t()) / temperature
+
+
+def _label_columns(local_labels: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column of each token's label inside vocab chunk [v0, v1), and whether it is there."""
+    in_chunk = (local_labels >= v0) & (local_labels < v1)
+    return torch.where(in_chunk, local_labels - v0, torch.zeros_like(local_labels)), in_chunk
+
+
+class TorchBackend:
+    """Chunked fp32 PyTorch implementation of the shard statistics and gradients."""
+
+    name = "torch"
+
+    def __init__(self, token_chunk: int | None = None, vocab_chunk: int | None = None):
+        # Module defaults are read at construction so tests can shrink them with monkeypatch.
+        self.token_chunk = token_chunk or TOKEN_CHUNK
+        self.vocab_chunk = vocab_chunk or VOCAB_CHUNK
+
+    def shard_statistics(self, hidden, weight, local_labels, valid, temperature):
+        n, v = hidden.shape[0], weight.shape[0]
+        acc = accumulation_dtype(hidden.dtype)
+        stats = torch.empty(4, n, dtype=acc, device=hidden.device)
+        for t0, t1 in _chunks(n, self.token_chunk):
+            x, labels = hidden[t0:t1], local_labels[t0:t1]
+            running = None
+            label_logit = torch.zeros(t1 - t0, dtype=acc, device=hidden.device)
+            for v0, v1 in _chunks(v, self.vocab_chunk):
+                z = _tempered_logits(x, weight[v0:v1], temperature)
+                m = z.amax(dim=1)
+                shifted = z - m[:, None]
+                e = torch.exp(shifted)
+                chunk_stats = (m, e.sum(dim=1), (e * shifted).sum(dim=1))
+                running = chunk_stats if running is None else merge_statistics(running, chunk_stats)
+                cols, in_chunk = _label_columns(labels, v0, v1)
+                picked = z.gather(1, cols[:, None]).squeeze(1)
+                label_logit = torch.where(in_chunk, picked, label_logit)
+            stats[0, t0:t1], stats[1, t0:t1], stats[2, t0:t1] = running
+            stats[3, t0:t1] = label_logit
+        return tuple(stats.unbind(0))
+
+    def shard_gradients(
+        self,
+        hidden,
+        weight,
+        local_labels,
+        valid,
+        temperature,
+        lse,
+        entropy,
+        grad_log_prob,
+        grad_entropy,
+        need_hidden_grad,
+        weight_grad,
+    ):
+        n, h = hidden.shape
+        v = weight.shape[0]
+        acc = accumulation_dtype(hidden.dtype)
+        zeros = torch.zeros(n, dtype=acc, device=hidden.device)
+        # Ignored tokens get zero upstream gradient, whatever the caller passed.
+        g = torch.where(valid, grad_log_prob.to(acc), zeros) if grad_log_prob is not None else zeros
+        e = torch.where(valid, grad_entropy.to(acc), zeros) if grad_entropy is not None else zeros
+        hidden_grad = torch.zeros(n, h, dtype=acc, device=hidden.device) if need_hidden_grad else None
+        for t0, t1 in _chunks(n, self.token_chunk):
+            x, labels = hidden[t0:t1], local_labels[t0:t1]
+            g_c, e_c = g[t0:t1, None], e[t0:t1, None]
+            lse_c, entropy_c = lse[t0:t1, None], entropy[t0:t1, None]
+            valid_c = valid[t0:t1, None]
+            for v0, v1 in _chunks(v, self.vocab_chunk):
+                w = weight[v0:v1]
+                log_p = _tempered_logits(x, w, temperature) - lse_c
+                # Ignored rows: lse may be anything there, so mask before exp can overflow.
+                log_p = torch.where(valid_c, log_p, torch.full_like(log_p, -torch.inf))
+                p = torch.exp(log_p)
+                dz = -p * (g_c + e_c * torch.where(valid_c, log_p + entropy_c, torch.zeros_like(log_p)))
+                cols, in_chunk = _label_columns(labels, v0, v1)
+                dz.scatter_add_(1, cols[:, None], torch.where(in_chunk[:, None], g_c, torch.zeros_like(g_c)))
+                dz /= temperature
+                if hidden_grad is not None:
+                    hidden_grad[t0:t1] += dz @ w.to(acc)
+                if weight_grad is not None:
+                    weight_grad[v0:v1] += (dz.t() @ x.to(acc)).to(weight_grad.dtype)
+        return hidden_grad, weight_grad

@@ -1,0 +1,124 @@
+"""Input checks of the head: clear exceptions naming the argument, never a device assert.
+
+``TypeError`` for wrong Python or tensor types (including dtypes), ``ValueError`` for wrong
+values, shapes, devices and layouts.
+
+Checks that read tensor *values* (the label range) or talk to other ranks (equal shard
+sizes) cost a host synchronisation on CUDA. They always run for CPU tensors. On CUDA the
+label-range check runs when ``MCORE_PPO_VALIDATE=1`` (otherwise an out-of-range label yields a
+NaN log-prob rather than a plausible wrong number), and the shard-size check runs once per
+process group and shard size and is then cached.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from parallel.groups import ProcessGroup, group_size
+
+
+def validate_on_device() -> bool:
+    """Whether checks that need a host sync run for CUDA tensors (``MCORE_PPO_VALIDATE=1``)."""
+    return os.environ.get("MCORE_PPO_VALIDATE", "0") not in ("", "0", "false", "False")
+
+
+def check_temperature(temperature: object) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a python float, got {type(temperature).__name__}")
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature <= 0.0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    return temperature
+
+
+def check_tensors(hidden: object, weight: object, labels: object, ignore_index: object) -> None:
+    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not hidden.dtype.is_floating_point:
+        raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if labels.dtype.is_floating_point or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (int64 or int32), got dtype {labels.dtype}")
+    if not (hidden.device == weight.device == labels.device):
+        raise ValueError(
+            f"hidden, weight and labels must be on one device, got hidden on {hidden.device}, "
+            f"weight on {weight.device}, labels on {labels.device}"
+        )
+
+
+def check_layout(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_size: int, sequence_parallel: bool
+) -> None:
+    """Shapes of DESIGN §3: [s,b,h]+[b,s], [t,1,h]+[1,t], [n,h]+[n]; SP shards dim 0 of hidden."""
+    if weight.dim() != 2 or weight.shape[0] < 1:
+        raise ValueError(f"weight must be this rank's [vocab_shard, hidden] shard, got shape {tuple(weight.shape)}")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [n, h] or [s, b, h], got shape {tuple(hidden.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size {hidden.shape[-1]} (last dim of hidden) does not match weight's "
+            f"second dim {weight.shape[1]}"
+        )
+    sp = sequence_parallel and tp_size > 1
+    seq = hidden.shape[0] * (tp_size if sp else 1)
+    if hidden.dim() == 3:
+        expected = (hidden.shape[1], seq)
+        what = "[b, s] for hidden [s, b, h]"
+    else:
+        expected = (seq,)
+        what = "[n] for hidden [n, h]"
+    if tuple(labels.shape) != expected:
+        if sp and labels.dim() == len(expected) and labels.shape[-1] % tp_size:
+            raise ValueError(
+                f"sequence_parallel: the sequence length {labels.shape[-1]} of labels is not "
+                f"divisible by the tensor-parallel size {tp_size}"
+            )
+        sp_note = f" (hidden's first dim {hidden.shape[0]} is the SP shard, × tp {tp_size})" if sp else ""
+        raise ValueError(
+            f"labels must have shape {what}, i.e. {expected}{sp_note}, got {tuple(labels.shape)}"
+        )
+
+
+def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Labels must lie in ``[0, vocab_size)`` or equal ``ignore_index`` (host sync on CUDA)."""
+    if labels.device.type != "cpu" and not validate_on_device():
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        first = labels[bad].flatten()[0].item()
+        raise ValueError(
+            f"labels must be in [0, {vocab_size}) (the global vocab) or ignore_index={ignore_index}; "
+            f"found {first} ({int(bad.sum())} bad labels)"
+        )
+
+
+_CHECKED_SHARDS: set[tuple[int, int, str]] = set()
+
+
+def check_equal_shards(weight: torch.Tensor, tp_group: ProcessGroup | None) -> None:
+    """Every TP rank's weight shard must have the same number of rows (Megatron's layout)."""
+    if group_size(tp_group) == 1:
+        return
+    rows = weight.shape[0]
+    key = (id(tp_group), rows, weight.device.type)
+    cached = weight.device.type != "cpu"
+    if cached and key in _CHECKED_SHARDS:
+        return
+    sizes = torch.tensor([rows, -rows], dtype=torch.int64, device=weight.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=tp_group)
+    largest, smallest = sizes[0].item(), -sizes[1].item()
+    if largest != smallest:
+        raise ValueError(
+            f"weight shards must have the same number of rows on every tensor-parallel rank; "
+            f"this rank has {rows}, the group has sizes from {smallest} to {largest}"
+        )
+    if cached:
+        _CHECKED_SHARDS.add(key)

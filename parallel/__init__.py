@@ -1,0 +1,30 @@
+"""Communication layer of mcore_ppo: TP/CP groups, the statistics combine, the one
+``d_hidden`` reduction, SP gather/scatter, and the CP label roll and split. Knows nothing
+of PPO."""
+
+from parallel.combine import combine_shard_statistics, merge_statistics, rescale_statistics
+from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp
+from parallel.groups import group_rank, group_size, resolve_cp_group, resolve_tp_group
+from parallel.mappings import (
+    all_gather_first_dim,
+    gather_sequence_parallel,
+    reduce_grad_over_tp,
+    reduce_scatter_first_dim,
+)
+
+__all__ = [
+    "all_gather_first_dim",
+    "combine_shard_statistics",
+    "gather_sequence_parallel",
+    "group_rank",
+    "group_size",
+    "merge_statistics",
+    "reduce_grad_over_tp",
+    "reduce_scatter_first_dim",
+    "rescale_statistics",
+    "resolve_cp_group",
+    "resolve_tp_group",
+    "roll_and_split_labels",
+    "roll_labels",
+    "split_for_cp",
+]

@@ -1,0 +1,141 @@
+"""Context-parallel label roll and load-balanced sequence split (Megatron's layout).
+
+Megatron splits each sequence into ``2·cp`` equal chunks and gives rank ``r`` chunks ``r`` and
+``2·cp-1-r``, so causal attention work is balanced. The head's math is per token, so CP only
+decides which labels a rank holds, and those must be the *global* next tokens: roll first,
+split second. Rolling a rank's local shard after the split would pair each chunk's last token
+with the first token of the rank's *other* chunk instead of its true successor.
+
+Padded batches (``[b, s]``-like, sequence along ``seq_dim``) split every row the same way.
+Packed batches (THD, all sequences concatenated along ``seq_dim``, boundaries in
+``cu_seqlens``) split each sequence on its own; every sequence length must be a multiple of
+``2·cp`` (Megatron's and verl's packers pad them so, with padding labelled ``ignore_index``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _check_cp_args(tensor: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int) -> int:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if not isinstance(cp_rank, int) or isinstance(cp_rank, bool) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+    if not -tensor.dim() <= seq_dim < tensor.dim():
+        raise ValueError(f"seq_dim={seq_dim} is out of range for a {tensor.dim()}-D tensor")
+    return seq_dim % tensor.dim()
+
+
+def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> list[int]:
+    """``cu_seqlens`` as a validated host list (one copy, at data-preparation time)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.is_complex():
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
+                f"and dtype {cu_seqlens.dtype}"
+            )
+        bounds = [int(v) for v in cu_seqlens.tolist()]
+    else:
+        bounds = [int(v) for v in cu_seqlens]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the packed length {total}, got {bounds}"
+        )
+    if any(b < a for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return bounds
+
+
+def _cp_token_index(bounds: list[int], cp_size: int, cp_rank: int) -> list[int]:
+    """Positions rank ``cp_rank`` keeps: chunks r and 2cp-1-r of every sequence, in order."""
+    num_chunks = 2 * cp_size
+    index: list[int] = []
+    for seq_id, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        length = end - start
+        if length % num_chunks:
+            raise ValueError(
+                f"sequence {seq_id} has length {length}, which is not divisible by 2*cp_size="
+                f"{num_chunks}; pad each sequence to a multiple of {num_chunks} (padding "
+                "labelled ignore_index) before the context-parallel split"
+            )
+        chunk = length // num_chunks
+        for c in (cp_rank, num_chunks - 1 - cp_rank):
+            index.extend(range(start + c * chunk, start + (c + 1) * chunk))
+    return index
+
+
+def split_for_cp(
+    tensor: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    seq_dim: int,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """This CP rank's part of ``tensor`` under Megatron's load-balanced split.
+
+    Args:
+        tensor: any tensor with the (global) sequence along ``seq_dim``.
+        cp_size: context-parallel world size.
+        cp_rank: this rank's index in the CP group.
+        seq_dim: the sequence dimension (1 for ``[b, s]`` labels, 0 for ``[s, b, h]`` hidden).
+        cu_seqlens: for packed batches, cumulative sequence lengths ``[0, l0, l0+l1, ...]``
+            along ``seq_dim``; each length must divide by ``2·cp_size``. ``None`` for padded
+            batches, where the whole ``seq_dim`` must divide by ``2·cp_size``.
+
+    Returns:
+        ``tensor`` with ``seq_dim`` shrunk by ``cp_size`` (chunks ``r`` and ``2cp-1-r``).
+    """
+    seq_dim = _check_cp_args(tensor, cp_size, cp_rank, seq_dim)
+    if cp_size == 1:
+        return tensor
+    total = tensor.shape[seq_dim]
+    bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
+    index = torch.tensor(_cp_token_index(bounds, cp_size, cp_rank), dtype=torch.long, device=tensor.device)
+    return tensor.index_select(seq_dim, index)
+
+
+def roll_labels(
+    input_ids: torch.Tensor,
+    *,
+    seq_dim: int,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Next-token labels: ``labels[i] = input_ids[i+1]`` within each sequence, last = ignore_index."""
+    if input_ids.dtype.is_floating_point or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    seq_dim = _check_cp_args(input_ids, 1, 0, seq_dim)
+    total = input_ids.shape[seq_dim]
+    labels = torch.roll(input_ids, shifts=-1, dims=seq_dim).clone()
+    bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
+    last_positions = [end - 1 for start, end in zip(bounds, bounds[1:], strict=False) if end > start]
+    if last_positions:
+        index = torch.tensor(last_positions, dtype=torch.long, device=input_ids.device)
+        labels.index_fill_(seq_dim, index, ignore_index)
+    return labels
+
+
+def roll_and_split_labels(
+    input_ids: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    seq_dim: int,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Labels for this CP rank: roll the *global* sequence by one, then split it for CP.
+
+    Each sequence (each row of a padded batch, or each ``cu_seqlens`` segment of a packed one)
+    is rolled within itself and its last position gets ``ignore_index``; the result is split
+    exactly as :func:`split_for_cp` splits ``input_ids``, so label ``i`` of this rank is the
+    global successor of this rank's token ``i``.
+    """
+    labels = roll_labels(input_ids, seq_dim=seq_dim, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
+    return split_for_cp(labels, cp_size, cp_rank, seq_dim=seq_dim, cu_seqlens=cu_seqlens)

@@ -1,0 +1,48 @@
+"""Process-group resolution for tensor and context parallelism.
+
+Order of precedence, the same for TP and CP: an explicit group passed by the caller, else
+Megatron's ``parallel_state`` when it has been initialised, else a single rank (``None``).
+``None`` always means "one rank, no communication", so callers never special-case
+``torch.distributed`` being absent.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+
+def _megatron_parallel_state():
+    """Megatron's ``parallel_state`` module if model parallelism has been initialised, else None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state if parallel_state.model_parallel_is_initialized() else None
+
+
+def resolve_tp_group(tp_group: ProcessGroup | None = None) -> ProcessGroup | None:
+    """The tensor-parallel group to use: ``tp_group``, Megatron's, or None for one rank."""
+    if tp_group is not None:
+        return tp_group
+    state = _megatron_parallel_state()
+    return state.get_tensor_model_parallel_group() if state is not None else None
+
+
+def resolve_cp_group(cp_group: ProcessGroup | None = None) -> ProcessGroup | None:
+    """The context-parallel group to use: ``cp_group``, Megatron's, or None for one rank."""
+    if cp_group is not None:
+        return cp_group
+    state = _megatron_parallel_state()
+    return state.get_context_parallel_group() if state is not None else None
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (1 for None)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank inside ``group`` (0 for None)."""
+    return 0 if group is None else dist.get_rank(group)
