@@ -64,8 +64,7 @@ def check_layout(
         raise ValueError(f"hidden must be [n, h] or [s, b, h], got shape {tuple(hidden.shape)}")
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"hidden size {hidden.shape[-1]} (last dim of hidden) does not match weight's "
-            f"second dim {weight.shape[1]}"
+            f"hidden size {hidden.shape[-1]} (last dim of hidden) does not match weight's second dim {weight.shape[1]}"
         )
     sp = sequence_parallel and tp_size > 1
     seq = hidden.shape[0] * (tp_size if sp else 1)
@@ -82,9 +81,7 @@ def check_layout(
                 f"divisible by the tensor-parallel size {tp_size}"
             )
         sp_note = f" (hidden's first dim {hidden.shape[0]} is the SP shard, × tp {tp_size})" if sp else ""
-        raise ValueError(
-            f"labels must have shape {what}, i.e. {expected}{sp_note}, got {tuple(labels.shape)}"
-        )
+        raise ValueError(f"labels must have shape {what}, i.e. {expected}{sp_note}, got {tuple(labels.shape)}")
 
 
 def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:

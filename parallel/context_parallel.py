@@ -14,6 +14,7 @@ Packed batches (THD, all sequences concatenated along ``seq_dim``, boundaries in
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -43,10 +44,8 @@ def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> li
     else:
         bounds = [int(v) for v in cu_seqlens]
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must start at 0 and end at the packed length {total}, got {bounds}"
-        )
-    if any(b < a for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"cu_seqlens must start at 0 and end at the packed length {total}, got {bounds}")
+    if any(b < a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
     return bounds
 
@@ -55,7 +54,7 @@ def _cp_token_index(bounds: list[int], cp_size: int, cp_rank: int) -> list[int]:
     """Positions rank ``cp_rank`` keeps: chunks r and 2cp-1-r of every sequence, in order."""
     num_chunks = 2 * cp_size
     index: list[int] = []
-    for seq_id, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+    for seq_id, (start, end) in enumerate(itertools.pairwise(bounds)):
         length = end - start
         if length % num_chunks:
             raise ValueError(
@@ -114,7 +113,7 @@ def roll_labels(
     total = input_ids.shape[seq_dim]
     labels = torch.roll(input_ids, shifts=-1, dims=seq_dim).clone()
     bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
-    last_positions = [end - 1 for start, end in zip(bounds, bounds[1:], strict=False) if end > start]
+    last_positions = [end - 1 for start, end in itertools.pairwise(bounds) if end > start]
     if last_positions:
         index = torch.tensor(last_positions, dtype=torch.long, device=input_ids.device)
         labels.index_fill_(seq_dim, index, ignore_index)
