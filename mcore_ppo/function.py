@@ -21,10 +21,14 @@ from parallel.combine import combine_shard_statistics
 from parallel.groups import ProcessGroup
 
 
-def _weight_grad_buffer(weight: torch.Tensor, accumulate_into_main_grad: bool) -> torch.Tensor:
+def _weight_grad_buffer(weight: torch.Tensor, accumulate_into_main_grad: bool, backend: Backend) -> torch.Tensor:
     main_grad = getattr(weight, "main_grad", None) if accumulate_into_main_grad else None
     if main_grad is not None:
         return main_grad
+    # A backend that forms each d_W row in one fp32-accumulated GEMM may take a buffer in the
+    # weight's dtype (see Backend.weight_grad_in_weight_dtype): half the memory, no cast.
+    if getattr(backend, "weight_grad_in_weight_dtype", False):
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
     return torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
 
 
@@ -82,7 +86,7 @@ class FusedPPOHeadFunction(torch.autograd.Function):
             return None, None, *nones
 
         main_grad = ctx.accumulate_into_main_grad and hasattr(weight, "main_grad")
-        weight_grad = _weight_grad_buffer(weight, ctx.accumulate_into_main_grad) if need_weight else None
+        weight_grad = _weight_grad_buffer(weight, ctx.accumulate_into_main_grad, ctx.backend) if need_weight else None
         d_hidden, d_weight = ctx.backend.shard_gradients(
             hidden,
             weight,

@@ -26,6 +26,10 @@ class Backend(Protocol):
     """Per-shard statistics and gradients of the fused head."""
 
     name: str
+    # Optional (default False): True lets the Function pass a zero ``weight_grad`` in the
+    # weight's own dtype when Megatron's main_grad is not used. Only for backends that form
+    # every row of d_W in a single fp32-accumulated reduction over all tokens (one rounding).
+    weight_grad_in_weight_dtype: bool
 
     def shard_statistics(
         self,

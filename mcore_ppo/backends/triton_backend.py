@@ -1,0 +1,293 @@
+"""Fused Triton backend: the head's statistics and gradients at the GEMM floor.
+
+Forward (:meth:`TritonBackend.shard_statistics`): ``stats_kernel`` computes the logit tiles
+``x @ W.T / T`` with fp32 accumulation and folds them into online softmax statistics in
+registers (logits never reach memory), one partial per (vocab split, token);
+``merge_splits_kernel`` merges the splits per token. Two launches plus a few tiny torch ops.
+
+Backward (:meth:`TritonBackend.shard_gradients`): per vocab chunk of ``chunk`` columns,
+``dz_kernel`` recomputes the logits and writes ``dz / T`` (input dtype) into a workspace of
+``n × chunk`` elements; cuBLAS then does ``d_hidden += dz @ W_chunk`` (fp32 output, accumulated
+across chunks) and ``d_W_chunk (+)= dzᵀ @ x`` (each row of ``d_W`` is produced by one GEMM over
+all tokens with fp32 accumulation, so writing it in the weight's dtype rounds once).
+
+Ignored tokens: ``valid`` is compacted on the device (a cumulative sum gives every row its
+place, valid rows first) into ``perm`` and a device-side ``count``; the kernels are launched
+for every row and programs past ``count`` exit before any GEMM work. Nothing syncs the host.
+
+No-grad forward: nothing here is kept between calls; the workspaces are freed on return.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from mcore_ppo.backends.torch_backend import TorchBackend
+
+try:  # the package itself is optional; anything else broken in it should raise
+    import triton
+except ModuleNotFoundError as err:  # pragma: no cover - exercised only without triton
+    if err.name != "triton":
+        raise
+    triton = None
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_available() -> bool:
+    """Triton is importable and can run here (a CUDA device, or the interpreter)."""
+    return triton is not None and (torch.cuda.is_available() or interpreting())
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipelining of one fused GEMM kernel."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 16
+    num_warps: int = 8
+    num_stages: int = 3
+    tiles_per_split: int = 4  # forward only: vocab tiles folded per program before a partial is written
+
+
+# Chosen by measurement on one H200 (docs/kernels.md); the interpreter needs tiny tiles.
+FORWARD_CONFIG = GemmConfig()
+BACKWARD_CONFIG = GemmConfig(tiles_per_split=1)
+INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
+# Upper bound on the bf16 ``dz`` workspace of the backward (one vocab chunk × all tokens).
+WORKSPACE_BYTES = 256 * 2**20
+MERGE_BLOCK_T = 64
+MERGE_BLOCK_S = 32
+
+
+def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, count)``: row indices with valid rows first (in order), and their number.
+
+    Both stay on the device (a cumulative sum and a scatter; ``nonzero`` would sync).
+    ``perm`` is int32 ``[n]``; ``count`` is an int32 ``[1]`` tensor.
+    """
+    n = valid.shape[0]
+    flags = valid.to(torch.int32)
+    before_valid = torch.cumsum(flags, 0, dtype=torch.int32)
+    count = before_valid[-1:]
+    before_ignored = torch.cumsum(1 - flags, 0, dtype=torch.int32)
+    dest = torch.where(valid, before_valid - 1, count + before_ignored - 1)
+    perm = torch.empty(n, dtype=torch.int32, device=valid.device)
+    perm.scatter_(0, dest.long(), torch.arange(n, dtype=torch.int32, device=valid.device))
+    return perm, count.contiguous()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rowmajor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
+    return {
+        "EVEN_K": hidden.shape[1] % config.block_k == 0,
+        "UPCAST": interpreting() and hidden.dtype != torch.float32,
+        "DOT_IEEE": hidden.dtype == torch.float32,
+    }
+
+
+def _addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with fp32 ``out`` and low-precision ``a``, ``b``, rounding once.
+
+    cuBLAS does it in one GEMM (``addmm(..., out_dtype=float32)``, torch ≥ 2.8 on CUDA);
+    elsewhere the product is formed in fp32 first.
+    """
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    if a.is_cuda:
+        try:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            return
+        except (RuntimeError, TypeError):  # older torch: no out_dtype overload
+            pass
+    out.add_(torch.mm(a.float(), b.float()))
+
+
+class TritonBackend:
+    """Fused Triton kernels behind the :class:`~mcore_ppo.backends.base.Backend` protocol.
+
+    ``weight_grad_in_weight_dtype``: when Megatron's ``main_grad`` is not used, the Function
+    may hand this backend a zero ``d_W`` buffer in the weight's own dtype: every row of ``d_W``
+    comes out of one fp32-accumulated GEMM over all tokens, so rounding it once into bf16 is
+    what an fp32 buffer cast at the end would give, for half the memory and no cast.
+    """
+
+    name = "triton"
+    weight_grad_in_weight_dtype = True
+
+    def __init__(
+        self,
+        forward_config: GemmConfig | None = None,
+        backward_config: GemmConfig | None = None,
+        workspace_bytes: int | None = None,
+    ):
+        small = INTERPRETER_CONFIG if interpreting() else None
+        self.forward_config = forward_config or small or FORWARD_CONFIG
+        self.backward_config = backward_config or (small and replace(small, tiles_per_split=1)) or BACKWARD_CONFIG
+        self.workspace_bytes = workspace_bytes or WORKSPACE_BYTES
+        self._reference = TorchBackend()
+
+    def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+        # fp64 (gradcheck) and empty problems go to the chunked reference.
+        return hidden.dtype == torch.float64 or hidden.shape[0] == 0 or weight.shape[0] == 0
+
+    def shard_statistics(self, hidden, weight, local_labels, valid, temperature):
+        """fp32 ``(m, s, u, y)`` over this shard; see the Backend protocol."""
+        if self._fallback(hidden, weight):
+            return self._reference.shard_statistics(hidden, weight, local_labels, valid, temperature)
+        from mcore_ppo.kernels import merge_splits_kernel, stats_kernel
+
+        cfg = self.forward_config
+        hidden, weight = _rowmajor(hidden), _rowmajor(weight)
+        n, h = hidden.shape
+        v = weight.shape[0]
+        perm, count = compact_rows(valid)
+        num_splits = _cdiv(v, cfg.tiles_per_split * cfg.block_n)
+        parts = torch.empty(3, num_splits, n, dtype=torch.float32, device=hidden.device)
+        y = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        stats_kernel[(_cdiv(n, cfg.block_m) * num_splits,)](
+            hidden,
+            weight,
+            perm,
+            count,
+            local_labels,
+            parts[0],
+            parts[1],
+            parts[2],
+            y,
+            n,
+            v,
+            h,
+            hidden.stride(0),
+            weight.stride(0),
+            num_splits,
+            1.0 / temperature,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            TILES_PER_SPLIT=cfg.tiles_per_split,
+            GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **_flags(hidden, cfg),
+        )
+        stats = torch.empty(3, n, dtype=torch.float32, device=hidden.device)
+        merge_splits_kernel[(_cdiv(n, MERGE_BLOCK_T),)](
+            parts[0],
+            parts[1],
+            parts[2],
+            perm,
+            count,
+            stats[0],
+            stats[1],
+            stats[2],
+            n,
+            num_splits,
+            BLOCK_T=MERGE_BLOCK_T,
+            BLOCK_S=MERGE_BLOCK_S,
+        )
+        return stats[0], stats[1], stats[2], y
+
+    def vocab_chunk(self, n: int, v: int, itemsize: int) -> int:
+        """Columns per backward chunk: the ``dz`` workspace stays within ``workspace_bytes``."""
+        bn = self.backward_config.block_n
+        cols = max(bn, (self.workspace_bytes // max(1, n * itemsize)) // bn * bn)
+        return min(cols, v)
+
+    def shard_gradients(
+        self,
+        hidden,
+        weight,
+        local_labels,
+        valid,
+        temperature,
+        lse,
+        entropy,
+        grad_log_prob,
+        grad_entropy,
+        need_hidden_grad,
+        weight_grad,
+    ):
+        """This shard's ``(d_hidden fp32, d_weight)``; see the Backend protocol."""
+        if self._fallback(hidden, weight):
+            return self._reference.shard_gradients(
+                hidden,
+                weight,
+                local_labels,
+                valid,
+                temperature,
+                lse,
+                entropy,
+                grad_log_prob,
+                grad_entropy,
+                need_hidden_grad,
+                weight_grad,
+            )
+        from mcore_ppo.kernels import dz_kernel
+
+        cfg = self.backward_config
+        hidden, weight = _rowmajor(hidden), _rowmajor(weight)
+        n, h = hidden.shape
+        v = weight.shape[0]
+        device = hidden.device
+        perm, count = compact_rows(valid)
+        has_g, has_e = grad_log_prob is not None, grad_entropy is not None
+        g = grad_log_prob.float().contiguous() if has_g else lse  # placeholder pointer when absent
+        e = grad_entropy.float().contiguous() if has_e else lse
+        hidden_grad = torch.zeros(n, h, dtype=torch.float32, device=device) if need_hidden_grad else None
+        chunk = self.vocab_chunk(n, v, hidden.element_size())
+        workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
+        flags = _flags(hidden, cfg)
+        for v0 in range(0, v, chunk):
+            vc = min(chunk, v - v0)
+            dz = workspace[:, :vc]
+            dz_kernel[(_cdiv(n, cfg.block_m) * _cdiv(vc, cfg.block_n),)](
+                hidden,
+                weight,
+                perm,
+                count,
+                local_labels,
+                lse,
+                entropy,
+                g,
+                e,
+                dz,
+                n,
+                vc,
+                v0,
+                h,
+                hidden.stride(0),
+                weight.stride(0),
+                workspace.stride(0),
+                1.0 / temperature,
+                HAS_G=has_g,
+                HAS_E=has_e,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                **flags,
+            )
+            if hidden_grad is not None:
+                _addmm_fp32(hidden_grad, dz, weight[v0 : v0 + vc])
+            if weight_grad is not None:
+                _addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), hidden)
+        return hidden_grad, weight_grad

@@ -1,0 +1,12 @@
+"""Pure Triton kernels of the head (no torch-level logic: the host wrappers live in
+:mod:`mcore_ppo.backends.triton_backend`).
+
+- :mod:`.forward`: the fused GEMM + online-softmax statistics kernel and the per-token merge
+  of its per-split partial statistics.
+- :mod:`.backward`: the fused GEMM whose epilogue writes ``dz / T`` for one vocab chunk.
+"""
+
+from mcore_ppo.kernels.backward import dz_kernel
+from mcore_ppo.kernels.forward import merge_splits_kernel, stats_kernel
+
+__all__ = ["dz_kernel", "merge_splits_kernel", "stats_kernel"]

@@ -1,0 +1,104 @@
+"""Backward kernel: recompute one vocab chunk's logits tile by tile and write ``dz / T``.
+
+With ``t = z₂ - lse₂`` (base-2 log-probability, ``z₂ = x·w·log2e/T``), ``p = 2^t`` and
+upstream ``g`` (log-prob) and ``e`` (entropy) per token (DESIGN §1):
+
+    dz_j / T = g/T·1[j = label] - p_j·(g/T + e/T·(ln2·t_j + H))
+
+The tile is stored in the workspace's dtype (bf16 for bf16 inputs) at the row's original
+position, for the cuBLAS GEMMs ``d_hidden += dz @ W_chunk`` and ``d_W_chunk = dzᵀ @ x`` that
+follow. Rows are visited through ``perm`` (valid rows first): programs past the device-side
+valid count skip the GEMM and only write zeros (the cuBLAS GEMMs read every row).
+"""
+
+import triton
+import triton.language as tl
+
+from mcore_ppo.kernels.common import grouped_tile, tile_dot
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def dz_kernel(
+    x_ptr,
+    w_ptr,
+    perm_ptr,
+    count_ptr,
+    labels_ptr,
+    lse_ptr,
+    ent_ptr,
+    g_ptr,
+    e_ptr,
+    dz_ptr,
+    N,
+    VC,
+    v0,
+    H,
+    stride_x,
+    stride_w,
+    stride_dz,
+    inv_temp,
+    HAS_G: tl.constexpr,
+    HAS_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+):
+    """``dz[:, j - v0] / T`` for columns ``j`` in ``[v0, v0 + VC)`` of the shard; see the module doc."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(VC, BLOCK_N), GROUP_M)
+    count = tl.load(count_ptr)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_n = offs_m < N
+    rows = tl.load(perm_ptr + offs_m, mask=in_n, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < VC
+    dz_ptrs = dz_ptr + rows.to(tl.int64)[:, None] * stride_dz + offs_n[None, :]
+    store_mask = in_n[:, None] & col_ok[None, :]
+    if pid_m * BLOCK_M >= count:
+        tl.store(dz_ptrs, tl.zeros((BLOCK_M, BLOCK_N), tl.float32).to(dz_ptr.dtype.element_ty), mask=store_mask)
+        return
+    row_ok = offs_m < count
+
+    acc = tile_dot(
+        x_ptr,
+        w_ptr,
+        rows,
+        v0 + tl.minimum(offs_n, VC - 1),
+        H,
+        stride_x,
+        stride_w,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        UPCAST,
+        DOT_IEEE,
+    )
+    lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * LOG2E
+    if HAS_G:
+        g_t = tl.where(row_ok, tl.load(g_ptr + rows, mask=row_ok, other=0.0) * inv_temp, 0.0)
+    else:
+        g_t = tl.zeros((BLOCK_M,), tl.float32)
+    t = acc * (inv_temp * LOG2E) - lse2[:, None]
+    p = tl.exp2(t)
+    if HAS_E:
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        e_t = tl.where(row_ok, tl.load(e_ptr + rows, mask=row_ok, other=0.0) * inv_temp, 0.0)
+        q = (e_t * LN2)[:, None] * t + (g_t + e_t * ent)[:, None]
+    else:
+        q = g_t[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # Rows past the valid count may hold any logits: 2^t can be inf there, so select, don't multiply.
+    dz = tl.where(row_ok[:, None], -p * q, 0.0)
+    if HAS_G:
+        labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32) - v0
+        has_label = (labels >= pid_n * BLOCK_N) & (labels < pid_n * BLOCK_N + BLOCK_N)
+        if tl.max(has_label.to(tl.int32), 0) > 0:
+            dz += tl.where(offs_n[None, :] == labels[:, None], g_t[:, None], 0.0)
+    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=store_mask)

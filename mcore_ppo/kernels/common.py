@@ -1,0 +1,66 @@
+"""Shared device helpers: the grouped tile order and the ``x @ w.T`` tile GEMM."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid`` in GROUP_M-row swizzled order.
+
+    Programs that run at the same time share a few hidden row blocks (kept in L2) while they
+    sweep the vocab, so the weight is streamed from HBM ``n / (BLOCK_M·GROUP_M)`` times
+    instead of once per row block.
+    """
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def tile_dot(
+    x_ptr,
+    w_ptr,
+    rows,
+    cols,
+    H,
+    stride_x,
+    stride_w,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+):
+    """fp32 ``x[rows] @ w[cols].T`` for one ``[BLOCK_M, BLOCK_N]`` tile.
+
+    ``rows`` and ``cols`` must be in bounds (callers clamp them and mask the results), so the
+    main loop needs no row/column predicates; only a ragged hidden size masks ``k``.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    b_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < H - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if DOT_IEEE:  # fp32 inputs: true fp32 products, not tf32
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc
