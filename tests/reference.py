@@ -1,0 +1,232 @@
+"""Float64 reference of the head for the tests: it materialises the full ``[tokens, V]`` logits.
+
+Everything here is deliberately naive: ``log_softmax(hidden @ W.T / T)`` in fp64, the label's
+log-probability picked with ``gather`` and the entropy ``-Σ p log p``, ignored tokens set to 0,
+and the gradients taken by ``torch.autograd.grad`` through that graph. The inputs are upcast
+from whatever dtype the head saw (bf16 values upcast exactly), so the reference answers "what
+would exact arithmetic give on these very inputs".
+
+Also: fresh per-test seeds, an error tracker (largest relative error seen per output and
+dtype, printed at the end of the suite), and the invariants every output must satisfy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def fresh_seed() -> int:
+    """A new random seed from the OS, printed so a failing test names the data it saw."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return seed
+
+
+def generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (tests never touch the global RNG)."""
+    return torch.Generator().manual_seed(seed)
+
+
+def _tokens_first(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden ``[..., h]`` and labels arranged so that their leading dims match token for token.
+
+    ``[s, b, h]`` + ``[b, s]`` → hidden viewed as ``[b, s, h]``; ``[n, h]`` + ``[n]`` as they are.
+    """
+    if hidden.dim() == 3:
+        return hidden.transpose(0, 1), labels
+    return hidden, labels
+
+
+def reference_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 ``(log_prob, entropy)`` shaped like ``labels``, differentiable w.r.t. fp64 leaves.
+
+    ``hidden`` and ``weight`` must already be fp64 (see :func:`reference`); the logits of every
+    token over the whole vocabulary are materialised.
+    """
+    assert hidden.dtype == weight.dtype == torch.float64
+    x, labels = _tokens_first(hidden, labels)
+    logits = torch.matmul(x, weight.t()) / temperature  # [..., V]
+    log_p = torch.log_softmax(logits, dim=-1)
+    # p·log p with p = 0 is 0 (xlogy would also do); log_p is finite for finite logits.
+    entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    picked = log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.where(valid, picked, zero), torch.where(valid, entropy, zero)
+
+
+def reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    grad_log_prob: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> dict[str, torch.Tensor]:
+    """Reference outputs and, given per-token upstream gradients, the gradients of both inputs.
+
+    Returns a dict with ``log_prob``, ``entropy`` (fp64, shaped like labels) and, when an
+    upstream gradient is given, ``d_hidden`` and ``d_weight`` (fp64, shaped like the inputs) of
+    ``Σ g·log_prob + Σ e·entropy``. A missing ``g`` or ``e`` counts as zero.
+    """
+    h64 = hidden.detach().to(torch.float64).requires_grad_(True)
+    w64 = weight.detach().to(torch.float64).requires_grad_(True)
+    log_prob, entropy = reference_outputs(h64, w64, labels, temperature, ignore_index)
+    out = {"log_prob": log_prob.detach(), "entropy": entropy.detach()}
+    if grad_log_prob is None and grad_entropy is None:
+        return out
+    objective = torch.zeros((), dtype=torch.float64)
+    if grad_log_prob is not None:
+        objective = objective + (log_prob * grad_log_prob.to(torch.float64)).sum()
+    if grad_entropy is not None:
+        objective = objective + (entropy * grad_entropy.to(torch.float64)).sum()
+    d_hidden, d_weight = torch.autograd.grad(objective, (h64, w64), allow_unused=True)
+    out["d_hidden"] = torch.zeros_like(h64) if d_hidden is None else d_hidden
+    out["d_weight"] = torch.zeros_like(w64) if d_weight is None else d_weight
+    out["d_hidden_terms"], out["d_weight_terms"] = _gradient_term_magnitudes(
+        h64.detach(), w64.detach(), labels, temperature, grad_log_prob, grad_entropy, ignore_index
+    )
+    return out
+
+
+def _gradient_term_magnitudes(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    grad_log_prob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element, the sum of the absolute values of the terms each gradient is a sum of.
+
+    ``d_hidden_k = Σ_j dz_j w_jk / T`` and ``d_weight_jk = Σ_t dz_tj x_tk / T`` with
+    ``dz_j = g·1[j=label] - p_j·(g + e·(log p_j + H))``. Rounding of a sum is bounded relative to
+    the sum of its terms' magnitudes, not to its result (which can cancel to ~0, e.g. when all
+    logits are equal), and so is the effect of an absolute error δz in the logits, which moves
+    ``p_j`` by ~δz·p_j. So a gradient's tolerance is taken relative to
+    ``Σ_j S_j |w_jk| / T`` (resp. ``Σ_t S_tj |x_tk| / T``) with
+    ``S_j = |g|·1[j=label] + p_j·(|g| + |e|·(|log p_j + H| + 1))``.
+    """
+    x, labels = _tokens_first(hidden, labels)
+    log_p = torch.log_softmax(torch.matmul(x, weight.t()) / temperature, dim=-1)
+    p = log_p.exp()
+    entropy = -(p * log_p).sum(dim=-1, keepdim=True)
+    zero = torch.zeros(labels.shape, dtype=torch.float64)
+    g = zero if grad_log_prob is None else grad_log_prob.to(torch.float64).abs()
+    e = zero if grad_entropy is None else grad_entropy.to(torch.float64).abs()
+    valid = labels != ignore_index
+    g, e = torch.where(valid, g, zero)[..., None], torch.where(valid, e, zero)[..., None]
+    terms = p * (g + e * ((log_p + entropy).abs() + 1))
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    terms = terms.scatter_add(-1, safe.unsqueeze(-1), g)
+    hidden_terms = torch.matmul(terms, weight.abs()) / temperature
+    weight_terms = torch.einsum("...v,...h->vh", terms, x.abs()) / temperature
+    if hidden.dim() == 3:
+        hidden_terms = hidden_terms.transpose(0, 1)
+    return hidden_terms, weight_terms
+
+
+# --- error tracking -----------------------------------------------------------------------------
+
+#: Largest relative error seen in this process, per (dtype name, output name).
+MAX_RELATIVE_ERROR: dict[tuple[str, str], float] = defaultdict(float)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max|actual - expected| / max|expected|`` (max-norm relative error; 0/0 counts as 0)."""
+    actual, expected = actual.detach().to(torch.float64), expected.detach().to(torch.float64)
+    diff = (actual - expected).abs().max().item() if expected.numel() else 0.0
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0 else math.inf
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    name: str,
+    dtype: torch.dtype,
+    rtol: float,
+    atol: float = 0.0,
+    elementwise_rtol: float = 0.0,
+    terms: torch.Tensor | None = None,
+    track: bool = True,
+) -> None:
+    """Elementwise ``|a - e| <= atol + rtol·scale + elementwise_rtol·|e|``, and record the error.
+
+    ``scale`` is ``terms`` (per element, the magnitude of the terms the value is a sum of; see
+    :func:`_gradient_term_magnitudes`) when given, else the largest reference value of the
+    tensor: accumulated rounding scales with the terms, not with the result.
+    ``elementwise_rtol`` covers a final cast (e.g. to bf16), whose rounding is relative to each
+    element itself.
+    """
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+    a, e = actual.detach().to(torch.float64), expected.detach().to(torch.float64)
+    if terms is not None:
+        scale = terms.detach().to(torch.float64)
+    else:
+        scale = e.abs().max().item() if e.numel() else 0.0
+    bound = atol + rtol * scale + elementwise_rtol * e.abs()
+    err = (a - e).abs()
+    if track:
+        key = (str(dtype).replace("torch.", ""), name)
+        MAX_RELATIVE_ERROR[key] = max(MAX_RELATIVE_ERROR[key], relative_error(a, e))
+    bad = err > bound
+    if bool(bad.any()):
+        worst = int((err - bound).flatten().argmax())
+        raise AssertionError(
+            f"{name} ({dtype}): {int(bad.sum())}/{err.numel()} elements out of tolerance; worst at flat index "
+            f"{worst}: actual {a.flatten()[worst].item():.9g}, expected {e.flatten()[worst].item():.9g}, "
+            f"|diff| {err.flatten()[worst].item():.3g} > bound {bound.flatten()[worst].item():.3g} "
+            f"(max-norm relative error {relative_error(a, e):.3g})"
+        )
+
+
+def error_table() -> str:
+    """The tracked largest relative errors as text lines (for the end-of-suite report)."""
+    lines = ["largest max-norm relative error vs the fp64 reference (this run):"]
+    for (dtype, name), err in sorted(MAX_RELATIVE_ERROR.items()):
+        lines.append(f"  {dtype:9s} {name:9s} {err:.3e}")
+    return "\n".join(lines)
+
+
+# --- invariants ---------------------------------------------------------------------------------
+
+
+def check_invariants(
+    log_prob: torch.Tensor,
+    entropy: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> None:
+    """fp32 outputs shaped like labels; log_prob ≤ 0, 0 ≤ entropy ≤ log V; ignored tokens exactly 0."""
+    for name, out in (("log_prob", log_prob), ("entropy", entropy)):
+        assert out.dtype == torch.float32, f"{name} dtype {out.dtype}, expected float32"
+        assert out.shape == labels.shape, f"{name} shape {tuple(out.shape)} != labels {tuple(labels.shape)}"
+        assert torch.isfinite(out).all(), f"{name} has non-finite values"
+    assert (log_prob <= 0).all(), f"log_prob > 0: max {log_prob.max().item()}"
+    assert (entropy >= 0).all(), f"entropy < 0: min {entropy.min().item()}"
+    # log V rounded to fp32 can sit a hair below the true value: compare against the fp32 bound.
+    log_v = torch.tensor(math.log(vocab_size), dtype=torch.float64).to(torch.float32).item()
+    assert (entropy <= log_v * (1 + 2**-23)).all(), f"entropy > log V={log_v}: max {entropy.max().item()}"
+    ignored = labels == ignore_index
+    assert (log_prob[ignored] == 0).all() and (entropy[ignored] == 0).all(), "ignored tokens must give exact zeros"
