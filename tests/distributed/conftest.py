@@ -8,12 +8,20 @@ A test that fails on one rank makes the others time out on their next collective
 
 Outside torchrun (no ``WORLD_SIZE``) the whole folder is skipped at collection, so a plain
 ``pytest tests`` stays single-process.
+
+The :func:`check` fixture collects soft comparisons and fails a test on *every* rank together
+(one all-reduce at :meth:`Checks.done`), so a mismatch on one rank does not leave the others
+waiting in the next test's collectives. The largest relative error of every comparison kind is
+gathered over ranks at the end of the session, printed in rank 0's summary and, when
+``MCORE_PPO_ERROR_REPORT`` names a file, written there as JSON.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -31,6 +39,7 @@ def process_group():
         timeout = datetime.timedelta(seconds=int(os.environ.get("MCORE_PPO_TEST_TIMEOUT", "300")))
         dist.init_process_group("gloo", timeout=timeout)
     yield dist.group.WORLD
+    _gather_error_report()
     dist.barrier()
 
 
@@ -96,3 +105,164 @@ def shared_seed() -> int:
     dist.broadcast(seed, src=0)
     print(f"shared_seed={int(seed.item())}")
     return int(seed.item())
+
+
+# ---------------------------------------------------------------------------------------------
+# Soft comparisons that fail on every rank together, and the error report of the session.
+
+# comparison kind -> output name -> largest normwise relative error seen (this rank).
+_ERRORS: dict[str, dict[str, float]] = {}
+# test id -> number of cases compared (this rank).
+_CASES: dict[str, int] = {}
+# Rank 0's merged report, printed by pytest_terminal_summary.
+_REPORT: dict[str, dict] = {}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Normwise relative error ``max|actual - expected| / max|expected|`` (in float64).
+
+    Infinite when the shapes differ or ``actual`` is not finite.
+    """
+    if actual.shape != expected.shape:
+        return float("inf")
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    diff = (a - e).abs().max().item()
+    scale = e.abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+class Checks:
+    """Soft assertions for one test; :meth:`done` fails the test on every rank if any rank failed."""
+
+    def __init__(self, test_id: str):
+        self.test_id = test_id
+        self.context = ""
+        self.failures: list[str] = []
+        self.finished = False
+
+    def case(self, description: str) -> None:
+        """Start a new compared case (counted in the session report); names later failures."""
+        self.context = description
+        _CASES[self.test_id] = _CASES.get(self.test_id, 0) + 1
+
+    def fail(self, message: str) -> None:
+        self.failures.append(f"[rank {dist.get_rank()}] {self.context}: {message}")
+
+    def close(self, output: str, actual: torch.Tensor, expected: torch.Tensor, *, tol: float, kind: str) -> float:
+        """``actual`` ≈ ``expected`` to normwise relative error ``tol``; recorded under ``kind``."""
+        err = relative_error(actual, expected)
+        per_output = _ERRORS.setdefault(kind, {})
+        per_output[output] = max(per_output.get(output, 0.0), err)
+        if not err <= tol:
+            self.fail(
+                f"{output} ({kind}): relative error {err:.3e} > {tol:.1e} "
+                f"(shapes {tuple(actual.shape)} vs {tuple(expected.shape)})"
+            )
+        return err
+
+    def equal(self, output: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        """Bitwise equality (same shape, dtype and bits)."""
+        same = actual.shape == expected.shape and actual.dtype == expected.dtype and torch.equal(actual, expected)
+        if not same:
+            self.fail(f"{output}: not bitwise equal (relative error {relative_error(actual, expected):.3e})")
+
+    def raises(self, exception: type[Exception], match: str, fn: Callable[[], object]) -> None:
+        """``fn()`` raises ``exception`` whose message contains ``match``."""
+        try:
+            fn()
+        except exception as err:
+            if match not in str(err):
+                self.fail(f"{exception.__name__} raised, but its message lacks {match!r}: {err}")
+            return
+        except Exception as err:  # any other exception is a failure of this check, not of the run
+            self.fail(f"expected {exception.__name__} ({match!r}), got {type(err).__name__}: {err}")
+            return
+        self.fail(f"expected {exception.__name__} ({match!r}), nothing was raised")
+
+    def done(self) -> None:
+        """Collective over the world: raise on every rank if any rank recorded a failure."""
+        self.finished = True
+        failed = torch.tensor([len(self.failures)], dtype=torch.int64)
+        dist.all_reduce(failed)
+        if failed.item():
+            local = "\n".join(self.failures) or "(no failure on this rank)"
+            raise AssertionError(f"{failed.item()} failed comparison(s) across ranks; this rank's:\n{local}")
+
+
+@pytest.fixture
+def check(request) -> Checks:
+    """A :class:`Checks` for this test; the test must call ``check.done()`` on every rank."""
+    checks = Checks(request.node.nodeid.split("::", 1)[-1])
+    yield checks
+    call = getattr(request.node, "rep_call", None)
+    if call is not None and call.passed and not checks.finished:
+        # A test that never calls done() could not fail on a mismatch.
+        pytest.fail("test did not call check.done(): its comparisons were never asserted", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep the call phase's report on the item, for the ``check`` fixture's teardown."""
+    report = yield
+    if report.when == "call":
+        item.rep_call = report
+    return report
+
+
+def _gather_error_report() -> None:
+    """Merge every rank's largest errors and case counts (max over ranks) into rank 0's report."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"errors": _ERRORS, "cases": _CASES})
+    errors: dict[str, dict[str, float]] = {}
+    cases: dict[str, int] = {}
+    for part in gathered:
+        for kind, outputs in part["errors"].items():
+            merged = errors.setdefault(kind, {})
+            for output, err in outputs.items():
+                merged[output] = max(merged.get(output, 0.0), err)
+        for test, count in part["cases"].items():
+            cases[test] = max(cases.get(test, 0), count)
+    if dist.get_rank() != 0:
+        return
+    _REPORT.update(errors=errors, cases=cases)
+    path = os.environ.get("MCORE_PPO_ERROR_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(_REPORT, f, indent=2, sort_keys=True)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Rank 0 prints the largest relative error per comparison kind and output, and case counts."""
+    if not _REPORT.get("errors") and not _REPORT.get("cases"):
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("largest normwise relative error, max over ranks")
+    outputs = sorted({o for per in _REPORT["errors"].values() for o in per})
+    write(f"{'comparison':<40}" + "".join(f"{o:>12}" for o in outputs))
+    for kind in sorted(_REPORT["errors"]):
+        per = _REPORT["errors"][kind]
+        write(f"{kind:<40}" + "".join(f"{per[o]:>12.2e}" if o in per else f"{'-':>12}" for o in outputs))
+    terminalreporter.section("cases compared per test (max over ranks)")
+    for test, count in sorted(_REPORT["cases"].items()):
+        write(f"{count:>5}  {test}")
+
+
+@pytest.fixture
+def fresh_parallel_state():
+    """No Megatron model-parallel state around the test (a leaked one is destroyed first).
+
+    With it initialised, ``tp_group=None`` would resolve to Megatron's group, so single-rank
+    references would silently become multi-rank calls. ``destroy_model_parallel`` only drops
+    module globals: no collective, safe on any rank.
+    """
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    yield
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

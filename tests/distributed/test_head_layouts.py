@@ -1,0 +1,98 @@
+"""The head under TP 2 and 4, SP off and on, in every layout, against the single-rank result.
+
+For each TP size, dtype (fp64, fp32) and layout ([s,b,h]+[b,s] with b=3, packed [t,1,h]+[1,t],
+[n,h]+[n]), every rank computes the single-rank result on the global data, then runs the head
+on its vocab shard (and, with SP, its sequence shard of hidden) and compares log_prob, entropy,
+d_hidden (the SP shard under SP) and its weight shard's gradient. Labels cover the first and
+last id of every shard, ignored labels are sprinkled, upstream gradients are per token and of
+both signs, T = 0.7. fp32 results are also compared with the fp64 result on the same data.
+"""
+
+import pytest
+import torch
+from conftest import shared_seed, tp_cp_groups
+from head_cases import (
+    DTYPES,
+    LAYOUT_SHAPES,
+    SBH,
+    TP_SIZES,
+    compare,
+    compare_with_fp64,
+    make_case,
+    reference,
+    run_head,
+    tp_part,
+    upcast,
+)
+
+pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_sp_layouts_match_single_rank(tp, check):
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    suite = f"TP{tp}"
+    for dtype in DTYPES:
+        for name in LAYOUT_SHAPES:
+            case = make_case(name, dtype)
+            ref = reference(case)
+            ref64 = reference(upcast(case)) if dtype == torch.float32 else None
+            if layout.tp_group is None:  # ranks outside this TP group only drew the data
+                continue
+            weight = case.weight.chunk(tp, dim=0)[layout.tp_rank]
+            for sp in (False, True):
+                check.case(f"tp={tp} sp={sp} layout={name} {dtype}")
+                hidden = case.hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else case.hidden
+                out = run_head(
+                    hidden,
+                    weight,
+                    case.labels,
+                    case.grad_log_prob,
+                    case.grad_entropy,
+                    tp_group=layout.tp_group,
+                    sequence_parallel=sp,
+                )
+                compare(check, out, tp_part(ref, tp, layout.tp_rank, sp), dtype, suite)
+                if ref64 is not None:
+                    compare_with_fp64(check, out, tp_part(ref64, tp, layout.tp_rank, sp), suite)
+    check.done()
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_only_log_prob_used(tp, check):
+    """Entropy unused (its upstream gradient None): the SP scatter / TP reduction still happen once."""
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    for dtype in DTYPES:
+        case = make_case(SBH, dtype)
+        ref = reference(case, use_entropy=False)
+        if layout.tp_group is None:
+            continue
+        weight = case.weight.chunk(tp, dim=0)[layout.tp_rank]
+        for sp in (False, True):
+            check.case(f"tp={tp} sp={sp} layout={SBH} {dtype} log_prob only")
+            hidden = case.hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else case.hidden
+            args = (hidden, weight, case.labels, case.grad_log_prob, None)
+            out = run_head(*args, tp_group=layout.tp_group, sequence_parallel=sp)
+            compare(check, out, tp_part(ref, tp, layout.tp_rank, sp), dtype, f"TP{tp} log_prob only")
+    check.done()
+
+
+def test_tp_deterministic(check):
+    """The same call twice gives bitwise equal outputs and gradients (TP 4 with and without SP)."""
+    tp = 4
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    for name in LAYOUT_SHAPES:
+        case = make_case(name, torch.float32)
+        weight = case.weight.chunk(tp, dim=0)[layout.tp_rank]
+        for sp in (False, True):
+            check.case(f"tp={tp} sp={sp} layout={name} float32 twice")
+            hidden = case.hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else case.hidden
+            args = (hidden, weight, case.labels, case.grad_log_prob, case.grad_entropy)
+            first = run_head(*args, tp_group=layout.tp_group, sequence_parallel=sp)
+            second = run_head(*args, tp_group=layout.tp_group, sequence_parallel=sp)
+            for output, value in first.as_dict().items():
+                check.equal(output, second.as_dict()[output], value)
+    check.done()
