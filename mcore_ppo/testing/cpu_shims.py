@@ -1,0 +1,148 @@
+"""Test/CPU-only shims that let Megatron-Core's ``GPTModel`` run forward and backward on CPU.
+
+Megatron-Core assumes CUDA in a few places that have nothing to do with the math. On the
+CPU machines (CI, the CPU demo) these shims replace exactly those places; on a machine with
+CUDA :func:`install_cpu_shims` refuses, so a GPU run never takes this path. The library
+(``mcore_ppo`` outside ``mcore_ppo.testing``) never imports this module.
+
+What is replaced (all process-global, idempotent, undone by :func:`uninstall_cpu_shims`):
+
+- ``torch.cuda.current_device`` returns ``torch.device("cpu")``: Megatron allocates
+  buffers with ``device=torch.cuda.current_device()`` (SP all-gathers in
+  ``tensor_parallel.layers``/``mappings``, the global memory buffer, embeddings).
+- ``CudaRNGStatesTracker.fork`` is a null context: it saves and restores CUDA RNG states
+  around dropout and weight init. The models built here have dropout 0 and initialise on the
+  CPU from the global torch RNG (``use_cpu_initialization``), so nothing is lost.
+- ``WrappedTorchNorm`` (the local spec's norm when Apex is absent) accepts
+  ``sequence_parallel=True``: it asserts against SP only because its parameters lack the
+  ``sequence_parallel`` attribute that makes Megatron all-reduce their gradients over TP;
+  the shim builds the same ``torch.nn.LayerNorm``/``RMSNorm`` and sets that attribute, as
+  Megatron's fused norms do. It also builds the norm in ``config.params_dtype`` (the original
+  uses torch's default dtype), so float64 models, used for tight comparisons, run.
+- ``device="cuda"`` literals become the CPU in the modules that hard-code them on paths a CPU
+  run takes: ``megatron.core.transformer.utils`` (the default causal mask of the local
+  attention's softmax) and ``megatron.core.pipeline_parallel.schedules`` (the token counter
+  of ``forward_backward_no_pipelining``). Only those modules' global name ``torch`` is
+  replaced, by a proxy whose tensor factories map a CUDA ``device`` to the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+
+import torch
+
+_ORIGINALS: dict[str, object] = {}
+
+# Modules whose global ``torch`` is swapped for :class:`_CudaLiteralsOnCpu` (see the module doc).
+_CUDA_LITERAL_MODULES = ("megatron.core.transformer.utils", "megatron.core.pipeline_parallel.schedules")
+_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint"})
+
+
+def _cpu_if_cuda(device: object) -> object:
+    if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda:"):
+        return torch.device("cpu")
+    return device
+
+
+class _CudaLiteralsOnCpu:
+    """Stands for the ``torch`` module inside one Megatron module: factories given a CUDA device
+    build on the CPU; every other attribute is torch's own."""
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(torch, name)
+        if name not in _FACTORIES:
+            return attr
+
+        def factory(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _null_fork(self, name: str = "model-parallel-rng"):  # same signature as the original
+    return contextlib.nullcontext()
+
+
+def _sp_capable_norm_new(
+    cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False, normalization="LayerNorm"
+):  # same signature as the original
+    """``WrappedTorchNorm.__new__`` without the SP assert; marks parameters for Megatron's SP grad all-reduce."""
+    if config.normalization == "LayerNorm":
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+    elif config.normalization == "RMSNorm":
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+    else:
+        raise ValueError(f"cpu_shims: normalization must be LayerNorm or RMSNorm, got {config.normalization!r}")
+    for param in norm.parameters():
+        param.sequence_parallel = bool(config.sequence_parallel)
+    return norm
+
+
+def shims_installed() -> bool:
+    """Whether :func:`install_cpu_shims` is in effect."""
+    return bool(_ORIGINALS)
+
+
+def install_cpu_shims() -> None:
+    """Install the CPU shims (idempotent).
+
+    Raises:
+        RuntimeError: when CUDA is available: GPU runs must use Megatron unmodified.
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "install_cpu_shims() is for CPU-only runs (tests, the CPU demo); CUDA is available, "
+            "so run Megatron unmodified instead"
+        )
+    if _ORIGINALS:
+        return
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    _ORIGINALS["current_device"] = torch.cuda.current_device
+    _ORIGINALS["fork"] = CudaRNGStatesTracker.__dict__["fork"]
+    _ORIGINALS["norm_new"] = WrappedTorchNorm.__dict__["__new__"]
+    torch.cuda.current_device = _cpu_current_device
+    CudaRNGStatesTracker.fork = _null_fork
+    WrappedTorchNorm.__new__ = _sp_capable_norm_new
+    for module_name in _CUDA_LITERAL_MODULES:
+        module = importlib.import_module(module_name)
+        _ORIGINALS[f"torch@{module_name}"] = module.torch
+        module.torch = _CudaLiteralsOnCpu()
+
+
+def uninstall_cpu_shims() -> None:
+    """Restore what :func:`install_cpu_shims` replaced (no-op when not installed)."""
+    if not _ORIGINALS:
+        return
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    torch.cuda.current_device = _ORIGINALS.pop("current_device")
+    CudaRNGStatesTracker.fork = _ORIGINALS.pop("fork")
+    WrappedTorchNorm.__new__ = _ORIGINALS.pop("norm_new")
+    for module_name in _CUDA_LITERAL_MODULES:
+        importlib.import_module(module_name).torch = _ORIGINALS.pop(f"torch@{module_name}")
+
+
+@contextlib.contextmanager
+def cpu_shims() -> Iterator[None]:
+    """Context manager: the CPU shims inside, the previous state after (nesting-safe)."""
+    already = shims_installed()
+    install_cpu_shims()
+    try:
+        yield
+    finally:
+        if not already:
+            uninstall_cpu_shims()

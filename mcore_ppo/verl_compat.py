@@ -1,0 +1,115 @@
+"""verl-compatible entry: ``linear_cross_entropy`` with verl's signature and contract.
+
+A verl user switches by import::
+
+    # from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+    from mcore_ppo.verl_compat import linear_cross_entropy
+
+The contract is verl's ``LinearCrossEntropy`` (``verl/utils/kernel/linear_cross_entropy.py``):
+
+- ``hidden`` of any shape ``[..., h]`` is flattened to ``[N, h]`` and ``labels`` to ``[N]``
+  in their own memory order (no transpose: a Megatron ``[s, b, h]`` hidden pairs with
+  ``[s, b]``-ordered labels, as in verl's packed ``b = 1`` THD path).
+- ``weight`` is this rank's vocab shard ``[V/tp, h]``; labels are global ids; the rank's index
+  in ``dist_process_group`` is its shard index. ``dist_process_group=None`` means one rank
+  (Megatron's ``parallel_state`` is *not* consulted, as in verl).
+- Returns ``(log_probs, entropy)``, fp32. ``reduction="none"``: both ``[N]``. ``"sum"`` /
+  ``"mean"``: ``log_probs`` is the sum / mean over all ``N`` tokens (a 0-d tensor) and
+  ``entropy`` stays ``[N]``.
+- Backward returns this rank's *partial* ``d_hidden`` (its vocab shard's contribution), shaped
+  like ``hidden``: the caller reduces it over TP, as verl's Megatron integration does with
+  ``gather_from_sequence_parallel_region`` (SP: reduce-scatter in backward). Without SP wrap
+  ``hidden`` in ``copy_to_tensor_model_parallel_region`` first; or use
+  :func:`mcore_ppo.fused_log_probs_and_entropy`, which reduces it itself.
+
+Beyond verl: labels equal to ``ignore_index`` (-100) give 0 log-prob, 0 entropy and no
+gradient (verl has no ignore index: such labels give undefined values there), CPU tensors and
+any hidden size work, and uneven vocab shards are rejected with a clear error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_ppo import validation
+from mcore_ppo.backends import resolve_backend
+from mcore_ppo.function import FusedPPOHeadFunction
+from parallel.groups import group_rank, group_size
+
+_REDUCTIONS = ("none", "sum", "mean")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | None = 1.0,
+    reduction: str | None = "none",
+    dist_process_group: dist.ProcessGroup | None = None,
+    *,
+    ignore_index: int = -100,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``linear_cross_entropy``: per-token log-probs and entropy of ``softmax(hidden @ W.T / T)``.
+
+    Args:
+        hidden: ``[..., h]``, flattened to ``[N, h]``.
+        weight: this rank's vocab shard ``[V/tp, h]``, same dtype as ``hidden``.
+        labels: global vocab ids, ``N`` elements in any shape.
+        temperature: a Python float > 0 (None means 1.0, as in verl).
+        reduction: ``"none"``, ``"sum"`` or ``"mean"`` (of ``log_probs`` over the ``N`` tokens;
+            None means ``"none"``).
+        dist_process_group: the TP group; None for one rank.
+        ignore_index: label value of tokens to skip (keyword-only; not in verl).
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"`` (keyword-only).
+
+    Returns:
+        ``(log_probs, entropy)``, fp32: ``[N]`` and ``[N]``, or a 0-d ``log_probs`` for
+        ``"sum"`` / ``"mean"``. ``d_hidden`` is this rank's partial (see the module doc).
+    """
+    if temperature is None:
+        temperature = 1.0
+    if reduction is None:
+        reduction = "none"
+    if not isinstance(reduction, str):
+        raise TypeError(f"reduction must be a str, got {type(reduction).__name__}")
+    reduction = reduction.lower()
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    temperature = validation.check_temperature(temperature)
+    validation.check_tensors(hidden, weight, labels, ignore_index)
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension (the hidden size last)")
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    labels_1d = labels.reshape(-1)
+    if labels_1d.shape[0] != hidden_2d.shape[0]:
+        raise ValueError(
+            f"labels has {labels_1d.shape[0]} elements but hidden flattens to {hidden_2d.shape[0]} tokens "
+            f"(hidden shape {tuple(hidden.shape)}, labels shape {tuple(labels.shape)})"
+        )
+    tp_size = group_size(dist_process_group)
+    validation.check_layout(hidden_2d, weight, labels_1d, tp_size, False)
+    validation.check_equal_shards(weight, dist_process_group)
+    vocab_size = weight.shape[0] * tp_size
+    validation.check_label_range(labels_1d, vocab_size, ignore_index)
+    impl = resolve_backend(backend, hidden.device)
+
+    # No TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
+    log_probs, entropy = FusedPPOHeadFunction.apply(
+        hidden_2d,
+        weight,
+        labels_1d,
+        temperature,
+        ignore_index,
+        group_rank(dist_process_group) * weight.shape[0],
+        vocab_size,
+        dist_process_group,
+        impl,
+        False,
+    )
+    if reduction == "sum":
+        log_probs = log_probs.sum()
+    elif reduction == "mean":
+        log_probs = log_probs.mean()
+    return log_probs, entropy
