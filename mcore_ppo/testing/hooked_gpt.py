@@ -10,8 +10,11 @@ megatron-core >= 0.18 the real ``GPTModel`` is used instead.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from megatron.core.models.gpt import GPTModel
 
 
@@ -107,3 +110,41 @@ def as_hooked(model: GPTModel) -> GPTModel:
     if type(model) is GPTModel:
         model.__class__ = HookedGPTModel
     return model
+
+
+@contextlib.contextmanager
+def forward_path(model: torch.nn.Module, path: str) -> Iterator[None]:
+    """Make :func:`mcore_ppo.gpt_log_probs_and_entropy` take ``path`` for ``model`` inside the block.
+
+    ``"hook"``: the ``output_processor`` hook — the model's own on megatron-core >= 0.18, else
+    the class is switched to :class:`HookedGPTModel` (and back on exit). ``"fallback"``: the
+    ``post_process`` path, even where the installed ``GPTModel`` has the hook. ``"auto"``: what
+    the installed version takes.
+    """
+    from mcore_ppo import model as model_module
+
+    gpt = model_module.unwrap_gpt_model(model)
+    if path == "auto":
+        yield
+        return
+    if path == "hook":
+        switched = not model_module.supports_output_processor(gpt)
+        if switched:
+            as_hooked(gpt)
+        try:
+            yield
+        finally:
+            if switched:
+                gpt.__class__ = GPTModel
+        return
+    if path == "fallback":
+        cls = type(gpt)
+        model_module.supports_output_processor(gpt)  # fill the cache entry replaced below
+        saved = model_module._HOOK_SUPPORT[cls]
+        model_module._HOOK_SUPPORT[cls] = False
+        try:
+            yield
+        finally:
+            model_module._HOOK_SUPPORT[cls] = saved
+        return
+    raise ValueError(f"path must be 'hook', 'fallback' or 'auto', got {path!r}")

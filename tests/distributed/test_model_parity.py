@@ -1,0 +1,307 @@
+"""The fused head inside a Megatron GPTModel equals the model's own logits path, in every TP layout.
+
+For a small GPT (2 layers, h 32, 4 heads, vocab 128, 16 tokens, float64) and each of TP 1/2/4,
+SP on/off, tied/untied embeddings, padded and packed (THD) batches:
+
+- the head's ``(log_probs, entropy)`` equal those from the model's full logits (gathered over
+  TP, float64 log-softmax), through the ``output_processor`` hook path and the fallback path;
+- so do the gradients of EVERY parameter after one backward of random per-token weights
+  (compared per rank, i.e. per shard);
+- every TP layout equals TP 1 (the same global weights from the CPU init; shard gradients
+  gathered along their partition dim, SP-partial gradients summed over TP).
+
+CP: ``GPTModel`` runs CP > 1 only with TransformerEngine attention; the CP contract is tested at
+the output boundary (final hidden states of a cp=1 run, split as Megatron splits them, through
+the installed head under CP 2 and TP 2 × CP 2), and the full-model CP test runs only where
+TransformerEngine is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import shared_seed
+from megatron.core import parallel_state
+
+from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
+from mcore_ppo.testing import install_cpu_shims, shims_installed, uninstall_cpu_shims
+from mcore_ppo.testing.gpt_reference import logits_log_probs_and_entropy, synthetic_batch
+from mcore_ppo.testing.hooked_gpt import forward_path
+from mcore_ppo.testing.thd_attention import thd_local_layer_spec
+from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp
+
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 4, 2, 16
+TEMPERATURE = 0.7
+# float64 model and reference: any real bug is many orders of magnitude above these.
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+
+MAX_DIFF: dict[str, float] = {}
+
+
+def _record(key: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    diff = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    MAX_DIFF[key] = max(MAX_DIFF.get(key, 0.0), diff)
+
+
+def _close(key: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    _record(key, actual, expected)
+    torch.testing.assert_close(actual.double(), expected.double(), **TOL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shims():
+    """CPU shims for GPTModel (never on a CUDA machine, where Megatron runs unmodified)."""
+    owned = not torch.cuda.is_available() and not shims_installed()
+    if owned:
+        install_cpu_shims()
+    yield
+    if owned:
+        uninstall_cpu_shims()
+    if dist.get_rank() == 0 and MAX_DIFF:
+        print("\nmodel parity max |diff|: " + ", ".join(f"{k}={v:.2e}" for k, v in sorted(MAX_DIFF.items())))
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int, cp: int = 1) -> Iterator[None]:
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False
+    )
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _model(*, tied: bool, sp: bool, **overrides):
+    return build_gpt_model(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        tie_embeddings=tied,
+        sequence_parallel=sp,
+        params_dtype=torch.float64,
+        seed=4321,
+        transformer_layer_spec=thd_local_layer_spec(),
+        **overrides,
+    )
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"parameter {name} got no gradient"
+        grads[name] = param.grad.detach().clone()
+        param.grad = None
+    return grads
+
+
+def _backward(log_probs, entropy, g_lp, g_ent) -> None:
+    ((log_probs * g_lp).sum() + (entropy * g_ent).sum()).backward()
+
+
+def _full_grads(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, torch.Tensor]:
+    """Per-rank gradients as TP 1 would hold them: shards gathered, SP partials summed."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+    full = {}
+    for name, grad in grads.items():
+        param = params[name]
+        if getattr(param, "tensor_model_parallel", False) and world > 1:
+            dim = param.partition_dim
+            parts = [torch.empty_like(grad) for _ in range(world)]
+            dist.all_gather(parts, grad.contiguous(), group=group)
+            grad = torch.cat(parts, dim=dim)
+        elif sp and getattr(param, "sequence_parallel", False) and world > 1:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+        full[name] = grad
+    return full
+
+
+def _layout_name(tp: int, sp: bool) -> str:
+    return f"tp{tp}{'sp' if sp else ''}"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_head_matches_logits_path_every_layout(kind: str, tied: bool):
+    torch.manual_seed(shared_seed())
+    batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ)
+    inputs = batch.model_inputs()
+    g_lp = torch.randn(batch.labels.shape, dtype=torch.float64)
+    g_ent = torch.randn(batch.labels.shape, dtype=torch.float64)
+
+    tp1 = None
+    for tp, sp in LAYOUTS:
+        with model_parallel(tp):
+            model = _model(tied=tied, sp=sp)
+            ref_lp, ref_ent = logits_log_probs_and_entropy(
+                model, labels=batch.labels, temperature=TEMPERATURE, **inputs
+            )
+            _backward(ref_lp, ref_ent, g_lp, g_ent)
+            ref_grads = _grads(model)
+
+            head = install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+            assert head is model.output_layer
+            results = {}
+            for path in ("fallback", "hook"):
+                with forward_path(model, path):
+                    lp, ent = gpt_log_probs_and_entropy(model, labels=batch.labels, **inputs)
+                assert lp.shape == batch.labels.shape == ent.shape
+                key = f"{path}"
+                _close(f"logp[{key}]", lp, ref_lp)
+                _close(f"entropy[{key}]", ent, ref_ent)
+                _backward(lp, ent, g_lp, g_ent)
+                grads = _grads(model)
+                assert grads.keys() == ref_grads.keys()
+                for name in grads:
+                    _close(f"grad[{key}]", grads[name], ref_grads[name])
+                results[path] = (lp.detach(), ent.detach(), grads)
+
+            lp, ent, grads = results["fallback"]
+            full = _full_grads(model, grads, sp)
+            if tp == 1:
+                tp1 = (lp, ent, full)
+            else:
+                # Same global weights in every TP layout, so the same numbers as TP 1.
+                _close("logp[tp vs tp1]", lp, tp1[0])
+                _close("entropy[tp vs tp1]", ent, tp1[1])
+                assert full.keys() == tp1[2].keys()
+                for name in full:
+                    _close("grad[tp vs tp1]", full[name], tp1[2][name])
+    dist.barrier()
+
+
+CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True)]
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+@pytest.mark.parametrize("tp,cp,sp", CP_LAYOUTS, ids=[f"tp{t}cp{c}{'sp' if s else ''}" for t, c, s in CP_LAYOUTS])
+def test_cp_at_output_boundary(kind: str, tp: int, cp: int, sp: bool):
+    """Final hidden states of a cp=1 run, split as Megatron splits them, through the installed head
+    under CP: values and gradients (hidden, head weight) equal the cp=1 ones."""
+    torch.manual_seed(shared_seed())
+    batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ)
+    cu = batch.cu_seqlens
+    labels_full = roll_labels(batch.input_ids, seq_dim=1, cu_seqlens=cu)
+    g_lp = torch.randn(labels_full.shape, dtype=torch.float64)
+    g_ent = torch.randn(labels_full.shape, dtype=torch.float64)
+
+    with model_parallel(tp, cp):
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        cp_group = parallel_state.get_context_parallel_group()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        cp_rank = parallel_state.get_context_parallel_rank()
+        # The local attention cannot run CP > 1, so the model itself is CP-unaware
+        # (config context_parallel_size=1): on every CP rank it is the cp=1 run.
+        model = _model(tied=False, sp=sp, context_parallel_size=1)
+        head = install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+
+        model.post_process = False
+        try:
+            with torch.no_grad():
+                hidden = model(**batch.model_inputs())
+        finally:
+            model.post_process = True
+        if sp:
+            parts = [torch.empty_like(hidden) for _ in range(tp)]
+            dist.all_gather(parts, hidden.contiguous(), group=tp_group)
+            hidden = torch.cat(parts, dim=0)
+        hidden = hidden.detach()  # [s, b, h] (padded) or [t, 1, h] (packed)
+
+        # cp=1 reference: the same head on the whole sequence in this TP layout.
+        ref_in = (hidden.chunk(tp, dim=0)[tp_rank] if sp else hidden).clone().requires_grad_()
+        ref_lp, ref_ent = head(ref_in, labels_full)
+        _backward(ref_lp, ref_ent, g_lp, g_ent)
+        ref_dw = head.weight.grad.clone()
+        head.weight.grad = None
+        ref_dhidden = torch.zeros_like(hidden)
+        if sp:
+            ref_dhidden.chunk(tp, dim=0)[tp_rank].copy_(ref_in.grad)
+            dist.all_reduce(ref_dhidden, group=tp_group)
+        else:
+            ref_dhidden.copy_(ref_in.grad)
+
+        # and float64 math on the whole sequence and vocab, to anchor the cp=1 run itself.
+        weights = [torch.empty_like(head.weight) for _ in range(tp)]
+        dist.all_gather(weights, head.weight.detach().contiguous(), group=tp_group)
+        z = torch.einsum("sbh,vh->bsv", hidden, torch.cat(weights)) / TEMPERATURE
+        log_softmax = torch.log_softmax(z, dim=-1)
+        math_lp = log_softmax.gather(-1, labels_full.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        math_lp = torch.where(labels_full == -100, 0.0, math_lp)
+        _close("cp: cp1 head vs fp64 math", ref_lp, math_lp)
+
+        # CP: Megatron splits the sequence for CP first, then scatters it over TP for SP.
+        local = split_for_cp(hidden, cp, cp_rank, seq_dim=0, cu_seqlens=cu)
+        if sp:
+            local = local.chunk(tp, dim=0)[tp_rank]
+        local = local.clone().requires_grad_()
+        labels = roll_and_split_labels(batch.input_ids, cp, cp_rank, seq_dim=1, cu_seqlens=cu)
+        torch.testing.assert_close(labels, split_for_cp(labels_full, cp, cp_rank, seq_dim=1, cu_seqlens=cu))
+        lp, ent = head(local, labels)
+
+        def split(t, seq_dim):
+            return split_for_cp(t, cp, cp_rank, seq_dim=seq_dim, cu_seqlens=cu)
+
+        _close("cp: logp", lp, split(ref_lp.detach(), 1))
+        _close("cp: entropy", ent, split(ref_ent.detach(), 1))
+        _backward(lp, ent, split(g_lp, 1), split(g_ent, 1))
+        expected_dhidden = split(ref_dhidden, 0)
+        if sp:
+            expected_dhidden = expected_dhidden.chunk(tp, dim=0)[tp_rank]
+        _close("cp: d_hidden", local.grad, expected_dhidden)
+        # Each CP rank holds its tokens' part of d_W; DDP sums them over DP×CP.
+        dw = head.weight.grad.clone()
+        dist.all_reduce(dw, group=cp_group)
+        _close("cp: d_weight", dw, ref_dw)
+    dist.barrier()
+
+
+def test_full_model_context_parallel():
+    """GPTModel with CP 2 end to end (TransformerEngine attention) equals the cp=1 model."""
+    pytest.importorskip(
+        "transformer_engine",
+        reason="GPTModel runs CP > 1 only with TransformerEngine attention, which is not installed here; "
+        "the head's CP contract is covered by test_cp_at_output_boundary",
+    )
+    if not torch.cuda.is_available():
+        pytest.skip("TransformerEngine attention needs CUDA")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    torch.manual_seed(shared_seed())
+    batch = synthetic_batch("padded", vocab_size=VOCAB, seq_length=SEQ, device="cuda")
+    results = {}
+    for cp in (1, 2):
+        with model_parallel(1, cp):
+            model = build_gpt_model(
+                num_layers=LAYERS,
+                hidden_size=HIDDEN,
+                num_attention_heads=HEADS,
+                vocab_size=VOCAB,
+                max_sequence_length=SEQ,
+                params_dtype=torch.float32,
+                seed=4321,
+                transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+                position_embedding_type="rope",
+            )
+            install_fused_head(model, temperature=TEMPERATURE)
+            rank = parallel_state.get_context_parallel_rank()
+            ids = split_for_cp(batch.input_ids, cp, rank, seq_dim=1)
+            pos = split_for_cp(batch.position_ids, cp, rank, seq_dim=1)
+            labels = roll_and_split_labels(batch.input_ids, cp, rank, seq_dim=1)
+            lp, ent = gpt_log_probs_and_entropy(model, ids, pos, None, labels)
+            if cp == 1:
+                results["ref"] = (lp.detach(), ent.detach())
+            else:
+                ref_lp, ref_ent = (split_for_cp(t, cp, rank, seq_dim=1) for t in results["ref"])
+                torch.testing.assert_close(lp, ref_lp, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(ent, ref_ent, rtol=1e-4, atol=1e-4)
+    dist.barrier()
