@@ -160,6 +160,8 @@ class MicroBatch:
             position predicts (-1 where none), to scatter outputs back.
         cu_seqlens_padded: host ints, global padded sequence boundaries of the micro-batch.
         seq_ids: the rollout's indices of the sequences in this micro-batch.
+        weights, metric_weights: per-label-position loss weights of the aggregation mode and of
+            token-mean (metrics), set by the actor from global counts.
     """
 
     input_ids: torch.Tensor
@@ -175,6 +177,7 @@ class MicroBatch:
     old_log_probs: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     weights: torch.Tensor | None = field(default=None)
+    metric_weights: torch.Tensor | None = field(default=None)
 
 
 def block_causal_mask(bounds: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:

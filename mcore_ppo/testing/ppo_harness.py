@@ -1,0 +1,255 @@
+"""Helpers shared by the PPO demo (``scripts/ppo_step.py``) and the actor tests.
+
+- :func:`init_layout`: Megatron ``parallel_state`` for a TP × CP × PP layout, with CP inside the
+  model where TransformerEngine attention is installed and at the head otherwise.
+- :func:`build_actor_model`: a small GPT with the fused head, on the layer spec that runs
+  packed THD batches here (TransformerEngine's, else the THD reference attention).
+- :func:`synthetic_rollout`: random prompts + responses of varied lengths, GRPO-style advantages.
+- :func:`logits_path_outputs`: the *unfused* reference — the model's full logits gathered over
+  TP, ``log_softmax`` in fp64 — for the rollout's response tokens.
+- :func:`full_parameters`: every parameter with its TP shards gathered (layout-independent).
+
+Not part of the library: the library never imports ``mcore_ppo.testing``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mcore_ppo.actor import ActorParallel
+from mcore_ppo.batching import PackedRollout, pack_micro_batch
+from mcore_ppo.model import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head, unwrap_gpt_model
+from parallel.groups import ProcessGroup, group_size
+
+
+def te_available() -> bool:
+    """Whether TransformerEngine is importable (then ``GPTModel`` can run CP itself)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+_CP_AT_HEAD_GROUPS: dict[tuple[int, int, int], dict[tuple, Any]] = {}
+
+
+def init_layout(tp: int, cp: int = 1, pp: int = 1, *, cp_at_head: bool | None = None) -> ActorParallel:
+    """Initialise Megatron's ``parallel_state`` for ``tp × cp × pp`` over the whole world.
+
+    Args:
+        tp, cp, pp: tensor-, context- and pipeline-parallel sizes; ``world / (tp·cp·pp)`` is the
+            data-parallel size (data-parallel ranks may hold the same data: the actor's global
+            counts make the result the same).
+        cp_at_head: apply CP at the head (the model sees whole sequences; see
+            :meth:`ActorParallel.cp_at_head`) — default: when TransformerEngine is missing.
+
+    Returns:
+        The actor's groups. Call :func:`destroy_layout` when done.
+    """
+    world = dist.get_world_size()
+    if world % (tp * cp * pp):
+        raise ValueError(f"world size {world} does not divide by tp*cp*pp = {tp * cp * pp}")
+    if cp_at_head is None:
+        cp_at_head = cp > 1 and not te_available()
+    if not cp_at_head or cp == 1:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
+        return ActorParallel.from_parallel_state()
+    # CP at the head: Megatron sees TP × DP' (DP' = cp · dp) and the actor carves CP out of DP'
+    # with Megatron's rank order: rank = t + tp·(c + cp·d + DP'·s) for TP rank t, CP rank c,
+    # DP rank d and pipeline stage s (TP fastest, then CP, then DP, then PP).
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    dpp = world // (tp * pp)
+    dp = dpp // cp
+    key = (tp, cp, pp)
+    if key not in _CP_AT_HEAD_GROUPS:
+        # Every rank creates every group, in the same order (dist.new_group's rule).
+        groups: dict[tuple[int, ...], Any] = {}
+        for s in range(pp):
+            for t in range(tp):
+                for d in range(dp):
+                    ranks = tuple(t + tp * (c + cp * d + dpp * s) for c in range(cp))
+                    groups[("cp", *ranks)] = dist.new_group(list(ranks))
+                for c in range(cp):
+                    ranks = tuple(t + tp * (c + cp * d + dpp * s) for d in range(dp))
+                    groups[("dp", *ranks)] = dist.new_group(list(ranks))
+        _CP_AT_HEAD_GROUPS[key] = groups
+    me = dist.get_rank()
+    groups = _CP_AT_HEAD_GROUPS[key]
+    cp_group = next(g for k, g in groups.items() if k[0] == "cp" and me in k[1:])
+    dp_group = next(g for k, g in groups.items() if k[0] == "dp" and me in k[1:])
+    return ActorParallel.cp_at_head(cp_group=cp_group, dp_group=dp_group)
+
+
+def destroy_layout() -> None:
+    """Tear Megatron's ``parallel_state`` down (the groups of :func:`init_layout` are kept for reuse)."""
+    parallel_state.destroy_model_parallel()
+
+
+def layer_spec() -> Any:
+    """The layer spec that runs packed THD batches: TransformerEngine's, else the THD reference."""
+    if te_available():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    from mcore_ppo.testing.thd_attention import thd_local_layer_spec
+
+    return thd_local_layer_spec()
+
+
+def build_actor_model(
+    model_cfg: dict[str, Any],
+    *,
+    sequence_parallel: bool,
+    temperature: float = 1.0,
+    backend: str = "auto",
+    params_dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+) -> torch.nn.Module:
+    """A ``GPTModel`` (on the current ``parallel_state``) with the fused head installed.
+
+    ``model_cfg`` holds ``build_gpt_model``'s shape keywords (``num_layers``, ``hidden_size``,
+    ``num_attention_heads``, ``vocab_size``, ``max_sequence_length``, optional
+    ``ffn_hidden_size`` and ``tie_embeddings``).
+    """
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    overrides: dict[str, Any] = {"variable_seq_lengths": True} if pp > 1 else {}
+    model = build_gpt_model(
+        **model_cfg,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        seed=seed,
+        transformer_layer_spec=layer_spec(),
+        **overrides,
+    )
+    install_fused_head(model, temperature=temperature, backend=backend)
+    return model
+
+
+def synthetic_rollout(
+    *,
+    num_seqs: int,
+    vocab_size: int,
+    prompt_len: Sequence[int],
+    response_len: Sequence[int],
+    seed: int,
+    device: torch.device | str | None = None,
+) -> PackedRollout:
+    """Random packed rollout: ``num_seqs`` prompts and responses of lengths drawn uniformly from
+    the inclusive ``prompt_len`` / ``response_len`` ranges, one advantage per sequence
+    (standardised over the batch, GRPO-style) on its response tokens; ``old_log_probs`` unset.
+    Identical on every rank for the same ``seed``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    tokens, masks, advantages, cu = [], [], [], [0]
+    scores = torch.randn(num_seqs, generator=gen, dtype=torch.float64)
+    scores = (scores - scores.mean()) / (scores.std() + 1e-6)
+    for i in range(num_seqs):
+        p = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=gen))
+        r = int(torch.randint(response_len[0], response_len[1] + 1, (1,), generator=gen))
+        tokens.append(torch.randint(0, vocab_size, (p + r,), generator=gen))
+        mask = torch.zeros(p + r, dtype=torch.bool)
+        mask[p:] = True
+        masks.append(mask)
+        advantages.append(torch.where(mask, scores[i], 0.0).to(torch.float32))
+        cu.append(cu[-1] + p + r)
+    device = _device() if device is None else torch.device(device)
+    return PackedRollout(
+        tokens=torch.cat(tokens).to(device),
+        cu_seqlens=torch.tensor(cu, device=device),
+        response_mask=torch.cat(masks).to(device),
+        advantages=torch.cat(advantages).to(device),
+    )
+
+
+def _all_gather_last_dim(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def logits_path_outputs(
+    model: torch.nn.Module,
+    rollout: PackedRollout,
+    parallel: ActorParallel,
+    *,
+    temperature: float,
+    align: int,
+    packed_attention: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The unfused reference: full logits (gathered over TP), fp64 ``log_softmax(logits / T)``.
+
+    Packs the whole rollout as one micro-batch, runs the model without labels (its output layer
+    then returns the vocab-parallel logits, as ``ColumnParallelLinear``), gathers the vocab
+    shards over TP and takes the log-probability of each response token and the entropy, in
+    fp64. Returns ``(log_probs, entropy)`` fp64 ``[T]`` aligned with ``rollout.tokens`` (zero
+    off the response), on the last pipeline stage; None on other stages.
+    """
+    gpt = unwrap_gpt_model(model)
+    model_cp = parallel.cp_size if parallel.model_runs_cp else 1
+    mb = pack_micro_batch(
+        rollout,
+        list(range(rollout.num_seqs)),
+        align=align,
+        cp_size=model_cp,
+        cp_rank=parallel.cp_rank if model_cp > 1 else 0,
+        model_cp_size=model_cp,
+        build_attention_mask=not packed_attention,
+    )
+    with torch.no_grad():
+        was_training = model.training
+        model.eval()
+        try:
+            logits = gpt_log_probs_and_entropy(
+                model,
+                mb.input_ids,
+                mb.position_ids,
+                None if packed_attention else mb.attention_mask,
+                None,
+                packed_seq_params=mb.packed_seq_params if packed_attention else None,
+            )
+        finally:
+            model.train(was_training)
+    if not gpt.post_process:
+        return None
+    logits = _all_gather_last_dim(logits, parallel.tp).to(torch.float64) / temperature  # [1, t, V]
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    safe = mb.labels.clamp(min=0)
+    log_probs = log_softmax.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    total = rollout.tokens.shape[0]
+    out = torch.zeros(2, total, dtype=torch.float64, device=logits.device)
+    index = mb.token_index.view(-1)
+    keep = mb.loss_mask.view(-1)
+    out[0, index[keep]] = log_probs.view(-1)[keep]
+    out[1, index[keep]] = entropy.view(-1)[keep]
+    if model_cp > 1:
+        dist.all_reduce(out, group=parallel.cp)
+    return out[0], out[1]
+
+
+def full_parameters(model: torch.nn.Module, tp_group: ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Every parameter with its tensor-parallel shards gathered along its partition dim (cloned)."""
+    world = group_size(tp_group)
+    out = {}
+    for name, param in unwrap_gpt_model(model).named_parameters():
+        value = param.detach()
+        if world > 1 and getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(value) for _ in range(world)]
+            dist.all_gather(parts, value.contiguous(), group=tp_group)
+            value = torch.cat(parts, dim=param.partition_dim)
+        out[name] = value.clone()
+    return out
