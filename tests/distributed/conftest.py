@@ -4,7 +4,8 @@ Every rank runs the same tests in the same order, so collectives line up. The wo
 ranks; each test carves the layout it needs (TP 2/4, CP 2, TP 2 × CP 2) out of it with
 :func:`tp_cp_groups`, with Megatron's rank order (TP fastest: ``rank = cp_rank·tp + tp_rank``).
 A test that fails on one rank makes the others time out on their next collective
-(``MCORE_PPO_TEST_TIMEOUT`` seconds) instead of hanging.
+(``MCORE_PPO_TEST_TIMEOUT`` seconds, for the world and every group made here; pass
+:func:`megatron_timeout_minutes` to Megatron's ``initialize_model_parallel``) instead of hanging.
 
 Outside torchrun (no ``WORLD_SIZE``) the whole folder is skipped at collection, so a plain
 ``pytest tests`` stays single-process.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,12 +34,25 @@ if "WORLD_SIZE" not in os.environ:
     collect_ignore_glob = ["test_*.py"]
 
 
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective waits for the other ranks (``MCORE_PPO_TEST_TIMEOUT`` s, default 300).
+
+    Every group the tests create must get it explicitly: ``dist.new_group`` does not inherit the
+    world's timeout (it defaults to 30 minutes), so a rank left behind would outlive the CI.
+    """
+    return datetime.timedelta(seconds=int(os.environ.get("MCORE_PPO_TEST_TIMEOUT", "300")))
+
+
+def megatron_timeout_minutes() -> int:
+    """:func:`collective_timeout` for Megatron's ``initialize_model_parallel(distributed_timeout_minutes=)``."""
+    return max(1, math.ceil(collective_timeout().total_seconds() / 60))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def process_group():
     """One gloo process group for the whole session."""
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=int(os.environ.get("MCORE_PPO_TEST_TIMEOUT", "300")))
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=collective_timeout())
     yield dist.group.WORLD
     _gather_error_report()
     dist.barrier()
@@ -75,12 +90,12 @@ def tp_cp_groups(tp_size: int, cp_size: int = 1) -> Layout:
     tp_group = cp_group = None
     for c in range(cp_size):
         ranks = [c * tp_size + t for t in range(tp_size)]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=collective_timeout())
         if rank in ranks:
             tp_group = group
     for t in range(tp_size):
         ranks = [c * tp_size + t for c in range(cp_size)]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=collective_timeout())
         if rank in ranks:
             cp_group = group
     inside = rank < used
@@ -170,10 +185,10 @@ class Checks:
         if not same:
             self.fail(f"{output}: not bitwise equal (relative error {relative_error(actual, expected):.3e})")
 
-    def raises(self, exception: type[Exception], match: str, fn: Callable[[], object]) -> None:
-        """``fn()`` raises ``exception`` whose message contains ``match``."""
+    def raises(self, exception: type[Exception], match: str, fn: Callable[..., object], *args, **kwargs) -> None:
+        """``fn(*args, **kwargs)`` raises ``exception`` whose message contains ``match``."""
         try:
-            fn()
+            fn(*args, **kwargs)
         except exception as err:
             if match not in str(err):
                 self.fail(f"{exception.__name__} raised, but its message lacks {match!r}: {err}")
@@ -242,10 +257,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write = terminalreporter.write_line
     terminalreporter.section("largest normwise relative error, max over ranks")
     outputs = sorted({o for per in _REPORT["errors"].values() for o in per})
-    write(f"{'comparison':<40}" + "".join(f"{o:>12}" for o in outputs))
+    write(f"{'comparison':<48}" + "".join(f"{o:>12}" for o in outputs))
     for kind in sorted(_REPORT["errors"]):
         per = _REPORT["errors"][kind]
-        write(f"{kind:<40}" + "".join(f"{per[o]:>12.2e}" if o in per else f"{'-':>12}" for o in outputs))
+        write(f"{kind:<48}" + "".join(f"{per[o]:>12.2e}" if o in per else f"{'-':>12}" for o in outputs))
     terminalreporter.section("cases compared per test (max over ranks)")
     for test, count in sorted(_REPORT["cases"].items()):
         write(f"{count:>5}  {test}")

@@ -1,0 +1,83 @@
+"""Bad inputs that only several ranks can detect raise a clear ValueError on every rank.
+
+- Weight shards of different sizes across the TP group (rank 0 8 rows more, rank 1 8 fewer,
+  the global vocab unchanged): ``validation.check_equal_shards`` all-reduces the sizes inside
+  the API, so every rank raises, with and without SP, in every layout.
+- Under SP, labels whose sequence length is not divisible by TP, or divisible but not hidden's
+  shard × TP: every rank raises before any collective.
+After the failures, one good call per layout must still match the single-rank result: no rank
+is left behind in a collective.
+"""
+
+import pytest
+import torch
+from conftest import shared_seed, tp_cp_groups
+from head_cases import LAYOUT_SHAPES, TP_SIZES, VOCAB, compare, make_case, reference, run_head, tp_part
+
+pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
+
+
+def resized_labels(labels: torch.Tensor, seq: int) -> torch.Tensor:
+    """``labels`` with its sequence (last) dim cut or padded (with id 0) to ``seq``."""
+    if seq <= labels.shape[-1]:
+        return labels[..., :seq].clone()
+    pad = torch.zeros(*labels.shape[:-1], seq - labels.shape[-1], dtype=labels.dtype)
+    return torch.cat([labels, pad], dim=-1)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_bad_inputs_raise_on_every_rank(tp, check):
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    cases = [make_case(name, torch.float32) for name in LAYOUT_SHAPES]
+    refs = [reference(case) for case in cases]
+    if layout.tp_group is not None:
+        rank, rows = layout.tp_rank, VOCAB // tp
+        for case, ref in zip(cases, refs, strict=True):
+            shard = case.hidden.chunk(tp, dim=0)[rank]
+            # Rank 0 takes 8 rows of rank 1's shard: same global vocab, uneven shards.
+            start = {0: 0, 1: rows + 8}.get(rank, rank * rows)
+            stop = {0: rows + 8, 1: 2 * rows}.get(rank, (rank + 1) * rows)
+            uneven = case.weight[start:stop]
+            # Labels valid for every rank's idea of the vocab (smallest shard × tp): without the
+            # shard check the ranks would then run on in step and the test fail cleanly, instead
+            # of one rank raising on the label range while the others wait in the combine.
+            small_vocab = (rows - 8) * tp
+            uneven_labels = torch.where(case.labels >= 0, case.labels % small_vocab, case.labels)
+            for sp in (False, True):
+                check.case(f"tp={tp} sp={sp} layout={case.layout} uneven weight shards")
+                hidden = shard if sp else case.hidden
+                check.raises(
+                    ValueError,
+                    "same number of rows on every tensor-parallel rank",
+                    run_head,
+                    *(hidden, uneven, uneven_labels, None, None),
+                    tp_group=layout.tp_group,
+                    sequence_parallel=sp,
+                )
+            seq = case.labels.shape[-1]
+            for bad_seq, message in ((seq + 1, "not divisible by the tensor-parallel size"), (seq + tp, "SP shard")):
+                check.case(f"tp={tp} sp=True layout={case.layout} labels of length {bad_seq}")
+                labels = resized_labels(case.labels, bad_seq)
+                weight = case.weight.chunk(tp, dim=0)[rank]
+                check.raises(
+                    ValueError,
+                    message,
+                    run_head,
+                    *(shard, weight, labels, None, None),
+                    tp_group=layout.tp_group,
+                    sequence_parallel=True,
+                )
+            check.case(f"tp={tp} sp=True layout={case.layout} good call after the failures")
+            weight = case.weight.chunk(tp, dim=0)[rank]
+            out = run_head(
+                shard,
+                weight,
+                case.labels,
+                case.grad_log_prob,
+                case.grad_entropy,
+                tp_group=layout.tp_group,
+                sequence_parallel=True,
+            )
+            compare(check, out, tp_part(ref, tp, rank, True), torch.float32, f"TP{tp} after bad inputs")
+    check.done()
