@@ -48,9 +48,9 @@ def _record(key: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
     MAX_DIFF[key] = max(MAX_DIFF.get(key, 0.0), diff)
 
 
-def _close(key: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _close(key: str, actual: torch.Tensor, expected: torch.Tensor, where: str = "") -> None:
     _record(key, actual, expected)
-    torch.testing.assert_close(actual.double(), expected.double(), **TOL)
+    torch.testing.assert_close(actual.double(), expected.double(), **TOL, msg=lambda m: f"{key} {where}: {m}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,138 +130,153 @@ def _layout_name(tp: int, sp: bool) -> str:
     return f"tp{tp}{'sp' if sp else ''}"
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("kind", ["padded", "packed"])
-def test_head_matches_logits_path_every_layout(kind: str, tied: bool):
-    torch.manual_seed(shared_seed())
-    batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ)
-    inputs = batch.model_inputs()
-    g_lp = torch.randn(batch.labels.shape, dtype=torch.float64)
-    g_ent = torch.randn(batch.labels.shape, dtype=torch.float64)
+CASES = [(kind, tied) for kind in ("padded", "packed") for tied in (False, True)]
 
-    tp1 = None
+
+def test_head_matches_logits_path_every_layout():
+    """All 20 cases (5 TP/SP layouts × padded/packed × untied/tied) in one test, so each layout's
+    process groups are created once (group creation dominates on a busy 2-core machine)."""
+    torch.manual_seed(shared_seed())
+    data = {}
+    for kind, tied in CASES:
+        batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ)
+        g_lp = torch.randn(batch.labels.shape, dtype=torch.float64)
+        g_ent = torch.randn(batch.labels.shape, dtype=torch.float64)
+        data[kind, tied] = (batch, g_lp, g_ent)
+
+    tp1 = {}
     for tp, sp in LAYOUTS:
         with model_parallel(tp):
-            model = _model(tied=tied, sp=sp)
-            ref_lp, ref_ent = logits_log_probs_and_entropy(
-                model, labels=batch.labels, temperature=TEMPERATURE, **inputs
-            )
-            _backward(ref_lp, ref_ent, g_lp, g_ent)
-            ref_grads = _grads(model)
+            for kind, tied in CASES:
+                where = f"{_layout_name(tp, sp)} {kind} {'tied' if tied else 'untied'}"
+                batch, g_lp, g_ent = data[kind, tied]
+                inputs = batch.model_inputs()
+                model = _model(tied=tied, sp=sp)
+                ref_lp, ref_ent = logits_log_probs_and_entropy(
+                    model, labels=batch.labels, temperature=TEMPERATURE, **inputs
+                )
+                _backward(ref_lp, ref_ent, g_lp, g_ent)
+                ref_grads = _grads(model)
 
-            head = install_fused_head(model, temperature=TEMPERATURE, backend="torch")
-            assert head is model.output_layer
-            results = {}
-            for path in ("fallback", "hook"):
-                with forward_path(model, path):
-                    lp, ent = gpt_log_probs_and_entropy(model, labels=batch.labels, **inputs)
-                assert lp.shape == batch.labels.shape == ent.shape
-                key = f"{path}"
-                _close(f"logp[{key}]", lp, ref_lp)
-                _close(f"entropy[{key}]", ent, ref_ent)
-                _backward(lp, ent, g_lp, g_ent)
-                grads = _grads(model)
-                assert grads.keys() == ref_grads.keys()
-                for name in grads:
-                    _close(f"grad[{key}]", grads[name], ref_grads[name])
-                results[path] = (lp.detach(), ent.detach(), grads)
+                head = install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+                assert head is model.output_layer
+                results = {}
+                for path in ("fallback", "hook"):
+                    with forward_path(model, path):
+                        lp, ent = gpt_log_probs_and_entropy(model, labels=batch.labels, **inputs)
+                    assert lp.shape == batch.labels.shape == ent.shape, where
+                    _close(f"logp[{path}]", lp, ref_lp, where)
+                    _close(f"entropy[{path}]", ent, ref_ent, where)
+                    _backward(lp, ent, g_lp, g_ent)
+                    grads = _grads(model)
+                    assert grads.keys() == ref_grads.keys(), where
+                    for name in grads:
+                        _close(f"grad[{path}]", grads[name], ref_grads[name], f"{where} {name}")
+                    results[path] = (lp.detach(), ent.detach(), grads)
 
-            lp, ent, grads = results["fallback"]
-            full = _full_grads(model, grads, sp)
-            if tp == 1:
-                tp1 = (lp, ent, full)
-            else:
-                # Same global weights in every TP layout, so the same numbers as TP 1.
-                _close("logp[tp vs tp1]", lp, tp1[0])
-                _close("entropy[tp vs tp1]", ent, tp1[1])
-                assert full.keys() == tp1[2].keys()
-                for name in full:
-                    _close("grad[tp vs tp1]", full[name], tp1[2][name])
+                lp, ent, grads = results["fallback"]
+                full = _full_grads(model, grads, sp)
+                if tp == 1:
+                    tp1[kind, tied] = (lp, ent, full)
+                else:
+                    # Same global weights in every TP layout, so the same numbers as TP 1.
+                    ref = tp1[kind, tied]
+                    _close("logp[tp vs tp1]", lp, ref[0], where)
+                    _close("entropy[tp vs tp1]", ent, ref[1], where)
+                    assert full.keys() == ref[2].keys(), where
+                    for name in full:
+                        _close("grad[tp vs tp1]", full[name], ref[2][name], f"{where} {name}")
     dist.barrier()
 
 
 CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True)]
 
 
-@pytest.mark.parametrize("kind", ["padded", "packed"])
-@pytest.mark.parametrize("tp,cp,sp", CP_LAYOUTS, ids=[f"tp{t}cp{c}{'sp' if s else ''}" for t, c, s in CP_LAYOUTS])
-def test_cp_at_output_boundary(kind: str, tp: int, cp: int, sp: bool):
-    """Final hidden states of a cp=1 run, split as Megatron splits them, through the installed head
-    under CP: values and gradients (hidden, head weight) equal the cp=1 ones."""
-    torch.manual_seed(shared_seed())
+def _check_cp_boundary(kind: str, tp: int, cp: int, sp: bool) -> None:
+    where = f"tp{tp} cp{cp}{' sp' if sp else ''} {kind}"
     batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ)
     cu = batch.cu_seqlens
     labels_full = roll_labels(batch.input_ids, seq_dim=1, cu_seqlens=cu)
     g_lp = torch.randn(labels_full.shape, dtype=torch.float64)
     g_ent = torch.randn(labels_full.shape, dtype=torch.float64)
 
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    cp_group = parallel_state.get_context_parallel_group()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    # The local attention cannot run CP > 1, so the model itself is CP-unaware
+    # (config context_parallel_size=1): on every CP rank it is the cp=1 run.
+    model = _model(tied=False, sp=sp, context_parallel_size=1)
+    head = install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+
+    model.post_process = False
+    try:
+        with torch.no_grad():
+            hidden = model(**batch.model_inputs())
+    finally:
+        model.post_process = True
+    if sp:
+        parts = [torch.empty_like(hidden) for _ in range(tp)]
+        dist.all_gather(parts, hidden.contiguous(), group=tp_group)
+        hidden = torch.cat(parts, dim=0)
+    hidden = hidden.detach()  # [s, b, h] (padded) or [t, 1, h] (packed)
+
+    # cp=1 reference: the same head on the whole sequence in this TP layout.
+    ref_in = (hidden.chunk(tp, dim=0)[tp_rank] if sp else hidden).clone().requires_grad_()
+    ref_lp, ref_ent = head(ref_in, labels_full)
+    _backward(ref_lp, ref_ent, g_lp, g_ent)
+    ref_dw = head.weight.grad.clone()
+    head.weight.grad = None
+    ref_dhidden = torch.zeros_like(hidden)
+    if sp:
+        ref_dhidden.chunk(tp, dim=0)[tp_rank].copy_(ref_in.grad)
+        dist.all_reduce(ref_dhidden, group=tp_group)
+    else:
+        ref_dhidden.copy_(ref_in.grad)
+
+    # and float64 math on the whole sequence and vocab, to anchor the cp=1 run itself.
+    weights = [torch.empty_like(head.weight) for _ in range(tp)]
+    dist.all_gather(weights, head.weight.detach().contiguous(), group=tp_group)
+    z = torch.einsum("sbh,vh->bsv", hidden, torch.cat(weights)) / TEMPERATURE
+    log_softmax = torch.log_softmax(z, dim=-1)
+    math_lp = log_softmax.gather(-1, labels_full.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    math_lp = torch.where(labels_full == -100, 0.0, math_lp)
+    _close("cp: cp1 head vs fp64 math", ref_lp, math_lp, where)
+
+    # CP: Megatron splits the sequence for CP first, then scatters it over TP for SP.
+    local = split_for_cp(hidden, cp, cp_rank, seq_dim=0, cu_seqlens=cu)
+    if sp:
+        local = local.chunk(tp, dim=0)[tp_rank]
+    local = local.clone().requires_grad_()
+    assert local.shape[0] == hidden.shape[0] // (cp * (tp if sp else 1)), where
+    labels = roll_and_split_labels(batch.input_ids, cp, cp_rank, seq_dim=1, cu_seqlens=cu)
+    torch.testing.assert_close(labels, split_for_cp(labels_full, cp, cp_rank, seq_dim=1, cu_seqlens=cu))
+    lp, ent = head(local, labels)
+
+    def split(t, seq_dim):
+        return split_for_cp(t, cp, cp_rank, seq_dim=seq_dim, cu_seqlens=cu)
+
+    _close("cp: logp", lp, split(ref_lp.detach(), 1), where)
+    _close("cp: entropy", ent, split(ref_ent.detach(), 1), where)
+    _backward(lp, ent, split(g_lp, 1), split(g_ent, 1))
+    expected_dhidden = split(ref_dhidden, 0)
+    if sp:
+        expected_dhidden = expected_dhidden.chunk(tp, dim=0)[tp_rank]
+    _close("cp: d_hidden", local.grad, expected_dhidden, where)
+    # Each CP rank holds its tokens' part of d_W; DDP sums them over DP×CP.
+    dw = head.weight.grad.clone()
+    dist.all_reduce(dw, group=cp_group)
+    _close("cp: d_weight", dw, ref_dw, where)
+
+
+@pytest.mark.parametrize("tp,cp,sp", CP_LAYOUTS, ids=[f"tp{t}cp{c}{'sp' if s else ''}" for t, c, s in CP_LAYOUTS])
+def test_cp_at_output_boundary(tp: int, cp: int, sp: bool):
+    """Final hidden states of a cp=1 run, split as Megatron splits them, through the installed head
+    under CP: values and gradients (hidden, head weight) equal the cp=1 ones (padded and packed)."""
+    torch.manual_seed(shared_seed())
     with model_parallel(tp, cp):
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        cp_group = parallel_state.get_context_parallel_group()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        cp_rank = parallel_state.get_context_parallel_rank()
-        # The local attention cannot run CP > 1, so the model itself is CP-unaware
-        # (config context_parallel_size=1): on every CP rank it is the cp=1 run.
-        model = _model(tied=False, sp=sp, context_parallel_size=1)
-        head = install_fused_head(model, temperature=TEMPERATURE, backend="torch")
-
-        model.post_process = False
-        try:
-            with torch.no_grad():
-                hidden = model(**batch.model_inputs())
-        finally:
-            model.post_process = True
-        if sp:
-            parts = [torch.empty_like(hidden) for _ in range(tp)]
-            dist.all_gather(parts, hidden.contiguous(), group=tp_group)
-            hidden = torch.cat(parts, dim=0)
-        hidden = hidden.detach()  # [s, b, h] (padded) or [t, 1, h] (packed)
-
-        # cp=1 reference: the same head on the whole sequence in this TP layout.
-        ref_in = (hidden.chunk(tp, dim=0)[tp_rank] if sp else hidden).clone().requires_grad_()
-        ref_lp, ref_ent = head(ref_in, labels_full)
-        _backward(ref_lp, ref_ent, g_lp, g_ent)
-        ref_dw = head.weight.grad.clone()
-        head.weight.grad = None
-        ref_dhidden = torch.zeros_like(hidden)
-        if sp:
-            ref_dhidden.chunk(tp, dim=0)[tp_rank].copy_(ref_in.grad)
-            dist.all_reduce(ref_dhidden, group=tp_group)
-        else:
-            ref_dhidden.copy_(ref_in.grad)
-
-        # and float64 math on the whole sequence and vocab, to anchor the cp=1 run itself.
-        weights = [torch.empty_like(head.weight) for _ in range(tp)]
-        dist.all_gather(weights, head.weight.detach().contiguous(), group=tp_group)
-        z = torch.einsum("sbh,vh->bsv", hidden, torch.cat(weights)) / TEMPERATURE
-        log_softmax = torch.log_softmax(z, dim=-1)
-        math_lp = log_softmax.gather(-1, labels_full.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        math_lp = torch.where(labels_full == -100, 0.0, math_lp)
-        _close("cp: cp1 head vs fp64 math", ref_lp, math_lp)
-
-        # CP: Megatron splits the sequence for CP first, then scatters it over TP for SP.
-        local = split_for_cp(hidden, cp, cp_rank, seq_dim=0, cu_seqlens=cu)
-        if sp:
-            local = local.chunk(tp, dim=0)[tp_rank]
-        local = local.clone().requires_grad_()
-        labels = roll_and_split_labels(batch.input_ids, cp, cp_rank, seq_dim=1, cu_seqlens=cu)
-        torch.testing.assert_close(labels, split_for_cp(labels_full, cp, cp_rank, seq_dim=1, cu_seqlens=cu))
-        lp, ent = head(local, labels)
-
-        def split(t, seq_dim):
-            return split_for_cp(t, cp, cp_rank, seq_dim=seq_dim, cu_seqlens=cu)
-
-        _close("cp: logp", lp, split(ref_lp.detach(), 1))
-        _close("cp: entropy", ent, split(ref_ent.detach(), 1))
-        _backward(lp, ent, split(g_lp, 1), split(g_ent, 1))
-        expected_dhidden = split(ref_dhidden, 0)
-        if sp:
-            expected_dhidden = expected_dhidden.chunk(tp, dim=0)[tp_rank]
-        _close("cp: d_hidden", local.grad, expected_dhidden)
-        # Each CP rank holds its tokens' part of d_W; DDP sums them over DP×CP.
-        dw = head.weight.grad.clone()
-        dist.all_reduce(dw, group=cp_group)
-        _close("cp: d_weight", dw, ref_dw)
+        for kind in ("padded", "packed"):
+            _check_cp_boundary(kind, tp, cp, sp)
     dist.barrier()
 
 

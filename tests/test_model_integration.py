@@ -1,0 +1,493 @@
+"""Single-process checks of the Megatron GPT integration (TP 1; CPU with the shims, or CUDA).
+
+What needs several ranks (TP/SP/CP layouts) is in ``tests/distributed/test_model_parity.py``.
+Here: the installed head keeps the model's parameters and state-dict keys, ``labels=None``
+still gives logits, both forward paths (megatron-core >= 0.18's ``output_processor`` hook, and
+the fallback) equal the logits path in values and in every parameter's gradient, pipeline
+stages, hooks carried over, the CPU shims themselves, and the verl-compatible entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+import mcore_ppo
+from mcore_ppo import (
+    build_gpt_model,
+    fused_log_probs_and_entropy,
+    gpt_log_probs_and_entropy,
+    install_fused_head,
+    linear_cross_entropy,
+)
+from mcore_ppo import model as model_module
+from mcore_ppo.testing import cpu_shims, install_cpu_shims, shims_installed, uninstall_cpu_shims
+from mcore_ppo.testing.gpt_reference import logits_log_probs_and_entropy, synthetic_batch
+from mcore_ppo.testing.hooked_gpt import HookedGPTModel, as_hooked, forward_path
+from mcore_ppo.testing.thd_attention import thd_local_layer_spec
+
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 4, 2, 16
+TEMPERATURE = 0.7
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_tp1():
+    """A one-rank process group and Megatron parallel_state (TP 1), plus the CPU shims on CPU."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    shims = cpu_shims() if DEVICE.type == "cpu" else contextlib.nullcontext()
+    with shims:
+        parallel_state.initialize_model_parallel(1, create_gloo_process_groups=False)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            if created:
+                dist.destroy_process_group()
+
+
+def _model(*, tied: bool = False, pre_process: bool = True, post_process: bool = True, layers: int = LAYERS):
+    return build_gpt_model(
+        num_layers=layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        tie_embeddings=tied,
+        params_dtype=torch.float64,
+        pre_process=pre_process,
+        post_process=post_process,
+        seed=2024,
+        transformer_layer_spec=thd_local_layer_spec(),
+        device=DEVICE,
+    )
+
+
+def _batch(kind: str, seed: int):
+    return synthetic_batch(
+        kind, vocab_size=VOCAB, seq_length=SEQ, generator=torch.Generator().manual_seed(seed), device=DEVICE
+    )
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"parameter {name} got no gradient"
+        grads[name] = param.grad.detach().clone()
+        param.grad = None
+    return grads
+
+
+def _backward(log_probs, entropy, g_lp, g_ent) -> None:
+    ((log_probs * g_lp).sum() + (entropy * g_ent).sum()).backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# install_fused_head
+# ---------------------------------------------------------------------------------------------
+
+
+def test_install_keeps_weight_parameter_and_state_dict():
+    model = _model()
+    old_weight = model.output_layer.weight
+    before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    param_ids = [id(p) for p in model.parameters()]
+    head = install_fused_head(model, temperature=TEMPERATURE)
+    assert isinstance(head, mcore_ppo.VocabParallelFusedPPOHead)
+    assert model.output_layer is head
+    assert head.weight is old_weight  # the same Parameter object: optimizer/DDP state stays valid
+    assert head.weight.is_embedding_or_output_parameter
+    assert [id(p) for p in model.parameters()] == param_ids
+    after = model.state_dict()
+    assert list(after.keys()) == list(model.state_dict().keys())
+    assert {k for k, v in after.items() if isinstance(v, torch.Tensor)} == before.keys()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    # A checkpoint saved before the swap loads strictly after it.
+    model.load_state_dict({**after, **before}, strict=True)
+    assert head.temperature == TEMPERATURE
+
+
+def test_install_checkpoint_roundtrip_changes_weight_in_place():
+    model = _model()
+    head = install_fused_head(model)
+    state = model.state_dict()
+    new = torch.randn_like(head.weight)
+    state["output_layer.weight"] = new
+    model.load_state_dict(state)
+    assert torch.equal(head.weight, new)
+
+
+def test_install_tied_allocates_no_weight():
+    model = _model(tied=True)
+    keys = list(model.state_dict().keys())
+    assert model.output_layer.weight is None
+    head = install_fused_head(model)
+    assert head.weight is None
+    assert list(model.state_dict().keys()) == keys
+    assert "output_layer.weight" not in keys
+
+
+def test_install_is_idempotent_and_updates_options():
+    model = _model()
+    head = install_fused_head(model, temperature=1.0, backend="torch")
+    again = install_fused_head(model, temperature=0.5, backend="auto", ignore_index=-1)
+    assert again is head
+    assert (head.temperature, head.backend, head.ignore_index) == (0.5, "auto", -1)
+
+
+def test_install_rejects_foreign_output_layer_and_bad_options():
+    model = _model()
+    with pytest.raises(ValueError, match="temperature"):
+        install_fused_head(model, temperature=0.0)
+    with pytest.raises(TypeError, match="ignore_index"):
+        install_fused_head(model, ignore_index=1.5)
+    model.output_layer = torch.nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
+    with pytest.raises(TypeError, match="ColumnParallelLinear"):
+        install_fused_head(model)
+    with pytest.raises(TypeError, match="install_fused_head"):
+        batch = _batch("padded", 0)
+        gpt_log_probs_and_entropy(model, labels=batch.labels, **batch.model_inputs())
+
+
+def test_install_through_wrappers_and_carries_forward_pre_hooks():
+    """Hooks registered on the old output layer (Megatron DDP's param-gather wait) fire on the head,
+    and a DDP-like wrapper's handle table is re-keyed so its disable_forward_pre_hook still works."""
+    model = _model()
+    calls = []
+    handle = model.output_layer.register_forward_pre_hook(lambda module, args: calls.append(type(module).__name__))
+
+    class Wrapper(torch.nn.Module):  # stands for Megatron DDP / Float16Module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+            self.remove_forward_pre_hook_handles = {model.output_layer: handle}
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    wrapped = Wrapper(model)
+    old = model.output_layer
+    head = install_fused_head(wrapped)
+    assert model.output_layer is head
+    assert wrapped.remove_forward_pre_hook_handles == {head: handle}
+    assert old not in wrapped.remove_forward_pre_hook_handles
+    batch = _batch("padded", 1)
+    for path in ("fallback", "hook"):
+        with forward_path(wrapped, path):
+            gpt_log_probs_and_entropy(wrapped, labels=batch.labels, **batch.model_inputs())
+    assert calls == ["VocabParallelFusedPPOHead"] * 2
+    wrapped.remove_forward_pre_hook_handles[head].remove()
+    gpt_log_probs_and_entropy(wrapped, labels=batch.labels, **batch.model_inputs())
+    assert len(calls) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward: both paths against the logits path
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["fallback", "hook"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_head_matches_logits_path_values_and_every_grad(kind: str, tied: bool, path: str):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed={seed}")
+    batch = _batch(kind, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g_lp = torch.randn(batch.labels.shape, generator=gen, dtype=torch.float64).to(DEVICE)
+    g_ent = torch.randn(batch.labels.shape, generator=gen, dtype=torch.float64).to(DEVICE)
+    model = _model(tied=tied)
+    ref_lp, ref_ent = logits_log_probs_and_entropy(
+        model, labels=batch.labels, temperature=TEMPERATURE, **batch.model_inputs()
+    )
+    _backward(ref_lp, ref_ent, g_lp, g_ent)
+    ref_grads = _grads(model)
+
+    install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+    native_hook = model_module.supports_output_processor(model)
+    hook_calls = HookedGPTModel.hook_calls
+    with forward_path(model, path):
+        lp, ent = gpt_log_probs_and_entropy(model, labels=batch.labels, **batch.model_inputs())
+    if not native_hook:  # the emulated hook counts its calls: the path taken is the path asked for
+        assert HookedGPTModel.hook_calls == hook_calls + (path == "hook")
+    assert lp.shape == ent.shape == batch.labels.shape
+    torch.testing.assert_close(lp, ref_lp, **TOL)
+    torch.testing.assert_close(ent, ref_ent, **TOL)
+    assert bool((lp[batch.labels == -100] == 0).all()) and bool((ent[batch.labels == -100] == 0).all())
+    _backward(lp, ent, g_lp, g_ent)
+    grads = _grads(model)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    if tied:
+        assert "embedding.word_embeddings.weight" in grads and "output_layer.weight" not in grads
+
+
+def test_temperature_per_call_overrides_head_default():
+    batch = _batch("padded", 3)
+    model = _model()
+    ref_lp, ref_ent = logits_log_probs_and_entropy(model, labels=batch.labels, temperature=1.3, **batch.model_inputs())
+    install_fused_head(model, temperature=TEMPERATURE)
+    with torch.no_grad():
+        lp, ent = gpt_log_probs_and_entropy(model, labels=batch.labels, temperature=1.3, **batch.model_inputs())
+        default_lp, _ = gpt_log_probs_and_entropy(model, labels=batch.labels, **batch.model_inputs())
+    torch.testing.assert_close(lp, ref_lp, **TOL)
+    torch.testing.assert_close(ent, ref_ent, **TOL)
+    assert not torch.allclose(default_lp, lp)
+    with pytest.raises(ValueError, match="temperature"):
+        gpt_log_probs_and_entropy(model, labels=batch.labels, temperature=-1.0, **batch.model_inputs())
+
+
+def test_labels_none_returns_the_models_logits():
+    batch = _batch("padded", 4)
+    model = _model()
+    with torch.no_grad():
+        before = model(batch.input_ids, batch.position_ids, None)
+        install_fused_head(model)
+        after = gpt_log_probs_and_entropy(model, batch.input_ids, batch.position_ids, None, None)
+        direct = model(batch.input_ids, batch.position_ids, None)
+    assert after.shape == (2, SEQ, VOCAB)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    torch.testing.assert_close(direct, before, rtol=0, atol=0)
+
+
+def test_output_processor_detection():
+    import megatron.core
+
+    major_minor = tuple(int(x) for x in megatron.core.__version__.split(".")[:2])
+    model = _model()
+    assert model_module.supports_output_processor(model) == (major_minor >= (0, 18))
+    hooked = as_hooked(_model())
+    assert isinstance(hooked, HookedGPTModel)
+    assert model_module.supports_output_processor(hooked)
+
+    class NoHook(torch.nn.Module):
+        post_process = True
+
+        def forward(self, input_ids, position_ids, attention_mask, labels=None):
+            raise AssertionError("not called")
+
+    assert not model_module.supports_output_processor(NoHook())
+
+
+def test_hook_path_receives_what_megatron_passes(monkeypatch):
+    """Through the hook the processor is called with the output layer and, for tied models, the
+    embedding's weight (untied: None), and it calls the head module."""
+    seen = {}
+    original = model_module.fused_output_processor
+
+    def spy(**kwargs):
+        seen.update(kwargs)
+        return original(**kwargs)
+
+    monkeypatch.setattr(model_module, "fused_output_processor", spy)
+    batch = _batch("packed", 5)
+    for tied in (False, True):
+        seen.clear()
+        model = _model(tied=tied)
+        head = install_fused_head(model)
+        with forward_path(model, "hook"):
+            gpt_log_probs_and_entropy(model, labels=batch.labels, temperature=1.1, **batch.model_inputs())
+        assert seen["output_layer"] is head
+        assert seen["labels"] is batch.labels
+        assert seen["packed_seq_params"] is batch.packed_seq_params
+        assert seen["context"].temperature == 1.1
+        assert seen["hidden_states"].shape == (batch.labels.shape[1], 1, HIDDEN)
+        expected_weight = model.embedding.word_embeddings.weight if tied else None
+        assert seen["output_weight"] is expected_weight
+
+
+def test_fallback_restores_post_process_after_an_error():
+    model = _model()
+    install_fused_head(model)
+    batch = _batch("padded", 6)
+    with forward_path(model, "fallback"), pytest.raises(Exception):  # noqa: B017 - any model error
+        gpt_log_probs_and_entropy(model, batch.input_ids.float(), batch.position_ids, None, batch.labels)
+    assert model.post_process is True
+    with forward_path(model, "fallback"), pytest.raises(ValueError, match="labels"):
+        gpt_log_probs_and_entropy(model, labels=batch.labels[:, :-1], **batch.model_inputs())
+    assert model.post_process is True
+
+
+def test_pipeline_stages_pass_hidden_states_through():
+    """A non-last stage returns its hidden states untouched (and gets no head); the last stage fed
+    those hidden states gives the full model's log-probs."""
+    batch = _batch("padded", 7)
+    full = _model()
+    first = _model(post_process=False, layers=1)
+    last = _model(pre_process=False, layers=1)
+    source = full.state_dict()
+    first_state = {k: v for k, v in source.items() if k.startswith(("embedding.", "decoder.layers.0."))}
+    missing, unexpected = first.load_state_dict(first_state, strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected
+    last_state = {
+        k.replace("decoder.layers.1.", "decoder.layers.0."): v
+        for k, v in source.items()
+        if k.startswith(("decoder.layers.1.", "decoder.final_layernorm.", "output_layer."))
+    }
+    missing, unexpected = last.load_state_dict(last_state, strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected
+
+    assert install_fused_head(first) is None
+    assert not isinstance(getattr(first, "output_layer", None), mcore_ppo.VocabParallelFusedPPOHead)
+    install_fused_head(full, temperature=TEMPERATURE)
+    install_fused_head(last, temperature=TEMPERATURE)
+    with torch.no_grad():
+        expected_hidden = first(batch.input_ids, batch.position_ids, None)
+        hidden = gpt_log_probs_and_entropy(first, labels=batch.labels, **batch.model_inputs())
+        assert hidden.shape == (SEQ, 2, HIDDEN)
+        torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=0)
+        ref_lp, ref_ent = gpt_log_probs_and_entropy(full, labels=batch.labels, **batch.model_inputs())
+        last.set_input_tensor(hidden)
+        lp, ent = gpt_log_probs_and_entropy(last, None, batch.position_ids, None, batch.labels)
+    torch.testing.assert_close(lp, ref_lp, **TOL)
+    torch.testing.assert_close(ent, ref_ent, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# build_gpt_model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_build_is_deterministic_and_leaves_the_global_rng_alone():
+    state = torch.get_rng_state()
+    a, b = _model(), _model()
+    assert torch.equal(torch.get_rng_state(), state)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        assert pa.dtype == torch.float64, name
+    assert isinstance(a, GPTModel)
+
+
+def test_build_needs_parallel_state(monkeypatch):
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        _model()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU shims
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU shims refuse to install on a CUDA machine")
+def test_cpu_shims_install_restore_and_nest():
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    was_installed = shims_installed()
+    uninstall_cpu_shims()
+    try:
+        original_device, original_fork = torch.cuda.current_device, CudaRNGStatesTracker.fork
+        assert schedules.torch is torch
+        install_cpu_shims()
+        install_cpu_shims()  # idempotent
+        assert torch.cuda.current_device() == torch.device("cpu")
+        assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+        assert schedules.torch.float32 is torch.float32
+        uninstall_cpu_shims()
+        assert torch.cuda.current_device is original_device and CudaRNGStatesTracker.fork is original_fork
+        assert schedules.torch is torch
+        with cpu_shims():
+            with cpu_shims():
+                pass
+            assert shims_installed()  # the inner context does not undo the outer one
+        assert not shims_installed()
+    finally:
+        if was_installed:
+            install_cpu_shims()
+
+
+def test_cpu_shims_refuse_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA is available"):
+        install_cpu_shims()
+
+
+# ---------------------------------------------------------------------------------------------
+# verl-compatible entry
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp64_reference(hidden, weight, labels, temperature):
+    log_softmax = torch.log_softmax(hidden.reshape(-1, hidden.shape[-1]) @ weight.t() / temperature, dim=-1)
+    flat = labels.reshape(-1)
+    lp = log_softmax.gather(-1, flat.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return lp, -(log_softmax.exp() * log_softmax).sum(-1)
+
+
+def test_verl_linear_cross_entropy_flattens_like_verl():
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(6, 3, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (6, 3), generator=gen)  # verl pairs hidden[i, j] with labels[i, j]
+    lp, ent = linear_cross_entropy(hidden, weight, labels, 0.9)
+    assert lp.shape == ent.shape == (18,)
+    assert lp.dtype == ent.dtype == torch.float64
+    ref_lp, ref_ent = _fp64_reference(hidden, weight, labels, 0.9)
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    g = torch.randn(18, generator=gen, dtype=torch.float64)
+    dh, dw = torch.autograd.grad((lp * g).sum() + ent.sum(), (hidden, weight))
+    rdh, rdw = torch.autograd.grad((ref_lp * g).sum() + ref_ent.sum(), (hidden, weight))
+    assert dh.shape == hidden.shape
+    torch.testing.assert_close(dh, rdh)
+    torch.testing.assert_close(dw, rdw)
+    # The same numbers as the project's own API on the flattened tokens.
+    own_lp, own_ent = fused_log_probs_and_entropy(
+        hidden.reshape(-1, HIDDEN), weight, labels.reshape(-1), temperature=0.9
+    )
+    torch.testing.assert_close(lp, own_lp)
+    torch.testing.assert_close(ent, own_ent)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean", "MEAN"])
+def test_verl_linear_cross_entropy_reductions(reduction: str):
+    gen = torch.Generator().manual_seed(12)
+    hidden = torch.randn(10, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (10,), generator=gen)
+    lp, ent = linear_cross_entropy(hidden, weight, labels, 1.0, reduction)
+    none_lp, none_ent = linear_cross_entropy(hidden, weight, labels, 1.0, "none")
+    assert lp.dim() == 0 and ent.shape == (10,)
+    expected = none_lp.sum() if reduction == "sum" else none_lp.mean()
+    torch.testing.assert_close(lp, expected)
+    torch.testing.assert_close(ent, none_ent)
+    (dh,) = torch.autograd.grad(lp, hidden)
+    (rdh,) = torch.autograd.grad(expected, hidden)
+    torch.testing.assert_close(dh, rdh)
+
+
+def test_verl_linear_cross_entropy_defaults_and_errors():
+    gen = torch.Generator().manual_seed(13)
+    hidden = torch.randn(5, HIDDEN, generator=gen, dtype=torch.float64)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (5,), generator=gen)
+    labels[1] = -100
+    lp, ent = linear_cross_entropy(hidden, weight, labels, None, None)
+    ref_lp, ref_ent = linear_cross_entropy(hidden, weight, labels)
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    assert lp[1] == 0 and ent[1] == 0  # beyond verl: ignore_index
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(hidden, weight, labels, 1.0, "avg")
+    with pytest.raises(ValueError, match="labels"):
+        linear_cross_entropy(hidden, weight, labels[:4])
+    with pytest.raises(ValueError, match="temperature"):
+        linear_cross_entropy(hidden, weight, labels, 0.0)
