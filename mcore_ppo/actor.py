@@ -426,7 +426,7 @@ class MegatronPPOActor:
             Metrics, identical on every rank: ``loss``, ``pg_loss``, ``entropy`` (token mean),
             ``pg_clipfrac``, ``pg_clipfrac_lower`` (dual-clip), ``ppo_kl`` (token mean of
             ``old - new`` log-prob, verl's), ``kl_k3`` (token mean of the k3 estimate of
-            KL(new‖old)), ``grad_norm`` (before clipping), ``num_tokens``, ``num_seqs``,
+            KL(old‖new) over the old policy's samples), ``grad_norm`` (before clipping), ``num_tokens``, ``num_seqs``,
             ``update_successful``.
         """
         if rollout.advantages is None or rollout.old_log_probs is None:
@@ -515,7 +515,7 @@ class MegatronPPOActor:
                 "pg_clipfrac": aggregate(terms.clipped, tw),
                 "pg_clipfrac_lower": aggregate(terms.dual_clipped, tw),
                 "ppo_kl": aggregate(-terms.log_ratio.detach(), tw),
-                "kl_k3": aggregate(kl_k3(log_probs.detach(), mb.old_log_probs.to(log_probs.dtype)), tw),
+                "kl_k3": aggregate(kl_k3(mb.old_log_probs.to(log_probs.dtype), log_probs.detach()), tw),
             }
         return loss * self._loss_scale, metrics
 

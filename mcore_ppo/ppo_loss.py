@@ -116,9 +116,18 @@ def compute_policy_loss(
     return PolicyLossTerms(pg_losses, log_ratio, ratio, clipped, dual_clipped)
 
 
-def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """Per-token low-variance KL estimate ``exp(r) - 1 - r``, ``r = ref - log_prob`` (≥ 0)."""
-    r = ref_log_prob - log_prob
+def kl_k3(sample_log_prob: torch.Tensor, other_log_prob: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of ``KL(q ‖ p)`` from tokens sampled from ``q`` (always ≥ 0).
+
+    ``r = log p - log q`` and the estimate is ``exp(r) - 1 - r``, whose mean over samples of
+    ``q`` is exactly ``KL(q ‖ p)`` in expectation (Schulman's k3). In PPO the tokens come from
+    the old policy, so ``kl_k3(old_log_probs, log_probs)`` estimates ``KL(π_old ‖ π)``.
+
+    Args:
+        sample_log_prob: ``log q`` of the sampled tokens (the sampling policy).
+        other_log_prob: ``log p`` of the same tokens.
+    """
+    r = other_log_prob - sample_log_prob
     return torch.expm1(r) - r
 
 

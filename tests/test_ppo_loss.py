@@ -104,11 +104,19 @@ def test_policy_loss_rejects_bad_arguments():
         agg_loss(torch.zeros(2, 2), torch.ones(2, 2), "seq-sum")
 
 
-def test_kl_k3_is_nonnegative_and_exact():
-    lp = torch.tensor([-1.0, -2.0, -0.3], dtype=torch.float64)
-    ref = torch.tensor([-1.5, -1.0, -0.3], dtype=torch.float64)
-    expected = [math.exp(r - a) - 1 - (r - a) for a, r in zip(lp.tolist(), ref.tolist(), strict=True)]
-    torch.testing.assert_close(kl_k3(lp, ref), torch.tensor(expected, dtype=torch.float64), rtol=1e-14, atol=1e-15)
+def test_kl_k3_matches_hand_computation_and_estimates_kl():
+    old = torch.tensor([-1.0, -2.0, -0.3], dtype=torch.float64)
+    new = torch.tensor([-1.5, -1.0, -0.3], dtype=torch.float64)
+    expected = [math.exp(b - a) - 1 - (b - a) for a, b in zip(old.tolist(), new.tolist(), strict=True)]
+    torch.testing.assert_close(kl_k3(old, new), torch.tensor(expected, dtype=torch.float64), rtol=1e-14, atol=1e-15)
+    # Unbiased for KL(q || p) over samples of q: the q-weighted mean over a whole (small) vocab
+    # equals the exact KL.
+    gen = torch.Generator().manual_seed(_seed())
+    log_q = torch.log_softmax(torch.randn(7, generator=gen, dtype=torch.float64), 0)
+    log_p = torch.log_softmax(torch.randn(7, generator=gen, dtype=torch.float64), 0)
+    exact = (log_q.exp() * (log_q - log_p)).sum()
+    torch.testing.assert_close((log_q.exp() * kl_k3(log_q, log_p)).sum(), exact, rtol=1e-12, atol=1e-14)
+    assert bool((kl_k3(log_q, log_p) >= 0).all())
 
 
 def test_agg_loss_modes_match_hand_computation():

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# torchrun launcher of the PPO demo (scripts/ppo_step.py). With no arguments it is the README's
+# main command: TP 2 with sequence parallelism and CP 2 (at the head without TransformerEngine),
+# 4 ranks, gloo on CPU (NCCL on GPUs, one per rank).
+#
+#   scripts/launch.sh [--tp N] [--cp N] [--pp N] [--nproc N] [--config FILE] [--timeout SECONDS]
+#                     [any ppo_step.py option: --sp | --no-sp, --cp-mode auto|model|head, --steps N, --backend B]
+#
+# --tp/--cp/--pp default to the config's layout (configs/ppo_demo.yaml); --nproc defaults to
+# tp·cp·pp. The run gets its own session (setsid) under `timeout`, so a hung collective cannot
+# outlive the launcher: on timeout or Ctrl-C every rank is killed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+config=configs/ppo_demo.yaml
+tp="" cp="" pp="" nproc=""
+limit=${MCORE_PPO_LAUNCH_TIMEOUT:-900}
+extra=()
+need() { [ $# -ge 2 ] || { echo "launch.sh: $1 needs a value" >&2; exit 2; }; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tp) need "$@"; tp=$2; shift 2 ;;
+    --cp) need "$@"; cp=$2; shift 2 ;;
+    --pp) need "$@"; pp=$2; shift 2 ;;
+    --nproc) need "$@"; nproc=$2; shift 2 ;;
+    --config) need "$@"; config=$2; shift 2 ;;
+    --timeout) need "$@"; limit=$2; shift 2 ;;
+    --tp=*) tp=${1#*=}; shift ;;
+    --cp=*) cp=${1#*=}; shift ;;
+    --pp=*) pp=${1#*=}; shift ;;
+    --nproc=*) nproc=${1#*=}; shift ;;
+    --config=*) config=${1#*=}; shift ;;
+    --timeout=*) limit=${1#*=}; shift ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) extra+=("$1"); shift ;;
+  esac
+done
+for v in "$tp" "$cp" "$pp" "$nproc" "$limit"; do
+  case "$v" in ''|*[!0-9]*) [ -z "$v" ] || { echo "launch.sh: sizes must be positive integers, got '$v'" >&2; exit 2; } ;; esac
+done
+[ -f "$config" ] || { echo "launch.sh: no config file $config" >&2; exit 2; }
+
+# Sizes not given on the command line come from the config's layout.
+read -r ctp ccp cpp < <(python - "$config" <<'EOF'
+import sys, yaml
+layout = (yaml.safe_load(open(sys.argv[1])) or {}).get("layout", {})
+print(layout.get("tp", 1), layout.get("cp", 1), layout.get("pp", 1))
+EOF
+)
+tp=${tp:-$ctp} cp=${cp:-$ccp} pp=${pp:-$cpp}
+nproc=${nproc:-$((tp * cp * pp))}
+if [ $((nproc % (tp * cp * pp))) -ne 0 ]; then
+  echo "launch.sh: --nproc $nproc is not a multiple of tp*cp*pp = $((tp * cp * pp))" >&2
+  exit 2
+fi
+
+# Megatron/TE-absence UserWarnings and torchrun's OMP notice are noise here.
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+echo "launch: torchrun --standalone --nproc_per_node $nproc scripts/ppo_step.py --config $config --tp $tp --cp $cp --pp $pp ${extra[*]:-} (timeout ${limit}s)"
+setsid --wait timeout --kill-after=20 "$limit" \
+  torchrun --standalone --nproc_per_node "$nproc" scripts/ppo_step.py \
+  --config "$config" --tp "$tp" --cp "$cp" --pp "$pp" ${extra[@]+"${extra[@]}"} &
+pid=$!
+# setsid made $pid the leader of a new process group: signal the whole group on the way out.
+trap 'kill -TERM -- "-$pid" 2>/dev/null || true' INT TERM
+status=0
+wait "$pid" || status=$?
+trap - INT TERM
+if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+  echo "launch.sh: the run exceeded ${limit}s and was killed" >&2
+fi
+exit "$status"
