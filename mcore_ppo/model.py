@@ -151,10 +151,16 @@ def build_gpt_model(
             post_process=post_process,
             share_embeddings_and_output_weights=tie_embeddings,
         )
-    # torch.nn.Embedding (the position table) ignores params_dtype; keep one dtype throughout.
-    if pre_process and getattr(model.embedding, "position_embeddings", None) is not None:
-        model.embedding.position_embeddings.to(params_dtype)
+    # Plain torch modules inside the local spec (the position table; the norms when Apex is
+    # absent) are built in torch's default dtype whatever params_dtype says. Keep one dtype
+    # throughout, as Megatron's Float16Module does for bf16 (Parameters are converted in place).
+    for module in model.modules():
+        if isinstance(module, _PLAIN_TORCH_MODULES):
+            module.to(params_dtype)
     return model.to(device)
+
+
+_PLAIN_TORCH_MODULES = (torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm)
 
 
 def _rng_tracker_seeded() -> bool:

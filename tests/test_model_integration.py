@@ -4,7 +4,7 @@ What needs several ranks (TP/SP/CP layouts) is in ``tests/distributed/test_model
 Here: the installed head keeps the model's parameters and state-dict keys, ``labels=None``
 still gives logits, both forward paths (megatron-core >= 0.18's ``output_processor`` hook, and
 the fallback) equal the logits path in values and in every parameter's gradient, pipeline
-stages, hooks carried over, the CPU shims themselves, and the verl-compatible entry.
+stages, hooks carried over, and the CPU shims themselves.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from megatron.core.models.gpt import GPTModel
 import mcore_ppo
 from mcore_ppo import (
     build_gpt_model,
-    fused_log_probs_and_entropy,
     gpt_log_probs_and_entropy,
     install_fused_head,
-    linear_cross_entropy,
 )
 from mcore_ppo import model as model_module
 from mcore_ppo.testing import cpu_shims, install_cpu_shims, shims_installed, uninstall_cpu_shims
@@ -418,76 +416,3 @@ def test_cpu_shims_refuse_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is available"):
         install_cpu_shims()
-
-
-# ---------------------------------------------------------------------------------------------
-# verl-compatible entry
-# ---------------------------------------------------------------------------------------------
-
-
-def _fp64_reference(hidden, weight, labels, temperature):
-    log_softmax = torch.log_softmax(hidden.reshape(-1, hidden.shape[-1]) @ weight.t() / temperature, dim=-1)
-    flat = labels.reshape(-1)
-    lp = log_softmax.gather(-1, flat.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return lp, -(log_softmax.exp() * log_softmax).sum(-1)
-
-
-def test_verl_linear_cross_entropy_flattens_like_verl():
-    gen = torch.Generator().manual_seed(11)
-    hidden = torch.randn(6, 3, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, VOCAB, (6, 3), generator=gen)  # verl pairs hidden[i, j] with labels[i, j]
-    lp, ent = linear_cross_entropy(hidden, weight, labels, 0.9)
-    assert lp.shape == ent.shape == (18,)
-    assert lp.dtype == ent.dtype == torch.float64
-    ref_lp, ref_ent = _fp64_reference(hidden, weight, labels, 0.9)
-    torch.testing.assert_close(lp, ref_lp)
-    torch.testing.assert_close(ent, ref_ent)
-    g = torch.randn(18, generator=gen, dtype=torch.float64)
-    dh, dw = torch.autograd.grad((lp * g).sum() + ent.sum(), (hidden, weight))
-    rdh, rdw = torch.autograd.grad((ref_lp * g).sum() + ref_ent.sum(), (hidden, weight))
-    assert dh.shape == hidden.shape
-    torch.testing.assert_close(dh, rdh)
-    torch.testing.assert_close(dw, rdw)
-    # The same numbers as the project's own API on the flattened tokens.
-    own_lp, own_ent = fused_log_probs_and_entropy(
-        hidden.reshape(-1, HIDDEN), weight, labels.reshape(-1), temperature=0.9
-    )
-    torch.testing.assert_close(lp, own_lp)
-    torch.testing.assert_close(ent, own_ent)
-
-
-@pytest.mark.parametrize("reduction", ["sum", "mean", "MEAN"])
-def test_verl_linear_cross_entropy_reductions(reduction: str):
-    gen = torch.Generator().manual_seed(12)
-    hidden = torch.randn(10, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, VOCAB, (10,), generator=gen)
-    lp, ent = linear_cross_entropy(hidden, weight, labels, 1.0, reduction)
-    none_lp, none_ent = linear_cross_entropy(hidden, weight, labels, 1.0, "none")
-    assert lp.dim() == 0 and ent.shape == (10,)
-    expected = none_lp.sum() if reduction == "sum" else none_lp.mean()
-    torch.testing.assert_close(lp, expected)
-    torch.testing.assert_close(ent, none_ent)
-    (dh,) = torch.autograd.grad(lp, hidden)
-    (rdh,) = torch.autograd.grad(expected, hidden)
-    torch.testing.assert_close(dh, rdh)
-
-
-def test_verl_linear_cross_entropy_defaults_and_errors():
-    gen = torch.Generator().manual_seed(13)
-    hidden = torch.randn(5, HIDDEN, generator=gen, dtype=torch.float64)
-    weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, VOCAB, (5,), generator=gen)
-    labels[1] = -100
-    lp, ent = linear_cross_entropy(hidden, weight, labels, None, None)
-    ref_lp, ref_ent = linear_cross_entropy(hidden, weight, labels)
-    torch.testing.assert_close(lp, ref_lp)
-    torch.testing.assert_close(ent, ref_ent)
-    assert lp[1] == 0 and ent[1] == 0  # beyond verl: ignore_index
-    with pytest.raises(ValueError, match="reduction"):
-        linear_cross_entropy(hidden, weight, labels, 1.0, "avg")
-    with pytest.raises(ValueError, match="labels"):
-        linear_cross_entropy(hidden, weight, labels[:4])
-    with pytest.raises(ValueError, match="temperature"):
-        linear_cross_entropy(hidden, weight, labels, 0.0)
