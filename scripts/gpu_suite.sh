@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GPU suite for the lent H200 (Python 3.12, torch, triton, pytest there; no megatron-core):
+# the single-rank model tests and the head tests on CUDA, once per carried megatron-core wheel,
+# so megatron-core >= 0.18 runs the real `output_processor` hook path (and the tests force the
+# fallback path on it too) and an older one runs the fallback path (and the emulated hook).
+#
+# Wheels (Python 3.12, x86-64), both folders git-ignored:
+#   .whl/   verl, liger-kernel, ... : installed in every round (megatron_core wheels here too)
+#   .carry/ megatron_core-*.whl      : e.g. 0.19.0, fetched with
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .carry megatron-core==0.19.0
+# One command through the device tool:
+#   run(command="bash scripts/gpu_suite.sh", carry=[".whl", ".carry"])
+# Extra arguments go to pytest. Each round's log is written to $OUT (or /tmp) as gpu_suite_<version>.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_suite: CUDA is not available on this machine" >&2
+  exit 2
+fi
+shopt -s nullglob
+mcore_wheels=(.whl/megatron_core-*.whl .carry/megatron_core-*.whl)
+other_wheels=()
+for wheel in .whl/*.whl .carry/*.whl; do
+  case "$(basename "$wheel")" in megatron_core-*) ;; *) other_wheels+=("$wheel") ;; esac
+done
+if [ ${#mcore_wheels[@]} -eq 0 ]; then
+  echo "gpu_suite: no megatron_core-*.whl in .whl/ or .carry/ (carry them with the run)" >&2
+  exit 2
+fi
+tests=(tests/test_model_integration.py tests/test_verl_compat.py tests/test_head_*.py)
+logs=${OUT:-/tmp}
+status=0
+for wheel in "${mcore_wheels[@]}"; do
+  version=$(basename "$wheel" | cut -d- -f2)
+  site=/tmp/gpu_suite_site_$version
+  echo "== megatron-core $version ($wheel) + ${other_wheels[*]:-no other wheels}"
+  if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "$wheel" "${other_wheels[@]}"; then
+    echo "gpu_suite: installing $wheel failed" >&2
+    status=1
+    continue
+  fi
+  PYTHONPATH="$site:$PWD" python3 - <<'EOF'
+import inspect
+
+import megatron.core
+import torch
+from megatron.core.models.gpt import GPTModel
+
+hook = "output_processor" in inspect.signature(GPTModel.forward).parameters
+print(f"megatron-core {megatron.core.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}; "
+      f"GPTModel.forward has output_processor: {hook} -> default path: {'hook' if hook else 'fallback'}")
+EOF
+  PYTHONPATH="$site:$PWD" python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@" \
+    2>&1 | tee "$logs/gpu_suite_$version.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+exit $status
