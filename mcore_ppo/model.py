@@ -242,6 +242,7 @@ def install_fused_head(
     Raises:
         TypeError: the model's output layer is not a ``ColumnParallelLinear`` (e.g. a
             TransformerEngine MXFP8 LM head), or it has a bias.
+        NotImplementedError: ``config.defer_embedding_wgrad_compute`` is set.
     """
     temperature = check_temperature(temperature)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -261,6 +262,10 @@ def install_fused_head(
         )
     if old.bias is not None:
         raise TypeError("install_fused_head: the output layer has a bias; the fused head has none")
+    if getattr(old.config, "defer_embedding_wgrad_compute", False):
+        # Megatron would compute the output weight's gradient at the pipeline flush from buffers
+        # the fused path never fills; the fused path computes it in its own backward.
+        raise NotImplementedError("install_fused_head does not support config.defer_embedding_wgrad_compute")
 
     head = VocabParallelFusedPPOHead(
         old.input_size,

@@ -155,11 +155,20 @@ def test_install_rejects_foreign_output_layer_and_bad_options():
         install_fused_head(model, temperature=0.0)
     with pytest.raises(TypeError, match="ignore_index"):
         install_fused_head(model, ignore_index=1.5)
+    model.config.defer_embedding_wgrad_compute = True
+    with pytest.raises(NotImplementedError, match="defer_embedding_wgrad_compute"):
+        install_fused_head(model)
+    model.config.defer_embedding_wgrad_compute = False
+    install_fused_head(model)
+    model.config.use_mup = True
+    batch = _batch("padded", 0)
+    with pytest.raises(NotImplementedError, match="MuP"):
+        gpt_log_probs_and_entropy(model, labels=batch.labels, **batch.model_inputs())
+    model.config.use_mup = False
     model.output_layer = torch.nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
     with pytest.raises(TypeError, match="ColumnParallelLinear"):
         install_fused_head(model)
     with pytest.raises(TypeError, match="install_fused_head"):
-        batch = _batch("padded", 0)
         gpt_log_probs_and_entropy(model, labels=batch.labels, **batch.model_inputs())
 
 
