@@ -84,6 +84,8 @@ def compute_log_probs_and_entropy(
     vocab_size = weight.shape[0] * tp_size
     validation.check_label_range(labels, vocab_size, ignore_index)
     impl = resolve_backend(backend, hidden.device)
+    if getattr(impl, "computes_outputs", False):
+        return _whole_head_outputs(impl, hidden, weight, labels, temperature, tp_group, sequence_parallel, ignore_index)
 
     # The one TP reduction of d_hidden lives in this wrapper's backward.
     if sequence_parallel and tp_size > 1:
@@ -105,6 +107,23 @@ def compute_log_probs_and_entropy(
         tp_group,
         impl,
         accumulate_into_main_grad,
+    )
+    if labels.dim() == 2:
+        seq, batch = labels.shape[1], labels.shape[0]
+        log_probs = log_probs.view(seq, batch).t().contiguous()
+        entropy = entropy.view(seq, batch).t().contiguous()
+    return log_probs, entropy
+
+
+def _whole_head_outputs(impl, hidden, weight, labels, temperature, tp_group, sequence_parallel, ignore_index):
+    """A backend with its own autograd and TP handling (Liger): no Function, no TP mapping here."""
+    reason = impl.unsupported(group_size(tp_group), sequence_parallel, hidden)
+    if reason is not None:
+        raise ValueError(f"backend={impl.name!r} cannot run this case: {reason}")
+    tokens_hidden = hidden.reshape(-1, hidden.shape[-1])
+    tokens_labels = labels.t().reshape(-1) if labels.dim() == 2 else labels
+    log_probs, entropy = impl.log_probs_and_entropy(
+        tokens_hidden, weight, tokens_labels, temperature=temperature, ignore_index=ignore_index, tp_group=tp_group
     )
     if labels.dim() == 2:
         seq, batch = labels.shape[1], labels.shape[0]

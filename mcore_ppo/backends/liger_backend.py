@@ -1,0 +1,99 @@
+"""Optional ``liger`` backend: Liger-Kernel's fused linear *scaled* cross-entropy.
+
+Liger returns per-token ``nll`` and entropy of ``softmax(x @ W.T / T)`` through its own
+autograd (a CuTe kernel on Hopper bf16 with ``nvidia-cutlass-dsl``, a chunked PyTorch
+fallback elsewhere). It does not expose the per-shard softmax statistics of the Backend
+protocol, so it is dispatched at the API level instead: :func:`mcore_ppo.api` calls
+:meth:`LigerBackend.log_probs_and_entropy` (``computes_outputs = True``) in place of the
+head's autograd Function, and skips its own TP mapping.
+
+Where its contract fits:
+- TP 1: ``LigerFusedLinearScaledCrossEntropyFunction``.
+- TP > 1 with hidden replicated (no sequence parallelism): its TP variant
+  ``LigerFusedLinearScaledCrossEntropyTPFunction`` (CUDA tensors; its backward already
+  returns the TP-reduced ``d_hidden``, so the head must not reduce it again).
+- Sequence parallelism: not supported (Liger would need the gathered hidden and a
+  reduce-scatter of its gradient); the API raises ``ValueError``.
+
+Differences from the head's own backends, documented rather than hidden: Liger's entropy is
+computed in the input dtype on its CuTe path (bf16 for bf16 inputs; returned here as fp32),
+its log-prob error is ~1e-3 (docs/benchmarks), its input validation syncs the host, ignored
+tokens still cost GEMM work, and ``main_grad`` fusion is not used (the weight gets a ``.grad``
+that Megatron's DDP hook adds to ``main_grad``). ``backend="auto"`` never picks it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from mcore_ppo.backends import import_optional
+from parallel.groups import ProcessGroup, group_size
+
+LIGER_MODULE = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
+
+
+def _liger() -> ModuleType | None:
+    return import_optional(LIGER_MODULE)
+
+
+def is_available() -> bool:
+    """Liger-Kernel (with its fused linear scaled CE, ≥ 0.8.2) is installed."""
+    module = _liger()
+    return module is not None and hasattr(module, "LigerFusedLinearScaledCrossEntropyFunction")
+
+
+class LigerBackend:
+    """Liger's fused linear scaled CE behind the head's API (see the module docstring)."""
+
+    name = "liger"
+    computes_outputs = True
+
+    def unsupported(self, tp_size: int, sequence_parallel: bool, hidden: torch.Tensor) -> str | None:
+        """Why Liger cannot run this case, or None when it can."""
+        if sequence_parallel and tp_size > 1:
+            return "sequence parallelism is not supported by Liger's fused linear scaled CE"
+        if tp_size > 1:
+            module = _liger()
+            if module is None or not hasattr(module, "LigerFusedLinearScaledCrossEntropyTPFunction"):
+                return "this Liger version has no tensor-parallel fused linear scaled CE"
+            if not hidden.is_cuda:
+                return "Liger's tensor-parallel fused linear scaled CE needs CUDA tensors"
+        return None
+
+    def log_probs_and_entropy(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float,
+        ignore_index: int,
+        tp_group: ProcessGroup | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(log_prob [n], entropy [n])`` for ``hidden [n, h]``, global ``labels [n]``.
+
+        Differentiable through Liger's autograd; ignored tokens give zeros.
+        """
+        module = _liger()
+        if module is None:
+            raise RuntimeError("backend='liger' needs liger-kernel (pip install liger-kernel)")
+        labels = labels.long()
+        if group_size(tp_group) > 1:
+            nll, entropy = module.LigerFusedLinearScaledCrossEntropyTPFunction.apply(
+                hidden, weight, labels, tp_group, temperature, ignore_index, 1, True
+            )
+        else:
+            nll, entropy = module.LigerFusedLinearScaledCrossEntropyFunction.apply(
+                hidden, weight, labels, temperature, ignore_index, 1, True
+            )
+        return -nll.float(), entropy.float()
+
+    def shard_statistics(self, *args, **kwargs):
+        """Not provided: Liger exposes outputs, not shard statistics (dispatched at the API level)."""
+        raise NotImplementedError("the liger backend computes outputs directly; it is dispatched by mcore_ppo.api")
+
+    def shard_gradients(self, *args, **kwargs):
+        """Not provided: Liger's own autograd computes the gradients."""
+        raise NotImplementedError("the liger backend computes outputs directly; it is dispatched by mcore_ppo.api")

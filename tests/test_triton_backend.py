@@ -1,0 +1,232 @@
+"""The ``triton`` backend's kernels against the fp64 reference and the torch backend.
+
+Without a GPU the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` must be set
+before :mod:`mcore_ppo.kernels` is decorated (imported), so this module sets it at import and
+keeps it set only while its own tests run (``interpreter`` fixture). Shapes are tiny and odd
+(no size divisible by a block) and the inputs fp32: the interpreter's bf16 arithmetic is wrong,
+so the one bf16 test relies on the kernels' upcast-after-load path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+_SET_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _SET_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
+import mcore_ppo.kernels  # noqa: E402,F401  (decorated now, under the interpreter on CPU)
+from mcore_ppo.api import compute_log_probs_and_entropy, fused_log_probs_and_entropy  # noqa: E402
+from mcore_ppo.backends import resolve_backend  # noqa: E402
+from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
+from tests.reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference  # noqa: E402
+
+if _SET_INTERPRET:
+    del os.environ["TRITON_INTERPRET"]  # the rest of the suite never sees it
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """Interpreter on for this module's tests only (the host wrappers read it per call)."""
+    if _SET_INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_case(n, h, v, *, seed, scale=1.0, shift=0.0, ignored=0.3, dtype=torch.float32):
+    gen = generator(seed)
+    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64) * scale
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) / h**0.5
+    if shift:
+        # A constant logit offset: the extra hidden column meets a weight column of ones.
+        hidden[:, 0] = shift
+        weight[:, 0] = 1.0
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < ignored] = IGNORE_INDEX
+    g = torch.randn(n, generator=gen, dtype=torch.float64)
+    e = torch.randn(n, generator=gen, dtype=torch.float64)
+    return hidden.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE), labels.to(DEVICE), g.float(), e.float()
+
+
+def run_head(hidden, weight, labels, temperature, g, e, backend="triton", **kw):
+    x = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    logp, ent = fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend=backend, **kw)
+    outs, grads = [], []
+    if g is not None:
+        outs.append(logp)
+        grads.append(g.to(DEVICE))
+    if e is not None:
+        outs.append(ent)
+        grads.append(e.to(DEVICE))
+    torch.autograd.backward(outs, grads)
+    return logp.detach(), ent.detach(), x.grad, w.grad
+
+
+def check_against_reference(hidden, weight, labels, temperature, g, e, *, rtol=2e-6, atol=1e-6, grad_rtol=2e-5, **kw):
+    logp, ent, dh, dw = run_head(hidden, weight, labels, temperature, g, e, **kw)
+    ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), temperature, g, e)
+    dtype = hidden.dtype
+    assert_close(logp.cpu(), ref["log_prob"], name="log_prob", dtype=dtype, rtol=rtol, atol=atol)
+    assert_close(ent.cpu(), ref["entropy"], name="entropy", dtype=dtype, rtol=rtol, atol=atol)
+    # atol: gradient entries below ~1e-38 underflow in fp32 (p = exp(-1000) is 0 there).
+    for name, got in (("d_hidden", dh), ("d_weight", dw)):
+        terms = ref[f"{name}_terms"]
+        assert_close(got.cpu(), ref[name], name=name, dtype=dtype, rtol=grad_rtol, atol=1e-30, terms=terms)
+    valid = labels.cpu() != IGNORE_INDEX
+    assert (logp.cpu()[valid] <= 0).all() and (ent.cpu() >= 0).all()
+    return logp, ent, dh, dw
+
+
+def test_backend_resolves():
+    backend = resolve_backend("triton", DEVICE)
+    assert isinstance(backend, triton_backend.TritonBackend)
+    assert backend.forward_config.block_m <= 128
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "v", "temperature"),
+    [(37, 24, 150, 0.7), (5, 17, 33, 1.0), (40, 32, 197, 2.5)],
+)
+def test_head_matches_fp64(n, h, v, temperature):
+    """Outputs and both gradients vs fp64, odd sizes, ignored tokens, T ≠ 1."""
+    hidden, weight, labels, g, e = make_case(n, h, v, seed=fresh_seed())
+    check_against_reference(hidden, weight, labels, temperature, g, e)
+
+
+def test_statistics_match_torch_backend():
+    """The raw shard statistics (m, s, u, y) equal the torch backend's, labels of other shards too."""
+    hidden, weight, labels, _, _ = make_case(33, 20, 101, seed=fresh_seed(), ignored=0.0)
+    valid = torch.ones(33, dtype=torch.bool, device=DEVICE)
+    valid[::4] = False
+    local = labels.clone()
+    local[1::3] = -1  # label owned by another TP rank: y must be 0, the row still counted
+    local[~valid] = -1
+    ours = triton_backend.TritonBackend().shard_statistics(hidden, weight, local, valid, 0.9)
+    ref = TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9)
+    for name, a, b in zip("msuy", ours, ref, strict=True):
+        assert a.dtype == torch.float32
+        assert_close(a[valid].cpu(), b[valid].cpu(), name=f"stat_{name}", dtype=torch.float32, rtol=2e-6, atol=1e-6)
+    assert (ours[3][1::3] == 0).all()
+    # Ignored rows get the neutral (0, 1, 0, 0): finite downstream, never NaN.
+    assert (ours[0][~valid] == 0).all() and (ours[1][~valid] == 1).all() and (ours[2][~valid] == 0).all()
+
+
+def test_all_ignored_is_zero():
+    hidden, weight, labels, g, e = make_case(19, 16, 70, seed=fresh_seed(), ignored=1.0)
+    logp, ent, dh, dw = run_head(hidden, weight, labels, 1.3, g, e)
+    for t in (logp, ent, dh, dw):
+        assert torch.isfinite(t).all()
+        assert (t == 0).all()
+
+
+@pytest.mark.parametrize(("scale", "shift"), [(300.0, 0.0), (1.0, -5000.0), (1.0, 8000.0)])
+def test_extreme_logits(scale, shift):
+    """Logits of size 1e3..1e4, far below and far above zero: exact to fp32 rounding."""
+    hidden, weight, labels, g, e = make_case(16, 16, 45, seed=fresh_seed(), scale=scale, shift=shift)
+    # The fp32 GEMM that forms logits of size L is itself off by ~sqrt(h)·eps32·L before the head
+    # does anything, and every output is Lipschitz in the logits: tolerances scale with L (as in
+    # test_head_reference.py), plus the head's own fp32 rounding.
+    logit_scale = (hidden.double() @ weight.double().t()).abs().max().item() / 0.8
+    atol = 4e-6 * logit_scale
+    check_against_reference(hidden, weight, labels, 0.8, g, e, rtol=2e-6, atol=atol, grad_rtol=2e-5 + 2 * atol)
+
+
+def test_equal_logits_entropy_is_log_v():
+    n, h, v = 9, 16, 77
+    hidden = torch.randn(n, h, generator=generator(fresh_seed())).to(DEVICE)
+    weight = torch.ones(v, h, device=DEVICE)
+    labels = torch.arange(n, device=DEVICE) * 7
+    logp, ent = fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.5, backend="triton")
+    expected = torch.full((n,), torch.log(torch.tensor(float(v))).item(), device=DEVICE)
+    assert_close(ent.cpu(), expected.cpu(), name="entropy", dtype=torch.float32, rtol=1e-6)
+    assert_close(logp.cpu(), -expected.cpu(), name="log_prob", dtype=torch.float32, rtol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["log_prob", "entropy"])
+def test_one_output_used(which):
+    """An unused output passes no gradient (None); the other's gradient is still exact."""
+    hidden, weight, labels, g, e = make_case(21, 24, 66, seed=fresh_seed())
+    g, e = (g, None) if which == "log_prob" else (None, e)
+    check_against_reference(hidden, weight, labels, 1.1, g, e)
+
+
+def test_several_backward_chunks(monkeypatch):
+    """A workspace smaller than the shard splits the backward into vocab chunks (last one ragged)."""
+    monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 30 * 4 * 64)  # 64 columns for n=30
+    hidden, weight, labels, g, e = make_case(30, 16, 150, seed=fresh_seed())
+    assert triton_backend.TritonBackend().vocab_chunk(30, 150, 4) == 64
+    check_against_reference(hidden, weight, labels, 0.6, g, e)
+
+
+def test_main_grad_accumulation():
+    """With Megatron's gradient-accumulation fusion the weight gradient is added to main_grad."""
+    hidden, weight, labels, g, e = make_case(18, 16, 50, seed=fresh_seed())
+    w = weight.clone().requires_grad_(True)
+    w.main_grad = torch.randn(w.shape, generator=generator(1)).to(DEVICE)
+    before = w.main_grad.clone()
+    logp, ent = compute_log_probs_and_entropy(
+        hidden,
+        w,
+        labels,
+        temperature=1.0,
+        tp_group=None,
+        sequence_parallel=False,
+        ignore_index=IGNORE_INDEX,
+        backend="triton",
+        accumulate_into_main_grad=True,
+    )
+    torch.autograd.backward([logp, ent], [g.to(DEVICE), e.to(DEVICE)])
+    ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 1.0, g, e)
+    assert w.main_grad.dtype == torch.float32
+    assert_close(
+        (w.main_grad - before).cpu(),
+        ref["d_weight"],
+        name="main_grad",
+        dtype=torch.float32,
+        rtol=2e-5,
+        terms=ref["d_weight_terms"],
+    )
+
+
+def test_bf16_inputs_match_torch_backend():
+    """bf16 inputs (upcast after load in the interpreter): outputs fp32-exact, d_W in bf16."""
+    hidden, weight, labels, g, e = make_case(26, 32, 120, seed=fresh_seed(), dtype=torch.bfloat16)
+    logp, ent, dh, dw = run_head(hidden, weight, labels, 0.7, g, e)
+    ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 0.7, g, e)
+    assert dh.dtype == dw.dtype == torch.bfloat16
+    assert_close(logp.cpu(), ref["log_prob"], name="log_prob", dtype=torch.bfloat16, rtol=2e-6, atol=1e-6)
+    assert_close(ent.cpu(), ref["entropy"], name="entropy", dtype=torch.bfloat16, rtol=2e-6, atol=1e-6)
+    # dz is rounded to bf16 before the d_hidden / d_W GEMMs, then the result once more.
+    for name, got in (("d_hidden", dh), ("d_weight", dw)):
+        assert_close(
+            got.cpu(),
+            ref[name],
+            name=name,
+            dtype=torch.bfloat16,
+            rtol=1e-2,
+            elementwise_rtol=8e-3,
+            terms=ref[f"{name}_terms"],
+        )
+
+
+def test_compact_rows():
+    gen = generator(fresh_seed())
+    valid = torch.rand(57, generator=gen) < 0.6
+    perm, count = triton_backend.compact_rows(valid)
+    k = int(valid.sum())
+    assert count.tolist() == [k] and count.dtype == torch.int32
+    assert perm[:k].tolist() == torch.nonzero(valid).flatten().tolist()
+    assert perm[k:].tolist() == torch.nonzero(~valid).flatten().tolist()
+
+
+def test_fp64_falls_back_to_reference():
+    hidden, weight, labels, g, e = make_case(12, 8, 30, seed=fresh_seed(), dtype=torch.float64)
+    check_against_reference(hidden, weight, labels, 1.0, g, e, rtol=1e-12, grad_rtol=1e-10)
