@@ -50,9 +50,13 @@ def megatron_timeout_minutes() -> int:
 
 @pytest.fixture(scope="session", autouse=True)
 def process_group():
-    """One gloo process group for the whole session."""
+    """One gloo process group for the whole session; Megatron's groups are reused per layout
+    (see mcore_ppo.testing.parallel_state_cache: otherwise every initialisation leaks threads)."""
+    from mcore_ppo.testing.parallel_state_cache import install_parallel_state_cache
+
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=collective_timeout())
+    install_parallel_state_cache()
     yield dist.group.WORLD
     _gather_error_report()
     dist.barrier()
