@@ -266,7 +266,12 @@ def measure_impl(fn, info, x, w, labels, g, e, temperature, reps, refs, want_gra
             grads.append(e)
         torch.autograd.backward(outs, grads)
 
-    # First call: correctness (also compiles) and memory of a fresh fwd+bwd.
+    # A warm-up step compiles (Triton, torch.compile, CuTe); the next one is measured for memory
+    # and checked for correctness.
+    if want_grads:
+        fwd_bwd()
+    else:
+        fwd()
     torch.cuda.synchronize()
     xg.grad = wg.grad = None
     base = torch.cuda.memory_allocated()
@@ -316,17 +321,14 @@ def tune_triton(x, w, labels, g, e, temperature, reps) -> dict:
     fwd_candidates = [
         tb.FORWARD_CONFIG,
         replace(tb.FORWARD_CONFIG, tiles_per_split=8),
-        replace(tb.FORWARD_CONFIG, tiles_per_split=2),
         replace(tb.FORWARD_CONFIG, num_stages=4),
         replace(tb.FORWARD_CONFIG, block_n=128, num_stages=4),
-        replace(tb.FORWARD_CONFIG, group_m=8),
-        replace(tb.FORWARD_CONFIG, block_m=256, block_n=128, num_stages=3),
+        replace(tb.FORWARD_CONFIG, block_m=256, block_n=128),
     ]
     bwd_candidates = [
         tb.BACKWARD_CONFIG,
         replace(tb.BACKWARD_CONFIG, num_stages=4),
         replace(tb.BACKWARD_CONFIG, block_n=128, num_stages=4),
-        replace(tb.BACKWARD_CONFIG, group_m=8),
     ]
     out: dict[str, list] = {"forward": [], "backward": []}
     run = lambda: fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
@@ -369,7 +371,7 @@ def tune_triton(x, w, labels, g, e, temperature, reps) -> dict:
 
 
 # ----------------------------------------------------------------------------- plot
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, device: str | None = None) -> None:
     try:
         import matplotlib
 
@@ -404,7 +406,8 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_ylim(0, 4)
         ax.set_title(title)
     axes[0].legend(fontsize=7, ncol=4)
-    fig.suptitle(f"{configs[0]['tokens']} tokens, bf16, T={configs[0]['temperature']} ({torch.cuda.get_device_name()})")
+    device = device or (torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+    fig.suptitle(f"{configs[0]['tokens']} tokens, bf16, T={configs[0]['temperature']} ({device})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -424,7 +427,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", action="store_true", help="pick the Triton tile configs by timing first")
     parser.add_argument("--out", default="docs/benchmarks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="bench_head", help="stem of the JSON / PNG files")
+    parser.add_argument("--merge", nargs="+", help="merge these JSON reports into <out>/<name>.json + plot, no GPU")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge_reports(args.merge, Path(args.out), args.name)
     if not torch.cuda.is_available():
         print("bench_head.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -448,7 +455,7 @@ def main(argv=None) -> int:
         "reference": "float64 on the GPU, all tokens (log-prob, entropy, d_hidden, d_weight)",
         "results": [],
     }
-    json_path = out_dir / "bench_head.json"
+    json_path = out_dir / f"{args.name}.json"
     bar = _Progress(len(shapes) * len(tps) * (len(impls) + 2), "bench")
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     for shape in shapes:
@@ -516,8 +523,21 @@ def main(argv=None) -> int:
             del x, w, labels, g, e, refs, refs_t1
             torch.cuda.empty_cache()
     bar.close()
-    plot(report["results"], out_dir / "bench_head.png")
+    plot(report["results"], out_dir / f"{args.name}.png")
     print_table(report)
+    return 0
+
+
+def merge_reports(paths: list[str], out_dir: Path, name: str) -> int:
+    """Concatenate the results of several runs (e.g. one per model shape) into one report."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = dict(reports[0])
+    merged["results"] = [r for rep in reports for r in rep["results"]]
+    merged["runs"] = [{k: rep.get(k) for k in ("date", "args", "tuning")} for rep in reports]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(merged, indent=1))
+    plot(merged["results"], out_dir / f"{name}.png", merged.get("device", ""))
+    print_table(merged)
     return 0
 
 
