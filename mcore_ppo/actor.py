@@ -48,7 +48,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import param_is_not_shared
 
-from mcore_ppo.batching import MicroBatch, PackedRollout, make_micro_batches, pack_micro_batch
+from mcore_ppo.batching import MicroBatch, PackedRollout, make_micro_batches, pack_micro_batch, padded_length
 from mcore_ppo.model import gpt_log_probs_and_entropy, unwrap_gpt_model
 from mcore_ppo.ppo_loss import (
     aggregate,
@@ -260,8 +260,9 @@ class MegatronPPOActor:
             raise TypeError("a model wrapped in Megatron DDP needs a Megatron optimizer (grads live in main_grad)")
         mcfg = self.gpt.config
         self.sequence_parallel = bool(mcfg.sequence_parallel) and group_size(self.parallel.tp) > 1
-        if group_size(self.parallel.pp) > 1 and not getattr(mcfg, "variable_seq_lengths", False):
-            raise ValueError("pipeline parallelism with packed micro-batches needs config.variable_seq_lengths=True")
+        # Pipeline schedules send activations of one fixed shape unless the config says lengths
+        # vary: then every micro-batch is padded to the longest one.
+        self.fixed_shape = group_size(self.parallel.pp) > 1 and not getattr(mcfg, "variable_seq_lengths", False)
         cp = self.parallel.cp_size
         # Each sequence is padded so that the CP split (2·cp chunks) and, under SP, the TP
         # sequence shards of every CP-local part are whole (verl/Megatron pack the same way).
@@ -282,6 +283,9 @@ class MegatronPPOActor:
             align=self.align,
         )
         device = self._device()
+        pad_to = None
+        if self.fixed_shape:
+            pad_to = max(sum(padded_length(n, self.align) for n in (rollout.seq_lengths[i] for i in g)) for g in groups)
         return [
             pack_micro_batch(
                 rollout,
@@ -293,6 +297,7 @@ class MegatronPPOActor:
                 ignore_index=cfg.ignore_index,
                 pad_token_id=cfg.pad_token_id,
                 build_attention_mask=not self.packed_attention,
+                pad_to=pad_to,
                 device=device,
             )
             for seq_ids in groups
@@ -373,7 +378,7 @@ class MegatronPPOActor:
         Megatron's schedule (``forward_only=True``).
 
         Returns:
-            ``(log_probs, entropy)``, fp32 ``[T]`` aligned with ``rollout.tokens`` (entry ``j``
+            ``(log_probs, entropy)``, fp32 (fp64 for an fp64 model) ``[T]`` aligned with ``rollout.tokens`` (entry ``j``
             is for token ``j`` given the tokens before it), zero off the response; ``entropy``
             is None unless ``calculate_entropy``. Every rank of the model (all TP, CP and PP
             ranks) returns the same tensors.
@@ -388,7 +393,9 @@ class MegatronPPOActor:
             self.model.train(was_training)
         total = rollout.tokens.shape[0]
         device = self._device()
-        out = torch.zeros(2 if calculate_entropy else 1, total, dtype=torch.float32, device=device)
+        # The head's outputs are fp32 (fp64 for an fp64 model); every stage must agree for the broadcast.
+        dtype = torch.float64 if self.gpt.config.params_dtype == torch.float64 else torch.float32
+        out = torch.zeros(2 if calculate_entropy else 1, total, dtype=dtype, device=device)
         if self.is_last_stage:
             for mb, outputs in zip(mbs, store, strict=True):
                 index = mb.token_index.view(-1)

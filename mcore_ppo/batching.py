@@ -158,7 +158,8 @@ class MicroBatch:
         advantages, old_log_probs: ``[1, t_cp]`` (zeros where unused), or None.
         token_index: ``[1, t_cp]`` index into the rollout's token axis of the token each label
             position predicts (-1 where none), to scatter outputs back.
-        cu_seqlens_padded: host ints, global padded sequence boundaries of the micro-batch.
+        cu_seqlens_padded: host ints, global padded sequence boundaries of the micro-batch (plus
+            the trailing padding segment when packed with ``pad_to``).
         seq_ids: the rollout's indices of the sequences in this micro-batch.
         weights, metric_weights: per-label-position loss weights of the aggregation mode and of
             token-mean (metrics), set by the actor from global counts.
@@ -203,6 +204,7 @@ def pack_micro_batch(
     ignore_index: int = -100,
     pad_token_id: int = 0,
     build_attention_mask: bool = False,
+    pad_to: int | None = None,
     device: torch.device | str | None = None,
 ) -> MicroBatch:
     """Pack sequences ``seq_ids`` of ``rollout`` into one THD micro-batch for CP rank ``cp_rank``.
@@ -218,6 +220,9 @@ def pack_micro_batch(
         ignore_index: label of positions that are not trained on.
         pad_token_id: token id of the padding.
         build_attention_mask: also build the block-diagonal causal mask (model without THD attention).
+        pad_to: pad the packed micro-batch to this many tokens with one trailing segment of
+            padding (its own attention block, positions 0, never trained on), so that every
+            micro-batch has the same shape (pipeline schedules with fixed tensor shapes).
         device: where the tensors go (default: the rollout's).
     """
     if cp_size > 1 and align % (2 * cp_size):
@@ -231,6 +236,13 @@ def pack_micro_batch(
     lengths = [bounds[s + 1] - bounds[s] for s in seq_ids]
     padded = [padded_length(n, align) for n in lengths]
     cu = [0, *itertools.accumulate(padded)]
+    if pad_to is not None and pad_to != cu[-1]:
+        if pad_to < cu[-1] or (pad_to - cu[-1]) % align:
+            raise ValueError(
+                f"pad_to={pad_to} must be >= the packed length {cu[-1]} and differ from it by a multiple "
+                f"of align={align}"
+            )
+        cu.append(pad_to)  # the padding segment: not one of seq_ids, nothing in it is trained on
     total = cu[-1]
 
     # Host-side index maps (data preparation, not the hot path): where each token goes, and
@@ -239,7 +251,7 @@ def pack_micro_batch(
     label_src = torch.full((total,), -1, dtype=torch.long)
     seq_index = torch.zeros(total, dtype=torch.long)
     position_ids = torch.zeros(total, dtype=torch.long)
-    for k, (s, n, start) in enumerate(zip(seq_ids, lengths, cu[:-1], strict=True)):
+    for k, (s, n, start) in enumerate(zip(seq_ids, lengths, cu[: len(seq_ids)], strict=True)):
         flat = torch.arange(bounds[s], bounds[s] + n)
         token_src[start : start + n] = flat
         label_src[start : start + n - 1] = flat[1:]
@@ -269,8 +281,8 @@ def pack_micro_batch(
         cu_seqlens_kv=cu_tensor,
         cu_seqlens_q_padded=cu_tensor,
         cu_seqlens_kv_padded=cu_tensor,
-        max_seqlen_q=max(padded),
-        max_seqlen_kv=max(padded),
+        max_seqlen_q=max(b - a for a, b in itertools.pairwise(cu)),
+        max_seqlen_kv=max(b - a for a, b in itertools.pairwise(cu)),
     )
     model_ids = split_for_cp(input_ids, model_cp_size, cp_rank if model_cp_size > 1 else 0, seq_dim=1, cu_seqlens=cu)
     model_pos = split_for_cp(

@@ -7,6 +7,7 @@
 - :func:`synthetic_rollout`: random prompts + responses of varied lengths, GRPO-style advantages.
 - :func:`logits_path_outputs`: the *unfused* reference — the model's full logits gathered over
   TP, ``log_softmax`` in fp64 — for the rollout's response tokens.
+- :func:`layout_independent_init`: the same global weights under every TP × PP layout.
 - :func:`full_parameters`: every parameter with its TP shards gathered (layout-independent).
 
 Not part of the library: the library never imports ``mcore_ppo.testing``.
@@ -15,12 +16,14 @@ Not part of the library: the library never imports ``mcore_ppo.testing``.
 from __future__ import annotations
 
 import importlib.util
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mcore_ppo.actor import ActorParallel
 from mcore_ppo.batching import PackedRollout, pack_micro_batch
@@ -121,7 +124,10 @@ def build_actor_model(
     ``ffn_hidden_size`` and ``tie_embeddings``).
     """
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    overrides: dict[str, Any] = {"variable_seq_lengths": True} if pp > 1 else {}
+    # Pipeline stages: the actor pads every micro-batch to one shape (fixed-shape p2p). On CPU
+    # the p2p's post-batch `torch.cuda.synchronize()` is switched off (a config option, not a
+    # shim; it guards an old PyTorch race on CUDA streams, and there are none on the CPU).
+    overrides: dict[str, Any] = {"batch_p2p_sync": False} if pp > 1 and not torch.cuda.is_available() else {}
     model = build_gpt_model(
         **model_cfg,
         sequence_parallel=sequence_parallel,
@@ -195,8 +201,9 @@ def logits_path_outputs(
     Packs the whole rollout as one micro-batch, runs the model without labels (its output layer
     then returns the vocab-parallel logits, as ``ColumnParallelLinear``), gathers the vocab
     shards over TP and takes the log-probability of each response token and the entropy, in
-    fp64. Returns ``(log_probs, entropy)`` fp64 ``[T]`` aligned with ``rollout.tokens`` (zero
-    off the response), on the last pipeline stage; None on other stages.
+    fp64. Runs through Megatron's schedule, so it works with pipeline stages. Returns
+    ``(log_probs, entropy)`` fp64 ``[T]`` aligned with ``rollout.tokens`` (zero off the
+    response) on the last pipeline stage; None on other stages.
     """
     gpt = unwrap_gpt_model(model)
     model_cp = parallel.cp_size if parallel.model_runs_cp else 1
@@ -209,23 +216,35 @@ def logits_path_outputs(
         model_cp_size=model_cp,
         build_attention_mask=not packed_attention,
     )
+    attention_mask = None if packed_attention else mb.attention_mask
+    packed = mb.packed_seq_params if packed_attention else None
+
+    def forward_step(data_iterator, model_chunk):
+        next(data_iterator)
+        out = gpt_log_probs_and_entropy(
+            model_chunk, mb.input_ids, mb.position_ids, attention_mask, None, packed_seq_params=packed
+        )
+        return out, lambda logits: (torch.zeros((), device=logits.device), {"logits": logits})
+
+    # Through Megatron's schedule (one micro-batch), so pipeline stages pass activations on.
     with torch.no_grad():
         was_training = model.training
         model.eval()
         try:
-            logits = gpt_log_probs_and_entropy(
-                model,
-                mb.input_ids,
-                mb.position_ids,
-                None if packed_attention else mb.attention_mask,
-                None,
-                packed_seq_params=mb.packed_seq_params if packed_attention else None,
+            store = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter([mb]),
+                model=model,
+                num_microbatches=1,
+                seq_length=mb.input_ids.shape[1],
+                micro_batch_size=1,
+                forward_only=True,
             )
         finally:
             model.train(was_training)
     if not gpt.post_process:
         return None
-    logits = _all_gather_last_dim(logits, parallel.tp).to(torch.float64) / temperature  # [1, t, V]
+    logits = _all_gather_last_dim(store[0]["logits"], parallel.tp).to(torch.float64) / temperature  # [1, t, V]
     log_softmax = torch.log_softmax(logits, dim=-1)
     safe = mb.labels.clamp(min=0)
     log_probs = log_softmax.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -241,15 +260,52 @@ def logits_path_outputs(
     return out[0], out[1]
 
 
+def _global_name(gpt: torch.nn.Module, name: str) -> str:
+    """``name`` with a pipeline stage's local layer index replaced by the global one."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        parts[2] = str(gpt.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def layout_independent_init(model: torch.nn.Module, seed: int) -> None:
+    """Re-initialise every parameter from ``(seed, its global name)`` so that any TP × PP layout
+    holds the same *global* weights (Megatron's own init depends on the pipeline split).
+
+    Each global tensor is drawn whole (weights ``N(0, 0.05²)``, norm scales ``1 + N(0, 0.1²)``,
+    biases ``N(0, 0.05²)``) and this rank keeps its TP shard: equal chunks along
+    ``partition_dim``, as Megatron's CPU initialisation splits a master weight.
+    """
+    gpt = unwrap_gpt_model(model)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in gpt.named_parameters():
+            gname = _global_name(gpt, name)
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(gname.encode())) % 2**62)
+            shape = list(param.shape)
+            sharded = tp > 1 and getattr(param, "tensor_model_parallel", False)
+            if sharded:
+                shape[param.partition_dim] *= tp
+            values = torch.randn(shape, generator=gen, dtype=torch.float64)
+            is_norm = "norm" in gname and gname.endswith("weight")
+            values = 1.0 + 0.1 * values if is_norm else 0.05 * values
+            if sharded:
+                values = values.chunk(tp, dim=param.partition_dim)[rank]
+            param.copy_(values.to(param.dtype))
+
+
 def full_parameters(model: torch.nn.Module, tp_group: ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """Every parameter with its tensor-parallel shards gathered along its partition dim (cloned)."""
+    """This pipeline stage's parameters, TP shards gathered along their partition dim (cloned),
+    keyed by *global* name (layer indices counted over all stages), so layouts compare."""
     world = group_size(tp_group)
+    gpt = unwrap_gpt_model(model)
     out = {}
-    for name, param in unwrap_gpt_model(model).named_parameters():
+    for name, param in gpt.named_parameters():
         value = param.detach()
         if world > 1 and getattr(param, "tensor_model_parallel", False):
             parts = [torch.empty_like(value) for _ in range(world)]
             dist.all_gather(parts, value.contiguous(), group=tp_group)
             value = torch.cat(parts, dim=param.partition_dim)
-        out[name] = value.clone()
+        out[_global_name(gpt, name)] = value.clone()
     return out

@@ -1,0 +1,166 @@
+"""The PPO actor gives the same numbers under every layout (4 gloo ranks, fp64 model).
+
+One world, many layouts carved out of it with Megatron's ``parallel_state`` (initialised and
+destroyed per layout): TP 1/2/4 with SP on/off, CP 2 at the head (TP 1, plus 2 data-parallel
+replicas), TP 2 × CP 2 at the head with SP on/off, and TP 2 × PP 2. For each layout, from the
+same global weights and the same rollout:
+
+- ``compute_log_prob`` equals the unfused logits path (full logits gathered over TP, fp64
+  ``log_softmax``) — log-probs and entropy;
+- ``compute_log_prob`` and one ``update_policy`` step equal the TP 1 run: log-probs, every
+  metric, the gradient norm, and every parameter after the step.
+
+The update uses SGD (lr 1), so ``Δparameter = -clipped gradient`` and the parameter check is a
+gradient check; clipping is active (``max_grad_norm`` below the norm), the dual clip and the
+entropy bonus are on, and the micro-batch split differs between layouts (sequence count vs
+token budget), so the global-count aggregation is exercised too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import shared_seed
+from megatron.core import parallel_state
+
+from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
+from mcore_ppo.testing import install_cpu_shims, shims_installed, uninstall_cpu_shims
+from mcore_ppo.testing.ppo_harness import (
+    build_actor_model,
+    destroy_layout,
+    full_parameters,
+    init_layout,
+    layout_independent_init,
+    logits_path_outputs,
+    synthetic_rollout,
+)
+
+MODEL = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "ffn_hidden_size": 64,
+    "vocab_size": 128,
+    "max_sequence_length": 64,
+}
+TEMPERATURE = 0.8
+# fp64 model and head: everything agrees to rounding of fp64 arithmetic.
+TOL = 1e-10
+
+# (tp, cp, pp, sp, micro-batching) — the first is the reference.
+LAYOUTS = [
+    (1, 1, 1, False, {"micro_batch_size": 2}),
+    (2, 1, 1, False, {"micro_batch_size": 3}),
+    (2, 1, 1, True, {"max_tokens_per_micro_batch": 48}),
+    (4, 1, 1, True, {"micro_batch_size": 2}),
+    (4, 1, 1, False, {"micro_batch_size": 7}),
+    (1, 2, 1, False, {"micro_batch_size": 2}),
+    (2, 2, 1, True, {"micro_batch_size": 3}),
+    (2, 2, 1, False, {"max_tokens_per_micro_batch": 40}),
+    (2, 1, 2, True, {"micro_batch_size": 2}),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shims():
+    """CPU shims for GPTModel (never on a CUDA machine, where Megatron runs unmodified)."""
+    owned = not torch.cuda.is_available() and not shims_installed()
+    if owned:
+        install_cpu_shims()
+    yield
+    if owned:
+        uninstall_cpu_shims()
+
+
+def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_agg_mode):
+    parallel = init_layout(tp, cp, pp, cp_at_head=True)
+    try:
+        model = build_actor_model(
+            MODEL, sequence_parallel=sp, temperature=TEMPERATURE, backend="torch", params_dtype=torch.float64
+        )
+        layout_independent_init(model, seed)
+        before = full_parameters(model, parallel.tp)
+        config = PPOActorConfig(
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.28,
+            clip_ratio_c=2.0,
+            entropy_coeff=0.01,
+            loss_agg_mode=loss_agg_mode,
+            max_grad_norm=0.05,
+            temperature=TEMPERATURE,
+            **batching,
+        )
+        actor = MegatronPPOActor(model, torch.optim.SGD(model.parameters(), lr=1.0), config, parallel=parallel)
+        log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
+        reference = logits_path_outputs(model, rollout, parallel, temperature=TEMPERATURE, align=actor.align)
+        metrics = actor.update_policy(rollout.with_fields(old_log_probs=old_log_probs(log_probs)))
+        after = full_parameters(model, parallel.tp)
+        deltas = {k: after[k] - before[k] for k in after}
+        return log_probs, entropy, reference, metrics, deltas
+    finally:
+        destroy_layout()
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "token-mean"])
+def test_actor_same_numbers_every_layout(check, fresh_parallel_state, loss_agg_mode):
+    seed = shared_seed()
+    rollout = synthetic_rollout(
+        num_seqs=7, vocab_size=MODEL["vocab_size"], prompt_len=(2, 9), response_len=(3, 16), seed=seed, device="cpu"
+    )
+    mask = rollout.response_mask
+    noise = torch.randn(rollout.tokens.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+
+    def old_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+        # The sampling policy differs from the current one by up to ~±0.5 nats per token, so the
+        # clip, the dual clip and the KL are all active.
+        return torch.where(mask, log_probs.double() + 0.25 * noise, 0.0)
+
+    layouts = LAYOUTS if loss_agg_mode == "seq-mean-token-mean" else [LAYOUTS[0], LAYOUTS[6], LAYOUTS[8]]
+    ref = None
+    for tp, cp, pp, sp, batching in layouts:
+        name = f"tp{tp} cp{cp} pp{pp} sp{int(sp)} {batching}"
+        check.case(f"{loss_agg_mode}: {name}")
+        log_probs, entropy, unfused, metrics, deltas = _run_layout(
+            tp,
+            cp,
+            pp,
+            sp,
+            batching,
+            seed=seed,
+            rollout=rollout,
+            old_log_probs=old_log_probs,
+            loss_agg_mode=loss_agg_mode,
+        )
+        # The head against the unfused logits path (the last stage holds it; every rank the
+        # actor's outputs).
+        if unfused is not None:
+            check.close("log_prob", log_probs[mask], unfused[0][mask], tol=TOL, kind=f"actor vs logits path [{name}]")
+            check.close("entropy", entropy[mask], unfused[1][mask], tol=TOL, kind=f"actor vs logits path [{name}]")
+        if not bool((log_probs[~mask] == 0).all()):
+            check.fail("compute_log_prob is not zero off the response")
+        # Global counts: data-parallel replicas hold the same rollout, so the global batch is
+        # `dp` copies of it (the token-mean is unchanged by that).
+        dp = dist.get_world_size() // (tp * cp * pp)
+        expected_counts = (float(mask.sum()) * dp, float(rollout.num_seqs) * dp)
+        if (metrics["num_tokens"], metrics["num_seqs"]) != expected_counts:
+            check.fail(f"global counts {metrics['num_tokens']}, {metrics['num_seqs']} != {expected_counts}")
+        if ref is None:
+            ref = (log_probs, metrics, deltas)
+            # The case must exercise what it claims to.
+            if not (0.0 < metrics["pg_clipfrac"] < 1.0 and metrics["pg_clipfrac_lower"] > 0.0):
+                check.fail(f"clip/dual-clip not both active: {metrics}")
+            if not metrics["grad_norm"] > 0.05:
+                check.fail(f"gradient clipping not active: grad_norm {metrics['grad_norm']}")
+            continue
+        kind = f"layout vs tp1 [{name}]"
+        check.close("log_prob", log_probs, ref[0], tol=TOL, kind=kind)
+        for key in ("loss", "pg_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_k3", "grad_norm"):
+            check.close(key, torch.tensor(metrics[key]), torch.tensor(ref[1][key]), tol=TOL, kind=kind)
+        for key, delta in deltas.items():
+            check.close(f"Δ{key}", delta, ref[2][key], tol=TOL, kind=kind)
+        if not deltas:
+            check.fail("no parameters compared")
+    assert not parallel_state.model_parallel_is_initialized()
+    dist.barrier()
+    check.done()

@@ -1,0 +1,78 @@
+"""The README's main command: ``scripts/launch.sh`` runs PPO steps under TP 2 + SP × CP 2 and
+proves parity; a parity failure exits non-zero (subprocess tests; torchrun inside)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "scripts" / "launch.sh"
+CONFIG = ROOT / "configs" / "ppo_demo.yaml"
+TIMEOUT = int(os.environ.get("MCORE_PPO_LAUNCH_TEST_TIMEOUT", "600"))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        MCORE_PPO_LAUNCH_TIMEOUT=str(TIMEOUT - 30),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    env.pop("WORLD_SIZE", None)  # never inherit an enclosing torchrun's rendezvous
+    return subprocess.run(
+        ["bash", str(LAUNCH), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def test_main_command_passes_with_parity_lines():
+    """Default layout (TP 2 + SP, CP 2 at the head, 4 ranks), 2 steps to keep CI short."""
+    proc = _run("--steps", "2")
+    out = proc.stdout
+    assert proc.returncode == 0, f"launch.sh exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert "layout TP2+SP × CP2" in out, out
+    tol = yaml.safe_load(CONFIG.read_text())["run"]["tolerance"]
+    parity = re.findall(
+        r"step (\d)/2 parity \| head vs fp64 full-logits path \((\d+) response tokens\): max\|Δlog_prob\| (\S+), "
+        r"max\|Δentropy\| (\S+) \| CP2 vs cp1: max\|Δlog_prob\| ([^ ]+)",
+        out,
+    )
+    assert [p[0] for p in parity] == ["1", "2"], out
+    for _, tokens, d_lp, d_ent, d_cp in parity:
+        assert int(tokens) > 0
+        assert 0.0 <= float(d_lp) <= tol["log_prob"]
+        assert 0.0 <= float(d_ent) <= tol["entropy"]
+        assert 0.0 <= float(d_cp) <= tol["log_prob"]
+    updates = re.findall(r"step \d/2 update \d/2 \| loss (\S+) .*\| kl\(old\|\|new\) (\S+) \| entropy (\S+)", out)
+    assert len(updates) == 4, out
+    assert all(float(kl) >= 0.0 for _, kl, _ in updates)
+    assert float(updates[1][1]) > 0.0  # the second update of a rollout sees a moved policy
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("PASS: head log-probs == fp64 full-logits path"), last
+    assert "CP2 at the head == cp1" in last and "TP2+SP" in last, last
+
+
+def test_parity_failure_exits_nonzero(tmp_path):
+    """One rank, TP 1: with a zero tolerance the parity check must fail, say so, and exit 1."""
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["run"]["tolerance"] = {"log_prob": 0.0, "entropy": 0.0, "params": 0.0}
+    cfg["rollout"]["num_seqs"] = 4
+    cfg["ppo"]["ppo_epochs"] = 1
+    path = tmp_path / "strict.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = _run("--config", str(path), "--tp", "1", "--cp", "1", "--steps", "1")
+    out = proc.stdout
+    assert proc.returncode == 1, f"expected exit 1, got {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert out.strip().splitlines()[-1].startswith("FAIL: head log-probs differ from the logits path"), out
+
+
+@pytest.mark.parametrize("args", [["--tp", "x"], ["--config", "/nonexistent.yaml"], ["--tp", "2", "--nproc", "3"]])
+def test_launch_rejects_bad_arguments(args):
+    proc = subprocess.run(["bash", str(LAUNCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "launch.sh:" in proc.stderr
