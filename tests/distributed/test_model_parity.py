@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import shared_seed
+from conftest import megatron_timeout_minutes, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
@@ -68,8 +68,15 @@ def shims():
 
 @contextlib.contextmanager
 def model_parallel(tp: int, cp: int = 1) -> Iterator[None]:
+    """Megatron's parallel_state for TP × CP over the 4-rank world (GPTModel reads it); a state
+    leaked by an earlier test is dropped first (module globals only, no collective)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        create_gloo_process_groups=False,
+        distributed_timeout_minutes=megatron_timeout_minutes(),
     )
     try:
         yield
@@ -107,22 +114,32 @@ def _backward(log_probs, entropy, g_lp, g_ent) -> None:
 
 
 def _full_grads(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, torch.Tensor]:
-    """Per-rank gradients as TP 1 would hold them: shards gathered, SP partials summed."""
+    """Per-rank gradients as TP 1 would hold them: shards gathered, SP partials summed.
+
+    One all-gather and one all-reduce for the whole model (not one per parameter): on a busy
+    machine every collective costs a scheduling round trip between the ranks.
+    """
     group = parallel_state.get_tensor_model_parallel_group()
     world = parallel_state.get_tensor_model_parallel_world_size()
+    if world == 1:
+        return dict(grads)
     params = dict(model.named_parameters())
-    full = {}
-    for name, grad in grads.items():
-        param = params[name]
-        if getattr(param, "tensor_model_parallel", False) and world > 1:
-            dim = param.partition_dim
-            parts = [torch.empty_like(grad) for _ in range(world)]
-            dist.all_gather(parts, grad.contiguous(), group=group)
-            grad = torch.cat(parts, dim=dim)
-        elif sp and getattr(param, "sequence_parallel", False) and world > 1:
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-        full[name] = grad
+    sharded = [n for n in grads if getattr(params[n], "tensor_model_parallel", False)]
+    partial = [n for n in grads if n not in sharded and sp and getattr(params[n], "sequence_parallel", False)]
+    full = {n: g for n, g in grads.items() if n not in sharded and n not in partial}
+    if sharded:
+        flat = torch.cat([grads[n].reshape(-1) for n in sharded])
+        parts = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(parts, flat, group=group)
+        pieces = [part.split([grads[n].numel() for n in sharded]) for part in parts]
+        for i, name in enumerate(sharded):
+            shards = [p[i].view_as(grads[name]) for p in pieces]
+            full[name] = torch.cat(shards, dim=params[name].partition_dim)
+    if partial:
+        flat = torch.cat([grads[n].reshape(-1) for n in partial])
+        dist.all_reduce(flat, group=group)
+        for name, piece in zip(partial, flat.split([grads[n].numel() for n in partial]), strict=True):
+            full[name] = piece.view_as(grads[name])
     return full
 
 
