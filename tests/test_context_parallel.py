@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from reference import IGNORE_INDEX, assert_close, check_invariants, fresh_seed, generator, reference
+from reference import IGNORE_INDEX, assert_close, check_invariants, fresh_seed, generator, reference, single_threaded
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
@@ -32,6 +32,13 @@ LAYOUTS = [
     (4, [0, 8, 24, 48]),
 ]
 LAYOUT_IDS = ["cp2-padded", "cp4-padded", "cp2-packed", "cp4-packed"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
+    with single_threaded():
+        yield
 
 
 def total_length(cp_size: int, cu_seqlens: list[int] | None) -> int:

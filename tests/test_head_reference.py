@@ -31,6 +31,7 @@ from reference import (
     fresh_seed,
     generator,
     reference,
+    single_threaded,
 )
 
 import mcore_ppo
@@ -46,11 +47,21 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
+    with single_threaded():
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _report_errors(request):
     """After this module: print the largest relative error seen per output and dtype."""
     yield
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():  # print past pytest's output capture, as live logs do
         reporter.write_line("")
         for line in error_table().splitlines():
             reporter.write_line(line)
@@ -164,7 +175,7 @@ def compare(
 
 
 # (token_chunk, vocab_chunk, vocab): chunks that do not divide the token count or the vocab.
-CHUNKINGS = [(5, 7, 257), (3, 64, 131), (2048, 4096, 300)]
+CHUNKINGS = [(5, 7, 53), (3, 64, 131), (2048, 4096, 300)]
 
 
 @pytest.mark.parametrize("chunking", CHUNKINGS, ids=lambda c: f"tc{c[0]}-vc{c[1]}-V{c[2]}")
@@ -473,3 +484,34 @@ def test_repeated_backward_accumulates(monkeypatch):
         expected += ref["d_weight"]
         terms += ref["d_weight_terms"]
     assert_close(weight.grad, expected, name="d_weight", dtype=torch.float32, rtol=OUT_RTOL, terms=terms)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mean_loss_broadcast_upstream(layout, monkeypatch):
+    """A mean loss hands the head an expanded (stride-0) upstream gradient: same as a dense one."""
+    set_chunks(monkeypatch, 5, 7)
+    case = make_case(layout, torch.float32, 43, 16, 21, generator(fresh_seed()))
+    hidden = case["hidden"].clone().requires_grad_(True)
+    weight = case["weight"].clone().requires_grad_(True)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=0.7)
+    (log_prob.mean() - 0.01 * entropy.sum()).backward()
+    n = case["labels"].numel()
+    g = torch.full(case["labels"].shape, 1.0 / n)
+    e = torch.full(case["labels"].shape, -0.01)
+    ref = reference(case["hidden"], case["weight"], case["labels"], 0.7, g, e)
+    out = {"log_prob": log_prob, "entropy": entropy, "d_hidden": hidden.grad, "d_weight": weight.grad}
+    compare(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_zero_tokens(layout):
+    """An empty micro-batch (no tokens on this rank) returns empty outputs and zero gradients."""
+    lead, lshape = {"2d": ((0,), (0,)), "3d": ((0, 2), (2, 0)), "packed": ((0, 1), (1, 0))}[layout]
+    hidden = torch.randn(*lead, 8, requires_grad=True)
+    weight = torch.randn(11, 8, generator=generator(fresh_seed()), requires_grad=True)
+    labels = torch.zeros(lshape, dtype=torch.long)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels)
+    assert log_prob.shape == entropy.shape == labels.shape
+    (log_prob.sum() + entropy.sum()).backward()
+    assert hidden.grad.shape == hidden.shape
+    assert weight.grad is not None and (weight.grad == 0).all()

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from reference import IGNORE_INDEX, fresh_seed, generator
+from reference import IGNORE_INDEX, fresh_seed, generator, single_threaded
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
@@ -20,6 +20,13 @@ from mcore_ppo.validation import check_layout
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 H, V = 8, 13
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
+    with single_threaded():
+        yield
 
 
 @pytest.fixture
