@@ -508,6 +508,12 @@ def main(argv=None) -> int:
                         reps = 1 if name == "ours_torch" else args.reps
                         res = measure_impl(fn, info, x, w, labels, g, e, temperature, reps, r)
                         res.update({k: v for k, v in info.items() if k != "temperature"})
+                        if name == "ours_triton":
+                            from mcore_ppo.backends import triton_backend as tb
+
+                            res["addmm_path"] = tb.ADDMM_PATH
+                            res["forward_config"] = asdict(tb.FORWARD_CONFIG)
+                            res["backward_config"] = asdict(tb.BACKWARD_CONFIG)
                         res["fwd_ratio"] = res["fwd_ms"] / entry["floor"]["gemm1_ms"]
                         if "fwd_bwd_ms" in res:
                             res["fwd_bwd_ratio"] = res["fwd_bwd_ms"] / entry["floor"]["gemm4_ms"]

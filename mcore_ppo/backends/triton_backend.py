@@ -101,22 +101,38 @@ def _flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
     }
 
 
-def _addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` with fp32 ``out`` and low-precision ``a``, ``b``, rounding once.
+#: Which path :func:`_addmm_fp32` took last (recorded by the benchmark).
+ADDMM_PATH = ""
 
-    cuBLAS does it in one GEMM (``addmm(..., out_dtype=float32)``, torch ≥ 2.8 on CUDA);
-    elsewhere the product is formed in fp32 first.
+
+def _addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with fp32 ``out`` and low-precision ``a``, ``b``.
+
+    cuBLAS does it in one GEMM with fp32 output and ``beta = 1`` (``addmm(..., out_dtype=
+    float32)``, torch ≥ 2.8 on CUDA), so partial sums are never rounded to bf16; older torch
+    gets an fp32-output product added separately, or at worst a bf16 product.
     """
+    global ADDMM_PATH
     if a.dtype == out.dtype:
         out.addmm_(a, b)
+        ADDMM_PATH = "addmm_ same dtype"
         return
-    if a.is_cuda:
-        try:
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-            return
-        except (RuntimeError, TypeError):  # older torch: no out_dtype overload
-            pass
-    out.add_(torch.mm(a.float(), b.float()))
+    if not a.is_cuda:
+        out.add_(torch.mm(a.float(), b.float()))
+        ADDMM_PATH = "fp32 upcast (CPU)"
+        return
+    try:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        ADDMM_PATH = "addmm out_dtype=fp32, beta=1"
+        return
+    except (RuntimeError, TypeError):  # older torch: no out_dtype overload
+        pass
+    try:
+        out.add_(torch.mm(a, b, out_dtype=torch.float32))
+        ADDMM_PATH = "mm out_dtype=fp32 + add"
+    except (RuntimeError, TypeError):
+        out.add_(torch.mm(a, b))
+        ADDMM_PATH = "bf16 mm + add"
 
 
 class TritonBackend:
