@@ -367,6 +367,64 @@ def test_pipeline_stages_pass_hidden_states_through():
     torch.testing.assert_close(ent, ref_ent, **TOL)
 
 
+@pytest.mark.parametrize("precision", ["fp64-ddp", "bf16-float16module-ddp"])
+def test_under_megatron_wrappers_grads_reach_main_grad(precision: str):
+    """The head installed through Megatron's DistributedDataParallel (and Float16Module for bf16):
+    DDP's gradient hooks move every parameter's gradient into ``main_grad`` as on the logits path.
+    fp64: to 1e-9. bf16: the reference is the bf16 logits path itself, so a bf16-level normwise
+    tolerance (measured 9e-3 at these seeds); this case checks the wiring through the wrappers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    bf16 = precision.startswith("bf16")
+    batch = _batch("padded", 8)
+    results = {}
+    for mode in ("logits", "fallback", "hook"):
+        model = build_gpt_model(
+            num_layers=LAYERS,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            params_dtype=torch.bfloat16 if bf16 else torch.float64,
+            seed=9,
+            transformer_layer_spec=thd_local_layer_spec(),
+            device=DEVICE,
+        )
+        inner = Float16Module(model.config, model) if bf16 else model
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
+        wrapped = DistributedDataParallel(model.config, ddp_config, inner)
+        if mode == "logits":
+            lp, ent = logits_log_probs_and_entropy(wrapped, labels=batch.labels, **batch.model_inputs())
+        else:
+            head = install_fused_head(wrapped, backend="torch")
+            assert model.output_layer is head
+            with forward_path(wrapped, mode):
+                lp, ent = gpt_log_probs_and_entropy(wrapped, labels=batch.labels, **batch.model_inputs())
+            assert lp.dtype == ent.dtype == (torch.float32 if bf16 else torch.float64)
+        (lp.sum() + ent.sum()).backward()
+        main_grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
+        assert all(p.grad is None for p in model.parameters())  # DDP's hooks took them
+        results[mode] = (lp.detach().double(), ent.detach().double(), main_grads)
+
+    ref_lp, ref_ent, ref_grads = results["logits"]
+    for mode in ("fallback", "hook"):
+        lp, ent, grads = results[mode]
+        if not bf16:
+            torch.testing.assert_close(lp, ref_lp, **TOL)
+            torch.testing.assert_close(ent, ref_ent, **TOL)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=f"{mode} {name}": f"{n}: {m}")
+            continue
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-2)
+        torch.testing.assert_close(ent, ref_ent, rtol=0, atol=2e-2)
+        for name, grad in grads.items():
+            ref = ref_grads[name].double()
+            assert ref.norm() > 0, name
+            error = ((grad.double() - ref).norm() / ref.norm()).item()
+            assert error < 3e-2, f"{mode} {name}: normwise relative error {error:.2e}"
+
+
 # ---------------------------------------------------------------------------------------------
 # build_gpt_model
 # ---------------------------------------------------------------------------------------------
