@@ -116,8 +116,12 @@ def build_actor_model(
     backend: str = "auto",
     params_dtype: torch.dtype = torch.float32,
     seed: int = 1234,
+    packed_attention: bool = True,
 ) -> torch.nn.Module:
     """A ``GPTModel`` (on the current ``parallel_state``) with the fused head installed.
+
+    ``packed_attention=False`` builds Megatron's plain local spec, whose attention rejects
+    ``PackedSeqParams``; the actor then feeds packed batches with a block-diagonal causal mask.
 
     ``model_cfg`` holds ``build_gpt_model``'s shape keywords (``num_layers``, ``hidden_size``,
     ``num_attention_heads``, ``vocab_size``, ``max_sequence_length``, optional
@@ -135,7 +139,7 @@ def build_actor_model(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         seed=seed,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec() if packed_attention else None,
         **overrides,
     )
     install_fused_head(model, temperature=temperature, backend=backend)

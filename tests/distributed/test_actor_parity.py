@@ -2,7 +2,8 @@
 
 One world, many layouts carved out of it with Megatron's ``parallel_state`` (initialised and
 destroyed per layout): TP 1/2/4 with SP on/off, CP 2 at the head (TP 1, plus 2 data-parallel
-replicas), TP 2 × CP 2 at the head with SP on/off, and TP 2 × PP 2. For each layout, from the
+replicas), TP 2 × CP 2 at the head with SP on/off, TP 2 × PP 2, and TP 2 × CP 2 with Megatron's
+plain (mask-based) local attention instead of THD attention. For each layout, from the
 same global weights and the same rollout:
 
 - ``compute_log_prob`` equals the unfused logits path (full logits gathered over TP, fp64
@@ -59,6 +60,8 @@ LAYOUTS = [
     (2, 2, 1, True, {"micro_batch_size": 3}),
     (2, 2, 1, False, {"max_tokens_per_micro_batch": 40}),
     (2, 1, 2, True, {"micro_batch_size": 2}),
+    # Megatron's plain local attention (no THD): packed batches go in with a block-causal mask.
+    (2, 2, 1, True, {"micro_batch_size": 2, "packed_attention": False}),
 ]
 
 
@@ -74,10 +77,17 @@ def shims():
 
 
 def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_agg_mode):
+    batching = dict(batching)
+    packed_attention = batching.pop("packed_attention", True)
     parallel = init_layout(tp, cp, pp, cp_at_head=True)
     try:
         model = build_actor_model(
-            MODEL, sequence_parallel=sp, temperature=TEMPERATURE, backend="torch", params_dtype=torch.float64
+            MODEL,
+            sequence_parallel=sp,
+            temperature=TEMPERATURE,
+            backend="torch",
+            params_dtype=torch.float64,
+            packed_attention=packed_attention,
         )
         layout_independent_init(model, seed)
         before = full_parameters(model, parallel.tp)
@@ -92,8 +102,11 @@ def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_
             **batching,
         )
         actor = MegatronPPOActor(model, torch.optim.SGD(model.parameters(), lr=1.0), config, parallel=parallel)
+        assert actor.packed_attention == packed_attention
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
-        reference = logits_path_outputs(model, rollout, parallel, temperature=TEMPERATURE, align=actor.align)
+        reference = logits_path_outputs(
+            model, rollout, parallel, temperature=TEMPERATURE, align=actor.align, packed_attention=packed_attention
+        )
         metrics = actor.update_policy(rollout.with_fields(old_log_probs=old_log_probs(log_probs)))
         after = full_parameters(model, parallel.tp)
         deltas = {k: after[k] - before[k] for k in after}
