@@ -14,11 +14,28 @@ over TP by the mapping that wraps ``hidden`` outside this Function (see
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 from mcore_ppo.backends.base import Backend
 from parallel.combine import combine_shard_statistics
 from parallel.groups import ProcessGroup
+
+
+@functools.lru_cache(maxsize=64)
+def _max_entropy(vocab_size: int, dtype: torch.dtype) -> float:
+    """``log V`` rounded *down* to ``dtype``, as a python float exact in ``dtype``.
+
+    Computed on the host (no device work, no sync) so ``entropy <= log V`` holds exactly
+    whatever way the clamp converts its scalar.
+    """
+    log_v = math.log(vocab_size)
+    bound = torch.tensor(log_v, dtype=dtype)
+    if bound.item() > log_v:
+        bound = torch.nextafter(bound, torch.tensor(-math.inf, dtype=dtype))
+    return bound.item()
 
 
 def _weight_grad_buffer(weight: torch.Tensor, accumulate_into_main_grad: bool, backend: Backend) -> torch.Tensor:
@@ -69,7 +86,8 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         # MCORE_PPO_VALIDATE=1) poisons its log-prob instead of returning a plausible number.
         out_of_range = valid & ((labels < 0) | (labels >= vocab_size))
         log_prob = torch.where(out_of_range, torch.full_like(log_prob, torch.nan), log_prob)
-        entropy_out = torch.where(valid, entropy.clamp(min=0.0), zero)
+        # Near-uniform logits: H rounds to within an ulp of log V, possibly above it.
+        entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=_max_entropy(vocab_size, entropy.dtype)), zero)
 
         ctx.save_for_backward(hidden, weight, local_labels, valid, lse, entropy)
         ctx.temperature = temperature

@@ -148,15 +148,19 @@ def compare(
     atol: float = 0.0,
     grad_rtol: float = OUT_RTOL,
     tag: str = "",
+    grad_tag: str | None = None,
     track_grads: bool = True,
+    track_scale: float | None = None,
 ) -> None:
     """Outputs and both gradients against the reference, with the tolerances of the module doc.
 
     Gradients are compared relative to the magnitude of the terms they sum (``*_terms`` of the
     reference), so a gradient that cancels to ~0 is not held to an impossible relative bound.
+    ``track_scale`` (outputs: error / track_scale; gradients: error / their largest term
+    magnitude) replaces the max-norm relative error in the error table, under ``grad_tag``.
     """
     for name in ("log_prob", "entropy"):
-        assert_close(out[name], ref[name], name=name + tag, dtype=dtype, rtol=rtol, atol=atol)
+        assert_close(out[name], ref[name], name=name + tag, dtype=dtype, rtol=rtol, atol=atol, track_scale=track_scale)
     cast = BF16_CAST_RTOL if dtype == torch.bfloat16 else 0.0
     for name in ("d_hidden", "d_weight"):
         assert out[name] is not None, f"{name} is None: the gradient did not reach the input"
@@ -164,13 +168,14 @@ def compare(
         assert_close(
             out[name],
             ref[name],
-            name=name + tag,
+            name=name + (tag if grad_tag is None else grad_tag),
             dtype=dtype,
             rtol=grad_rtol,
             atol=GRAD_ATOL,
             elementwise_rtol=cast,
             terms=ref[name + "_terms"],
             track=track_grads,
+            track_scale=None if track_scale is None else ref[name + "_terms"].max().item(),
         )
 
 
@@ -281,7 +286,19 @@ def test_extreme_logits(mode, dtype, monkeypatch):
     ref = reference(case["hidden"], case["weight"], case["labels"], 1.0, case["g"], case["e"])
     # A logit error δz moves p_j by ≲ 2·δz·p_j (z_j and lse both move), so each gradient is off
     # by ≲ 2·δz times the magnitude of the terms it sums (see reference._gradient_term_magnitudes).
-    compare(out, ref, dtype, rtol=OUT_RTOL, atol=SCALE_ATOL, grad_rtol=OUT_RTOL + 2 * SCALE_ATOL, tag="[logits 1e4]")
+    # Error table: outputs relative to the logit scale, gradients relative to their largest term
+    # magnitude (the max-norm relative error means little where a coordinate cancels to ~0).
+    compare(
+        out,
+        ref,
+        dtype,
+        rtol=OUT_RTOL,
+        atol=SCALE_ATOL,
+        grad_rtol=OUT_RTOL + 2 * SCALE_ATOL,
+        tag="[logits 1e4, err/1e4]",
+        grad_tag="[logits 1e4, err/max term]",
+        track_scale=LOGIT_SCALE,
+    )
     if mode != "spread":
         # Shift invariance, independent of the reference: the shifted outputs are O(1).
         assert out["log_prob"].abs().max() < 100 and out["entropy"].max() <= math.log(41) + 1e-6
@@ -308,6 +325,25 @@ def test_all_equal_logits(how, dtype, monkeypatch):
     ref = reference(case["hidden"], case["weight"], case["labels"], 0.7, case["g"], case["e"])
     # With equal rows d_hidden = w·Σ_j dz_j = 0 exactly: its max-norm relative error is meaningless.
     compare(out, ref, dtype, tag="[equal logits]", track_grads=how == "zero_hidden")
+
+
+@pytest.mark.parametrize("vocab", [256, 257, 300])
+def test_near_uniform_entropy_never_exceeds_log_vocab(vocab, monkeypatch):
+    """Regression: near-uniform logits must not give an entropy above log V (it came out 1 ulp over).
+
+    ``H = log S - U/S`` rounds to within an ulp of log V there; the head must round it onto the
+    right side of the bound, here checked exactly (fp64 comparison with the real log V).
+    """
+    set_chunks(monkeypatch, 64, 7)
+    gen = generator(fresh_seed())
+    h = 8
+    weight = torch.randn(1, h, generator=gen).expand(vocab, h) + 1e-7 * torch.randn(vocab, h, generator=gen)
+    hidden = torch.randn(64, h, generator=gen) * 3
+    labels = torch.randint(0, vocab, (64,), generator=gen)
+    with torch.no_grad():
+        log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels)
+    check_invariants(log_prob, entropy, labels, vocab)  # entropy <= log V, exactly
+    assert_close(entropy, torch.full((64,), math.log(vocab)), name="entropy", dtype=torch.float32, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
