@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         t = torch.tensor([d_params], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         d_params = float(t)
-        say(f"after {steps} steps: CP{cp} vs cp1 max|Δparameter| {d_params:.1e} over {len(a)} tensors")
+        say(f"after {steps} step(s): CP{cp} vs cp1 max|Δparameter| {d_params:.1e} (every parameter, all ranks)")
 
     if worst["log_prob"] > tol["log_prob"]:
         failures.append(f"head log-probs differ from the logits path by {worst['log_prob']:.1e} > {tol['log_prob']}")
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         proven = [
             f"head log-probs == fp64 full-logits path to {worst['log_prob']:.1e} "
-            f"(entropy to {worst['entropy']:.1e}) under {name}, over {steps} steps"
+            f"(entropy to {worst['entropy']:.1e}) under {name}, over {steps} step(s)"
         ]
         if reference is not None:
             proven.append(
