@@ -118,6 +118,7 @@ def test_temperature_override():
     with torch.no_grad():
         for temperature in (None, 0.7, 1.3):
             lp, ent = head(hidden, labels, temperature=temperature)
+            check_invariants(lp, ent, labels, V)
             ref = reference(hidden, head.weight, labels, 1.3 if temperature is None else temperature)
             assert_close(lp, ref["log_prob"], name="log_prob[head]", dtype=torch.float32, rtol=1e-5, track=False)
             assert_close(ent, ref["entropy"], name="entropy[head]", dtype=torch.float32, rtol=1e-5, track=False)
@@ -176,6 +177,7 @@ def test_fused_path_with_parallel_state(megatron_state):
     hidden, labels, g, e = make_inputs("3d", torch.float32, gen)
     x = hidden.clone().requires_grad_(True)
     lp, ent = head(x, labels)
+    check_invariants(lp, ent, labels, V)
     backward(lp, ent, g, e)
     ref = reference(hidden, head.weight, labels, 0.7, g, e)
     assert_close(lp, ref["log_prob"], name="log_prob[head]", dtype=torch.float32, rtol=1e-5, track=False)
@@ -194,6 +196,7 @@ def test_tied_weight_passed_in_forward(own_weight):
     hidden, labels, g, e = make_inputs("3d", torch.float32, gen)
     x = hidden.clone().requires_grad_(True)
     lp, ent = head(x, labels, weight=embedding)
+    check_invariants(lp, ent, labels, V)
     backward(lp, ent, g, e)
     ref = reference(hidden, embedding, labels, 1.3, g, e)
     assert_close(lp, ref["log_prob"], name="log_prob[head]", dtype=torch.float32, rtol=1e-5, track=False)
@@ -227,6 +230,7 @@ def test_gradient_accumulation_into_main_grad():
     head.weight.main_grad = prefill.float().clone()
     hidden, labels, g, e = make_inputs("3d", torch.float32, gen)
     lp, ent = head(hidden, labels)
+    check_invariants(lp, ent, labels, V)
     backward(lp, ent, g, e)
     ref = reference(hidden, head.weight, labels, 0.7, g, e)
     assert_close(

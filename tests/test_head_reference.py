@@ -454,6 +454,7 @@ def test_gradient_reaches_3d_hidden(layout, dtype, monkeypatch):
     hidden = case["hidden"].clone().requires_grad_(True)
     weight = case["weight"].clone()  # frozen: only hidden asks for a gradient
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=1.3)
+    check_invariants(log_prob, entropy, case["labels"], 39)
     ((log_prob * case["g"]).sum() + (entropy * case["e"]).sum()).backward()
     assert hidden.grad is not None, "gradient did not reach 3-D hidden"
     assert weight.grad is None
@@ -480,6 +481,7 @@ def test_gradient_reaches_backbone(monkeypatch):
     weight = case["weight"].clone().requires_grad_(True)
     hidden = torch.tanh(x @ proj)  # a non-leaf [s, b, h]
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=0.7)
+    check_invariants(log_prob, entropy, case["labels"], 39)
     ((log_prob * case["g"]).sum() + (entropy * case["e"]).sum()).backward()
     assert proj.grad is not None
     ref = reference(hidden.detach(), case["weight"], case["labels"], 0.7, case["g"], case["e"])
@@ -497,6 +499,7 @@ def test_gradient_to_one_input_only(which, monkeypatch):
     hidden = case["hidden"].clone().requires_grad_(which == "hidden")
     weight = case["weight"].clone().requires_grad_(which == "weight")
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=1.0)
+    check_invariants(log_prob, entropy, case["labels"], 39)
     ((log_prob * case["g"]).sum() + (entropy * case["e"]).sum()).backward()
     ref = reference(case["hidden"], case["weight"], case["labels"], 1.0, case["g"], case["e"])
     got, other = (hidden, weight) if which == "hidden" else (weight, hidden)
@@ -515,6 +518,7 @@ def test_repeated_backward_accumulates(monkeypatch):
     for _ in range(2):
         case = make_case("3d", torch.float32, 29, 16, 18, gen)
         lp, ent = mcore_ppo.fused_log_probs_and_entropy(case["hidden"], weight, case["labels"])
+        check_invariants(lp, ent, case["labels"], 29)
         ((lp * case["g"]).sum() + (ent * case["e"]).sum()).backward()
         ref = reference(case["hidden"], weight, case["labels"], 1.0, case["g"], case["e"])
         expected += ref["d_weight"]
@@ -530,6 +534,7 @@ def test_mean_loss_broadcast_upstream(layout, monkeypatch):
     hidden = case["hidden"].clone().requires_grad_(True)
     weight = case["weight"].clone().requires_grad_(True)
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=0.7)
+    check_invariants(log_prob, entropy, case["labels"], 43)
     (log_prob.mean() - 0.01 * entropy.sum()).backward()
     n = case["labels"].numel()
     g = torch.full(case["labels"].shape, 1.0 / n)
@@ -547,7 +552,7 @@ def test_zero_tokens(layout):
     weight = torch.randn(11, 8, generator=generator(fresh_seed()), requires_grad=True)
     labels = torch.zeros(lshape, dtype=torch.long)
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels)
-    assert log_prob.shape == entropy.shape == labels.shape
+    check_invariants(log_prob, entropy, labels, 11)
     (log_prob.sum() + entropy.sum()).backward()
     assert hidden.grad.shape == hidden.shape
     assert weight.grad is not None and (weight.grad == 0).all()

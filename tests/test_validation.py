@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from reference import IGNORE_INDEX, fresh_seed, generator, single_threaded
+from reference import IGNORE_INDEX, check_invariants, fresh_seed, generator, single_threaded
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
@@ -61,7 +61,7 @@ def test_valid_inputs_pass(data):
     """The fixtures themselves are valid (so the failures below are about the one bad argument)."""
     for hidden, labels in ((data["h2"], data["l2"]), (data["h3"], data["l3"])):
         lp, ent = head(hidden, data["w"], labels, temperature=2)  # an int temperature is fine
-        assert lp.shape == ent.shape == labels.shape
+        check_invariants(lp, ent, labels, V)
 
 
 # --- shapes and layouts --------------------------------------------------------------------------
