@@ -191,7 +191,10 @@ def build_impls(args) -> dict[str, tuple[object, str | None, dict]]:
             None,
             {},
         )
-    return impls
+    # Ours first, right after the floor is measured: clocks drift as the card heats up, and the
+    # floor is measured again after the last implementation (floor_after) to show by how much.
+    order = ["ours_triton", "ours_torch"]
+    return {k: impls[k] for k in order + [k for k in impls if k not in order]}
 
 
 # ----------------------------------------------------------------------------- reference
@@ -312,6 +315,22 @@ def measure_impl(fn, info, x, w, labels, g, e, temperature, reps, refs, want_gra
     return res
 
 
+def time_half_ignored(fn, x, w, labels, g, e, temperature, reps) -> dict:
+    """Timings with every other token ignored (prompt tokens in RL batches): skipped GEMM work."""
+    half = labels.clone()
+    half[::2] = -100
+    xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+
+    def step():
+        xg.grad = wg.grad = None
+        logp, ent = fn(xg, wg, half, temperature)
+        torch.autograd.backward([logp, ent], [g, e])
+
+    with torch.no_grad():
+        nograd = time_ms(lambda: fn(x, w, half, temperature), reps * 2)
+    return {"nograd_fwd_ms": nograd, "fwd_bwd_ms": time_ms(step, reps)}
+
+
 # ----------------------------------------------------------------------------- tuning
 def tune_triton(x, w, labels, g, e, temperature, reps) -> dict:
     """Time candidate tile configs of the forward and backward kernels; keep the fastest."""
@@ -320,15 +339,15 @@ def tune_triton(x, w, labels, g, e, temperature, reps) -> dict:
 
     fwd_candidates = [
         tb.FORWARD_CONFIG,
-        replace(tb.FORWARD_CONFIG, tiles_per_split=8),
-        replace(tb.FORWARD_CONFIG, num_stages=4),
-        replace(tb.FORWARD_CONFIG, block_n=128, num_stages=4),
-        replace(tb.FORWARD_CONFIG, block_m=256, block_n=128),
+        replace(tb.FORWARD_CONFIG, use_tma=True),
+        replace(tb.FORWARD_CONFIG, use_tma=True, num_stages=4),
+        replace(tb.FORWARD_CONFIG, use_tma=True, tiles_per_split=4),
+        replace(tb.FORWARD_CONFIG, use_tma=True, block_n=128, num_stages=4),
     ]
     bwd_candidates = [
         tb.BACKWARD_CONFIG,
-        replace(tb.BACKWARD_CONFIG, num_stages=4),
-        replace(tb.BACKWARD_CONFIG, block_n=128, num_stages=4),
+        replace(tb.BACKWARD_CONFIG, use_tma=True),
+        replace(tb.BACKWARD_CONFIG, use_tma=True, num_stages=3),
     ]
     out: dict[str, list] = {"forward": [], "backward": []}
     run = lambda: fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
@@ -422,6 +441,9 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default="all", help="comma list of implementation names, or all")
     parser.add_argument("--compile-tp", default="1", help="TP sizes where torch.compile runs (it recompiles per shape)")
     parser.add_argument("--torch-backend-tp", default="1,8", help="TP sizes where the slow fp32 torch backend runs")
+    parser.add_argument(
+        "--liger-scaled-tp", default="1,2,4,8", help="TP sizes where Liger's scaled CE runs (CuTe JIT per shape)"
+    )
     parser.add_argument("--ignored-fraction", type=float, default=0.0)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tune", action="store_true", help="pick the Triton tile configs by timing first")
@@ -446,6 +468,7 @@ def main(argv=None) -> int:
     tps = [int(t) for t in args.tp.split(",")]
     compile_tps = {int(t) for t in args.compile_tp.split(",") if t}
     torch_tps = {int(t) for t in args.torch_backend_tp.split(",") if t}
+    liger_tps = {int(t) for t in args.liger_scaled_tp.split(",") if t}
     report = {
         "device": torch.cuda.get_device_name(),
         "host": platform.node(),
@@ -494,6 +517,8 @@ def main(argv=None) -> int:
                     entry["impls"][name] = {"skipped": skip}
                 elif name == "torch_compile" and tp not in compile_tps:
                     entry["impls"][name] = {"skipped": f"not run at tp{tp} (recompiles per shape; --compile-tp)"}
+                elif name == "liger_scaled_ce" and tp not in liger_tps:
+                    entry["impls"][name] = {"skipped": f"not run at tp{tp} (device-time budget; --liger-scaled-tp)"}
                 elif name == "ours_torch" and tp not in torch_tps:
                     entry["impls"][name] = {
                         "skipped": f"not run at tp{tp} (fp32 reference backend; --torch-backend-tp)"
@@ -511,7 +536,8 @@ def main(argv=None) -> int:
                         if name == "ours_triton":
                             from mcore_ppo.backends import triton_backend as tb
 
-                            res["addmm_path"] = tb.ADDMM_PATH
+                            res["addmm_path"] = dict(tb.ADDMM_PATH)
+                            res["half_ignored"] = time_half_ignored(fn, x, w, labels, g, e, temperature, args.reps)
                             res["forward_config"] = asdict(tb.FORWARD_CONFIG)
                             res["backward_config"] = asdict(tb.BACKWARD_CONFIG)
                         res["fwd_ratio"] = res["fwd_ms"] / entry["floor"]["gemm1_ms"]
@@ -524,6 +550,7 @@ def main(argv=None) -> int:
                         traceback.print_exc()
                     torch.cuda.empty_cache()
                 bar.update(label)
+            entry["floor_after"] = measure_floor(x, w, args.reps)
             report["results"].append(entry)
             json_path.write_text(json.dumps(report, indent=1))
             del x, w, labels, g, e, refs, refs_t1
@@ -554,7 +581,8 @@ def print_table(report: dict) -> None:
         f = entry["floor"]
         print(
             f"\n{entry['shape']} tp{entry['tp']} (h {entry['hidden']}, V/tp {entry['vocab_local']}): "
-            f"gemm1 {f['gemm1_ms']:.2f} ms, gemm3 {f['gemm3_ms']:.2f}, gemm4 {f['gemm4_ms']:.2f}; "
+            f"gemm1 {f['gemm1_ms']:.2f} ms, gemm3 {f['gemm3_ms']:.2f}, gemm4 {f['gemm4_ms']:.2f} "
+            f"(after: {entry.get('floor_after', f)['gemm1_ms']:.2f}, {entry.get('floor_after', f)['gemm4_ms']:.2f}); "
             f"output grads {entry['output_grads_gib']:.2f} GiB"
         )
         print(f"{'impl':<17}" + "".join(f"{c:>15}" for c in cols + errs))
@@ -568,6 +596,9 @@ def print_table(report: dict) -> None:
             for c in errs:
                 cells.append(f"{r[c]:>15.2e}" if r.get(c) is not None else f"{'-':>15}")
             print(f"{name:<17}" + "".join(cells))
+            if "half_ignored" in r:
+                half = r["half_ignored"]
+                print(f"{'  50% ignored':<17}{'-':>15}{half['nograd_fwd_ms']:>15.3f}{half['fwd_bwd_ms']:>15.3f}")
 
 
 if __name__ == "__main__":

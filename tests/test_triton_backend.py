@@ -230,3 +230,18 @@ def test_compact_rows():
 def test_fp64_falls_back_to_reference():
     hidden, weight, labels, g, e = make_case(12, 8, 30, seed=fresh_seed(), dtype=torch.float64)
     check_against_reference(hidden, weight, labels, 1.0, g, e, rtol=1e-12, grad_rtol=1e-10)
+
+
+def test_tma_operands(monkeypatch):
+    """The copy-engine path (rows gathered first, descriptors; zero-filled edges) is exact too."""
+    tma = triton_backend.replace(triton_backend.INTERPRETER_CONFIG, use_tma=True)
+    monkeypatch.setattr(triton_backend, "INTERPRETER_CONFIG", tma)
+    monkeypatch.setattr(
+        triton_backend, "FORWARD_CONFIG", triton_backend.replace(triton_backend.FORWARD_CONFIG, use_tma=True)
+    )
+    monkeypatch.setattr(
+        triton_backend, "BACKWARD_CONFIG", triton_backend.replace(triton_backend.BACKWARD_CONFIG, use_tma=True)
+    )
+    hidden, weight, labels, g, e = make_case(37, 28, 151, seed=fresh_seed())
+    assert triton_backend.TritonBackend().forward_config.use_tma
+    check_against_reference(hidden, weight, labels, 0.7, g, e)

@@ -56,6 +56,7 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     tiles_per_split: int = 4  # forward only: vocab tiles folded per program before a partial is written
+    use_tma: bool = False  # operands through the copy engine (host descriptors; rows gathered first)
 
 
 # Chosen by measurement on one H200 (docs/kernels.md); the interpreter needs tiny tiles.
@@ -101,38 +102,56 @@ def _flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
     }
 
 
-#: Which path :func:`_addmm_fp32` took last (recorded by the benchmark).
-ADDMM_PATH = ""
+#: Which path :func:`_addmm_fp32` took, per output (recorded by the benchmark).
+ADDMM_PATH: dict[str, str] = {}
 
 
-def _addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _gemm_operands(hidden: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, config: GemmConfig):
+    """``(x_ptr, x_desc, w_desc, use_tma)`` for the fused kernels.
+
+    With TMA the valid rows are gathered into a contiguous copy (``n × h`` in the input dtype,
+    freed on return) so that each program's rows are one block for the copy engine; without it
+    the kernels gather rows through ``perm`` themselves and the descriptors are unused.
+    """
+    aligned = (hidden.shape[1] * hidden.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
+    capable = interpreting() or (hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] >= 9)
+    if not (config.use_tma and aligned and capable):
+        return hidden, hidden, weight, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = hidden.index_select(0, perm)
+    x_desc = TensorDescriptor.from_tensor(rows, [config.block_m, config.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    return rows, x_desc, w_desc, True
+
+
+def _addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """``out += a @ b`` with fp32 ``out`` and low-precision ``a``, ``b``.
 
     cuBLAS does it in one GEMM with fp32 output and ``beta = 1`` (``addmm(..., out_dtype=
     float32)``, torch ≥ 2.8 on CUDA), so partial sums are never rounded to bf16; older torch
     gets an fp32-output product added separately, or at worst a bf16 product.
     """
-    global ADDMM_PATH
     if a.dtype == out.dtype:
         out.addmm_(a, b)
-        ADDMM_PATH = "addmm_ same dtype"
+        ADDMM_PATH[what] = "addmm_ same dtype"
         return
     if not a.is_cuda:
         out.add_(torch.mm(a.float(), b.float()))
-        ADDMM_PATH = "fp32 upcast (CPU)"
+        ADDMM_PATH[what] = "fp32 upcast (CPU)"
         return
     try:
         torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-        ADDMM_PATH = "addmm out_dtype=fp32, beta=1"
+        ADDMM_PATH[what] = "addmm out_dtype=fp32, beta=1"
         return
     except (RuntimeError, TypeError):  # older torch: no out_dtype overload
         pass
     try:
         out.add_(torch.mm(a, b, out_dtype=torch.float32))
-        ADDMM_PATH = "mm out_dtype=fp32 + add"
+        ADDMM_PATH[what] = "mm out_dtype=fp32 + add"
     except (RuntimeError, TypeError):
         out.add_(torch.mm(a, b))
-        ADDMM_PATH = "bf16 mm + add"
+        ADDMM_PATH[what] = "bf16 mm + add"
 
 
 class TritonBackend:
@@ -177,9 +196,12 @@ class TritonBackend:
         num_splits = _cdiv(v, cfg.tiles_per_split * cfg.block_n)
         parts = torch.empty(3, num_splits, n, dtype=torch.float32, device=hidden.device)
         y = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        x_rows, x_desc, w_desc, use_tma = _gemm_operands(hidden, weight, perm, cfg)
         stats_kernel[(_cdiv(n, cfg.block_m) * num_splits,)](
-            hidden,
+            x_rows,
             weight,
+            x_desc,
+            w_desc,
             perm,
             count,
             local_labels,
@@ -201,8 +223,10 @@ class TritonBackend:
             GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            USE_TMA=use_tma,
             **_flags(hidden, cfg),
         )
+        del x_rows
         stats = torch.empty(3, n, dtype=torch.float32, device=hidden.device)
         merge_splits_kernel[(_cdiv(n, MERGE_BLOCK_T),)](
             parts[0],
@@ -270,12 +294,15 @@ class TritonBackend:
         chunk = self.vocab_chunk(n, v, hidden.element_size())
         workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
         flags = _flags(hidden, cfg)
+        x_rows, x_desc, w_desc, use_tma = _gemm_operands(hidden, weight, perm, cfg)
         for v0 in range(0, v, chunk):
             vc = min(chunk, v - v0)
             dz = workspace[:, :vc]
             dz_kernel[(_cdiv(n, cfg.block_m) * _cdiv(vc, cfg.block_n),)](
-                hidden,
+                x_rows,
                 weight,
+                x_desc,
+                w_desc,
                 perm,
                 count,
                 local_labels,
@@ -300,10 +327,11 @@ class TritonBackend:
                 GROUP_M=cfg.group_m,
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
+                USE_TMA=use_tma,
                 **flags,
             )
             if hidden_grad is not None:
-                _addmm_fp32(hidden_grad, dz, weight[v0 : v0 + vc])
+                _addmm_fp32(hidden_grad, dz, weight[v0 : v0 + vc], "d_hidden")
             if weight_grad is not None:
-                _addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), hidden)
+                _addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), hidden, "d_weight")
         return hidden_grad, weight_grad

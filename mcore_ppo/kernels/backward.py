@@ -16,14 +16,16 @@ import triton.language as tl
 
 from mcore_ppo.kernels.common import grouped_tile, tile_dot
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
 def dz_kernel(
     x_ptr,
     w_ptr,
+    x_desc,
+    w_desc,
     perm_ptr,
     count_ptr,
     labels_ptr,
@@ -49,6 +51,7 @@ def dz_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """``dz[:, j - v0] / T`` for columns ``j`` in ``[v0, v0 + VC)`` of the shard; see the module doc."""
     pid = tl.program_id(0)
@@ -69,8 +72,12 @@ def dz_kernel(
     acc = tile_dot(
         x_ptr,
         w_ptr,
+        x_desc,
+        w_desc,
         rows,
         v0 + tl.minimum(offs_n, VC - 1),
+        pid_m * BLOCK_M,
+        v0 + pid_n * BLOCK_N,
         H,
         stride_x,
         stride_w,
@@ -80,6 +87,7 @@ def dz_kernel(
         EVEN_K,
         UPCAST,
         DOT_IEEE,
+        USE_TMA,
     )
     lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * LOG2E
     if HAS_G:

@@ -25,8 +25,12 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def tile_dot(
     x_ptr,
     w_ptr,
+    x_desc,
+    w_desc,
     rows,
     cols,
+    row0,
+    col0,
     H,
     stride_x,
     stride_w,
@@ -36,31 +40,47 @@ def tile_dot(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """fp32 ``x[rows] @ w[cols].T`` for one ``[BLOCK_M, BLOCK_N]`` tile.
 
-    ``rows`` and ``cols`` must be in bounds (callers clamp them and mask the results), so the
-    main loop needs no row/column predicates; only a ragged hidden size masks ``k``.
+    Pointer path: ``rows`` (gathered) and ``cols`` must be in bounds (callers clamp them and
+    mask the results), so the main loop needs no row/column predicates; only a ragged hidden
+    size masks ``k``. TMA path (``USE_TMA``): the tile is the contiguous block at
+    ``(row0, col0)`` of the descriptors (rows already compacted by the host); the copy engine
+    zero-fills out-of-bounds rows, columns and ``k``.
     """
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-    b_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < H - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-        if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if DOT_IEEE:  # fp32 inputs: true fp32 products, not tf32
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if USE_TMA:
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            a = x_desc.load([row0, k * BLOCK_K])
+            b = w_desc.load([col0, k * BLOCK_K])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if DOT_IEEE:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+        b_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < H - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+            if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if DOT_IEEE:  # fp32 inputs: true fp32 products, not tf32
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     return acc

@@ -9,7 +9,8 @@ in fp32 and folds it into per-row running statistics in registers, in base-2 uni
 
 and stores them per (split, row) converted back to natural units (``m·ln2``, ``s``,
 ``u·ln2``). The label's logit is stored by the split that holds it. Logits never reach
-memory. Rows are visited through ``perm`` (valid rows first); a program whose rows all lie
+memory. Rows are visited through ``perm`` (valid rows first; with ``USE_TMA`` the host has
+gathered them into a contiguous copy, read by the copy engine); a program whose rows all lie
 past the device-side valid count exits before any GEMM work, so ignored tokens cost nothing
 and the host never learns the count.
 
@@ -23,14 +24,16 @@ import triton.language as tl
 
 from mcore_ppo.kernels.common import grouped_tile, tile_dot
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
 def stats_kernel(
     x_ptr,
     w_ptr,
+    x_desc,
+    w_desc,
     perm_ptr,
     count_ptr,
     labels_ptr,
@@ -53,6 +56,7 @@ def stats_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Per-(split, row) ``(m, s, u)`` partials and the label logit ``y``; see the module doc."""
     pid = tl.program_id(0)
@@ -79,8 +83,12 @@ def stats_kernel(
         acc = tile_dot(
             x_ptr,
             w_ptr,
+            x_desc,
+            w_desc,
             rows,
             tl.minimum(offs_n, V - 1),
+            pid_m * BLOCK_M,
+            n0,
             H,
             stride_x,
             stride_w,
@@ -90,6 +98,7 @@ def stats_kernel(
             EVEN_K,
             UPCAST,
             DOT_IEEE,
+            USE_TMA,
         )
         # The label first, so that acc is dead (overwritten by z2) before the statistics.
         has_label = (labels >= n0) & (labels < n0 + BLOCK_N)

@@ -66,6 +66,18 @@ def make(n, h, v, dtype=torch.bfloat16, ignored=0.0, seed=0):
     return x, w, labels, g, e
 
 
+@pytest.fixture(params=[False, True], ids=["pointer", "tma"])
+def use_tma(request, monkeypatch):
+    """Both operand paths of the kernels: gathered pointer loads and the copy engine."""
+    from dataclasses import replace
+
+    from mcore_ppo.backends import triton_backend as tb
+
+    monkeypatch.setattr(tb, "FORWARD_CONFIG", replace(tb.FORWARD_CONFIG, use_tma=request.param))
+    monkeypatch.setattr(tb, "BACKWARD_CONFIG", replace(tb.BACKWARD_CONFIG, use_tma=request.param))
+    return request.param
+
+
 def run(x, w, labels, g, e, temperature, backend="triton"):
     from mcore_ppo import fused_log_probs_and_entropy
 
@@ -80,7 +92,7 @@ def run(x, w, labels, g, e, temperature, backend="triton"):
     [(3584, 152064, 0.0), (3584, 38016, 0.3), (4096, 16032, 0.0), (4096, 64128, 0.5)],
     ids=["qwen7b-tp1", "qwen7b-tp4-ignored", "llama8b-tp8", "llama8b-tp2-half-ignored"],
 )
-def test_full_shape_vs_fp64(h, v, ignored):
+def test_full_shape_vs_fp64(h, v, ignored, use_tma):
     temperature = 0.7
     x, w, labels, g, e = make(N_TOKENS, h, v, ignored=ignored)
     logp, ent, dh, dw = run(x, w, labels, g, e, temperature)
@@ -92,13 +104,13 @@ def test_full_shape_vs_fp64(h, v, ignored):
         "d_hidden": rel(dh, ref[2]),
         "d_weight": rel(dw, ref[3]),
     }
-    print(f"h={h} V={v} ignored={ignored}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    print(f"h={h} V={v} ignored={ignored} tma={use_tma}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
     assert errs["log_prob"] <= 1e-5 and errs["entropy"] <= 1e-5
     assert errs["d_hidden"] <= 5e-3 and errs["d_weight"] <= 5e-3
     assert (logp[~valid] == 0).all() and (dh[~valid] == 0).all()
 
 
-def test_fp32_inputs_odd_shape():
+def test_fp32_inputs_odd_shape(use_tma):
     x, w, labels, g, e = make(777, 1000, 5003, dtype=torch.float32, ignored=0.2, seed=1)
     logp, ent, dh, dw = run(x, w, labels, g, e, 1.3)
     ref = fp64_reference(x, w, labels, g, e, 1.3)
@@ -114,7 +126,7 @@ def test_matches_torch_backend():
     assert rel(ours[2], theirs[2]) <= 5e-3 and rel(ours[3], theirs[3]) <= 5e-3
 
 
-def test_all_ignored():
+def test_all_ignored(use_tma):
     x, w, labels, g, e = make(300, 256, 1000, ignored=1.0, seed=3)
     for t in run(x, w, labels, g, e, 1.0):
         assert torch.isfinite(t).all() and (t == 0).all()
@@ -165,7 +177,7 @@ def test_main_grad_fp32():
     assert rel(wg.main_grad - before, ref[3]) <= 5e-3
 
 
-def test_cuda_graph_capture():
+def test_cuda_graph_capture(use_tma):
     """No host synchronisation: the forward statistics and the backward capture in a CUDA graph."""
     from mcore_ppo.backends.triton_backend import TritonBackend
 
