@@ -22,6 +22,10 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 
 from parallel.groups import ProcessGroup, group_size
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def all_gather_first_dim(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (no autograd)."""
@@ -30,7 +34,7 @@ def all_gather_first_dim(tensor: torch.Tensor, group: ProcessGroup | None) -> to
         return tensor
     tensor = tensor.contiguous()
     out = torch.empty((world * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor, group=group)
+    _all_gather_single(out, tensor, group=group)
     return out
 
 
@@ -41,7 +45,7 @@ def reduce_scatter_first_dim(tensor: torch.Tensor, group: ProcessGroup | None) -
         return tensor
     tensor = tensor.contiguous()
     out = torch.empty((tensor.shape[0] // world, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.reduce_scatter_tensor(out, tensor, group=group)
+    _reduce_scatter_single(out, tensor, group=group)
     return out
 
 
