@@ -79,8 +79,13 @@ def compute_log_probs_and_entropy(
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
     tp_size = group_size(tp_group)
-    validation.check_layout(hidden, weight, labels, tp_size, sequence_parallel)
-    validation.check_equal_shards(weight, tp_group)
+    # Shapes may be wrong on one rank only: the shard-size collective carries that to every rank.
+    layout_error = None
+    try:
+        validation.check_layout(hidden, weight, labels, tp_size, sequence_parallel)
+    except ValueError as err:
+        layout_error = err
+    validation.check_equal_shards(weight, tp_group, layout_error)
     vocab_size = weight.shape[0] * tp_size
     validation.check_label_range(labels, vocab_size, ignore_index)
     impl = resolve_backend(backend, hidden.device)

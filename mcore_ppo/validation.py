@@ -100,18 +100,36 @@ def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) 
 _CHECKED_SHARDS: set[tuple[int, int, str]] = set()
 
 
-def check_equal_shards(weight: torch.Tensor, tp_group: ProcessGroup | None) -> None:
-    """Every TP rank's weight shard must have the same number of rows (Megatron's layout)."""
-    if group_size(tp_group) == 1:
+def check_equal_shards(
+    weight: torch.Tensor, tp_group: ProcessGroup | None, local_error: Exception | None = None
+) -> None:
+    """Every TP rank's weight shard must have the same number of rows (Megatron's layout).
+
+    The check is one all-reduce over the TP group, which also carries whether any rank's own
+    layout check failed (``local_error``): then every rank raises (the failing one its own
+    error) instead of the others waiting in the next collective for a rank that has left.
+    """
+    if group_size(tp_group) == 1 or (local_error is not None and weight.device.type != "cpu"):
+        # One rank, or a CUDA rank whose peers may have cached the check: raise right away.
+        if local_error is not None:
+            raise local_error
         return
-    rows = weight.shape[0]
+    rows = weight.shape[0] if weight.dim() == 2 else 0
     key = (id(tp_group), rows, weight.device.type)
     cached = weight.device.type != "cpu"
     if cached and key in _CHECKED_SHARDS:
         return
-    sizes = torch.tensor([rows, -rows], dtype=torch.int64, device=weight.device)
+    failed = 0 if local_error is None else 1
+    sizes = torch.tensor([rows, -rows, failed], dtype=torch.int64, device=weight.device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=tp_group)
-    largest, smallest = sizes[0].item(), -sizes[1].item()
+    largest, smallest, any_failed = sizes[0].item(), -sizes[1].item(), sizes[2].item()
+    if local_error is not None:
+        raise local_error
+    if any_failed:
+        raise ValueError(
+            "another rank of the tensor-parallel group rejected its inputs (its exception names the "
+            "argument); this rank's inputs passed the checks"
+        )
     if largest != smallest:
         raise ValueError(
             f"weight shards must have the same number of rows on every tensor-parallel rank; "

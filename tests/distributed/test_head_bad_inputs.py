@@ -5,6 +5,8 @@
   the API, so every rank raises, with and without SP, in every layout.
 - Under SP, labels whose sequence length is not divisible by TP, or divisible but not hidden's
   shard × TP: every rank raises before any collective.
+- A bad SP shard on one rank only: that rank raises its own error, every other rank a
+  ValueError saying another rank rejected its inputs (the shard-size all-reduce carries it).
 After the failures, one good call per layout must still match the single-rank result: no rank
 is left behind in a collective.
 """
@@ -68,6 +70,20 @@ def test_bad_inputs_raise_on_every_rank(tp, check):
                     tp_group=layout.tp_group,
                     sequence_parallel=True,
                 )
+            # Only the last TP rank gets a hidden shard one token short: it raises its own
+            # layout error, and its peers learn of it through the shard-size all-reduce
+            # instead of waiting for it in the combine.
+            check.case(f"tp={tp} sp=True layout={case.layout} bad SP shard on one rank only")
+            one_bad = shard[:-1] if rank == tp - 1 else shard
+            message = "SP shard" if rank == tp - 1 else "another rank of the tensor-parallel group rejected"
+            check.raises(
+                ValueError,
+                message,
+                run_head,
+                *(one_bad, case.weight.chunk(tp, dim=0)[rank], case.labels, None, None),
+                tp_group=layout.tp_group,
+                sequence_parallel=True,
+            )
             check.case(f"tp={tp} sp=True layout={case.layout} good call after the failures")
             weight = case.weight.chunk(tp, dim=0)[rank]
             out = run_head(
