@@ -339,15 +339,15 @@ def tune_triton(x, w, labels, g, e, temperature, reps) -> dict:
 
     fwd_candidates = [
         tb.FORWARD_CONFIG,
-        replace(tb.FORWARD_CONFIG, use_tma=True),
-        replace(tb.FORWARD_CONFIG, use_tma=True, num_stages=4),
-        replace(tb.FORWARD_CONFIG, use_tma=True, tiles_per_split=4),
-        replace(tb.FORWARD_CONFIG, use_tma=True, block_n=128, num_stages=4),
+        replace(tb.FORWARD_CONFIG, tiles_per_split=8),
+        replace(tb.FORWARD_CONFIG, tiles_per_split=2),
+        replace(tb.FORWARD_CONFIG, group_m=8),
+        replace(tb.FORWARD_CONFIG, use_tma=False, num_stages=3),
     ]
     bwd_candidates = [
         tb.BACKWARD_CONFIG,
-        replace(tb.BACKWARD_CONFIG, use_tma=True),
-        replace(tb.BACKWARD_CONFIG, use_tma=True, num_stages=3),
+        replace(tb.BACKWARD_CONFIG, num_stages=4),
+        replace(tb.BACKWARD_CONFIG, use_tma=False),
     ]
     out: dict[str, list] = {"forward": [], "backward": []}
     run = lambda: fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
@@ -386,7 +386,45 @@ def tune_triton(x, w, labels, g, e, temperature, reps) -> dict:
             best_bwd = (cfg, ms)
     tb.BACKWARD_CONFIG = best_bwd[0]
     out["chosen"] = {"forward": asdict(best_fwd[0]), "backward": asdict(best_bwd[0])}
+    out["breakdown"] = breakdown(x, w, labels, g, e, temperature, reps, step)
     return out
+
+
+def breakdown(x, w, labels, g, e, temperature, reps, step) -> dict:
+    """Where the time goes: backend calls alone vs the API, and a larger backward workspace."""
+    from mcore_ppo.backends import triton_backend as tb
+    from parallel.combine import combine_shard_statistics
+
+    backend = tb.TritonBackend()
+    valid = labels != -100
+    local = torch.where(valid, labels, -1)
+    with torch.no_grad():
+        stats = backend.shard_statistics(x, w, local, valid, temperature)
+        lse, ent, _ = combine_shard_statistics(*stats, None)
+    res = {
+        "compact_rows_ms": time_ms(lambda: tb.compact_rows(valid), reps * 4),
+        "backend_statistics_ms": time_ms(lambda: backend.shard_statistics(x, w, local, valid, temperature), reps * 2),
+        "backend_gradients_ms": time_ms(
+            lambda: backend.shard_gradients(x, w, local, valid, temperature, lse, ent, g, e, True, torch.zeros_like(w)),
+            reps,
+        ),
+        "dz_chunk_columns": backend.vocab_chunk(x.shape[0], w.shape[0], x.element_size()),
+    }
+    n, v = x.shape[0], w.shape[0]
+    chunk = res["dz_chunk_columns"]
+    dz = torch.randn(n, chunk, dtype=x.dtype, device=x.device)
+    dh = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+    chunks = -(-v // chunk)
+    res["cublas_dhidden_all_chunks_ms"] = chunks * time_ms(lambda: tb._addmm_fp32(dh, dz, w[:chunk], "d_hidden"), reps)
+    res["cublas_dweight_all_chunks_ms"] = chunks * time_ms(lambda: torch.mm(dz.t(), x), reps)
+    dz = dh = None  # free the 0.5 GiB before the next measurement
+    saved = tb.WORKSPACE_BYTES
+    try:
+        tb.WORKSPACE_BYTES = 384 * 2**20  # informative only: above the memory target at this shape
+        res["fwd_bwd_ms_workspace_384MiB"] = time_ms(step, reps)
+    finally:
+        tb.WORKSPACE_BYTES = saved
+    return res
 
 
 # ----------------------------------------------------------------------------- plot

@@ -59,10 +59,12 @@ class GemmConfig:
     use_tma: bool = False  # operands through the copy engine (host descriptors; rows gathered first)
 
 
-# Chosen by measurement on one H200 (docs/kernels.md); the interpreter needs tiny tiles.
-FORWARD_CONFIG = GemmConfig()
-BACKWARD_CONFIG = GemmConfig(tiles_per_split=1)
+# Chosen by measurement on one H200 (docs/kernels.md: TMA operands won 27.4 vs 31.1 ms in the
+# forward, 112.3 vs 114.3 ms forward+backward, qwen7b tp1); the interpreter needs tiny tiles.
+FORWARD_CONFIG = GemmConfig(num_stages=4, use_tma=True)
+BACKWARD_CONFIG = GemmConfig(tiles_per_split=1, use_tma=True)
 INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
+COMPACT_BLOCK = 1024
 # Upper bound on the bf16 ``dz`` workspace of the backward (one vocab chunk × all tokens).
 WORKSPACE_BYTES = 256 * 2**20
 MERGE_BLOCK_T = 64
@@ -72,18 +74,17 @@ MERGE_BLOCK_S = 32
 def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, count)``: row indices with valid rows first (in order), and their number.
 
-    Both stay on the device (a cumulative sum and a scatter; ``nonzero`` would sync).
+    Both stay on the device: one single-program Triton launch (``compact_kernel``) instead of
+    the five torch ops of a cumulative-sum formulation; ``nonzero`` would sync the host.
     ``perm`` is int32 ``[n]``; ``count`` is an int32 ``[1]`` tensor.
     """
+    from mcore_ppo.kernels import compact_kernel
+
     n = valid.shape[0]
-    flags = valid.to(torch.int32)
-    before_valid = torch.cumsum(flags, 0, dtype=torch.int32)
-    count = before_valid[-1:]
-    before_ignored = torch.cumsum(1 - flags, 0, dtype=torch.int32)
-    dest = torch.where(valid, before_valid - 1, count + before_ignored - 1)
     perm = torch.empty(n, dtype=torch.int32, device=valid.device)
-    perm.scatter_(0, dest.long(), torch.arange(n, dtype=torch.int32, device=valid.device))
-    return perm, count.contiguous()
+    count = torch.empty(1, dtype=torch.int32, device=valid.device)
+    compact_kernel[(1,)](valid.contiguous().view(torch.uint8), perm, count, n, BLOCK=COMPACT_BLOCK)
+    return perm, count
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -92,6 +93,13 @@ def _cdiv(a: int, b: int) -> int:
 
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
+    """fp32 operands take twice the shared memory per stage: halve the K tile for them."""
+    if dtype == torch.float32 and config.block_k > 16:
+        return replace(config, block_k=config.block_k // 2)
+    return config
 
 
 def _flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
@@ -188,8 +196,8 @@ class TritonBackend:
             return self._reference.shard_statistics(hidden, weight, local_labels, valid, temperature)
         from mcore_ppo.kernels import merge_splits_kernel, stats_kernel
 
-        cfg = self.forward_config
         hidden, weight = _rowmajor(hidden), _rowmajor(weight)
+        cfg = _for_dtype(self.forward_config, hidden.dtype)
         n, h = hidden.shape
         v = weight.shape[0]
         perm, count = compact_rows(valid)
@@ -281,8 +289,8 @@ class TritonBackend:
             )
         from mcore_ppo.kernels import dz_kernel
 
-        cfg = self.backward_config
         hidden, weight = _rowmajor(hidden), _rowmajor(weight)
+        cfg = _for_dtype(self.backward_config, hidden.dtype)
         n, h = hidden.shape
         v = weight.shape[0]
         device = hidden.device

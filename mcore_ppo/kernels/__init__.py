@@ -4,9 +4,11 @@
 - :mod:`.forward`: the fused GEMM + online-softmax statistics kernel and the per-token merge
   of its per-split partial statistics.
 - :mod:`.backward`: the fused GEMM whose epilogue writes ``dz / T`` for one vocab chunk.
+- :mod:`.compact`: valid rows first, and their count, on the device in one launch.
 """
 
 from mcore_ppo.kernels.backward import dz_kernel
+from mcore_ppo.kernels.compact import compact_kernel
 from mcore_ppo.kernels.forward import merge_splits_kernel, stats_kernel
 
-__all__ = ["dz_kernel", "merge_splits_kernel", "stats_kernel"]
+__all__ = ["compact_kernel", "dz_kernel", "merge_splits_kernel", "stats_kernel"]
