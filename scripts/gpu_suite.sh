@@ -21,13 +21,19 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
   exit 2
 fi
 shopt -s nullglob
-mcore_wheels=(.whl/megatron_core-*.whl .carry/megatron_core-*.whl)
+# Folders of carried wheels (override with GPU_SUITE_WHEEL_DIRS="dir1 dir2").
+read -r -a wheel_dirs <<< "${GPU_SUITE_WHEEL_DIRS:-.whl .carry}"
+mcore_wheels=() all_wheels=()
+for dir in "${wheel_dirs[@]}"; do
+  mcore_wheels+=("$dir"/megatron_core-*.whl)
+  all_wheels+=("$dir"/*.whl)
+done
 other_wheels=()
-for wheel in .whl/*.whl .carry/*.whl; do
+for wheel in "${all_wheels[@]}"; do
   case "$(basename "$wheel")" in megatron_core-*) ;; *) other_wheels+=("$wheel") ;; esac
 done
 if [ ${#mcore_wheels[@]} -eq 0 ]; then
-  echo "gpu_suite: no megatron_core-*.whl in .whl/ or .carry/ (carry them with the run)" >&2
+  echo "gpu_suite: no megatron_core-*.whl in ${wheel_dirs[*]} (carry them with the run)" >&2
   exit 2
 fi
 tests=(tests/test_model_integration.py tests/test_verl_compat.py tests/test_head_*.py)
