@@ -92,6 +92,9 @@ def compute_log_probs_and_entropy(
     if getattr(impl, "computes_outputs", False):
         return _whole_head_outputs(impl, hidden, weight, labels, temperature, tp_group, sequence_parallel, ignore_index)
 
+    if hasattr(impl, "grad_needed"):  # lets a backend keep backward buffers only when they will be used
+        impl.grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+
     # The one TP reduction of d_hidden lives in this wrapper's backward.
     if sequence_parallel and tp_size > 1:
         hidden = gather_sequence_parallel(hidden, tp_group)

@@ -245,3 +245,31 @@ def test_tma_operands(monkeypatch):
     hidden, weight, labels, g, e = make_case(37, 28, 151, seed=fresh_seed())
     assert triton_backend.TritonBackend().forward_config.use_tma
     check_against_reference(hidden, weight, labels, 0.7, g, e)
+
+
+@pytest.mark.parametrize("which", ["both", "log_prob"])
+def test_buffer_mode(monkeypatch, which):
+    """Issue 6: with a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""
+    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
+    hidden, weight, labels, g, e = make_case(29, 24, 130, seed=fresh_seed())
+    if which == "log_prob":
+        e = None
+    calls = []
+    original = triton_backend.TritonBackend._gradients_from_buffer
+    monkeypatch.setattr(
+        triton_backend.TritonBackend,
+        "_gradients_from_buffer",
+        lambda self, *a: calls.append(1) or original(self, *a),
+    )
+    check_against_reference(hidden, weight, labels, 0.7, g, e)
+    assert calls == [1]
+
+
+def test_buffer_not_kept_without_grad(monkeypatch):
+    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
+    hidden, weight, labels, _, _ = make_case(9, 16, 40, seed=fresh_seed())
+    backend = triton_backend.TritonBackend()
+    monkeypatch.setattr(triton_backend, "TritonBackend", lambda: backend)
+    with torch.no_grad():
+        fused_log_probs_and_entropy(hidden.requires_grad_(True), weight, labels, backend="triton")
+    assert backend.grad_needed is False and backend._buffer is None

@@ -67,6 +67,11 @@ INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, n
 COMPACT_BLOCK = 1024
 # Upper bound on the bf16 ``dz`` workspace of the backward (one vocab chunk × all tokens).
 WORKSPACE_BYTES = 256 * 2**20
+# Budgeted probability buffer (issue 6): when ``n × V/tp`` bf16 values (+ fp32 tile maxima)
+# fit in this many bytes and a gradient will be needed, the forward keeps ``2^(z₂ − tile max)``
+# and the backward skips the recompute GEMM. 0 = off (the default: docs/kernels.md); the
+# environment variable MCORE_PPO_BUFFER_BUDGET_BYTES overrides it.
+BUFFER_BUDGET_BYTES = 0
 MERGE_BLOCK_T = 64
 MERGE_BLOCK_S = 32
 
@@ -173,6 +178,9 @@ class TritonBackend:
 
     name = "triton"
     weight_grad_in_weight_dtype = True
+    # Set by the API before the forward: False under no_grad or without differentiable
+    # inputs, so the forward never keeps the probability buffer when nothing will use it.
+    grad_needed = True
 
     def __init__(
         self,
@@ -184,6 +192,9 @@ class TritonBackend:
         self.forward_config = forward_config or small or FORWARD_CONFIG
         self.backward_config = backward_config or (small and replace(small, tiles_per_split=1)) or BACKWARD_CONFIG
         self.workspace_bytes = workspace_bytes or WORKSPACE_BYTES
+        env = os.environ.get("MCORE_PPO_BUFFER_BUDGET_BYTES")
+        self.buffer_budget_bytes = int(env) if env else BUFFER_BUDGET_BYTES
+        self._buffer: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._reference = TorchBackend()
 
     def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -204,6 +215,14 @@ class TritonBackend:
         num_splits = _cdiv(v, cfg.tiles_per_split * cfg.block_n)
         parts = torch.empty(3, num_splits, n, dtype=torch.float32, device=hidden.device)
         y = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        n_tiles_v = _cdiv(v, cfg.block_n)
+        store = self.grad_needed and n * (v * hidden.element_size() + n_tiles_v * 4) <= self.buffer_budget_bytes
+        self._buffer = None
+        if store:
+            buf = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)
+            tmax = torch.empty(n, n_tiles_v, dtype=torch.float32, device=hidden.device)
+        else:
+            buf = tmax = y  # unused (STORE_P off)
         x_rows, x_desc, w_desc, use_tma = _gemm_operands(hidden, weight, perm, cfg)
         stats_kernel[(_cdiv(n, cfg.block_m) * num_splits,)](
             x_rows,
@@ -217,6 +236,8 @@ class TritonBackend:
             parts[1],
             parts[2],
             y,
+            buf,
+            tmax,
             n,
             v,
             h,
@@ -224,6 +245,7 @@ class TritonBackend:
             weight.stride(0),
             num_splits,
             1.0 / temperature,
+            n_tiles_v,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -232,9 +254,12 @@ class TritonBackend:
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             USE_TMA=use_tma,
+            STORE_P=store,
             **_flags(hidden, cfg),
         )
         del x_rows
+        if store:
+            self._buffer = (buf, tmax, cfg.block_n)
         stats = torch.empty(3, n, dtype=torch.float32, device=hidden.device)
         merge_splits_kernel[(_cdiv(n, MERGE_BLOCK_T),)](
             parts[0],
@@ -289,6 +314,20 @@ class TritonBackend:
             )
         from mcore_ppo.kernels import dz_kernel
 
+        if self._buffer is not None and self._buffer[0].shape == (hidden.shape[0], weight.shape[0]):
+            return self._gradients_from_buffer(
+                hidden,
+                weight,
+                local_labels,
+                valid,
+                temperature,
+                lse,
+                entropy,
+                grad_log_prob,
+                grad_entropy,
+                need_hidden_grad,
+                weight_grad,
+            )
         hidden, weight = _rowmajor(hidden), _rowmajor(weight)
         cfg = _for_dtype(self.backward_config, hidden.dtype)
         n, h = hidden.shape
@@ -342,4 +381,59 @@ class TritonBackend:
                 _addmm_fp32(hidden_grad, dz, weight[v0 : v0 + vc], "d_hidden")
             if weight_grad is not None:
                 _addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), hidden, "d_weight")
+        return hidden_grad, weight_grad
+
+    def _gradients_from_buffer(
+        self,
+        hidden,
+        weight,
+        local_labels,
+        valid,
+        temperature,
+        lse,
+        entropy,
+        grad_log_prob,
+        grad_entropy,
+        need_hidden_grad,
+        weight_grad,
+    ):
+        """Backward of the buffer mode: ``dz`` formed in place from the forward's buffer, then
+        the two GEMMs over the whole shard at once (K = V/tp for ``d_hidden``: no fp32
+        read-modify-write per chunk). Three GEMMs per step instead of four."""
+        from mcore_ppo.kernels import dz_from_buffer_kernel
+
+        buf, tmax, block_n = self._buffer
+        self._buffer = None  # consumed: a second backward would need the forward again
+        hidden, weight = _rowmajor(hidden), _rowmajor(weight)
+        n, h = hidden.shape
+        v = weight.shape[0]
+        has_g, has_e = grad_log_prob is not None, grad_entropy is not None
+        g = grad_log_prob.float().contiguous() if has_g else lse
+        e = grad_entropy.float().contiguous() if has_e else lse
+        block_m = 16 if interpreting() else 32
+        dz_from_buffer_kernel[(_cdiv(n, block_m), _cdiv(v, block_n))](
+            buf,
+            tmax,
+            valid.contiguous().view(torch.uint8),
+            local_labels,
+            lse,
+            entropy,
+            g,
+            e,
+            n,
+            v,
+            tmax.shape[1],
+            1.0 / temperature,
+            HAS_G=has_g,
+            HAS_E=has_e,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=4,
+        )
+        hidden_grad = None
+        if need_hidden_grad:
+            hidden_grad = torch.zeros(n, h, dtype=torch.float32, device=hidden.device)
+            _addmm_fp32(hidden_grad, buf, weight, "d_hidden")
+        if weight_grad is not None:
+            _addmm_fp32(weight_grad, buf.t(), hidden, "d_weight")
         return hidden_grad, weight_grad

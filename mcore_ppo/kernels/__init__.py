@@ -7,8 +7,8 @@
 - :mod:`.compact`: valid rows first, and their count, on the device in one launch.
 """
 
-from mcore_ppo.kernels.backward import dz_kernel
+from mcore_ppo.kernels.backward import dz_from_buffer_kernel, dz_kernel
 from mcore_ppo.kernels.compact import compact_kernel
 from mcore_ppo.kernels.forward import merge_splits_kernel, stats_kernel
 
-__all__ = ["compact_kernel", "dz_kernel", "merge_splits_kernel", "stats_kernel"]
+__all__ = ["compact_kernel", "dz_from_buffer_kernel", "dz_kernel", "merge_splits_kernel", "stats_kernel"]

@@ -110,3 +110,59 @@ def dz_kernel(
         if tl.max(has_label.to(tl.int32), 0) > 0:
             dz += tl.where(offs_n[None, :] == labels[:, None], g_t[:, None], 0.0)
     tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def dz_from_buffer_kernel(
+    buf_ptr,
+    tmax_ptr,
+    valid_ptr,
+    labels_ptr,
+    lse_ptr,
+    ent_ptr,
+    g_ptr,
+    e_ptr,
+    N,
+    V,
+    n_tiles_v,
+    inv_temp,
+    HAS_G: tl.constexpr,
+    HAS_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """In place: the forward's ``2^(z₂ - tile max)`` buffer becomes ``dz / T`` (issue 6).
+
+    ``p = buf · 2^(tile max - lse₂)``, ``log p = ln2·(log2 buf + tile max - lse₂)``; the
+    tile is one forward tile (same ``BLOCK_N``), so one tile max per row. No GEMM: the
+    recompute of the logits is skipped. Ignored rows (never written by the forward) get zeros.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = rows < N
+    ok = (tl.load(valid_ptr + rows, mask=in_n, other=0) != 0) & in_n
+    col_ok = cols < V
+    mask = ok[:, None] & col_ok[None, :]
+    ptrs = buf_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :]
+    b = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    lse2 = tl.load(lse_ptr + rows, mask=ok, other=0.0) * LOG2E
+    shift = tl.load(tmax_ptr + rows.to(tl.int64) * n_tiles_v + pid_n, mask=ok, other=0.0) - lse2
+    p = b * tl.exp2(shift)[:, None]
+    if HAS_G:
+        g_t = tl.where(ok, tl.load(g_ptr + rows, mask=ok, other=0.0) * inv_temp, 0.0)
+    else:
+        g_t = tl.zeros((BLOCK_M,), tl.float32)
+    if HAS_E:
+        ent = tl.load(ent_ptr + rows, mask=ok, other=0.0)
+        e_t = tl.where(ok, tl.load(e_ptr + rows, mask=ok, other=0.0) * inv_temp, 0.0)
+        log_p = (tl.log2(tl.maximum(b, 1e-38)) + shift[:, None]) * LN2
+        q = e_t[:, None] * (log_p + ent[:, None]) + g_t[:, None]
+    else:
+        q = g_t[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    dz = tl.where(mask & (b > 0), -p * q, 0.0)
+    if HAS_G:
+        labels = tl.load(labels_ptr + rows, mask=ok, other=-1).to(tl.int32)
+        dz += tl.where(cols[None, :] == labels[:, None], g_t[:, None], 0.0)
+    tl.store(ptrs, dz.to(buf_ptr.dtype.element_ty), mask=in_n[:, None] & col_ok[None, :])

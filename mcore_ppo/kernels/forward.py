@@ -41,6 +41,8 @@ def stats_kernel(
     part_s_ptr,
     part_u_ptr,
     y_ptr,
+    buf_ptr,
+    tmax_ptr,
     N,
     V,
     H,
@@ -48,6 +50,7 @@ def stats_kernel(
     stride_w,
     num_splits,
     inv_temp,
+    n_tiles_v,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -57,6 +60,7 @@ def stats_kernel(
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    STORE_P: tl.constexpr,
 ):
     """Per-(split, row) ``(m, s, u)`` partials and the label logit ``y``; see the module doc."""
     pid = tl.program_id(0)
@@ -106,15 +110,34 @@ def stats_kernel(
             hit = offs_n[None, :] == labels[:, None]
             y_i += tl.sum(tl.where(hit, acc, 0.0), 1)
         z2 = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: every tile has a valid column
-        d = z2 - m_new[:, None]
-        e = tl.exp2(d)
-        eu = tl.where(col_ok[None, :], e * d, 0.0)
-        alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
-        shift = tl.where(s_i > 0, m_i - m_new, 0.0)
-        u_i = alpha * (u_i + s_i * shift) + tl.sum(eu, 1)
-        s_i = alpha * s_i + tl.sum(e, 1)
-        m_i = m_new
+        if STORE_P:
+            # Budgeted buffer (issue 6): 2^(z₂ - tile max) in bf16 (p keeps bf16 *relative*
+            # precision) and the fp32 tile max; the tile's statistics come from the same values.
+            t_max = tl.max(z2, 1)
+            d = z2 - t_max[:, None]
+            e = tl.exp2(d)
+            buf_ptrs = buf_ptr + rows.to(tl.int64)[:, None] * V + offs_n[None, :]
+            tl.store(buf_ptrs, e.to(buf_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(tmax_ptr + rows.to(tl.int64) * n_tiles_v + n0 // BLOCK_N, t_max, mask=row_ok)
+            s_t = tl.sum(e, 1)
+            u_t = tl.sum(tl.where(col_ok[None, :], e * d, 0.0), 1)
+            m_new = tl.maximum(m_i, t_max)
+            alpha = tl.exp2(m_i - m_new)
+            beta = tl.exp2(t_max - m_new)
+            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+            u_i = alpha * (u_i + s_i * shift) + beta * (u_t + s_t * (t_max - m_new))
+            s_i = alpha * s_i + beta * s_t
+            m_i = m_new
+        else:
+            m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: every tile has a valid column
+            d = z2 - m_new[:, None]
+            e = tl.exp2(d)
+            eu = tl.where(col_ok[None, :], e * d, 0.0)
+            alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+            u_i = alpha * (u_i + s_i * shift) + tl.sum(eu, 1)
+            s_i = alpha * s_i + tl.sum(e, 1)
+            m_i = m_new
 
     part = pid_n * N + offs_m
     tl.store(part_m_ptr + part, m_i * LN2, mask=row_ok)
