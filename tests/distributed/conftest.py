@@ -34,6 +34,16 @@ if "WORLD_SIZE" not in os.environ:
     collect_ignore_glob = ["test_*.py"]
 
 
+# gloo (CPU, CI) by default; ``MCORE_PPO_TEST_DIST_BACKEND=nccl`` on several GPUs (one per rank),
+# with ``MCORE_PPO_TEST_DEVICE=cuda`` so the tests' tensors live on each rank's GPU.
+DIST_BACKEND = os.environ.get("MCORE_PPO_TEST_DIST_BACKEND", "gloo")
+
+
+def comm_device() -> torch.device:
+    """Where the harness's own small collectives (seed, verdicts) put their tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if DIST_BACKEND == "nccl" else torch.device("cpu")
+
+
 def collective_timeout() -> datetime.timedelta:
     """How long a collective waits for the other ranks (``MCORE_PPO_TEST_TIMEOUT`` s, default 300).
 
@@ -55,7 +65,9 @@ def process_group():
     from mcore_ppo.testing.parallel_state_cache import install_parallel_state_cache
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=collective_timeout())
+        if DIST_BACKEND == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(DIST_BACKEND, timeout=collective_timeout())
     install_parallel_state_cache()
     yield dist.group.WORLD
     _gather_error_report()
@@ -120,7 +132,7 @@ def shared_seed() -> int:
 
     Printed, so a failing test's captured output names the seed that reproduces it.
     """
-    seed = torch.tensor([int.from_bytes(os.urandom(4), "little") if dist.get_rank() == 0 else 0])
+    seed = torch.tensor([int.from_bytes(os.urandom(4), "little") if dist.get_rank() == 0 else 0], device=comm_device())
     dist.broadcast(seed, src=0)
     print(f"shared_seed={int(seed.item())}")
     return int(seed.item())
@@ -205,7 +217,7 @@ class Checks:
     def done(self) -> None:
         """Collective over the world: raise on every rank if any rank recorded a failure."""
         self.finished = True
-        failed = torch.tensor([len(self.failures)], dtype=torch.int64)
+        failed = torch.tensor([len(self.failures)], dtype=torch.int64, device=comm_device())
         dist.all_reduce(failed)
         if failed.item():
             local = "\n".join(self.failures) or "(no failure on this rank)"
