@@ -20,6 +20,7 @@ Tolerances, and why (``rtol`` is relative to the tensor's largest reference valu
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -556,3 +557,30 @@ def test_zero_tokens(layout):
     (log_prob.sum() + entropy.sum()).backward()
     assert hidden.grad.shape == hidden.shape
     assert weight.grad is not None and (weight.grad == 0).all()
+
+
+def test_ignored_rows_with_inf_hidden_give_finite_gradients():
+    """Padding rows (ignored labels) may hold inf: outputs there are 0, every gradient finite,
+    and the valid rows' results equal those of a batch without the padding rows."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    hidden = torch.randn(9, 16, generator=gen)
+    weight = torch.randn(40, 16, generator=gen)
+    labels = torch.randint(0, 40, (9,), generator=gen)
+    padded = (1, 5)
+    hidden[list(padded)] = float("inf")
+    labels[list(padded)] = -100
+    keep = [i for i in range(9) if i not in padded]
+    outs = []
+    for h, y in ((hidden, labels), (hidden[keep], labels[keep])):
+        x = h.clone().requires_grad_(True)
+        w = weight.clone().requires_grad_(True)
+        log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(x, w, y, temperature=0.7, backend="torch")
+        (log_prob.sum() - 0.3 * entropy.sum()).backward()
+        outs.append((log_prob, entropy, x.grad, w.grad))
+    (lp, ent, gx, gw), (lp_ref, ent_ref, gx_ref, gw_ref) = outs
+    assert torch.isfinite(gw).all() and torch.isfinite(gx).all()
+    assert (lp[list(padded)] == 0).all() and (ent[list(padded)] == 0).all() and (gx[list(padded)] == 0).all()
+    torch.testing.assert_close(lp[keep], lp_ref)
+    torch.testing.assert_close(ent[keep], ent_ref)
+    torch.testing.assert_close(gx[keep], gx_ref)
+    torch.testing.assert_close(gw, gw_ref)

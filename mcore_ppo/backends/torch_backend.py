@@ -99,10 +99,13 @@ class TorchBackend:
         e = torch.where(valid, grad_entropy.to(acc), zeros) if grad_entropy is not None else zeros
         hidden_grad = torch.zeros(n, h, dtype=acc, device=hidden.device) if need_hidden_grad else None
         for t0, t1 in _chunks(n, self.token_chunk):
-            x, labels = hidden[t0:t1], local_labels[t0:t1]
+            valid_c = valid[t0:t1, None]
+            # Ignored rows' hidden states may be anything (inf padding): zero them so their
+            # zero dz cannot meet an inf in d_W (0·inf = NaN).
+            x = torch.where(valid_c, hidden[t0:t1], torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+            labels = local_labels[t0:t1]
             g_c, e_c = g[t0:t1, None], e[t0:t1, None]
             lse_c, entropy_c = lse[t0:t1, None], entropy[t0:t1, None]
-            valid_c = valid[t0:t1, None]
             for v0, v1 in _chunks(v, self.vocab_chunk):
                 w = weight[v0:v1]
                 log_p = _tempered_logits(x, w, temperature) - lse_c
