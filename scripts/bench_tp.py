@@ -15,26 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
+from bench_head import time_ms  # scripts/ is on sys.path when this runs as a script
 
 from mcore_ppo import fused_log_probs_and_entropy
-
-
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def head_timings(hidden, weight, labels, group, repeats):
@@ -54,8 +40,8 @@ def head_timings(hidden, weight, labels, group, repeats):
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fwd = median_ms(forward, repeats)
-    fwd_bwd = median_ms(forward_backward, repeats)
+    fwd = time_ms(forward, repeats, warmup=2)
+    fwd_bwd = time_ms(forward_backward, repeats, warmup=2)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     return fwd, fwd_bwd, peak
 
@@ -85,8 +71,13 @@ def main() -> None:
     stats_max = torch.zeros(n, device="cuda")
     stats_sum = torch.zeros(3, n, device="cuda")
     d_hidden = torch.zeros(n, h, device="cuda", dtype=torch.bfloat16)
-    fwd_comm = median_ms(lambda: (dist.all_reduce(stats_max, op=dist.ReduceOp.MAX), dist.all_reduce(stats_sum)), 20)
-    bwd_comm = median_ms(lambda: dist.all_reduce(d_hidden), 20)
+
+    def forward_collectives():
+        dist.all_reduce(stats_max, op=dist.ReduceOp.MAX)
+        dist.all_reduce(stats_sum)
+
+    fwd_comm = time_ms(forward_collectives, 20, warmup=2)
+    bwd_comm = time_ms(lambda: dist.all_reduce(d_hidden), 20, warmup=2)
 
     result = {
         "rank": rank,
