@@ -26,7 +26,12 @@ from mcore_ppo import (
 )
 from mcore_ppo import model as model_module
 from mcore_ppo.testing import cpu_shims, install_cpu_shims, shims_installed, uninstall_cpu_shims
-from mcore_ppo.testing.gpt_reference import logits_log_probs_and_entropy, synthetic_batch
+from mcore_ppo.testing.gpt_reference import (
+    logits_log_probs_and_entropy,
+    pop_parameter_grads,
+    synthetic_batch,
+    weighted_backward,
+)
 from mcore_ppo.testing.hooked_gpt import HookedGPTModel, as_hooked, forward_path
 from mcore_ppo.testing.thd_attention import thd_local_layer_spec
 
@@ -80,19 +85,6 @@ def _batch(kind: str, seed: int):
     return synthetic_batch(
         kind, vocab_size=VOCAB, seq_length=SEQ, generator=torch.Generator().manual_seed(seed), device=DEVICE
     )
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, param in model.named_parameters():
-        assert param.grad is not None, f"parameter {name} got no gradient"
-        grads[name] = param.grad.detach().clone()
-        param.grad = None
-    return grads
-
-
-def _backward(log_probs, entropy, g_lp, g_ent) -> None:
-    ((log_probs * g_lp).sum() + (entropy * g_ent).sum()).backward()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,8 +215,8 @@ def test_head_matches_logits_path_values_and_every_grad(kind: str, tied: bool, p
     ref_lp, ref_ent = logits_log_probs_and_entropy(
         model, labels=batch.labels, temperature=TEMPERATURE, **batch.model_inputs()
     )
-    _backward(ref_lp, ref_ent, g_lp, g_ent)
-    ref_grads = _grads(model)
+    weighted_backward(ref_lp, ref_ent, g_lp, g_ent)
+    ref_grads = pop_parameter_grads(model)
 
     install_fused_head(model, temperature=TEMPERATURE, backend="torch")
     native_hook = model_module.supports_output_processor(model)
@@ -237,8 +229,8 @@ def test_head_matches_logits_path_values_and_every_grad(kind: str, tied: bool, p
     torch.testing.assert_close(lp, ref_lp, **TOL)
     torch.testing.assert_close(ent, ref_ent, **TOL)
     assert bool((lp[batch.labels == -100] == 0).all()) and bool((ent[batch.labels == -100] == 0).all())
-    _backward(lp, ent, g_lp, g_ent)
-    grads = _grads(model)
+    weighted_backward(lp, ent, g_lp, g_ent)
+    grads = pop_parameter_grads(model)
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")

@@ -121,3 +121,20 @@ def synthetic_batch(
         )
         return GPTBatch(ids.to(device), positions.to(device), labels.to(device), None, params, bounds)
     raise ValueError(f"kind must be 'padded' or 'packed', got {kind!r}")
+
+
+def weighted_backward(
+    log_probs: torch.Tensor, entropy: torch.Tensor, grad_log_prob: torch.Tensor, grad_entropy: torch.Tensor
+) -> None:
+    """Backward of ``Σ g·log_prob + Σ e·entropy``: per-token upstream gradients for both outputs."""
+    ((log_probs * grad_log_prob).sum() + (entropy * grad_entropy).sum()).backward()
+
+
+def pop_parameter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient by name (each must exist), leaving ``.grad`` cleared."""
+    grads = {}
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"parameter {name} got no gradient"
+        grads[name] = param.grad.detach().clone()
+        param.grad = None
+    return grads

@@ -297,3 +297,15 @@ def fresh_parallel_state():
     yield
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def gpt_cpu_shims():
+    """Megatron's GPTModel on CPU (mcore_ppo.testing.cpu_shims); nothing on CUDA, where it runs unmodified."""
+    from mcore_ppo.testing import cpu_shims
+
+    if torch.cuda.is_available():
+        yield
+        return
+    with cpu_shims():
+        yield

@@ -26,7 +26,6 @@ from conftest import shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
-from mcore_ppo.testing import install_cpu_shims, shims_installed, uninstall_cpu_shims
 from mcore_ppo.testing.ppo_harness import (
     build_actor_model,
     destroy_layout,
@@ -66,14 +65,9 @@ LAYOUTS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def shims():
+def shims(gpt_cpu_shims):
     """CPU shims for GPTModel (never on a CUDA machine, where Megatron runs unmodified)."""
-    owned = not torch.cuda.is_available() and not shims_installed()
-    if owned:
-        install_cpu_shims()
     yield
-    if owned:
-        uninstall_cpu_shims()
 
 
 def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_agg_mode):

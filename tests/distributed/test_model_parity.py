@@ -28,8 +28,12 @@ from conftest import megatron_timeout_minutes, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
-from mcore_ppo.testing import install_cpu_shims, shims_installed, uninstall_cpu_shims
-from mcore_ppo.testing.gpt_reference import logits_log_probs_and_entropy, synthetic_batch
+from mcore_ppo.testing.gpt_reference import (
+    logits_log_probs_and_entropy,
+    pop_parameter_grads,
+    synthetic_batch,
+    weighted_backward,
+)
 from mcore_ppo.testing.hooked_gpt import forward_path
 from mcore_ppo.testing.thd_attention import thd_local_layer_spec
 from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp
@@ -54,14 +58,9 @@ def _close(key: str, actual: torch.Tensor, expected: torch.Tensor, where: str = 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def shims():
+def shims(gpt_cpu_shims):
     """CPU shims for GPTModel (never on a CUDA machine, where Megatron runs unmodified)."""
-    owned = not torch.cuda.is_available() and not shims_installed()
-    if owned:
-        install_cpu_shims()
     yield
-    if owned:
-        uninstall_cpu_shims()
     if dist.get_rank() == 0 and MAX_DIFF:
         print("\nmodel parity max |diff|: " + ", ".join(f"{k}={v:.2e}" for k, v in sorted(MAX_DIFF.items())))
 
@@ -98,19 +97,6 @@ def _model(*, tied: bool, sp: bool, **overrides):
         transformer_layer_spec=thd_local_layer_spec(),
         **overrides,
     )
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, param in model.named_parameters():
-        assert param.grad is not None, f"parameter {name} got no gradient"
-        grads[name] = param.grad.detach().clone()
-        param.grad = None
-    return grads
-
-
-def _backward(log_probs, entropy, g_lp, g_ent) -> None:
-    ((log_probs * g_lp).sum() + (entropy * g_ent).sum()).backward()
 
 
 def _full_grads(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, torch.Tensor]:
@@ -172,8 +158,8 @@ def test_head_matches_logits_path_every_layout():
                 ref_lp, ref_ent = logits_log_probs_and_entropy(
                     model, labels=batch.labels, temperature=TEMPERATURE, **inputs
                 )
-                _backward(ref_lp, ref_ent, g_lp, g_ent)
-                ref_grads = _grads(model)
+                weighted_backward(ref_lp, ref_ent, g_lp, g_ent)
+                ref_grads = pop_parameter_grads(model)
 
                 head = install_fused_head(model, temperature=TEMPERATURE, backend="torch")
                 assert head is model.output_layer
@@ -184,8 +170,8 @@ def test_head_matches_logits_path_every_layout():
                     assert lp.shape == batch.labels.shape == ent.shape, where
                     _close(f"logp[{path}]", lp, ref_lp, where)
                     _close(f"entropy[{path}]", ent, ref_ent, where)
-                    _backward(lp, ent, g_lp, g_ent)
-                    grads = _grads(model)
+                    weighted_backward(lp, ent, g_lp, g_ent)
+                    grads = pop_parameter_grads(model)
                     assert grads.keys() == ref_grads.keys(), where
                     for name in grads:
                         _close(f"grad[{path}]", grads[name], ref_grads[name], f"{where} {name}")
@@ -241,7 +227,7 @@ def _check_cp_boundary(kind: str, tp: int, cp: int, sp: bool) -> None:
     # cp=1 reference: the same head on the whole sequence in this TP layout.
     ref_in = (hidden.chunk(tp, dim=0)[tp_rank] if sp else hidden).clone().requires_grad_()
     ref_lp, ref_ent = head(ref_in, labels_full)
-    _backward(ref_lp, ref_ent, g_lp, g_ent)
+    weighted_backward(ref_lp, ref_ent, g_lp, g_ent)
     ref_dw = head.weight.grad.clone()
     head.weight.grad = None
     ref_dhidden = torch.zeros_like(hidden)
@@ -275,7 +261,7 @@ def _check_cp_boundary(kind: str, tp: int, cp: int, sp: bool) -> None:
 
     _close("cp: logp", lp, split(ref_lp.detach(), 1), where)
     _close("cp: entropy", ent, split(ref_ent.detach(), 1), where)
-    _backward(lp, ent, split(g_lp, 1), split(g_ent, 1))
+    weighted_backward(lp, ent, split(g_lp, 1), split(g_ent, 1))
     expected_dhidden = split(ref_dhidden, 0)
     if sp:
         expected_dhidden = expected_dhidden.chunk(tp, dim=0)[tp_rank]
