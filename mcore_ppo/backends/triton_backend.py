@@ -187,13 +187,16 @@ class TritonBackend:
         forward_config: GemmConfig | None = None,
         backward_config: GemmConfig | None = None,
         workspace_bytes: int | None = None,
+        buffer_budget_bytes: int | None = None,
     ):
         small = INTERPRETER_CONFIG if interpreting() else None
         self.forward_config = forward_config or small or FORWARD_CONFIG
         self.backward_config = backward_config or (small and replace(small, tiles_per_split=1)) or BACKWARD_CONFIG
         self.workspace_bytes = workspace_bytes or WORKSPACE_BYTES
-        env = os.environ.get("MCORE_PPO_BUFFER_BUDGET_BYTES")
-        self.buffer_budget_bytes = int(env) if env else BUFFER_BUDGET_BYTES
+        if buffer_budget_bytes is None:
+            env = os.environ.get("MCORE_PPO_BUFFER_BUDGET_BYTES")
+            buffer_budget_bytes = int(env) if env else BUFFER_BUDGET_BYTES
+        self.buffer_budget_bytes = buffer_budget_bytes
         self._buffer: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._reference = TorchBackend()
 

@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Where the head's time goes on the GPU: a per-kernel table from ``torch.profiler``.
+
+For each shape and TP size (per-rank shard V/tp, one GPU) it profiles a few calls of the
+no-grad forward and of forward+backward of ``fused_log_probs_and_entropy`` (bf16, N tokens,
+T = 0.7), and prints per phase: the wall time per call (CUDA events), the summed GPU time of
+every kernel per call, the gap between the two (host latency and idle GPU), and the kernels
+sorted by time. ``--buffer`` also profiles the budgeted probability buffer of issue 6.
+
+Usage (GPU):  python scripts/profile_head.py [--shapes qwen7b] [--tp 1,8] [--buffer] [--out DIR]
+Writes ``<out>/profile_head.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_head import SHAPES, time_ms  # noqa: E402
+
+
+def kernel_table(fn, calls: int) -> dict[str, float]:
+    """Summed GPU time (ms per call) of each kernel launched by ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name[:90]] += event.device_time / 1000.0 / calls
+    return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
+
+
+def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls: int) -> dict:
+    from mcore_ppo import fused_log_probs_and_entropy
+    from mcore_ppo.backends import triton_backend as tb
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda", generator=gen) * (2.0 / math.sqrt(h))).to(torch.bfloat16)
+    w.requires_grad_(True)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    g = torch.randn(n, device="cuda", generator=gen)
+    e = torch.randn(n, device="cuda", generator=gen)
+    saved = tb.BUFFER_BUDGET_BYTES
+    tb.BUFFER_BUDGET_BYTES = 2**40 if buffer else 0
+    try:
+
+        def forward():
+            with torch.no_grad():
+                fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
+
+        def step():
+            x.grad = w.grad = None
+            lp, en = fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
+            torch.autograd.backward([lp, en], [g, e])
+
+        out = {}
+        for phase, fn in (("forward_nograd", forward), ("forward_backward", step)):
+            wall = time_ms(fn, calls)
+            kernels = kernel_table(fn, calls)
+            busy = sum(kernels.values())
+            out[phase] = {"wall_ms": wall, "kernels_ms": busy, "gap_ms": wall - busy, "kernels": kernels}
+        a = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
+        out["one_gemm_ms"] = time_ms(lambda: a @ w.detach().t(), calls)
+        return out
+    finally:
+        tb.BUFFER_BUDGET_BYTES = saved
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="qwen7b")
+    parser.add_argument("--tp", default="1,8")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--buffer", action="store_true", help="also profile the issue-6 probability buffer")
+    parser.add_argument("--out", default="docs/benchmarks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_head.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    report = {"device": torch.cuda.get_device_name(), "args": vars(args), "cases": []}
+    for shape in args.shapes.split(","):
+        h, vocab = SHAPES[shape]
+        for tp in (int(t) for t in args.tp.split(",")):
+            for buffer in (False, True) if args.buffer else (False,):
+                case = profile_case(h, vocab // tp, args.tokens, args.temperature, buffer, args.calls)
+                case.update(shape=shape, tp=tp, buffer=buffer)
+                report["cases"].append(case)
+                print(f"== {shape} tp {tp} buffer {buffer}: one GEMM {case['one_gemm_ms']:.3f} ms")
+                for phase in ("forward_nograd", "forward_backward"):
+                    p = case[phase]
+                    print(
+                        f"  {phase}: wall {p['wall_ms']:.3f} ms, kernels {p['kernels_ms']:.3f} ms, "
+                        f"gap {p['gap_ms']:.3f} ms"
+                    )
+                    for name, ms in list(p["kernels"].items())[:14]:
+                        print(f"    {ms:9.3f}  {name}")
+                sys.stdout.flush()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_head.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
