@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             sequence_parallel=sp,
             temperature=temperature,
             backend=head_cfg.get("backend", "auto"),
+            buffer_budget_bytes=head_cfg.get("buffer_budget_bytes"),
             params_dtype=dtype,
             seed=int(run_cfg.get("seed", 1234)),
         )

@@ -117,6 +117,7 @@ def build_actor_model(
     params_dtype: torch.dtype = torch.float32,
     seed: int = 1234,
     packed_attention: bool = True,
+    buffer_budget_bytes: int | None = None,
 ) -> torch.nn.Module:
     """A ``GPTModel`` (on the current ``parallel_state``) with the fused head installed.
 
@@ -142,7 +143,7 @@ def build_actor_model(
         transformer_layer_spec=layer_spec() if packed_attention else None,
         **overrides,
     )
-    install_fused_head(model, temperature=temperature, backend=backend)
+    install_fused_head(model, temperature=temperature, backend=backend, buffer_budget_bytes=buffer_budget_bytes)
     return model
 
 
