@@ -21,6 +21,7 @@ def fused_log_probs_and_entropy(
     sequence_parallel: bool = False,
     ignore_index: int = -100,
     backend: str = "auto",
+    buffer_budget_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token ``log p(label)`` and entropy of ``softmax(hidden @ W.T / temperature)``.
 
@@ -40,6 +41,16 @@ def fused_log_probs_and_entropy(
             and reduce-scatters ``d_hidden`` back to this rank's shard.
         ignore_index: label value of tokens whose outputs and gradients are zero.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"``.
+        buffer_budget_bytes: bytes this rank may hold in the ``triton`` backend's probability
+            buffer (issue 6). When a gradient will be needed (grad mode on and ``hidden`` or
+            ``weight`` requires grad) and ``n·V/tp`` values of the input dtype (bf16 in
+            training) plus the fp32 tile maxima fit in it, the forward keeps that buffer of
+            per-tile probabilities until the backward, which forms ``dz`` from it instead of
+            recomputing the logits: three GEMMs instead of four. Decided per call from shapes
+            (no host sync); over the budget the head recomputes as usual. None: the
+            environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend default
+            (off; docs/kernels.md); 0: off. Only the ``triton`` backend uses it (also when
+            ``auto`` picks it); the others ignore it.
 
     Returns:
         ``(log_probs, entropy)``, fp32, shaped like ``labels`` and identical on every TP rank.
@@ -54,6 +65,7 @@ def fused_log_probs_and_entropy(
         sequence_parallel=sequence_parallel,
         ignore_index=ignore_index,
         backend=backend,
+        buffer_budget_bytes=buffer_budget_bytes,
     )
 
 
@@ -68,14 +80,16 @@ def compute_log_probs_and_entropy(
     ignore_index: int,
     backend: str,
     accumulate_into_main_grad: bool = False,
+    buffer_budget_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_log_probs_and_entropy` with the TP group already resolved (the head's path).
 
     ``accumulate_into_main_grad`` writes the weight gradient into ``weight.main_grad`` (fp32)
-    as Megatron's gradient-accumulation fusion does.
+    as Megatron's gradient-accumulation fusion does. ``buffer_budget_bytes`` as there.
     """
     validation.check_tensors(hidden, weight, labels, ignore_index)
     temperature = validation.check_temperature(temperature)
+    buffer_budget_bytes = validation.check_buffer_budget_bytes(buffer_budget_bytes)
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
     tp_size = group_size(tp_group)
@@ -88,7 +102,7 @@ def compute_log_probs_and_entropy(
     validation.check_equal_shards(weight, tp_group, layout_error)
     vocab_size = weight.shape[0] * tp_size
     validation.check_label_range(labels, vocab_size, ignore_index)
-    impl = resolve_backend(backend, hidden.device)
+    impl = resolve_backend(backend, hidden.device, buffer_budget_bytes=buffer_budget_bytes)
     if getattr(impl, "computes_outputs", False):
         return _whole_head_outputs(impl, hidden, weight, labels, temperature, tp_group, sequence_parallel, ignore_index)
 

@@ -9,7 +9,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from mcore_ppo.api import compute_log_probs_and_entropy
-from mcore_ppo.validation import check_temperature
+from mcore_ppo.validation import check_buffer_budget_bytes, check_temperature
 
 
 class VocabParallelFusedPPOHead(ColumnParallelLinear):
@@ -30,6 +30,14 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         temperature: default sampling temperature of the fused path.
         ignore_index: label value of tokens to skip (prompt tokens, padding).
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"``.
+        buffer_budget_bytes: per-rank memory budget of the ``triton`` backend's probability
+            buffer, used on every fused forward: when a gradient will be needed and ``n·V/tp``
+            values of the input dtype plus fp32 tile maxima fit in it, the forward keeps the
+            buffer and the backward skips recomputing the logits (three GEMMs instead of four).
+            None: the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend
+            default; 0: off. Other backends ignore it. See
+            :func:`mcore_ppo.fused_log_probs_and_entropy`. The attribute of the same name may
+            be changed between calls.
         **kwargs: passed to ``ColumnParallelLinear`` (``skip_weight_param_allocation`` for
             tied embeddings, ``tp_group``, ``gather_output``, ...). ``bias`` must be False.
     """
@@ -45,6 +53,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         temperature: float = 1.0,
         ignore_index: int = -100,
         backend: str = "auto",
+        buffer_budget_bytes: int | None = None,
         **kwargs,
     ) -> None:
         if bias:
@@ -53,6 +62,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         self.temperature = check_temperature(temperature)
         self.ignore_index = ignore_index
         self.backend = backend
+        self.buffer_budget_bytes = check_buffer_budget_bytes(buffer_budget_bytes)
 
     def forward(  # type: ignore[override]
         self,
@@ -94,4 +104,5 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             ignore_index=self.ignore_index,
             backend=self.backend,
             accumulate_into_main_grad=self.gradient_accumulation_fusion,
+            buffer_budget_bytes=self.buffer_budget_bytes,
         )

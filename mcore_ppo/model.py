@@ -42,7 +42,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from mcore_ppo.head import VocabParallelFusedPPOHead
-from mcore_ppo.validation import check_temperature
+from mcore_ppo.validation import check_buffer_budget_bytes, check_temperature
 
 __all__ = [
     "build_gpt_model",
@@ -223,6 +223,7 @@ def install_fused_head(
     temperature: float = 1.0,
     backend: str = "auto",
     ignore_index: int = -100,
+    buffer_budget_bytes: int | None = None,
 ) -> VocabParallelFusedPPOHead | None:
     """Make ``model``'s output layer a :class:`VocabParallelFusedPPOHead` (idempotent).
 
@@ -233,8 +234,13 @@ def install_fused_head(
     the old layer (Megatron DDP's forward pre-hook) are carried over, so the head may be
     installed before or after wrapping in DDP; before is the usual order.
 
-    Called again on a model that has the head, it updates ``temperature``, ``backend`` and
-    ``ignore_index`` and returns the same head.
+    ``buffer_budget_bytes`` is the head's per-rank budget for the ``triton`` backend's
+    probability buffer (the backward then skips the logits recompute: three GEMMs instead of
+    four); None = the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend
+    default; 0 = off (see :class:`~mcore_ppo.head.VocabParallelFusedPPOHead`).
+
+    Called again on a model that has the head, it updates ``temperature``, ``backend``,
+    ``ignore_index`` and ``buffer_budget_bytes`` and returns the same head.
 
     Returns:
         The head on the last pipeline stage; None on other stages (they have no output layer).
@@ -245,6 +251,7 @@ def install_fused_head(
         NotImplementedError: ``config.defer_embedding_wgrad_compute`` is set.
     """
     temperature = check_temperature(temperature)
+    buffer_budget_bytes = check_buffer_budget_bytes(buffer_budget_bytes)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if not isinstance(backend, str):
@@ -255,6 +262,7 @@ def install_fused_head(
     old = gpt.output_layer
     if isinstance(old, VocabParallelFusedPPOHead):
         old.temperature, old.backend, old.ignore_index = temperature, backend, ignore_index
+        old.buffer_budget_bytes = buffer_budget_bytes
         return old
     if type(old) is not ColumnParallelLinear:
         raise TypeError(
@@ -275,6 +283,7 @@ def install_fused_head(
         temperature=temperature,
         ignore_index=ignore_index,
         backend=backend,
+        buffer_budget_bytes=buffer_budget_bytes,
         gather_output=old.gather_output,
         # Never allocate (or initialise, drawing from the RNG) a weight that is replaced below.
         skip_weight_param_allocation=True,

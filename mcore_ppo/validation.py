@@ -35,6 +35,17 @@ def check_temperature(temperature: object) -> float:
     return temperature
 
 
+def check_buffer_budget_bytes(buffer_budget_bytes: object) -> int | None:
+    """``buffer_budget_bytes`` is None or an int >= 0 (bool is not accepted); returns it."""
+    if buffer_budget_bytes is None:
+        return None
+    if isinstance(buffer_budget_bytes, bool) or not isinstance(buffer_budget_bytes, int):
+        raise TypeError(f"buffer_budget_bytes must be an int (bytes) or None, got {type(buffer_budget_bytes).__name__}")
+    if buffer_budget_bytes < 0:
+        raise ValueError(f"buffer_budget_bytes must be >= 0 (0 = off) or None, got {buffer_budget_bytes}")
+    return int(buffer_budget_bytes)
+
+
 def check_tensors(hidden: object, weight: object, labels: object, ignore_index: object) -> None:
     for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(value, torch.Tensor):

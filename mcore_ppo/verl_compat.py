@@ -50,6 +50,7 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     backend: str = "auto",
+    buffer_budget_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's ``linear_cross_entropy``: per-token log-probs and entropy of ``softmax(hidden @ W.T / T)``.
 
@@ -63,6 +64,12 @@ def linear_cross_entropy(
         dist_process_group: the TP group; None for one rank.
         ignore_index: label value of tokens to skip (keyword-only; not in verl).
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"`` (keyword-only).
+        buffer_budget_bytes: per-rank budget of the ``triton`` backend's probability buffer
+            (keyword-only; not in verl): when a gradient will be needed and ``N·V/tp`` values
+            of the input dtype plus fp32 tile maxima fit, the forward keeps the buffer and the
+            backward skips recomputing the logits (three GEMMs instead of four). None = the
+            environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend default;
+            0 = off; other backends ignore it (see :func:`mcore_ppo.fused_log_probs_and_entropy`).
 
     Returns:
         ``(log_probs, entropy)``, fp32: ``[N]`` and ``[N]``, or a 0-d ``log_probs`` for
@@ -78,6 +85,7 @@ def linear_cross_entropy(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     temperature = validation.check_temperature(temperature)
+    buffer_budget_bytes = validation.check_buffer_budget_bytes(buffer_budget_bytes)
     validation.check_tensors(hidden, weight, labels, ignore_index)
     if hidden.dim() < 1:
         raise ValueError("hidden must have at least one dimension (the hidden size last)")
@@ -93,7 +101,9 @@ def linear_cross_entropy(
     validation.check_equal_shards(weight, dist_process_group)
     vocab_size = weight.shape[0] * tp_size
     validation.check_label_range(labels_1d, vocab_size, ignore_index)
-    impl = resolve_backend(backend, hidden.device)
+    impl = resolve_backend(backend, hidden.device, buffer_budget_bytes=buffer_budget_bytes)
+    if hasattr(impl, "grad_needed"):  # as in the API: no buffer kept when no backward will use it
+        impl.grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
 
     # No TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
     log_probs, entropy = FusedPPOHeadFunction.apply(

@@ -36,24 +36,30 @@ def import_optional(package: str) -> ModuleType | None:
         raise
 
 
-def _triton_backend() -> Backend | None:
+def _triton_backend(buffer_budget_bytes: int | None = None) -> Backend | None:
     module = import_optional("mcore_ppo.backends.triton_backend")
     if module is None or not module.is_available():
         return None
-    return module.TritonBackend()
+    if buffer_budget_bytes is None:  # the backend's own default: the environment, else its module default
+        return module.TritonBackend()
+    return module.TritonBackend(buffer_budget_bytes=buffer_budget_bytes)
 
 
-def _liger_backend() -> Backend | None:
+def _torch_backend(buffer_budget_bytes: int | None = None) -> Backend:
+    return TorchBackend()  # recomputes in chunks; keeps no buffer between forward and backward
+
+
+def _liger_backend(buffer_budget_bytes: int | None = None) -> Backend | None:
     module = import_optional("mcore_ppo.backends.liger_backend")
     if module is None or not module.is_available():
         return None
     return module.LigerBackend()
 
 
-_FACTORIES = {"torch": TorchBackend, "triton": _triton_backend, "liger": _liger_backend}
+_FACTORIES = {"torch": _torch_backend, "triton": _triton_backend, "liger": _liger_backend}
 
 
-def resolve_backend(name: str, device: torch.device) -> Backend:
+def resolve_backend(name: str, device: torch.device, *, buffer_budget_bytes: int | None = None) -> Backend:
     """The backend object for ``name`` on ``device``.
 
     ``auto`` picks the fused Triton kernels on CUDA when they are available and the chunked
@@ -62,15 +68,21 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     fast at tp 1 and up to 8 % faster in the forward at tp 4-8, but its log-prob error is
     ~5e-5 and its entropy bf16 (~1.5e-3), so ``auto`` never picks it (ask for ``"liger"``).
     An explicitly named backend that is not available raises.
+
+    ``buffer_budget_bytes`` goes to the ``triton`` backend (also when ``auto`` picks it): the
+    bytes its forward may spend on a bf16 probability buffer that lets the backward skip the
+    logits recompute (see :func:`mcore_ppo.fused_log_probs_and_entropy`); None leaves the
+    backend's default (environment ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else its module
+    default). The ``torch`` and ``liger`` backends ignore it. Validation is the caller's.
     """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(name).__name__}")
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        backend = _triton_backend() if device.type == "cuda" else None
+        backend = _triton_backend(buffer_budget_bytes) if device.type == "cuda" else None
         return backend if backend is not None else TorchBackend()
-    backend = _FACTORIES[name]()
+    backend = _FACTORIES[name](buffer_budget_bytes)
     if backend is None:
         raise RuntimeError(
             f"backend={name!r} is not available here (its package is not installed or it needs "
