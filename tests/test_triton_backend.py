@@ -196,10 +196,33 @@ def test_main_grad_accumulation():
     )
 
 
-def test_bf16_inputs_match_torch_backend():
-    """bf16 inputs (upcast after load in the interpreter): outputs fp32-exact, d_W in bf16."""
-    hidden, weight, labels, g, e = make_case(26, 32, 120, seed=fresh_seed(), dtype=torch.bfloat16)
+def _use_tma_everywhere(monkeypatch):
+    for name in ("INTERPRETER_CONFIG", "FORWARD_CONFIG", "BACKWARD_CONFIG"):
+        config = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, use_tma=True))
+
+
+@pytest.mark.parametrize("buffer", [False, True], ids=["recompute", "buffer"])
+@pytest.mark.parametrize("v", [120, 117], ids=["v120-tma-stores", "v117-pointer-stores"])
+def test_bf16_inputs_match_fp64(monkeypatch, buffer, v):
+    """bf16 inputs (upcast after load in the interpreter): outputs fp32-exact, d_W in bf16.
+
+    With the copy engine on: dz tiles (and, with the buffer, its tiles) are stored by TMA when
+    the row pitch allows it (V = 120) and through pointers otherwise (V = 117); the buffer's
+    log2 comes from the bf16 bits.
+    """
+    _use_tma_everywhere(monkeypatch)
+    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", (1 << 30) if buffer else 0)
+    hidden, weight, labels, g, e = make_case(26, 32, v, seed=fresh_seed(), dtype=torch.bfloat16)
+    calls = []
+    original = triton_backend.TritonBackend._gradients_from_buffer
+    monkeypatch.setattr(
+        triton_backend.TritonBackend,
+        "_gradients_from_buffer",
+        lambda self, *a: calls.append(1) or original(self, *a),
+    )
     logp, ent, dh, dw = run_head(hidden, weight, labels, 0.7, g, e)
+    assert calls == ([1] if buffer else [])
     ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 0.7, g, e)
     assert dh.dtype == dw.dtype == torch.bfloat16
     assert_close(logp.cpu(), ref["log_prob"], name="log_prob", dtype=torch.bfloat16, rtol=2e-6, atol=1e-6)
@@ -215,6 +238,22 @@ def test_bf16_inputs_match_torch_backend():
             elementwise_rtol=8e-3,
             terms=ref[f"{name}_terms"],
         )
+
+
+def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):
+    """Padding rows full of inf (ignored labels) must not turn into 0·inf = NaN in d_W."""
+    _use_tma_everywhere(monkeypatch)
+    hidden, weight, labels, g, e = make_case(21, 16, 40, seed=fresh_seed())
+    ignored = labels == IGNORE_INDEX
+    assert ignored.any()
+    clean = check_against_reference(hidden, weight, labels, 0.8, g, e)
+    padded = hidden.clone()
+    padded[ignored] = float("inf")
+    logp, ent, dh, dw = run_head(padded, weight, labels, 0.8, g, e)
+    assert torch.isfinite(dw).all() and torch.isfinite(dh).all()
+    torch.testing.assert_close(dw, clean[3], rtol=0, atol=0)
+    torch.testing.assert_close(logp, clean[0], rtol=0, atol=0)
+    assert (dh[ignored] == 0).all()
 
 
 def test_compact_rows():

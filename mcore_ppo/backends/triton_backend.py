@@ -7,9 +7,17 @@ registers (logits never reach memory), one partial per (vocab split, token);
 
 Backward (:meth:`TritonBackend.shard_gradients`): per vocab chunk of ``chunk`` columns,
 ``dz_kernel`` recomputes the logits and writes ``dz / T`` (input dtype) into a workspace of
-``n × chunk`` elements; cuBLAS then does ``d_hidden += dz @ W_chunk`` (fp32 output, accumulated
-across chunks) and ``d_W_chunk (+)= dzᵀ @ x`` (each row of ``d_W`` is produced by one GEMM over
-all tokens with fp32 accumulation, so writing it in the weight's dtype rounds once).
+``n × chunk`` elements, rows in compacted order (valid first); cuBLAS then does
+``d_hidden_c += dz @ W_chunk`` (fp32 output, accumulated across chunks) and
+``d_W_chunk (+)= dzᵀ @ x_c`` (each row of ``d_W`` is produced by one GEMM over all tokens with
+fp32 accumulation, so writing it in the weight's dtype rounds once). ``x_c`` holds the valid
+rows first and zeros after them, so nothing in an ignored row (inf padding) reaches ``d_W``;
+the rows of ``d_hidden`` are put back in place once at the end.
+
+Budgeted buffer (issue 6): when a gradient will be needed and ``n × V`` values fit in
+``buffer_budget_bytes``, the forward also stores ``2^(z₂ − tile max)`` (input dtype) and the
+tile maxima; the backward turns that buffer into ``dz`` in place (``dz_from_buffer_kernel``)
+and runs the two GEMMs once over the whole shard: three GEMMs per step instead of four.
 
 Ignored tokens: ``valid`` is compacted on the device (a cumulative sum gives every row its
 place, valid rows first) into ``perm`` and a device-side ``count``; the kernels are launched
@@ -72,6 +80,22 @@ WORKSPACE_BYTES = 256 * 2**20
 # and the backward skips the recompute GEMM. 0 = off (the default: docs/kernels.md); the
 # environment variable MCORE_PPO_BUFFER_BUDGET_BYTES overrides it.
 BUFFER_BUDGET_BYTES = 0
+# Copy-engine (TMA) stores of the forward's buffer tiles and the backward's dz tiles: both are
+# written in compacted row order, so a program's tile is one contiguous block.
+BUFFER_STORE_TMA = True
+DZ_STORE_TMA = True
+
+
+@dataclass(frozen=True)
+class ElementwiseConfig:
+    """Tiling of ``dz_from_buffer_kernel`` (rows per program; the columns are one forward tile)."""
+
+    block_m: int = 16
+    num_warps: int = 4
+    fast_log2: bool = True  # bf16 buffers: log2 from the bits (see kernels.backward._log2_bf16)
+
+
+BUFFER_DZ_CONFIG = ElementwiseConfig()
 MERGE_BLOCK_T = 64
 MERGE_BLOCK_S = 32
 
@@ -119,23 +143,46 @@ def _flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
 ADDMM_PATH: dict[str, str] = {}
 
 
-def _gemm_operands(hidden: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, config: GemmConfig):
-    """``(x_ptr, x_desc, w_desc, use_tma)`` for the fused kernels.
+def _tma_capable(tensor: torch.Tensor) -> bool:
+    """The copy engine is there: Hopper or newer, or the interpreter (which emulates it)."""
+    return interpreting() or (tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9)
 
-    With TMA the valid rows are gathered into a contiguous copy (``n × h`` in the input dtype,
-    freed on return) so that each program's rows are one block for the copy engine; without it
-    the kernels gather rows through ``perm`` themselves and the descriptors are unused.
-    """
-    aligned = (hidden.shape[1] * hidden.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
-    capable = interpreting() or (hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] >= 9)
-    if not (config.use_tma and aligned and capable):
-        return hidden, hidden, weight, False
+
+def _descriptor_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor the copy engine can address: unit last stride, 16-byte aligned rows."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def _use_tma(hidden: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> bool:
+    """Operands through the copy engine (host descriptors over gathered rows)?"""
+    aligned = (hidden.shape[1] * hidden.element_size()) % 16 == 0 and _descriptor_ok(weight)
+    return config.use_tma and aligned and _tma_capable(hidden)
+
+
+def _gathered_rows(hidden: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, zero_ignored: bool) -> torch.Tensor:
+    """``hidden[perm]``: valid rows first, contiguous (``n × h`` in the input dtype).
+
+    With ``zero_ignored`` the rows past the device-side ``count`` are zeroed (a select, not a
+    product: an inf there must become 0, not NaN), for GEMMs that run over every row.
+    """
     rows = hidden.index_select(0, perm)
-    x_desc = TensorDescriptor.from_tensor(rows, [config.block_m, config.block_k])
-    w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
-    return rows, x_desc, w_desc, True
+    if zero_ignored:
+        ignored = torch.arange(rows.shape[0], device=rows.device) >= count
+        rows.masked_fill_(ignored[:, None], 0)
+    return rows
+
+
+def _scatter_rows(compacted: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Rows of ``compacted`` (in ``perm`` order) back to their original positions."""
+    out = torch.empty_like(compacted)
+    out.index_copy_(0, perm.long(), compacted)
+    return out
 
 
 def _addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -221,12 +268,21 @@ class TritonBackend:
         n_tiles_v = _cdiv(v, cfg.block_n)
         store = self.grad_needed and n * (v * hidden.element_size() + n_tiles_v * 4) <= self.buffer_budget_bytes
         self._buffer = None
+        use_tma = _use_tma(hidden, weight, cfg)
+        x_rows = _gathered_rows(hidden, perm, count, zero_ignored=False) if use_tma else hidden
+        x_desc = _descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows
+        w_desc = _descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
+        buf_tma = False
         if store:
             buf = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)
             tmax = torch.empty(n, n_tiles_v, dtype=torch.float32, device=hidden.device)
+            buf_tma = BUFFER_STORE_TMA and hidden.element_size() == 2 and _tma_capable(buf) and _descriptor_ok(buf)
+            if buf_tma:
+                # The store's staging tile (64 KiB) and four operand stages overflow shared memory.
+                cfg = replace(cfg, num_stages=min(cfg.num_stages, 3))
         else:
             buf = tmax = y  # unused (STORE_P off)
-        x_rows, x_desc, w_desc, use_tma = _gemm_operands(hidden, weight, perm, cfg)
+        buf_desc = _descriptor(buf, [cfg.block_m, cfg.block_n]) if buf_tma else buf
         stats_kernel[(_cdiv(n, cfg.block_m) * num_splits,)](
             x_rows,
             weight,
@@ -240,6 +296,7 @@ class TritonBackend:
             parts[2],
             y,
             buf,
+            buf_desc,
             tmax,
             n,
             v,
@@ -258,11 +315,12 @@ class TritonBackend:
             num_stages=cfg.num_stages,
             USE_TMA=use_tma,
             STORE_P=store,
+            BUF_TMA=buf_tma,
             **_flags(hidden, cfg),
         )
         del x_rows
         if store:
-            self._buffer = (buf, tmax, cfg.block_n)
+            self._buffer = (buf, tmax, cfg.block_n, perm, count)
         stats = torch.empty(3, n, dtype=torch.float32, device=hidden.device)
         merge_splits_kernel[(_cdiv(n, MERGE_BLOCK_T),)](
             parts[0],
@@ -340,16 +398,22 @@ class TritonBackend:
         has_g, has_e = grad_log_prob is not None, grad_entropy is not None
         g = grad_log_prob.float().contiguous() if has_g else lse  # placeholder pointer when absent
         e = grad_entropy.float().contiguous() if has_e else lse
-        hidden_grad = torch.zeros(n, h, dtype=torch.float32, device=device) if need_hidden_grad else None
+        # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
+        use_tma = _use_tma(hidden, weight, cfg)
+        x_c = _gathered_rows(hidden, perm, count, zero_ignored=True) if use_tma or weight_grad is not None else None
+        hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=device) if need_hidden_grad else None
         chunk = self.vocab_chunk(n, v, hidden.element_size())
         workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
         flags = _flags(hidden, cfg)
-        x_rows, x_desc, w_desc, use_tma = _gemm_operands(hidden, weight, perm, cfg)
+        x_desc = _descriptor(x_c, [cfg.block_m, cfg.block_k]) if use_tma else hidden
+        w_desc = _descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
+        dz_tma = DZ_STORE_TMA and hidden.element_size() == 2 and _tma_capable(workspace) and _descriptor_ok(workspace)
         for v0 in range(0, v, chunk):
             vc = min(chunk, v - v0)
             dz = workspace[:, :vc]
+            dz_desc = _descriptor(dz, [cfg.block_m, cfg.block_n]) if dz_tma else dz
             dz_kernel[(_cdiv(n, cfg.block_m) * _cdiv(vc, cfg.block_n),)](
-                x_rows,
+                x_c if use_tma else hidden,
                 weight,
                 x_desc,
                 w_desc,
@@ -361,6 +425,7 @@ class TritonBackend:
                 g,
                 e,
                 dz,
+                dz_desc,
                 n,
                 vc,
                 v0,
@@ -378,12 +443,15 @@ class TritonBackend:
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
                 USE_TMA=use_tma,
+                DZ_TMA=dz_tma,
                 **flags,
             )
-            if hidden_grad is not None:
-                _addmm_fp32(hidden_grad, dz, weight[v0 : v0 + vc], "d_hidden")
+            if hidden_grad_c is not None:
+                _addmm_fp32(hidden_grad_c, dz, weight[v0 : v0 + vc], "d_hidden")
             if weight_grad is not None:
-                _addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), hidden, "d_weight")
+                _addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), x_c, "d_weight")
+        del workspace, x_c, dz, dz_desc, x_desc  # before the rows of d_hidden get a second buffer
+        hidden_grad = _scatter_rows(hidden_grad_c, perm) if hidden_grad_c is not None else None
         return hidden_grad, weight_grad
 
     def _gradients_from_buffer(
@@ -405,7 +473,7 @@ class TritonBackend:
         read-modify-write per chunk). Three GEMMs per step instead of four."""
         from mcore_ppo.kernels import dz_from_buffer_kernel
 
-        buf, tmax, block_n = self._buffer
+        buf, tmax, block_n, perm, count = self._buffer
         self._buffer = None  # consumed: a second backward would need the forward again
         hidden, weight = _rowmajor(hidden), _rowmajor(weight)
         n, h = hidden.shape
@@ -413,11 +481,13 @@ class TritonBackend:
         has_g, has_e = grad_log_prob is not None, grad_entropy is not None
         g = grad_log_prob.float().contiguous() if has_g else lse
         e = grad_entropy.float().contiguous() if has_e else lse
-        block_m = 16 if interpreting() else 32
-        dz_from_buffer_kernel[(_cdiv(n, block_m), _cdiv(v, block_n))](
+        cfg = replace(BUFFER_DZ_CONFIG, block_m=8) if interpreting() else BUFFER_DZ_CONFIG
+        n_tiles_v = tmax.shape[1]
+        dz_from_buffer_kernel[(_cdiv(n, cfg.block_m) * n_tiles_v,)](
             buf,
             tmax,
-            valid.contiguous().view(torch.uint8),
+            perm,
+            count,
             local_labels,
             lse,
             entropy,
@@ -425,18 +495,25 @@ class TritonBackend:
             e,
             n,
             v,
-            tmax.shape[1],
+            n_tiles_v,
             1.0 / temperature,
             HAS_G=has_g,
             HAS_E=has_e,
-            BLOCK_M=block_m,
+            BLOCK_M=cfg.block_m,
             BLOCK_N=block_n,
-            num_warps=4,
+            FAST_LOG2=cfg.fast_log2 and buf.dtype == torch.bfloat16,
+            num_warps=cfg.num_warps,
         )
+        del tmax
         hidden_grad = None
         if need_hidden_grad:
-            hidden_grad = torch.zeros(n, h, dtype=torch.float32, device=hidden.device)
-            _addmm_fp32(hidden_grad, buf, weight, "d_hidden")
+            hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=hidden.device)
+            _addmm_fp32(hidden_grad_c, buf, weight, "d_hidden")
         if weight_grad is not None:
-            _addmm_fp32(weight_grad, buf.t(), hidden, "d_weight")
+            x_c = _gathered_rows(hidden, perm, count, zero_ignored=True)
+            _addmm_fp32(weight_grad, buf.t(), x_c, "d_weight")
+            del x_c
+        del buf
+        if need_hidden_grad:
+            hidden_grad = _scatter_rows(hidden_grad_c, perm)
         return hidden_grad, weight_grad

@@ -5,10 +5,13 @@ upstream ``g`` (log-prob) and ``e`` (entropy) per token (DESIGN §1):
 
     dz_j / T = g/T·1[j = label] - p_j·(g/T + e/T·(ln2·t_j + H))
 
-The tile is stored in the workspace's dtype (bf16 for bf16 inputs) at the row's original
-position, for the cuBLAS GEMMs ``d_hidden += dz @ W_chunk`` and ``d_W_chunk = dzᵀ @ x`` that
-follow. Rows are visited through ``perm`` (valid rows first): programs past the device-side
-valid count skip the GEMM and only write zeros (the cuBLAS GEMMs read every row).
+The tile is stored in the workspace's dtype (bf16 for bf16 inputs) in *compacted* row order
+(valid rows first, as ``perm`` lists them), for the cuBLAS GEMMs ``d_hidden_c += dz @ W_chunk``
+and ``d_W_chunk = dzᵀ @ x_c`` that follow (``x_c``: the gathered rows, ignored ones zeroed, so
+an inf in an ignored row cannot turn into 0·inf = NaN in ``d_W``); the host puts the rows of
+``d_hidden`` back in place once. Compacted rows make each program's tile one contiguous block:
+with ``DZ_TMA`` the copy engine stores it asynchronously. Programs past the device-side valid
+count skip the GEMM and only write zeros (the cuBLAS GEMMs read every row).
 """
 
 import triton
@@ -34,6 +37,7 @@ def dz_kernel(
     g_ptr,
     e_ptr,
     dz_ptr,
+    dz_desc,
     N,
     VC,
     v0,
@@ -52,6 +56,7 @@ def dz_kernel(
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    DZ_TMA: tl.constexpr,
 ):
     """``dz[:, j - v0] / T`` for columns ``j`` in ``[v0, v0 + VC)`` of the shard; see the module doc."""
     pid = tl.program_id(0)
@@ -62,10 +67,14 @@ def dz_kernel(
     rows = tl.load(perm_ptr + offs_m, mask=in_n, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < VC
-    dz_ptrs = dz_ptr + rows.to(tl.int64)[:, None] * stride_dz + offs_n[None, :]
+    dz_ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + offs_n[None, :]
     store_mask = in_n[:, None] & col_ok[None, :]
     if pid_m * BLOCK_M >= count:
-        tl.store(dz_ptrs, tl.zeros((BLOCK_M, BLOCK_N), tl.float32).to(dz_ptr.dtype.element_ty), mask=store_mask)
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32).to(dz_ptr.dtype.element_ty)
+        if DZ_TMA:
+            dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], zeros)
+        else:
+            tl.store(dz_ptrs, zeros, mask=store_mask)
         return
     row_ok = offs_m < count
 
@@ -109,14 +118,34 @@ def dz_kernel(
         has_label = (labels >= pid_n * BLOCK_N) & (labels < pid_n * BLOCK_N + BLOCK_N)
         if tl.max(has_label.to(tl.int32), 0) > 0:
             dz += tl.where(offs_n[None, :] == labels[:, None], g_t[:, None], 0.0)
-    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=store_mask)
+    if DZ_TMA:
+        dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], dz.to(dz_ptr.dtype.element_ty))
+    else:
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _log2_bf16(b_raw):
+    """``log2`` of positive bf16 values from their bits: exponent + a quartic in the mantissa.
+
+    A bf16 value carries 8 significant bits, so its own rounding is worth up to 2.8e-3 in
+    log2; the quartic (a minimax fit over the 128 mantissas, max error 1.0e-4) stays far
+    under that, and costs a shift, two masks and four FMAs instead of fp32 ``log2``'s range
+    reduction and longer polynomial. Subnormals (p below 1e-38) come out slightly off: their
+    ``dz`` terms are that small too.
+    """
+    bits = b_raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    exponent = (bits >> 7) - 127
+    f = (bits & 0x7F).to(tl.float32) * (1.0 / 128.0)
+    return exponent.to(tl.float32) + f * (1.43909132 + f * (-0.68052689 + f * (0.32680567 + f * -0.0855058)))
 
 
 @triton.jit
 def dz_from_buffer_kernel(
     buf_ptr,
     tmax_ptr,
-    valid_ptr,
+    perm_ptr,
+    count_ptr,
     labels_ptr,
     lse_ptr,
     ent_ptr,
@@ -130,25 +159,31 @@ def dz_from_buffer_kernel(
     HAS_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
 ):
     """In place: the forward's ``2^(z₂ - tile max)`` buffer becomes ``dz / T`` (issue 6).
 
     ``p = buf · 2^(tile max - lse₂)``, ``log p = ln2·(log2 buf + tile max - lse₂)``; the
     tile is one forward tile (same ``BLOCK_N``), so one tile max per row. No GEMM: the
-    recompute of the logits is skipped. Ignored rows (never written by the forward) get zeros.
+    recompute of the logits is skipped. The buffer's rows are in compacted order (valid rows
+    first, as the forward stored them); rows past the valid count are zeroed. Programs walk
+    the vocab fastest (``pid_n`` minor), so each streams whole rows: DRAM pages stay open.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid // n_tiles_v
+    pid_n = pid % n_tiles_v
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_n = rows < N
-    ok = (tl.load(valid_ptr + rows, mask=in_n, other=0) != 0) & in_n
+    in_n = offs_m < N
+    ok = offs_m < tl.load(count_ptr)
+    rows = tl.load(perm_ptr + offs_m, mask=ok, other=0)
     col_ok = cols < V
     mask = ok[:, None] & col_ok[None, :]
-    ptrs = buf_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :]
-    b = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    ptrs = buf_ptr + offs_m.to(tl.int64)[:, None] * V + cols[None, :]
+    b_raw = tl.load(ptrs, mask=mask, other=0.0)
+    b = b_raw.to(tl.float32)
     lse2 = tl.load(lse_ptr + rows, mask=ok, other=0.0) * LOG2E
-    shift = tl.load(tmax_ptr + rows.to(tl.int64) * n_tiles_v + pid_n, mask=ok, other=0.0) - lse2
+    shift = tl.load(tmax_ptr + offs_m.to(tl.int64) * n_tiles_v + pid_n, mask=ok, other=0.0) - lse2
     p = b * tl.exp2(shift)[:, None]
     if HAS_G:
         g_t = tl.where(ok, tl.load(g_ptr + rows, mask=ok, other=0.0) * inv_temp, 0.0)
@@ -157,9 +192,13 @@ def dz_from_buffer_kernel(
     if HAS_E:
         ent = tl.load(ent_ptr + rows, mask=ok, other=0.0)
         e_t = tl.where(ok, tl.load(e_ptr + rows, mask=ok, other=0.0) * inv_temp, 0.0)
-        # b = 0 (underflowed) is masked below; the floor keeps log2 finite. A literal under fp32's
-        # smallest normal (1e-38) would make Triton compute this in fp64: 10x slower.
-        log_p = (tl.log2(tl.maximum(b, 1e-30)) + shift[:, None]) * LN2
+        if FAST_LOG2:
+            log2_b = _log2_bf16(b_raw)
+        else:
+            # The floor keeps log2 finite where b underflowed to 0 (masked below). A literal
+            # under fp32's smallest normal (e.g. 1e-38) would make Triton compute in fp64.
+            log2_b = tl.log2(tl.maximum(b, 1e-30))
+        log_p = (log2_b + shift[:, None]) * LN2
         q = e_t[:, None] * (log_p + ent[:, None]) + g_t[:, None]
     else:
         q = g_t[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32)

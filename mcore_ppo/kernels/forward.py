@@ -42,6 +42,7 @@ def stats_kernel(
     part_u_ptr,
     y_ptr,
     buf_ptr,
+    buf_desc,
     tmax_ptr,
     N,
     V,
@@ -61,6 +62,7 @@ def stats_kernel(
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
     STORE_P: tl.constexpr,
+    BUF_TMA: tl.constexpr,
 ):
     """Per-(split, row) ``(m, s, u)`` partials and the label logit ``y``; see the module doc."""
     pid = tl.program_id(0)
@@ -116,9 +118,15 @@ def stats_kernel(
             t_max = tl.max(z2, 1)
             d = z2 - t_max[:, None]
             e = tl.exp2(d)
-            buf_ptrs = buf_ptr + rows.to(tl.int64)[:, None] * V + offs_n[None, :]
-            tl.store(buf_ptrs, e.to(buf_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-            tl.store(tmax_ptr + rows.to(tl.int64) * n_tiles_v + n0 // BLOCK_N, t_max, mask=row_ok)
+            # Rows in compacted order (the program's own rows, valid first): one contiguous
+            # block, so the copy engine can store it asynchronously. Rows past the valid count
+            # are stored too (garbage from ignored rows); the backward never reads them.
+            if BUF_TMA:
+                buf_desc.store([pid_m * BLOCK_M, n0], e.to(buf_ptr.dtype.element_ty))
+            else:
+                buf_ptrs = buf_ptr + offs_m.to(tl.int64)[:, None] * V + offs_n[None, :]
+                tl.store(buf_ptrs, e.to(buf_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(tmax_ptr + offs_m.to(tl.int64) * n_tiles_v + n0 // BLOCK_N, t_max, mask=row_ok)
             s_t = tl.sum(e, 1)
             u_t = tl.sum(tl.where(col_ok[None, :], e * d, 0.0), 1)
             m_new = tl.maximum(m_i, t_max)
