@@ -7,8 +7,12 @@ T = 0.7), and prints per phase: the wall time per call (CUDA events), the summed
 every kernel per call, the gap between the two (host latency and idle GPU), and the kernels
 sorted by time. ``--buffer`` also profiles the budgeted probability buffer of issue 6.
 
-Usage (GPU):  python scripts/profile_head.py [--shapes qwen7b] [--tp 1,8] [--buffer] [--out DIR]
-Writes ``<out>/profile_head.json``.
+``--sweep`` instead times forward+backward (API call, CUDA events, medians of interleaved
+rounds) under variants of the triton backend's module settings (the TMA stores, the buffer's
+dz kernel tiling), to choose them by measurement.
+
+Usage (GPU):  python scripts/profile_head.py [--shapes qwen7b] [--tp 1,8] [--buffer] [--sweep] [--out DIR]
+Writes ``<out>/profile_head.json`` (or ``profile_sweep.json``).
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_head import SHAPES, time_ms  # noqa: E402
+from bench_head import SHAPES, time_ms
 
 
 def kernel_table(fn, calls: int) -> dict[str, float]:
@@ -80,6 +86,61 @@ def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls
         tb.BUFFER_BUDGET_BYTES = saved
 
 
+def sweep_variants() -> dict[str, dict]:
+    """Module settings of ``triton_backend`` to compare (name → overrides)."""
+    from mcore_ppo.backends import triton_backend as tb
+
+    dz = tb.BUFFER_DZ_CONFIG
+    budget = {"BUFFER_BUDGET_BYTES": 2**40}
+    return {
+        "recompute": {},
+        "recompute, dz pointer stores": {"DZ_STORE_TMA": False},
+        "buffer": budget,
+        "buffer, pointer stores": {**budget, "BUFFER_STORE_TMA": False},
+        "buffer, fp32 log2": {**budget, "BUFFER_DZ_CONFIG": replace(dz, fast_log2=False)},
+        "buffer, dz 8 rows": {**budget, "BUFFER_DZ_CONFIG": replace(dz, block_m=8)},
+        "buffer, dz 32 rows 8 warps": {**budget, "BUFFER_DZ_CONFIG": replace(dz, block_m=32, num_warps=8)},
+    }
+
+
+def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3) -> dict:
+    """Forward+backward medians per variant, variants interleaved round by round (clock drift)."""
+    from mcore_ppo import fused_log_probs_and_entropy
+    from mcore_ppo.backends import triton_backend as tb
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda", generator=gen) * (2.0 / math.sqrt(h))).to(torch.bfloat16)
+    w.requires_grad_(True)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    g = torch.randn(n, device="cuda", generator=gen)
+    e = torch.randn(n, device="cuda", generator=gen)
+
+    def step():
+        x.grad = w.grad = None
+        lp, en = fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
+        torch.autograd.backward([lp, en], [g, e])
+
+    a = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
+    times: dict[str, list[float]] = defaultdict(list)
+    variants = sweep_variants()
+    for _ in range(rounds):
+        times["one GEMM"].append(time_ms(lambda: a @ w.detach().t(), calls))
+        for name, overrides in variants.items():
+            saved = {key: getattr(tb, key) for key in overrides}
+            try:
+                for key, value in overrides.items():
+                    setattr(tb, key, value)
+                times[name].append(time_ms(step, calls))
+            except Exception as err:  # a variant that fails to compile is reported, not fatal
+                times[name].append(float("nan"))
+                print(f"  {name}: {type(err).__name__}: {str(err)[:200]}")
+            finally:
+                for key, value in saved.items():
+                    setattr(tb, key, value)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen7b")
@@ -88,11 +149,27 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--buffer", action="store_true", help="also profile the issue-6 probability buffer")
+    parser.add_argument("--sweep", action="store_true", help="time forward+backward under setting variants")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_head.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.sweep:
+        report = {"device": torch.cuda.get_device_name(), "args": vars(args), "cases": []}
+        for shape in args.shapes.split(","):
+            h, vocab = SHAPES[shape]
+            for tp in (int(t) for t in args.tp.split(",")):
+                medians = sweep_case(h, vocab // tp, args.tokens, args.temperature, args.calls)
+                report["cases"].append({"shape": shape, "tp": tp, "fwd_bwd_ms": medians})
+                gemm = medians["one GEMM"]
+                print(f"== {shape} tp {tp}: forward+backward ms (ratio to 4 x one GEMM {4 * gemm:.3f} ms)")
+                for name, ms in medians.items():
+                    print(f"  {name:32s} {ms:9.3f}  {ms / (4 * gemm):.3f}")
+                sys.stdout.flush()
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "profile_sweep.json").write_text(json.dumps(report, indent=1))
+        return 0
     report = {"device": torch.cuda.get_device_name(), "args": vars(args), "cases": []}
     for shape in args.shapes.split(","):
         h, vocab = SHAPES[shape]
