@@ -135,10 +135,11 @@ def test_install_tied_allocates_no_weight():
 
 def test_install_is_idempotent_and_updates_options():
     model = _model()
-    head = install_fused_head(model, temperature=1.0, backend="torch")
-    again = install_fused_head(model, temperature=0.5, backend="auto", ignore_index=-1)
+    head = install_fused_head(model, temperature=1.0, backend="torch", buffer_budget_bytes=4096)
+    assert head.buffer_budget_bytes == 4096
+    again = install_fused_head(model, temperature=0.5, backend="auto", ignore_index=-1, buffer_budget_bytes=0)
     assert again is head
-    assert (head.temperature, head.backend, head.ignore_index) == (0.5, "auto", -1)
+    assert (head.temperature, head.backend, head.ignore_index, head.buffer_budget_bytes) == (0.5, "auto", -1, 0)
 
 
 def test_install_rejects_foreign_output_layer_and_bad_options():
