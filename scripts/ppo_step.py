@@ -15,8 +15,6 @@ CPU (no CUDA): gloo, with ``mcore_ppo.testing.cpu_shims``. GPU: NCCL, one GPU pe
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 import time
 from pathlib import Path
@@ -65,21 +63,6 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
-def _init_distributed() -> torch.device:
-    timeout = datetime.timedelta(seconds=int(os.environ.get("MCORE_PPO_DIST_TIMEOUT", "300")))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    else:
-        from mcore_ppo.testing.cpu_shims import install_cpu_shims
-
-        install_cpu_shims()
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    return device
-
-
 def _max_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs()[mask].max()) if bool(mask.any()) else 0.0
 
@@ -97,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status (0 = every parity check passed)."""
     args = parse_args(argv)
     cfg = load_config(args)
-    device = _init_distributed()
+    from mcore_ppo.testing.ppo_harness import init_distributed
+
+    device = init_distributed()
 
     from mcore_ppo.actor import ActorParallel, MegatronPPOActor, PPOActorConfig
     from mcore_ppo.ppo_loss import kl_k3

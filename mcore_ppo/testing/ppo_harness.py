@@ -1,5 +1,6 @@
 """Helpers shared by the PPO demo (``scripts/ppo_step.py``) and the actor tests.
 
+- :func:`init_distributed`: the process group of a torchrun script (NCCL on GPUs, gloo + CPU shims).
 - :func:`init_layout`: Megatron ``parallel_state`` for a TP × CP × PP layout, with CP inside the
   model where TransformerEngine attention is installed and at the head otherwise.
 - :func:`build_actor_model`: a small GPT with the fused head, on the layer spec that runs
@@ -15,7 +16,9 @@ Not part of the library: the library never imports ``mcore_ppo.testing``.
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
+import os
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +41,27 @@ def te_available() -> bool:
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_distributed() -> torch.device:
+    """Initialise the default process group of a torchrun script and return this rank's device.
+
+    CUDA: NCCL, one GPU per rank (``LOCAL_RANK``), Megatron unmodified. CPU: gloo, with
+    :func:`mcore_ppo.testing.cpu_shims.install_cpu_shims`. Collectives time out after
+    ``MCORE_PPO_DIST_TIMEOUT`` seconds (default 300), so a rank left behind cannot hang forever.
+    """
+    timeout = datetime.timedelta(seconds=int(os.environ.get("MCORE_PPO_DIST_TIMEOUT", "300")))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        from mcore_ppo.testing.cpu_shims import install_cpu_shims
+
+        install_cpu_shims()
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return device
 
 
 _CP_AT_HEAD_GROUPS: dict[tuple[int, int, int], dict[tuple, Any]] = {}
