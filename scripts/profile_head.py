@@ -103,8 +103,29 @@ def sweep_variants() -> dict[str, dict]:
     }
 
 
-def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3) -> dict:
-    """Forward+backward medians per variant, variants interleaved round by round (clock drift)."""
+def forward_variants() -> dict[str, dict]:
+    """Tile configurations of the forward kernel to compare at a shard size (name → overrides)."""
+    from mcore_ppo.backends import triton_backend as tb
+
+    base = tb.FORWARD_CONFIG
+    configs = {
+        "default": base,
+        "2 tiles/split": replace(base, tiles_per_split=2),
+        "8 tiles/split": replace(base, tiles_per_split=8),
+        "GROUP_M 8": replace(base, group_m=8),
+        "GROUP_M 32": replace(base, group_m=32),
+        "3 stages": replace(base, num_stages=3),
+        "BLOCK_N 128, 5 stages": replace(base, block_n=128, num_stages=5, tiles_per_split=8),
+        "BLOCK_M 64, 8 tiles": replace(base, block_m=64, num_warps=4, tiles_per_split=8),
+    }
+    return {name: {"FORWARD_CONFIG": cfg} for name, cfg in configs.items()}
+
+
+def sweep_case(
+    h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3, forward: bool = False
+) -> dict:
+    """Forward+backward (or, with ``forward``, no-grad forward) medians per variant, variants
+    interleaved round by round (clock drift)."""
     from mcore_ppo import fused_log_probs_and_entropy
     from mcore_ppo.backends import triton_backend as tb
 
@@ -122,8 +143,13 @@ def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: i
         torch.autograd.backward([lp, en], [g, e])
 
     a = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
+    def nograd():
+        with torch.no_grad():
+            fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
+
     times: dict[str, list[float]] = defaultdict(list)
-    variants = sweep_variants()
+    variants = forward_variants() if forward else sweep_variants()
+    run = nograd if forward else step
     for _ in range(rounds):
         times["one GEMM"].append(time_ms(lambda: a @ w.detach().t(), calls))
         for name, overrides in variants.items():
@@ -131,7 +157,7 @@ def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: i
             try:
                 for key, value in overrides.items():
                     setattr(tb, key, value)
-                times[name].append(time_ms(step, calls))
+                times[name].append(time_ms(run, calls))
             except Exception as err:  # a variant that fails to compile is reported, not fatal
                 times[name].append(float("nan"))
                 print(f"  {name}: {type(err).__name__}: {str(err)[:200]}")
@@ -150,25 +176,28 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--buffer", action="store_true", help="also profile the issue-6 probability buffer")
     parser.add_argument("--sweep", action="store_true", help="time forward+backward under setting variants")
+    parser.add_argument("--sweep-forward", action="store_true", help="time the no-grad forward under tile configs")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_head.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.sweep:
+    if args.sweep or args.sweep_forward:
         report = {"device": torch.cuda.get_device_name(), "args": vars(args), "cases": []}
         for shape in args.shapes.split(","):
             h, vocab = SHAPES[shape]
             for tp in (int(t) for t in args.tp.split(",")):
-                medians = sweep_case(h, vocab // tp, args.tokens, args.temperature, args.calls)
-                report["cases"].append({"shape": shape, "tp": tp, "fwd_bwd_ms": medians})
+                fwd = args.sweep_forward
+                medians = sweep_case(h, vocab // tp, args.tokens, args.temperature, args.calls, forward=fwd)
+                key, gemms = ("nograd_fwd_ms", 1) if fwd else ("fwd_bwd_ms", 4)
+                report["cases"].append({"shape": shape, "tp": tp, key: medians})
                 gemm = medians["one GEMM"]
-                print(f"== {shape} tp {tp}: forward+backward ms (ratio to 4 x one GEMM {4 * gemm:.3f} ms)")
+                print(f"== {shape} tp {tp}: {key} (ratio to {gemms} x one GEMM {gemms * gemm:.3f} ms)")
                 for name, ms in medians.items():
-                    print(f"  {name:32s} {ms:9.3f}  {ms / (4 * gemm):.3f}")
+                    print(f"  {name:32s} {ms:9.3f}  {ms / (gemms * gemm):.3f}")
                 sys.stdout.flush()
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "profile_sweep.json").write_text(json.dumps(report, indent=1))
+        (Path(args.out) / ("profile_sweep_forward.json" if args.sweep_forward else "profile_sweep.json")).write_text(json.dumps(report, indent=1))
         return 0
     report = {"device": torch.cuda.get_device_name(), "args": vars(args), "cases": []}
     for shape in args.shapes.split(","):

@@ -56,7 +56,8 @@ class Backend(Protocol):
         need_hidden_grad: bool,
         weight_grad: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """This shard's ``(d_hidden, d_weight)`` in fp32.
+        """This shard's ``(d_hidden, d_weight)`` in fp32 (``d_hidden`` may come already rounded
+        once to ``hidden``'s dtype, from fp32 accumulation, when that saves the backend a pass).
 
         ``lse`` and ``entropy`` are the combined (global) fp32 values per token; the upstream
         gradients are per token (``None`` = that output is unused). ``d_hidden`` is this

@@ -97,6 +97,7 @@ class ElementwiseConfig:
 
 BUFFER_DZ_CONFIG = ElementwiseConfig()
 MERGE_BLOCK_T = 64
+ROW_BLOCK = 1024  # columns per step of the row gather / scatter kernels
 MERGE_BLOCK_S = 32
 
 
@@ -165,23 +166,31 @@ def _use_tma(hidden: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> 
     return config.use_tma and aligned and _tma_capable(hidden)
 
 
-def _gathered_rows(hidden: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, zero_ignored: bool) -> torch.Tensor:
-    """``hidden[perm]``: valid rows first, contiguous (``n × h`` in the input dtype).
+def _gathered_rows(hidden: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``hidden[perm]`` with the rows past the device-side ``count`` zeroed: valid rows first.
 
-    With ``zero_ignored`` the rows past the device-side ``count`` are zeroed (a select, not a
-    product: an inf there must become 0, not NaN), for GEMMs that run over every row.
+    Contiguous ``n × h`` in the input dtype, one launch (``gather_rows_kernel``). The zeros are
+    stored, not multiplied in, so an inf in an ignored row (padding) never reaches a GEMM that
+    runs over every row (``d_W``) as 0·inf = NaN.
     """
-    rows = hidden.index_select(0, perm)
-    if zero_ignored:
-        ignored = torch.arange(rows.shape[0], device=rows.device) >= count
-        rows.masked_fill_(ignored[:, None], 0)
+    from mcore_ppo.kernels import gather_rows_kernel
+
+    n, h = hidden.shape
+    rows = torch.empty(n, h, dtype=hidden.dtype, device=hidden.device)
+    if n:
+        gather_rows_kernel[(n,)](hidden, perm, count, rows, h, hidden.stride(0), BLOCK_H=ROW_BLOCK)
     return rows
 
 
-def _scatter_rows(compacted: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """Rows of ``compacted`` (in ``perm`` order) back to their original positions."""
-    out = torch.empty_like(compacted)
-    out.index_copy_(0, perm.long(), compacted)
+def _scatter_rows(compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of fp32 ``compacted`` (in ``perm`` order) back to their places, cast to ``dtype``
+    in the same pass (the one rounding of ``d_hidden``)."""
+    from mcore_ppo.kernels import scatter_rows_kernel
+
+    n, h = compacted.shape
+    out = torch.empty(n, h, dtype=dtype, device=compacted.device)
+    if n:
+        scatter_rows_kernel[(n,)](compacted, perm, out, h, BLOCK_H=ROW_BLOCK)
     return out
 
 
@@ -269,7 +278,7 @@ class TritonBackend:
         store = self.grad_needed and n * (v * hidden.element_size() + n_tiles_v * 4) <= self.buffer_budget_bytes
         self._buffer = None
         use_tma = _use_tma(hidden, weight, cfg)
-        x_rows = _gathered_rows(hidden, perm, count, zero_ignored=False) if use_tma else hidden
+        x_rows = _gathered_rows(hidden, perm, count) if use_tma else hidden
         x_desc = _descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows
         w_desc = _descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
         buf_tma = False
@@ -400,7 +409,7 @@ class TritonBackend:
         e = grad_entropy.float().contiguous() if has_e else lse
         # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
         use_tma = _use_tma(hidden, weight, cfg)
-        x_c = _gathered_rows(hidden, perm, count, zero_ignored=True) if use_tma or weight_grad is not None else None
+        x_c = _gathered_rows(hidden, perm, count) if use_tma or weight_grad is not None else None
         hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=device) if need_hidden_grad else None
         chunk = self.vocab_chunk(n, v, hidden.element_size())
         workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
@@ -451,7 +460,7 @@ class TritonBackend:
             if weight_grad is not None:
                 _addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), x_c, "d_weight")
         del workspace, x_c, dz, dz_desc, x_desc  # before the rows of d_hidden get a second buffer
-        hidden_grad = _scatter_rows(hidden_grad_c, perm) if hidden_grad_c is not None else None
+        hidden_grad = _scatter_rows(hidden_grad_c, perm, hidden.dtype) if hidden_grad_c is not None else None
         return hidden_grad, weight_grad
 
     def _gradients_from_buffer(
@@ -510,10 +519,10 @@ class TritonBackend:
             hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=hidden.device)
             _addmm_fp32(hidden_grad_c, buf, weight, "d_hidden")
         if weight_grad is not None:
-            x_c = _gathered_rows(hidden, perm, count, zero_ignored=True)
+            x_c = _gathered_rows(hidden, perm, count)
             _addmm_fp32(weight_grad, buf.t(), x_c, "d_weight")
             del x_c
         del buf
         if need_hidden_grad:
-            hidden_grad = _scatter_rows(hidden_grad_c, perm)
+            hidden_grad = _scatter_rows(hidden_grad_c, perm, hidden.dtype)
         return hidden_grad, weight_grad

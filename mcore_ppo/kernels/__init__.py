@@ -4,11 +4,20 @@
 - :mod:`.forward`: the fused GEMM + online-softmax statistics kernel and the per-token merge
   of its per-split partial statistics.
 - :mod:`.backward`: the fused GEMM whose epilogue writes ``dz / T`` for one vocab chunk.
-- :mod:`.compact`: valid rows first, and their count, on the device in one launch.
+- :mod:`.compact`: valid rows first, and their count, on the device in one launch; rows
+  gathered into that order (ignored ones zeroed) and scattered back.
 """
 
 from mcore_ppo.kernels.backward import dz_from_buffer_kernel, dz_kernel
-from mcore_ppo.kernels.compact import compact_kernel
+from mcore_ppo.kernels.compact import compact_kernel, gather_rows_kernel, scatter_rows_kernel
 from mcore_ppo.kernels.forward import merge_splits_kernel, stats_kernel
 
-__all__ = ["compact_kernel", "dz_from_buffer_kernel", "dz_kernel", "merge_splits_kernel", "stats_kernel"]
+__all__ = [
+    "compact_kernel",
+    "dz_from_buffer_kernel",
+    "dz_kernel",
+    "gather_rows_kernel",
+    "merge_splits_kernel",
+    "scatter_rows_kernel",
+    "stats_kernel",
+]

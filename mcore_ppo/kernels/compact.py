@@ -27,3 +27,31 @@ def compact_kernel(valid_ptr, perm_ptr, count_ptr, N, BLOCK: tl.constexpr):
         dest = tl.where(flags != 0, ranks_valid, ranks_ignored)
         tl.store(perm_ptr + dest, offs, mask=in_n)
         valid_before += tl.sum(flags, 0)
+
+
+@triton.jit
+def gather_rows_kernel(src_ptr, perm_ptr, count_ptr, dst_ptr, H, stride_src, BLOCK_H: tl.constexpr):
+    """``dst[r] = src[perm[r]]`` for ``r < count``, zeros after: one program per row.
+
+    The zeros are written, not computed as ``0·src``: an inf in an ignored row stays out.
+    """
+    r = tl.program_id(0)
+    keep = r < tl.load(count_ptr)
+    src_row = tl.load(perm_ptr + r).to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        in_h = offs < H
+        values = tl.load(src_ptr + src_row * stride_src + offs, mask=in_h & keep, other=0.0)
+        tl.store(dst_ptr + r.to(tl.int64) * H + offs, values, mask=in_h)
+
+
+@triton.jit
+def scatter_rows_kernel(src_ptr, perm_ptr, dst_ptr, H, BLOCK_H: tl.constexpr):
+    """``dst[perm[r]] = src[r]`` (cast to ``dst``'s dtype): rows back to their places."""
+    r = tl.program_id(0)
+    dst_row = tl.load(perm_ptr + r).to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        in_h = offs < H
+        values = tl.load(src_ptr + r.to(tl.int64) * H + offs, mask=in_h, other=0.0)
+        tl.store(dst_ptr + dst_row * H + offs, values.to(dst_ptr.dtype.element_ty), mask=in_h)
