@@ -121,9 +121,7 @@ def forward_variants() -> dict[str, dict]:
     return {name: {"FORWARD_CONFIG": cfg} for name, cfg in configs.items()}
 
 
-def sweep_case(
-    h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3, forward: bool = False
-) -> dict:
+def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3, forward: bool = False) -> dict:
     """Forward+backward (or, with ``forward``, no-grad forward) medians per variant, variants
     interleaved round by round (clock drift)."""
     from mcore_ppo import fused_log_probs_and_entropy
@@ -143,6 +141,7 @@ def sweep_case(
         torch.autograd.backward([lp, en], [g, e])
 
     a = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
+
     def nograd():
         with torch.no_grad():
             fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
@@ -197,7 +196,8 @@ def main(argv=None) -> int:
                     print(f"  {name:32s} {ms:9.3f}  {ms / (gemms * gemm):.3f}")
                 sys.stdout.flush()
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / ("profile_sweep_forward.json" if args.sweep_forward else "profile_sweep.json")).write_text(json.dumps(report, indent=1))
+        name = "profile_sweep_forward.json" if args.sweep_forward else "profile_sweep.json"
+        (Path(args.out) / name).write_text(json.dumps(report, indent=1))
         return 0
     report = {"device": torch.cuda.get_device_name(), "args": vars(args), "cases": []}
     for shape in args.shapes.split(","):
