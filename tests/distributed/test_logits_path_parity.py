@@ -65,7 +65,7 @@ def _run(tp, cp, sp, forward_fn, *, seed, rollout, noise):
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         actor = MegatronPPOActor(model, optimizer, config, parallel=parallel, forward_fn=forward_fn)
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
-        # The sampling policy is ~0.3 nats per token away, so the clip and the dual clip act.
+        # The sampling policy is ~0.3 nats per token away, so the clip acts.
         old = torch.where(rollout.response_mask, log_probs.cpu() + 0.3 * noise, 0.0)
         metrics = actor.update_policy(rollout.with_fields(old_log_probs=old))
         after = full_parameters(model, parallel.tp)
@@ -84,6 +84,7 @@ def test_logits_path_matches_fused_head(check, fresh_parallel_state):
     mask = rollout.response_mask
     fused = _run(tp, cp, sp, None, seed=seed, rollout=rollout, noise=noise)
     logits = _run(tp, cp, sp, LogitsPath(), seed=seed, rollout=rollout, noise=noise)
+    mask = mask.to(fused[0].device)  # the actor's outputs live on the model's device
     kind = f"logits path vs fused head [tp{tp} cp{cp} sp{int(sp)}]"
     check.case(kind)
     check.close("log_prob", logits[0][mask], fused[0][mask], tol=TOL, kind=kind)
