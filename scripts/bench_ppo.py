@@ -111,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--backend", default="auto", help="fused head backend")
+    parser.add_argument(
+        "--attention",
+        choices=["reference", "sdpa"],
+        default="reference",
+        help="decoder core attention without TransformerEngine: Megatron's unfused softmax over a "
+        "block-diagonal mask (O(t²) memory) or torch SDPA with that mask",
+    )
     parser.add_argument("--variants", default="fused,logits", help="comma-separated, run in this order")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON (default: $OUT, else none)")
@@ -207,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend,
         params_dtype=dtype,
         seed=args.seed,
+        attention=args.attention,
     )
     actor_cfg = PPOActorConfig(
         clip_ratio=0.2,
@@ -255,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     say(
         f"model: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, ffn {args.ffn}, vocab {args.vocab}"
         f"{f' (padded to {vocab})' if vocab != args.vocab else ''}, {args.dtype}, {n_params / 1e6:,.1f}M parameters; "
-        f"head backend {args.backend}, T={args.temperature}"
+        f"head backend {args.backend}, T={args.temperature}; attention "
+        f"{'TransformerEngine' if te_available() else args.attention + ' (THD, no TransformerEngine)'}"
     )
     say(
         f"rollout: {args.num_seqs} sequences, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, response "
@@ -416,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"bench_ppo_tp{tp}_cp{cp}{'_sp' if sp else ''}.json")
+        tag = f"tp{tp}_cp{cp}{'_sp' if sp else ''}_{args.attention}_mb{args.micro_batch_tokens}"
+        path = os.path.join(args.out, f"bench_ppo_{tag}.json")
         report = {
             "layout": {"name": name, "world": world, "tp": tp, "cp": cp, "dp": dp, "sp": sp, "cp_at_head": cp_at_head},
             "device": gpu_name,

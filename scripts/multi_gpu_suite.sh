@@ -13,7 +13,10 @@
 # call; a failed step does not stop the next; a summary is printed (and written) at the end. All
 # logs and JSON go to ${OUT:-/tmp/mgpu}. Whole-call budget MGPU_BUDGET_S (default 570 s, under the
 # device tool's 600 s): each step's limit is cut to what is left, and a step with < 30 s left is
-# skipped. Per-step limits: MGPU_TIMEOUT_TESTS/_BENCH_TP/_PPO/_PPO_CP.
+# skipped. Per-step limits: MGPU_TIMEOUT_TESTS/_BENCH_TP/_PPO/_PPO_CP. MGPU_PPO_ARGS: extra
+# bench_ppo.py arguments for both PPO steps, e.g. "--attention sdpa --micro-batch-tokens 16384"
+# (SDPA attention instead of the O(t²)-memory reference, so micro-batches can grow and the head
+# weighs more in the step).
 #
 # Wheels: the GPU host has torch + triton but no megatron-core or pytest. They are carried as
 # Python 3.12 wheels in MGPU_WHEEL_DIR (default .gpu4, git-ignored) and installed with
@@ -153,7 +156,7 @@ for step in "${steps[@]}"; do
       ;;
     ppo)
       run_step ppo "${MGPU_TIMEOUT_PPO:-200}" "$out/bench_ppo_tp$ranks.log" \
-        env PYTHONWARNINGS=ignore "${torchrun_cmd[@]}" scripts/bench_ppo.py --tp "$ranks" --out "$out"
+        env PYTHONWARNINGS=ignore "${torchrun_cmd[@]}" scripts/bench_ppo.py --tp "$ranks" --out "$out" ${MGPU_PPO_ARGS:-}
       ;;
     ppo_cp)
       if [ "$ranks" -lt 4 ]; then
@@ -161,7 +164,7 @@ for step in "${steps[@]}"; do
         continue
       fi
       run_step ppo_cp "${MGPU_TIMEOUT_PPO_CP:-200}" "$out/bench_ppo_tp$((ranks / 2))_cp2.log" \
-        env PYTHONWARNINGS=ignore "${torchrun_cmd[@]}" scripts/bench_ppo.py --tp $((ranks / 2)) --cp 2 --out "$out"
+        env PYTHONWARNINGS=ignore "${torchrun_cmd[@]}" scripts/bench_ppo.py --tp $((ranks / 2)) --cp 2 --out "$out" ${MGPU_PPO_ARGS:-}
       ;;
   esac
 done

@@ -121,15 +121,17 @@ def destroy_layout() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def layer_spec() -> Any:
-    """The layer spec that runs packed THD batches: TransformerEngine's, else the THD reference."""
+def layer_spec(attention: str = "reference") -> Any:
+    """The layer spec that runs packed THD batches: TransformerEngine's, else the local spec with
+    THD core attention (``attention``: ``"reference"`` or ``"sdpa"``, see
+    :func:`mcore_ppo.testing.thd_attention.thd_local_layer_spec`)."""
     if te_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
     from mcore_ppo.testing.thd_attention import thd_local_layer_spec
 
-    return thd_local_layer_spec()
+    return thd_local_layer_spec(attention=attention)
 
 
 def build_actor_model(
@@ -142,11 +144,13 @@ def build_actor_model(
     seed: int = 1234,
     packed_attention: bool = True,
     buffer_budget_bytes: int | None = None,
+    attention: str = "reference",
 ) -> torch.nn.Module:
     """A ``GPTModel`` (on the current ``parallel_state``) with the fused head installed.
 
     ``packed_attention=False`` builds Megatron's plain local spec, whose attention rejects
     ``PackedSeqParams``; the actor then feeds packed batches with a block-diagonal causal mask.
+    ``attention`` picks the THD core attention without TransformerEngine (:func:`layer_spec`).
 
     ``model_cfg`` holds ``build_gpt_model``'s shape keywords (``num_layers``, ``hidden_size``,
     ``num_attention_heads``, ``vocab_size``, ``max_sequence_length``, optional
@@ -164,7 +168,7 @@ def build_actor_model(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         seed=seed,
-        transformer_layer_spec=layer_spec() if packed_attention else None,
+        transformer_layer_spec=layer_spec(attention) if packed_attention else None,
         **overrides,
     )
     install_fused_head(model, temperature=temperature, backend=backend, buffer_budget_bytes=buffer_budget_bytes)
