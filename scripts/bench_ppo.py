@@ -25,9 +25,11 @@ the exit status is 1 only if the parity is outside its bound.
 
 CP runs at the head (the decoder sees whole sequences; see ``ActorParallel.cp_at_head``) unless
 TransformerEngine is installed, as ``scripts/ppo_step.py`` does. Data-parallel replicas
-(world > tp·cp) get the same rollouts. GPU: NCCL, one GPU per rank, bf16, a ~1.8B-parameter GPT
-with vocab 151936 by default. CPU (no CUDA): gloo with ``mcore_ppo.testing.cpu_shims``, a tiny
-fp32 model, for testing the script.
+(world > tp·cp) get the same rollouts. GPU defaults: NCCL, one GPU per rank, bf16, a
+~1.8B-parameter GPT with vocab 151936, micro-batches of up to 8192 packed tokens, and (without
+TransformerEngine) causal SDPA per packed sequence as the decoder's attention (``--attention
+reference``, the O(t²) test attention, lowers the micro-batch default to 4096). CPU (no CUDA):
+gloo with ``mcore_ppo.testing.cpu_shims``, a tiny fp32 model, for testing the script.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ _GPU_DEFAULTS = {
     "heads": 16,
     "ffn": 6144,
     "vocab": 151936,
-    "micro_batch_tokens": 4096,
+    "attention": "sdpa",
+    "micro_batch_tokens": 8192,  # 4096 with --attention reference (its O(t²) scores would not fit)
     "num_seqs": 48,
     "prompt_len": (128, 512),
     "response_len": (256, 1024),
@@ -73,6 +76,7 @@ _CPU_DEFAULTS = {
     "heads": 4,
     "ffn": 128,
     "vocab": 1000,
+    "attention": "reference",
     "micro_batch_tokens": 96,
     "num_seqs": 8,
     "prompt_len": (4, 12),
@@ -114,15 +118,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--attention",
         choices=["reference", "sdpa"],
-        default="reference",
         help="decoder core attention without TransformerEngine: Megatron's unfused softmax over a "
-        "block-diagonal mask (O(t²) memory) or torch SDPA with that mask",
+        "block-diagonal mask (O(t²) memory and compute) or causal torch SDPA per packed sequence (varlen cost)",
     )
     parser.add_argument("--variants", default="fused,logits", help="comma-separated, run in this order")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON (default: $OUT, else none)")
     args = parser.parse_args(argv)
-    defaults = _GPU_DEFAULTS if torch.cuda.is_available() else _CPU_DEFAULTS
+    defaults = dict(_GPU_DEFAULTS if torch.cuda.is_available() else _CPU_DEFAULTS)
+    if torch.cuda.is_available() and args.attention == "reference":
+        defaults["micro_batch_tokens"] = 4096
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -6,15 +6,16 @@ block-diagonal causal mask over the ``[t]`` packed tokens and runs the local att
 ``[t, 1, ...]`` batch: the same math as THD attention, with ``O(t²)`` memory, so it is for
 small test batches only. It works on any device (the GPU suite uses it too).
 
-:class:`SdpaThdAttention` runs the same block-diagonal causal attention through
-``torch.nn.functional.scaled_dot_product_attention`` (on CUDA its memory-efficient kernel
-takes the mask without materialising the ``[heads, t, t]`` scores), for benchmarks of
-realistic micro-batch sizes without TransformerEngine (``scripts/bench_ppo.py``).
+:class:`SdpaThdAttention` computes the same attention with
+``torch.nn.functional.scaled_dot_product_attention``, causal, one call per packed sequence:
+the cost of varlen (THD) attention without TransformerEngine, for benchmarks of realistic
+micro-batch sizes (``scripts/bench_ppo.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import torch
@@ -61,10 +62,14 @@ class ThdDotProductAttention(DotProductAttention):
 
 
 class SdpaThdAttention(ThdDotProductAttention):
-    """:class:`ThdDotProductAttention` computed by ``scaled_dot_product_attention`` (packed THD only).
+    """Packed THD attention as ``scaled_dot_product_attention`` per sequence (causal, no mask tensor).
 
-    Same math (scale ``softmax_scale``, block-diagonal causal mask, no dropout); the softmax is
-    the kernel's (fp32 accumulation) instead of Megatron's unfused one.
+    The same math as :class:`ThdDotProductAttention` (scale ``softmax_scale``, each packed
+    segment attends causally within itself), with the work of varlen attention:
+    ``O(Σ len²)`` compute and no ``[heads, t, t]`` scores in memory (on CUDA SDPA picks a
+    flash / memory-efficient kernel; the softmax is the kernel's, fp32-accumulated). The
+    segment boundaries are read to the host once per ``PackedSeqParams`` (one sync per
+    micro-batch, cached on the object). Packed THD batches only.
     """
 
     def forward(
@@ -85,19 +90,39 @@ class SdpaThdAttention(ThdDotProductAttention):
             raise NotImplementedError("SdpaThdAttention: no attention bias or query-key layer scaling")
         if getattr(self.config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError("SdpaThdAttention: only the vanilla softmax")
-        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
-        if cu_seqlens is None:
-            cu_seqlens = packed_seq_params.cu_seqlens_q
+        total = query.shape[0]
+        bounds = _host_bounds(packed_seq_params)
+        if bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"SdpaThdAttention: cu_seqlens {bounds} do not cover the {total} packed tokens")
         # [t, heads, dim] (or [t, 1, heads, dim]) -> [1, heads, t, dim]
-        q, k, v = (x.reshape(x.shape[0], *x.shape[-2:]).transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        q, k, v = (x.reshape(total, *x.shape[-2:]).transpose(0, 1).unsqueeze(0) for x in (query, key, value))
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        allowed = ~packed_causal_mask(cu_seqlens, q.shape[2], q.device)  # SDPA: True = may attend
-        dropout = self.config.attention_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale)
+        options = {
+            "dropout_p": self.config.attention_dropout if self.training else 0.0,
+            "is_causal": True,
+            "scale": self.softmax_scale,
+        }
+        segments = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        out = torch.cat(
+            [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **options) for a, b in segments],
+            dim=2,
+        )
         # [1, heads, t, dim] -> [t, 1, heads·dim], what DotProductAttention returns.
-        return out.squeeze(0).transpose(0, 1).reshape(q.shape[2], 1, self.hidden_size_per_partition)
+        return out.squeeze(0).transpose(0, 1).reshape(total, 1, self.hidden_size_per_partition)
+
+
+def _host_bounds(packed_seq_params: Any) -> list[int]:
+    """The padded ``cu_seqlens`` as host ints, read once per ``PackedSeqParams`` (every layer reuses them)."""
+    bounds = getattr(packed_seq_params, "_mcore_ppo_host_cu_seqlens", None)
+    if bounds is None:
+        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+        if cu_seqlens is None:
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        packed_seq_params._mcore_ppo_host_cu_seqlens = bounds
+    return bounds
 
 
 def thd_local_layer_spec(*, attention: str = "reference", **kwargs: Any):
