@@ -14,9 +14,9 @@
 # logs and JSON go to ${OUT:-/tmp/mgpu}. Whole-call budget MGPU_BUDGET_S (default 570 s, under the
 # device tool's 600 s): each step's limit is cut to what is left, and a step with < 30 s left is
 # skipped. Per-step limits: MGPU_TIMEOUT_TESTS/_BENCH_TP/_PPO/_PPO_CP. MGPU_PPO_ARGS: extra
-# bench_ppo.py arguments for both PPO steps, e.g. "--attention sdpa --micro-batch-tokens 16384"
-# (causal SDPA per packed sequence instead of the O(t²) reference attention: the decoder then
-# costs what varlen attention costs, micro-batches can grow, and the head weighs more).
+# bench_ppo.py arguments for both PPO steps, e.g. "--micro-batch-tokens 16384" (default 8192,
+# with causal SDPA per packed sequence as the decoder's attention) or "--attention reference"
+# (the tests' O(t²) attention; micro-batches then default to 4096 tokens).
 #
 # Wheels: the GPU host has torch + triton but no megatron-core or pytest. They are carried as
 # Python 3.12 wheels in MGPU_WHEEL_DIR (default .gpu4, git-ignored) and installed with
