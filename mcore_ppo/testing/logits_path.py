@@ -116,8 +116,10 @@ class LogitsPath:
         logits = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
         if not gpt.post_process:
             return logits
-        # fp32 copy divided by T (Float16Module's upcast + verl's div_); fp64 stays fp64.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+        # An fp32 copy divided by T in place: Float16Module's upcast, then verl's logits.div_(T).
+        # fp32/fp64 logits are the model's own output: divided out of place (fp64 stays fp64).
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        logits = logits.to(dtype).div_(temperature) if logits.dtype != dtype else logits / temperature
         if self.track_max_logit:
             self.max_abs_logit = max(self.max_abs_logit, float(logits.detach().abs().max()))
         group = parallel_state.get_tensor_model_parallel_group()
