@@ -93,12 +93,12 @@ def sweep_variants() -> dict[str, dict]:
     dz = tb.BUFFER_DZ_CONFIG
     budget = {"BUFFER_BUDGET_BYTES": 2**40}
     return {
-        "recompute": {},
-        "recompute, dz pointer stores": {"DZ_STORE_TMA": False},
+        "recompute": {"BUFFER_BUDGET_BYTES": 0},
+        "recompute, dz pointer stores": {"BUFFER_BUDGET_BYTES": 0, "DZ_STORE_TMA": False},
         "buffer": budget,
         "buffer, pointer stores": {**budget, "BUFFER_STORE_TMA": False},
         "buffer, fp32 log2": {**budget, "BUFFER_DZ_CONFIG": replace(dz, fast_log2=False)},
-        "buffer, dz 8 rows": {**budget, "BUFFER_DZ_CONFIG": replace(dz, block_m=8)},
+        "buffer, dz 16 rows": {**budget, "BUFFER_DZ_CONFIG": replace(dz, block_m=16)},
         "buffer, dz 32 rows 8 warps": {**budget, "BUFFER_DZ_CONFIG": replace(dz, block_m=32, num_warps=8)},
     }
 
@@ -114,9 +114,8 @@ def forward_variants() -> dict[str, dict]:
         "8 tiles/split": replace(base, tiles_per_split=8),
         "GROUP_M 8": replace(base, group_m=8),
         "GROUP_M 32": replace(base, group_m=32),
-        "3 stages": replace(base, num_stages=3),
-        "BLOCK_N 128, 5 stages": replace(base, block_n=128, num_stages=5, tiles_per_split=8),
-        "BLOCK_M 64, 8 tiles": replace(base, block_m=64, num_warps=4, tiles_per_split=8),
+        "4 stages": replace(base, num_stages=4),
+        "4 stages, 4 tiles/split": replace(base, num_stages=4, tiles_per_split=4),
     }
     return {name: {"FORWARD_CONFIG": cfg} for name, cfg in configs.items()}
 

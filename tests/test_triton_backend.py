@@ -31,9 +31,15 @@ if _SET_INTERPRET:
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """Interpreter on for this module's tests only (the host wrappers read it per call)."""
+    """Interpreter on for this module's tests only (the host wrappers read it per call).
+
+    The recompute path by default here (these tiny problems would all fit the default buffer
+    budget); the buffer-mode tests set a budget themselves.
+    """
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("MCORE_PPO_BUFFER_BUDGET_BYTES", raising=False)
+    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 0)
     yield
 
 

@@ -67,19 +67,23 @@ class GemmConfig:
     use_tma: bool = False  # operands through the copy engine (host descriptors; rows gathered first)
 
 
-# Chosen by measurement on one H200 (docs/kernels.md: TMA operands won 27.4 vs 31.1 ms in the
-# forward, 112.3 vs 114.3 ms forward+backward, qwen7b tp1); the interpreter needs tiny tiles.
-FORWARD_CONFIG = GemmConfig(num_stages=4, use_tma=True)
+# Chosen by measurement on one H200 (docs/kernels.md): TMA operands won 27.4 vs 31.1 ms in the
+# forward and 112.3 vs 114.3 ms forward+backward at qwen7b tp1; 3 stages with 2 tiles per split
+# beat 4 stages with 4 tiles by 0.2-2.5 % over V/tp = 19008 ... 152064 (profile_head --sweep-forward).
+FORWARD_CONFIG = GemmConfig(num_stages=3, tiles_per_split=2, use_tma=True)
 BACKWARD_CONFIG = GemmConfig(tiles_per_split=1, use_tma=True)
 INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 COMPACT_BLOCK = 1024
 # Upper bound on the bf16 ``dz`` workspace of the backward (one vocab chunk × all tokens).
 WORKSPACE_BYTES = 256 * 2**20
-# Budgeted probability buffer (issue 6): when ``n × V/tp`` bf16 values (+ fp32 tile maxima)
-# fit in this many bytes and a gradient will be needed, the forward keeps ``2^(z₂ − tile max)``
-# and the backward skips the recompute GEMM. 0 = off (the default: docs/kernels.md); the
-# environment variable MCORE_PPO_BUFFER_BUDGET_BYTES overrides it.
-BUFFER_BUDGET_BYTES = 0
+# Budgeted probability buffer (issue 6): when ``n × V/tp`` values (input dtype) + fp32 tile
+# maxima fit in this many bytes and a gradient will be needed, the forward keeps
+# ``2^(z₂ − tile max)`` and the backward skips the recompute GEMM: forward+backward 0.83-0.86×
+# the four-GEMM floor against 1.06-1.10× for the recompute (H200, docs/kernels.md). The default
+# buys that where it costs at most 1 GiB (e.g. 16384 tokens × V/tp ≤ 32k in bf16: TP 8 for a
+# 152k vocab); larger shards recompute unless the caller raises it (``buffer_budget_bytes``,
+# or the environment variable MCORE_PPO_BUFFER_BUDGET_BYTES). 0 = always recompute.
+BUFFER_BUDGET_BYTES = 1 << 30
 # Copy-engine (TMA) stores of the forward's buffer tiles and the backward's dz tiles: both are
 # written in compacted row order, so a program's tile is one contiguous block.
 BUFFER_STORE_TMA = True
@@ -90,7 +94,7 @@ DZ_STORE_TMA = True
 class ElementwiseConfig:
     """Tiling of ``dz_from_buffer_kernel`` (rows per program; the columns are one forward tile)."""
 
-    block_m: int = 16
+    block_m: int = 8
     num_warps: int = 4
     fast_log2: bool = True  # bf16 buffers: log2 from the bits (see kernels.backward._log2_bf16)
 

@@ -66,6 +66,16 @@ def make(n, h, v, dtype=torch.bfloat16, ignored=0.0, seed=0):
     return x, w, labels, g, e
 
 
+@pytest.fixture(autouse=True)
+def recompute_by_default(monkeypatch):
+    """The recompute path unless a test asks for the buffer (the default budget would pick
+    the buffer at the small shards)."""
+    from mcore_ppo.backends import triton_backend as tb
+
+    monkeypatch.delenv("MCORE_PPO_BUFFER_BUDGET_BYTES", raising=False)
+    monkeypatch.setattr(tb, "BUFFER_BUDGET_BYTES", 0)
+
+
 @pytest.fixture(params=[False, True], ids=["pointer", "tma"])
 def use_tma(request, monkeypatch):
     """Both operand paths of the kernels: gathered pointer loads and the copy engine."""
