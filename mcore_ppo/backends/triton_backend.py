@@ -75,7 +75,7 @@ BACKWARD_CONFIG = GemmConfig(tiles_per_split=1, use_tma=True)
 INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 COMPACT_BLOCK = 1024
 # Upper bound on the bf16 ``dz`` workspace of the backward (one vocab chunk × all tokens).
-WORKSPACE_BYTES = 256 * 2**20
+WORKSPACE_BYTES = 240 * 2**20
 # Budgeted probability buffer (issue 6): when ``n × V/tp`` values (input dtype) + fp32 tile
 # maxima fit in this many bytes and a gradient will be needed, the forward keeps
 # ``2^(z₂ − tile max)`` and the backward skips the recompute GEMM: forward+backward 0.83-0.86×

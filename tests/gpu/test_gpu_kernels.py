@@ -142,10 +142,11 @@ def test_all_ignored(use_tma):
         assert torch.isfinite(t).all() and (t == 0).all()
 
 
-def test_no_grad_forward_keeps_nothing_and_memory_budget():
+@pytest.mark.parametrize(("h", "v"), [(3584, 152064), (4096, 128256)], ids=["qwen7b", "llama3-8b"])
+def test_no_grad_forward_keeps_nothing_and_memory_budget(h, v):
     from mcore_ppo import fused_log_probs_and_entropy
 
-    x, w, labels, g, e = make(N_TOKENS, 3584, 152064, seed=4)
+    x, w, labels, g, e = make(N_TOKENS, h, v, seed=4)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     with torch.no_grad():
