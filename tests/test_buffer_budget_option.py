@@ -100,7 +100,8 @@ def backward(logp, ent, g, e):
 
 def make_head(**kwargs) -> VocabParallelFusedPPOHead:
     config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=torch.float32)
-    return VocabParallelFusedPPOHead(16, 37, config=config, init_method=torch.nn.init.normal_, **kwargs)
+    head = VocabParallelFusedPPOHead(16, 37, config=config, init_method=torch.nn.init.normal_, **kwargs)
+    return head.to(DEVICE)  # initialised on the CPU (no process group needed), used where the inputs are
 
 
 # --- validation ----------------------------------------------------------------------------------

@@ -166,9 +166,11 @@ def test_one_output_used(which):
 
 def test_several_backward_chunks(monkeypatch):
     """A workspace smaller than the shard splits the backward into vocab chunks (last one ragged)."""
-    monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 30 * 4 * 64)  # 64 columns for n=30
-    hidden, weight, labels, g, e = make_case(30, 16, 150, seed=fresh_seed())
-    assert triton_backend.TritonBackend().vocab_chunk(30, 150, 4) == 64
+    block_n = triton_backend.TritonBackend().backward_config.block_n
+    monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 30 * 4 * 2 * block_n)  # two tiles for n=30 fp32
+    v = 4 * block_n + 22
+    hidden, weight, labels, g, e = make_case(30, 16, v, seed=fresh_seed())
+    assert triton_backend.TritonBackend().vocab_chunk(30, v, 4) == 2 * block_n
     check_against_reference(hidden, weight, labels, 0.6, g, e)
 
 
@@ -265,7 +267,7 @@ def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):
 def test_compact_rows():
     gen = generator(fresh_seed())
     valid = torch.rand(57, generator=gen) < 0.6
-    perm, count = triton_backend.compact_rows(valid)
+    perm, count = triton_backend.compact_rows(valid.to(DEVICE))
     k = int(valid.sum())
     assert count.tolist() == [k] and count.dtype == torch.int32
     assert perm[:k].tolist() == torch.nonzero(valid).flatten().tolist()
