@@ -49,7 +49,7 @@ def fused_log_probs_and_entropy(
             recomputing the logits: three GEMMs instead of four. Decided per call from shapes
             (no host sync); over the budget the head recomputes as usual. None: the
             environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend default
-            (off; docs/kernels.md); 0: off. Only the ``triton`` backend uses it (also when
+            (1 GiB, chosen by measurement: docs/kernels.md); 0: off. Only the ``triton`` backend uses it (also when
             ``auto`` picks it); the others ignore it.
 
     Returns:

@@ -35,7 +35,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             values of the input dtype plus fp32 tile maxima fit in it, the forward keeps the
             buffer and the backward skips recomputing the logits (three GEMMs instead of four).
             None: the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend
-            default; 0: off. Other backends ignore it. See
+            default (1 GiB); 0: off. Other backends ignore it. See
             :func:`mcore_ppo.fused_log_probs_and_entropy`. The attribute of the same name may
             be changed between calls.
         **kwargs: passed to ``ColumnParallelLinear`` (``skip_weight_param_allocation`` for

@@ -237,7 +237,7 @@ def install_fused_head(
     ``buffer_budget_bytes`` is the head's per-rank budget for the ``triton`` backend's
     probability buffer (the backward then skips the logits recompute: three GEMMs instead of
     four); None = the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend
-    default; 0 = off (see :class:`~mcore_ppo.head.VocabParallelFusedPPOHead`).
+    default (1 GiB); 0 = off (see :class:`~mcore_ppo.head.VocabParallelFusedPPOHead`).
 
     Called again on a model that has the head, it updates ``temperature``, ``backend``,
     ``ignore_index`` and ``buffer_budget_bytes`` and returns the same head.
