@@ -23,7 +23,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["N", "VC"],
+    do_not_specialize_on_alignment=["perm_ptr", "count_ptr", "labels_ptr", "lse_ptr", "ent_ptr", "g_ptr", "e_ptr"],
+)
 def dz_kernel(
     x_ptr,
     w_ptr,
@@ -140,7 +143,19 @@ def _log2_bf16(b_raw):
     return exponent.to(tl.float32) + f * (1.43909132 + f * (-0.68052689 + f * (0.32680567 + f * -0.0855058)))
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["N"],
+    do_not_specialize_on_alignment=[
+        "tmax_ptr",
+        "perm_ptr",
+        "count_ptr",
+        "labels_ptr",
+        "lse_ptr",
+        "ent_ptr",
+        "g_ptr",
+        "e_ptr",
+    ],
+)
 def dz_from_buffer_kernel(
     buf_ptr,
     tmax_ptr,

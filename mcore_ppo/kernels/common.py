@@ -1,4 +1,14 @@
-"""Shared device helpers: the grouped tile order and the ``x @ w.T`` tile GEMM."""
+"""Shared device helpers: the grouped tile order and the ``x @ w.T`` tile GEMM.
+
+Compile-once rule for every kernel here: Triton compiles a kernel anew for each combination of
+integer arguments' divisibility by 16 and pointer arguments' 16-byte alignment it sees. Token
+counts (``N``, one micro-batch to the next) and the per-token vectors (labels, ``lse``, upstream
+gradients: often views into packed buffers, at offsets that follow the token count) would
+multiply those variants, and each costs a compile of ~1 s in the middle of training. They are
+listed in ``do_not_specialize`` / ``do_not_specialize_on_alignment``: the vectors are read one
+scalar per row, so alignment buys nothing there. The operand matrices keep their
+specialisation (vectorised loads); they are ours (gathered rows, workspaces) or parameters.
+"""
 
 import triton
 import triton.language as tl

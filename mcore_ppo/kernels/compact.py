@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["valid_ptr", "perm_ptr", "count_ptr"])
 def compact_kernel(valid_ptr, perm_ptr, count_ptr, N, BLOCK: tl.constexpr):
     """One program: ``perm`` = valid rows in order, then ignored rows in order; ``count``.
 
@@ -29,7 +29,7 @@ def compact_kernel(valid_ptr, perm_ptr, count_ptr, N, BLOCK: tl.constexpr):
         valid_before += tl.sum(flags, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["perm_ptr", "count_ptr"])
 def gather_rows_kernel(src_ptr, perm_ptr, count_ptr, dst_ptr, H, stride_src, BLOCK_H: tl.constexpr):
     """``dst[r] = src[perm[r]]`` for ``r < count``, zeros after: one program per row.
 
@@ -45,7 +45,7 @@ def gather_rows_kernel(src_ptr, perm_ptr, count_ptr, dst_ptr, H, stride_src, BLO
         tl.store(dst_ptr + r.to(tl.int64) * H + offs, values, mask=in_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["perm_ptr"])
 def scatter_rows_kernel(src_ptr, perm_ptr, dst_ptr, H, BLOCK_H: tl.constexpr):
     """``dst[perm[r]] = src[r]`` (cast to ``dst``'s dtype): rows back to their places."""
     r = tl.program_id(0)

@@ -28,7 +28,19 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["N"],
+    do_not_specialize_on_alignment=[
+        "perm_ptr",
+        "count_ptr",
+        "labels_ptr",
+        "part_m_ptr",
+        "part_s_ptr",
+        "part_u_ptr",
+        "y_ptr",
+        "tmax_ptr",
+    ],
+)
 def stats_kernel(
     x_ptr,
     w_ptr,
@@ -157,7 +169,19 @@ def stats_kernel(
     tl.store(y_ptr + rows, y_i * inv_temp, mask=mine)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["N"],
+    do_not_specialize_on_alignment=[
+        "part_m_ptr",
+        "part_s_ptr",
+        "part_u_ptr",
+        "perm_ptr",
+        "count_ptr",
+        "m_ptr",
+        "s_ptr",
+        "u_ptr",
+    ],
+)
 def merge_splits_kernel(
     part_m_ptr,
     part_s_ptr,

@@ -1,0 +1,88 @@
+"""One compiled variant per kernel whatever the micro-batch: no JIT compile in mid-training.
+
+Triton compiles a kernel anew for every combination of integer arguments' divisibility by 16
+and pointer arguments' 16-byte alignment it is called with (its *specialisation*). RL
+micro-batches vary in token count, and the per-token vectors the head receives (upstream
+gradients, labels) are often views at offsets that follow it; each new variant would cost a
+~1 s compile in the middle of a training step. This test runs the head's forward and backward
+(recompute and buffer modes) over token counts of every residue mod 16 it meets and upstream
+gradients at odd offsets, records every kernel launch, and computes the specialisation key
+with Triton's own binder: each kernel must have exactly one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+_SET_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _SET_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
+import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
+from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
+from tests.reference import IGNORE_INDEX, fresh_seed, generator  # noqa: E402
+
+if _SET_INTERPRET:
+    del os.environ["TRITON_INTERPRET"]
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNELS = [name for name in kernels.__all__ if name.endswith("_kernel")]
+
+
+def _binder(kernel):
+    """Triton's argument binder for ``kernel``: returns ``(params, specialization, options)``."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    if not isinstance(kernel, JITFunction):  # the interpreter's wrapper keeps the decorator's options
+        keep = ("do_not_specialize", "do_not_specialize_on_alignment")
+        kernel = JITFunction(kernel.fn, **{k: v for k, v in kernel.kwargs.items() if k in keep})
+    return create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch of every kernel: ``{name: [specialisation key, ...]}``."""
+    if _SET_INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen: dict[str, list[str]] = {name: [] for name in KERNELS}
+    for name in KERNELS:
+        kernel = getattr(kernels, name)
+        binder = _binder(kernel)
+        original = kernel.run
+
+        def run(*args, _name=name, _binder=binder, _original=original, grid, warmup, **kwargs):
+            _, specialization, _ = _binder(
+                *args, **{k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+            )
+            seen[_name].append(repr(specialization))
+            return _original(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+    return seen
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
+def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budget):
+    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", budget)
+    gen = generator(fresh_seed())
+    h, v = 16, 70
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(DEVICE).requires_grad_(True)
+    for n in (37, 40, 45, 48, 50, 51):  # residues 5, 8, 13, 0, 2, 3 mod 16; 1, 0, 1, 0, 2, 3 mod 4
+        hidden = torch.randn(n, h, generator=gen).to(DEVICE).requires_grad_(True)
+        labels = torch.randint(0, v, (n,), generator=gen).to(DEVICE)
+        labels[:3] = IGNORE_INDEX
+        # Upstream gradients as views into one packed buffer, at offsets that follow n.
+        packed = torch.randn(2 * n + 3, generator=gen).to(DEVICE)
+        g, e = packed[1 : n + 1], packed[n + 2 : 2 * n + 2]
+        logp, ent = fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.8, backend="triton")
+        torch.autograd.backward([logp, ent], [g, e])
+    used = {name: set(keys) for name, keys in launches.items() if keys}
+    assert "stats_kernel" in used and ("dz_from_buffer_kernel" if budget else "dz_kernel") in used
+    several = {name: len(keys) for name, keys in used.items() if len(keys) > 1}
+    assert not several, f"kernels specialised more than once across micro-batch sizes: {several}"
