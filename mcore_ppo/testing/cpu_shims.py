@@ -21,8 +21,11 @@ What is replaced (all process-global, idempotent, undone by :func:`uninstall_cpu
   uses torch's default dtype), so float64 models, used for tight comparisons, run.
 - ``device="cuda"`` literals become the CPU in the modules that hard-code them on paths a CPU
   run takes: ``megatron.core.transformer.utils`` (the default causal mask of the local
-  attention's softmax) and ``megatron.core.pipeline_parallel.schedules`` (the token counter
-  of ``forward_backward_no_pipelining``). Only those modules' global name ``torch`` is
+  attention's softmax), ``megatron.core.pipeline_parallel.schedules`` (the token counter
+  of ``forward_backward_no_pipelining``), ``megatron.core.optimizer.optimizer`` (the
+  overflow flag of the non-distributed optimizer), ``megatron.core.optimizer.clip_grads`` (the
+  grad norm's accumulator) and ``megatron.core.utils`` (the result of the grad-norm fallback
+  used without Apex). Only those modules' global name ``torch`` is
   replaced, by a proxy whose tensor factories map a CUDA ``device`` to the CPU.
 """
 
@@ -37,7 +40,13 @@ import torch
 _ORIGINALS: dict[str, object] = {}
 
 # Modules whose global ``torch`` is swapped for :class:`_CudaLiteralsOnCpu` (see the module doc).
-_CUDA_LITERAL_MODULES = ("megatron.core.transformer.utils", "megatron.core.pipeline_parallel.schedules")
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.transformer.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",
+)
 _FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint"})
 
 
