@@ -50,7 +50,8 @@ def fused_log_probs_and_entropy(
             (no host sync); over the budget the head recomputes as usual. None: the
             environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend default
             (1 GiB, chosen by measurement: docs/kernels.md); 0: off. Only the ``triton`` backend uses it (also when
-            ``auto`` picks it); the others ignore it.
+            ``auto`` picks it); the others ignore it. The budget is per call: outputs of several
+            calls kept before one backward hold one buffer each.
 
     Returns:
         ``(log_probs, entropy)``, fp32, shaped like ``labels`` and identical on every TP rank.
