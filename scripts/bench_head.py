@@ -424,7 +424,7 @@ def breakdown(x, w, labels, g, e, temperature, reps, step) -> dict:
     from mcore_ppo.backends import triton_backend as tb
     from parallel.combine import combine_shard_statistics
 
-    backend = tb.TritonBackend()
+    backend = tb.TritonBackend(buffer_budget_bytes=0)  # the recompute path (the API would set it per call)
     valid = labels != -100
     local = torch.where(valid, labels, -1)
     with torch.no_grad():

@@ -68,13 +68,18 @@ def launches(monkeypatch):
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
-def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budget):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-pointers", "bf16-tma"])
+def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budget, dtype):
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", budget)
+    if dtype == torch.bfloat16:  # operands, dz and buffer tiles through the copy engine
+        for name in ("INTERPRETER_CONFIG", "FORWARD_CONFIG", "BACKWARD_CONFIG"):
+            config = getattr(triton_backend, name)
+            monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, use_tma=True))
     gen = generator(fresh_seed())
-    h, v = 16, 70
-    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(DEVICE).requires_grad_(True)
+    h, v = 16, 72
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype).to(DEVICE).requires_grad_(True)
     for n in (37, 40, 45, 48, 50, 51):  # residues 5, 8, 13, 0, 2, 3 mod 16; 1, 0, 1, 0, 2, 3 mod 4
-        hidden = torch.randn(n, h, generator=gen).to(DEVICE).requires_grad_(True)
+        hidden = torch.randn(n, h, generator=gen).to(dtype).to(DEVICE).requires_grad_(True)
         labels = torch.randint(0, v, (n,), generator=gen).to(DEVICE)
         labels[:3] = IGNORE_INDEX
         # Upstream gradients as views into one packed buffer, at offsets that follow n.

@@ -210,18 +210,36 @@ def _use_tma_everywhere(monkeypatch):
         monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, use_tma=True))
 
 
+SIXTEEN_BIT_CASES = {
+    # name: (dtype, n, v, ignored fraction, backward chunk in tiles or None)
+    "bf16-v120-tma-stores": (torch.bfloat16, 26, 120, 0.3, None),
+    "bf16-v117-pointer-stores": (torch.bfloat16, 26, 117, 0.3, None),
+    "bf16-ragged-chunks-tma": (torch.bfloat16, 30, 152, 0.3, 2),
+    "bf16-mostly-ignored": (torch.bfloat16, 40, 120, 0.9, None),
+    "fp16-v120-tma-stores": (torch.float16, 26, 120, 0.3, None),
+}
+
+
 @pytest.mark.parametrize("buffer", [False, True], ids=["recompute", "buffer"])
-@pytest.mark.parametrize("v", [120, 117], ids=["v120-tma-stores", "v117-pointer-stores"])
-def test_bf16_inputs_match_fp64(monkeypatch, buffer, v):
-    """bf16 inputs (upcast after load in the interpreter): outputs fp32-exact, d_W in bf16.
+@pytest.mark.parametrize("case", list(SIXTEEN_BIT_CASES))
+def test_16bit_inputs_match_fp64(monkeypatch, buffer, case):
+    """bf16 / fp16 inputs (upcast after load in the interpreter): outputs fp32-exact, grads in
+    the input dtype.
 
     With the copy engine on: dz tiles (and, with the buffer, its tiles) are stored by TMA when
-    the row pitch allows it (V = 120) and through pointers otherwise (V = 117); the buffer's
-    log2 comes from the bf16 bits.
+    the row pitch allows it (V a multiple of 8) and through pointers otherwise (V = 117); TMA
+    stores into the workspace view of several backward chunks, the last one ragged; whole row
+    blocks past the valid count; the buffer's log2 from the bf16 bits (fp32 log2 for fp16).
     """
+    dtype, n, v, ignored, chunk_tiles = SIXTEEN_BIT_CASES[case]
     _use_tma_everywhere(monkeypatch)
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", (1 << 30) if buffer else 0)
-    hidden, weight, labels, g, e = make_case(26, 32, v, seed=fresh_seed(), dtype=torch.bfloat16)
+    if chunk_tiles is not None:
+        block_n = triton_backend.TritonBackend().backward_config.block_n
+        monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", n * 2 * chunk_tiles * block_n)
+        assert v > 2 * chunk_tiles * block_n and v % (chunk_tiles * block_n) != 0  # >2 chunks, ragged
+    hidden, weight, labels, g, e = make_case(n, 32, v, seed=fresh_seed(), dtype=dtype, ignored=ignored)
+    labels[0] = 3  # at least one valid token
     calls = []
     original = triton_backend.TritonBackend._gradients_from_buffer
     monkeypatch.setattr(
@@ -232,20 +250,21 @@ def test_bf16_inputs_match_fp64(monkeypatch, buffer, v):
     logp, ent, dh, dw = run_head(hidden, weight, labels, 0.7, g, e)
     assert calls == ([1] if buffer else [])
     ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 0.7, g, e)
-    assert dh.dtype == dw.dtype == torch.bfloat16
-    assert_close(logp.cpu(), ref["log_prob"], name="log_prob", dtype=torch.bfloat16, rtol=2e-6, atol=1e-6)
-    assert_close(ent.cpu(), ref["entropy"], name="entropy", dtype=torch.bfloat16, rtol=2e-6, atol=1e-6)
-    # dz is rounded to bf16 before the d_hidden / d_W GEMMs, then the result once more.
+    assert dh.dtype == dw.dtype == dtype
+    assert_close(logp.cpu(), ref["log_prob"], name="log_prob", dtype=dtype, rtol=2e-6, atol=1e-6)
+    assert_close(ent.cpu(), ref["entropy"], name="entropy", dtype=dtype, rtol=2e-6, atol=1e-6)
+    # dz is rounded to 16 bits before the d_hidden / d_W GEMMs, then the result once more.
     for name, got in (("d_hidden", dh), ("d_weight", dw)):
         assert_close(
             got.cpu(),
             ref[name],
             name=name,
-            dtype=torch.bfloat16,
+            dtype=dtype,
             rtol=1e-2,
             elementwise_rtol=8e-3,
             terms=ref[f"{name}_terms"],
         )
+    assert (dh[labels == IGNORE_INDEX] == 0).all()
 
 
 def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):

@@ -153,6 +153,22 @@ def _tma_capable(tensor: torch.Tensor) -> bool:
     return interpreting() or (tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9)
 
 
+def _tma_store_fits(tensor: torch.Tensor, config: GemmConfig) -> bool:
+    """A ``BLOCK_M × BLOCK_N`` staging tile for a TMA store fits beside 3 operand stages.
+
+    Datacenter Hopper/Blackwell have 227 KiB of shared memory per block (3 × 48 KiB + 64 KiB
+    at the default tiles); parts with ~100 KiB (sm_120) store through pointers instead.
+    """
+    if interpreting():
+        return True
+    stage = (config.block_m + config.block_n) * config.block_k * tensor.element_size()
+    staging = config.block_m * config.block_n * tensor.element_size()
+    props = torch.cuda.get_device_properties(tensor.device)
+    # Older torch lacks the field: Hopper and datacenter Blackwell (sm_90/sm_100) have 227 KiB.
+    available = getattr(props, "shared_memory_per_block_optin", 227 * 1024 if props.major in (9, 10) else 99 * 1024)
+    return 3 * stage + staging <= available
+
+
 def _descriptor_ok(t: torch.Tensor) -> bool:
     """A 2-D tensor the copy engine can address: unit last stride, 16-byte aligned rows."""
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -257,7 +273,8 @@ class TritonBackend:
             env = os.environ.get("MCORE_PPO_BUFFER_BUDGET_BYTES")
             buffer_budget_bytes = int(env) if env else BUFFER_BUDGET_BYTES
         self.buffer_budget_bytes = buffer_budget_bytes
-        self._buffer: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # (buffer, tile maxima, tile width, perm, valid count) from the forward, for the backward.
+        self._buffer: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
         self._reference = TorchBackend()
 
     def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -289,7 +306,13 @@ class TritonBackend:
         if store:
             buf = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)
             tmax = torch.empty(n, n_tiles_v, dtype=torch.float32, device=hidden.device)
-            buf_tma = BUFFER_STORE_TMA and hidden.element_size() == 2 and _tma_capable(buf) and _descriptor_ok(buf)
+            buf_tma = (
+                BUFFER_STORE_TMA
+                and hidden.element_size() == 2
+                and _tma_capable(buf)
+                and _descriptor_ok(buf)
+                and _tma_store_fits(buf, cfg)
+            )
             if buf_tma:
                 # The store's staging tile (64 KiB) and four operand stages overflow shared memory.
                 cfg = replace(cfg, num_stages=min(cfg.num_stages, 3))
@@ -331,7 +354,7 @@ class TritonBackend:
             BUF_TMA=buf_tma,
             **_flags(hidden, cfg),
         )
-        del x_rows
+        del x_rows, x_desc  # the descriptor holds the gathered rows too
         if store:
             self._buffer = (buf, tmax, cfg.block_n, perm, count)
         stats = torch.empty(3, n, dtype=torch.float32, device=hidden.device)
@@ -371,7 +394,8 @@ class TritonBackend:
         need_hidden_grad,
         weight_grad,
     ):
-        """This shard's ``(d_hidden fp32, d_weight)``; see the Backend protocol."""
+        """This shard's ``(d_hidden, d_weight)`` (``d_hidden`` in the input dtype, rounded once
+        from fp32 accumulation); see the Backend protocol."""
         if self._fallback(hidden, weight):
             return self._reference.shard_gradients(
                 hidden,
@@ -420,7 +444,15 @@ class TritonBackend:
         flags = _flags(hidden, cfg)
         x_desc = _descriptor(x_c, [cfg.block_m, cfg.block_k]) if use_tma else hidden
         w_desc = _descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
-        dz_tma = DZ_STORE_TMA and hidden.element_size() == 2 and _tma_capable(workspace) and _descriptor_ok(workspace)
+        dz_tma = (
+            DZ_STORE_TMA
+            and hidden.element_size() == 2
+            and _tma_capable(workspace)
+            and _descriptor_ok(workspace)
+            and _tma_store_fits(workspace, cfg)
+        )
+        if dz_tma:  # the store's 64 KiB staging tile leaves room for 3 operand stages
+            cfg = replace(cfg, num_stages=min(cfg.num_stages, 3))
         for v0 in range(0, v, chunk):
             vc = min(chunk, v - v0)
             dz = workspace[:, :vc]
@@ -494,7 +526,7 @@ class TritonBackend:
         has_g, has_e = grad_log_prob is not None, grad_entropy is not None
         g = grad_log_prob.float().contiguous() if has_g else lse
         e = grad_entropy.float().contiguous() if has_e else lse
-        cfg = replace(BUFFER_DZ_CONFIG, block_m=8) if interpreting() else BUFFER_DZ_CONFIG
+        cfg = BUFFER_DZ_CONFIG
         n_tiles_v = tmax.shape[1]
         dz_from_buffer_kernel[(_cdiv(n, cfg.block_m) * n_tiles_v,)](
             buf,

@@ -188,14 +188,16 @@ def test_main_grad_fp32():
     assert rel(wg.main_grad - before, ref[3]) <= 5e-3
 
 
-def test_cuda_graph_capture(use_tma):
-    """No host synchronisation: the forward statistics and the backward capture in a CUDA graph."""
+@pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])
+def test_cuda_graph_capture(use_tma, budget):
+    """No host synchronisation: the forward statistics and the backward capture in a CUDA graph
+    (with the buffer too: the forward keeps it, the backward consumes it, inside the graph)."""
     from mcore_ppo.backends.triton_backend import TritonBackend
 
     x, w, labels, g, e = make(2048, 1024, 20000, ignored=0.3, seed=6)
     valid = labels != -100
     local = torch.where(valid, labels, -1)
-    backend = TritonBackend()
+    backend = TritonBackend(buffer_budget_bytes=budget)
     eager = backend.shard_statistics(x, w, local, valid, 0.7)
     lse, ent = torch.rand(2048, device="cuda") + 5, torch.rand(2048, device="cuda")
     backend.shard_gradients(x, w, local, valid, 0.7, lse, ent, g, e, True, torch.zeros_like(w))  # compile first
@@ -208,6 +210,7 @@ def test_cuda_graph_capture(use_tma):
     torch.cuda.synchronize()
     for a, b in zip(stats, eager, strict=True):
         assert torch.equal(a[valid], b[valid])
+    backend.shard_statistics(x, w, local, valid, 0.7)  # eagerly again: the same path (buffer kept or not)
     eager_grads = backend.shard_gradients(x, w, local, valid, 0.7, lse, ent, g, e, True, torch.zeros_like(w))
     assert torch.equal(grads[0], eager_grads[0]) and torch.equal(grads[1], eager_grads[1])
 
