@@ -143,6 +143,25 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _compiled_kernel_variants() -> int | None:
+    """How many compiled variants of the head's Triton kernels this process holds (None when
+    they are not JIT-compiled here: no Triton, or the CPU interpreter). A number that grows
+    after the warm-up means Triton compiles in the middle of training steps."""
+    try:
+        from triton.runtime.jit import JITFunction
+
+        import mcore_ppo.kernels as kernels
+    except ImportError:
+        return None
+    total, seen = 0, False
+    for name in kernels.__all__:
+        kernel = getattr(kernels, name)
+        if isinstance(kernel, JITFunction):
+            seen = True
+            total += sum(len(entry[0]) for entry in kernel.device_caches.values())
+    return total if seen else None
+
+
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -348,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                     "step_s": logprob_s + update_s,
                     "tokens": tokens[step],
                     "metrics": metrics,
+                    "triton_kernel_variants": _compiled_kernel_variants(),
                 }
             )
             m = metrics[0]
@@ -356,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"log-prob pass {logprob_s:.3f} s, {args.ppo_epochs} updates {update_s:.3f} s | update 1: "
                 f"loss {m['loss']:+.6f}, entropy {m['entropy']:.5f}, grad_norm {m['grad_norm']:.5f}, "
                 f"clipfrac {m['pg_clipfrac']:.3f}"
+                + (f" | compiled head kernels {steps[-1]['triton_kernel_variants']}" if cuda else "")
             )
         peak = torch.cuda.max_memory_allocated() if cuda else None
         per_rank: list[Any] = [None] * world
