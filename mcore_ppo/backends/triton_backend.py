@@ -169,6 +169,30 @@ def _tma_store_fits(tensor: torch.Tensor, config: GemmConfig) -> bool:
     return 3 * stage + staging <= available
 
 
+def _with_tma_store(enabled: bool, tensor: torch.Tensor, config: GemmConfig) -> tuple[bool, GemmConfig]:
+    """Whether ``[BLOCK_M, BLOCK_N]`` tiles of ``tensor`` are stored by the copy engine, and the
+    kernel config to use: with the 64 KiB staging tile the operand pipeline keeps 3 stages (a
+    fourth overflows shared memory). Only 16-bit tiles, on rows the engine can address, where
+    the staging tile fits (:func:`_tma_store_fits`)."""
+    ok = (
+        enabled
+        and tensor.element_size() == 2
+        and _tma_capable(tensor)
+        and _descriptor_ok(tensor)
+        and _tma_store_fits(tensor, config)
+    )
+    return ok, (replace(config, num_stages=min(config.num_stages, 3)) if ok else config)
+
+
+def _upstream_gradients(grad_log_prob, grad_entropy, placeholder: torch.Tensor):
+    """``(has_g, has_e, g, e)``: the per-token upstream gradients as contiguous fp32 vectors for
+    the kernels; an absent one is replaced by ``placeholder`` (a pointer the kernel never reads)."""
+    has_g, has_e = grad_log_prob is not None, grad_entropy is not None
+    g = grad_log_prob.float().contiguous() if has_g else placeholder
+    e = grad_entropy.float().contiguous() if has_e else placeholder
+    return has_g, has_e, g, e
+
+
 def _descriptor_ok(t: torch.Tensor) -> bool:
     """A 2-D tensor the copy engine can address: unit last stride, 16-byte aligned rows."""
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -306,16 +330,7 @@ class TritonBackend:
         if store:
             buf = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)
             tmax = torch.empty(n, n_tiles_v, dtype=torch.float32, device=hidden.device)
-            buf_tma = (
-                BUFFER_STORE_TMA
-                and hidden.element_size() == 2
-                and _tma_capable(buf)
-                and _descriptor_ok(buf)
-                and _tma_store_fits(buf, cfg)
-            )
-            if buf_tma:
-                # The store's staging tile (64 KiB) and four operand stages overflow shared memory.
-                cfg = replace(cfg, num_stages=min(cfg.num_stages, 3))
+            buf_tma, cfg = _with_tma_store(BUFFER_STORE_TMA, buf, cfg)
         else:
             buf = tmax = y  # unused (STORE_P off)
         buf_desc = _descriptor(buf, [cfg.block_m, cfg.block_n]) if buf_tma else buf
@@ -396,45 +411,21 @@ class TritonBackend:
     ):
         """This shard's ``(d_hidden, d_weight)`` (``d_hidden`` in the input dtype, rounded once
         from fp32 accumulation); see the Backend protocol."""
+        args = (hidden, weight, local_labels, valid, temperature, lse, entropy)
+        args += (grad_log_prob, grad_entropy, need_hidden_grad, weight_grad)
         if self._fallback(hidden, weight):
-            return self._reference.shard_gradients(
-                hidden,
-                weight,
-                local_labels,
-                valid,
-                temperature,
-                lse,
-                entropy,
-                grad_log_prob,
-                grad_entropy,
-                need_hidden_grad,
-                weight_grad,
-            )
+            return self._reference.shard_gradients(*args)
+        if self._buffer is not None and self._buffer[0].shape == (hidden.shape[0], weight.shape[0]):
+            return self._gradients_from_buffer(*args)
         from mcore_ppo.kernels import dz_kernel
 
-        if self._buffer is not None and self._buffer[0].shape == (hidden.shape[0], weight.shape[0]):
-            return self._gradients_from_buffer(
-                hidden,
-                weight,
-                local_labels,
-                valid,
-                temperature,
-                lse,
-                entropy,
-                grad_log_prob,
-                grad_entropy,
-                need_hidden_grad,
-                weight_grad,
-            )
         hidden, weight = _rowmajor(hidden), _rowmajor(weight)
         cfg = _for_dtype(self.backward_config, hidden.dtype)
         n, h = hidden.shape
         v = weight.shape[0]
         device = hidden.device
         perm, count = compact_rows(valid)
-        has_g, has_e = grad_log_prob is not None, grad_entropy is not None
-        g = grad_log_prob.float().contiguous() if has_g else lse  # placeholder pointer when absent
-        e = grad_entropy.float().contiguous() if has_e else lse
+        has_g, has_e, g, e = _upstream_gradients(grad_log_prob, grad_entropy, lse)
         # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
         use_tma = _use_tma(hidden, weight, cfg)
         x_c = _gathered_rows(hidden, perm, count) if use_tma or weight_grad is not None else None
@@ -444,15 +435,7 @@ class TritonBackend:
         flags = _flags(hidden, cfg)
         x_desc = _descriptor(x_c, [cfg.block_m, cfg.block_k]) if use_tma else hidden
         w_desc = _descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
-        dz_tma = (
-            DZ_STORE_TMA
-            and hidden.element_size() == 2
-            and _tma_capable(workspace)
-            and _descriptor_ok(workspace)
-            and _tma_store_fits(workspace, cfg)
-        )
-        if dz_tma:  # the store's 64 KiB staging tile leaves room for 3 operand stages
-            cfg = replace(cfg, num_stages=min(cfg.num_stages, 3))
+        dz_tma, cfg = _with_tma_store(DZ_STORE_TMA, workspace, cfg)
         for v0 in range(0, v, chunk):
             vc = min(chunk, v - v0)
             dz = workspace[:, :vc]
@@ -523,9 +506,7 @@ class TritonBackend:
         hidden, weight = _rowmajor(hidden), _rowmajor(weight)
         n, h = hidden.shape
         v = weight.shape[0]
-        has_g, has_e = grad_log_prob is not None, grad_entropy is not None
-        g = grad_log_prob.float().contiguous() if has_g else lse
-        e = grad_entropy.float().contiguous() if has_e else lse
+        has_g, has_e, g, e = _upstream_gradients(grad_log_prob, grad_entropy, lse)
         cfg = BUFFER_DZ_CONFIG
         n_tiles_v = tmax.shape[1]
         dz_from_buffer_kernel[(_cdiv(n, cfg.block_m) * n_tiles_v,)](
