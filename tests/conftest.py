@@ -7,9 +7,40 @@ registry), so on a machine without CUDA it is switched on here, before collectio
 for CPU tensors.
 """
 
+import contextlib
 import os
+import socket
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1():
+    """A one-rank process group and Megatron parallel_state (TP 1), plus the CPU shims on CPU."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from mcore_ppo.testing.cpu_shims import cpu_shims
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    shims = cpu_shims() if not torch.cuda.is_available() else contextlib.nullcontext()
+    with shims:
+        parallel_state.initialize_model_parallel(1, create_gloo_process_groups=False)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            if created:
+                dist.destroy_process_group()

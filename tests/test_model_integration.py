@@ -9,12 +9,8 @@ stages, hooks carried over, and the CPU shims themselves.
 
 from __future__ import annotations
 
-import contextlib
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
@@ -41,27 +37,8 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_tp1():
-    """A one-rank process group and Megatron parallel_state (TP 1), plus the CPU shims on CPU."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    shims = cpu_shims() if DEVICE.type == "cpu" else contextlib.nullcontext()
-    with shims:
-        parallel_state.initialize_model_parallel(1, create_gloo_process_groups=False)
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            if created:
-                dist.destroy_process_group()
+# One-rank process group and Megatron parallel_state (TP 1) for every test here: tests/conftest.py.
+pytestmark = pytest.mark.usefixtures("megatron_tp1")
 
 
 def _model(*, tied: bool = False, pre_process: bool = True, post_process: bool = True, layers: int = LAYERS):

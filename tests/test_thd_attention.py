@@ -7,18 +7,13 @@ logits and every parameter gradient agree to fp64 rounding. GQA (2 query groups)
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 
 from mcore_ppo.batching import pack_micro_batch
 from mcore_ppo.model import build_gpt_model
-from mcore_ppo.testing.cpu_shims import cpu_shims
 from mcore_ppo.testing.ppo_harness import synthetic_rollout
 from mcore_ppo.testing.thd_attention import thd_local_layer_spec
 
@@ -26,27 +21,8 @@ DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cp
 VOCAB = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_tp1():
-    """A one-rank process group and Megatron parallel_state (TP 1), plus the CPU shims on CPU."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    shims = cpu_shims() if DEVICE.type == "cpu" else contextlib.nullcontext()
-    with shims:
-        parallel_state.initialize_model_parallel(1, create_gloo_process_groups=False)
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            if created:
-                dist.destroy_process_group()
+# One-rank process group and Megatron parallel_state (TP 1) for every test here: tests/conftest.py.
+pytestmark = pytest.mark.usefixtures("megatron_tp1")
 
 
 def _run(attention: str, batch, grad_out: torch.Tensor | None):

@@ -210,6 +210,19 @@ def _use_tma_everywhere(monkeypatch):
         monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, use_tma=True))
 
 
+@pytest.fixture
+def buffer_backwards(monkeypatch) -> list[int]:
+    """One entry per backward that used the forward's probability buffer (no recompute)."""
+    calls: list[int] = []
+    original = triton_backend.TritonBackend._gradients_from_buffer
+    monkeypatch.setattr(
+        triton_backend.TritonBackend,
+        "_gradients_from_buffer",
+        lambda self, *a: calls.append(1) or original(self, *a),
+    )
+    return calls
+
+
 SIXTEEN_BIT_CASES = {
     # name: (dtype, n, v, ignored fraction, backward chunk in tiles or None)
     "bf16-v120-tma-stores": (torch.bfloat16, 26, 120, 0.3, None),
@@ -222,7 +235,7 @@ SIXTEEN_BIT_CASES = {
 
 @pytest.mark.parametrize("buffer", [False, True], ids=["recompute", "buffer"])
 @pytest.mark.parametrize("case", list(SIXTEEN_BIT_CASES))
-def test_16bit_inputs_match_fp64(monkeypatch, buffer, case):
+def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
     """bf16 / fp16 inputs (upcast after load in the interpreter): outputs fp32-exact, grads in
     the input dtype.
 
@@ -240,15 +253,8 @@ def test_16bit_inputs_match_fp64(monkeypatch, buffer, case):
         assert v > 2 * chunk_tiles * block_n and v % (chunk_tiles * block_n) != 0  # >2 chunks, ragged
     hidden, weight, labels, g, e = make_case(n, 32, v, seed=fresh_seed(), dtype=dtype, ignored=ignored)
     labels[0] = 3  # at least one valid token
-    calls = []
-    original = triton_backend.TritonBackend._gradients_from_buffer
-    monkeypatch.setattr(
-        triton_backend.TritonBackend,
-        "_gradients_from_buffer",
-        lambda self, *a: calls.append(1) or original(self, *a),
-    )
     logp, ent, dh, dw = run_head(hidden, weight, labels, 0.7, g, e)
-    assert calls == ([1] if buffer else [])
+    assert buffer_backwards == ([1] if buffer else [])
     ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 0.7, g, e)
     assert dh.dtype == dw.dtype == dtype
     assert_close(logp.cpu(), ref["log_prob"], name="log_prob", dtype=dtype, rtol=2e-6, atol=1e-6)
@@ -314,21 +320,14 @@ def test_tma_operands(monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["both", "log_prob"])
-def test_buffer_mode(monkeypatch, which):
+def test_buffer_mode(monkeypatch, buffer_backwards, which):
     """Issue 6: with a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
     hidden, weight, labels, g, e = make_case(29, 24, 130, seed=fresh_seed())
     if which == "log_prob":
         e = None
-    calls = []
-    original = triton_backend.TritonBackend._gradients_from_buffer
-    monkeypatch.setattr(
-        triton_backend.TritonBackend,
-        "_gradients_from_buffer",
-        lambda self, *a: calls.append(1) or original(self, *a),
-    )
     check_against_reference(hidden, weight, labels, 0.7, g, e)
-    assert calls == [1]
+    assert buffer_backwards == [1]
 
 
 def test_buffer_not_kept_without_grad(monkeypatch):

@@ -127,6 +127,17 @@ def tp_cp_groups(tp_size: int, cp_size: int = 1) -> Layout:
     return layout
 
 
+# The small GPT of the actor tests (build_gpt_model's shape keywords).
+ACTOR_GPT = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "ffn_hidden_size": 64,
+    "vocab_size": 128,
+    "max_sequence_length": 64,
+}
+
+
 def shared_seed() -> int:
     """A fresh seed per call, identical on every rank (rank 0 draws it from the OS).
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ACTOR_GPT as MODEL
 from conftest import shared_seed
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
@@ -34,14 +35,6 @@ from mcore_ppo.testing.ppo_harness import (
     synthetic_rollout,
 )
 
-MODEL = {
-    "num_layers": 2,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "ffn_hidden_size": 64,
-    "vocab_size": 128,
-    "max_sequence_length": 64,
-}
 TEMPERATURE = 0.8
 # fp32 model: DDP reduces in fp32 buffers (averaging two equal replicas is exact), the plain
 # run reduces nothing; what differs is the order of a few fp32 additions.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ACTOR_GPT as MODEL
 from conftest import shared_seed
 from megatron.core import parallel_state
 
@@ -36,14 +37,6 @@ from mcore_ppo.testing.ppo_harness import (
     synthetic_rollout,
 )
 
-MODEL = {
-    "num_layers": 2,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "ffn_hidden_size": 64,
-    "vocab_size": 128,
-    "max_sequence_length": 64,
-}
 TEMPERATURE = 0.8
 # fp64 model and head: everything agrees to rounding of fp64 arithmetic.
 TOL = 1e-10
