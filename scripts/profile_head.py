@@ -18,6 +18,7 @@ Writes ``<out>/profile_head.json`` (or ``profile_sweep.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -49,9 +50,11 @@ def kernel_table(fn, calls: int) -> dict[str, float]:
     return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
 
 
-def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls: int) -> dict:
+def head_calls(h: int, v: int, n: int, temperature: float, **head_options):
+    """Seeded bf16 inputs of one shard (N tokens, V/tp rows) and three calls on them: the
+    no-grad forward and the forward+backward of ``fused_log_probs_and_entropy`` (triton
+    backend, ``head_options`` passed on), and the one-GEMM floor ``x @ W.T``."""
     from mcore_ppo import fused_log_probs_and_entropy
-    from mcore_ppo.backends import triton_backend as tb
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
@@ -60,30 +63,48 @@ def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls
     labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
     g = torch.randn(n, device="cuda", generator=gen)
     e = torch.randn(n, device="cuda", generator=gen)
-    saved = tb.BUFFER_BUDGET_BYTES
-    tb.BUFFER_BUDGET_BYTES = 2**40 if buffer else 0
+
+    def head():
+        return fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton", **head_options)
+
+    def nograd():
+        with torch.no_grad():
+            head()
+
+    def step():
+        x.grad = w.grad = None
+        torch.autograd.backward(list(head()), [g, e])
+
+    def one_gemm():
+        with torch.no_grad():
+            return x @ w.t()
+
+    return nograd, step, one_gemm
+
+
+@contextlib.contextmanager
+def module_overrides(module, overrides: dict):
+    """``module``'s attributes set to ``overrides`` inside, restored after."""
+    saved = {key: getattr(module, key) for key in overrides}
     try:
-
-        def forward():
-            with torch.no_grad():
-                fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
-
-        def step():
-            x.grad = w.grad = None
-            lp, en = fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
-            torch.autograd.backward([lp, en], [g, e])
-
-        out = {}
-        for phase, fn in (("forward_nograd", forward), ("forward_backward", step)):
-            wall = time_ms(fn, calls)
-            kernels = kernel_table(fn, calls)
-            busy = sum(kernels.values())
-            out[phase] = {"wall_ms": wall, "kernels_ms": busy, "gap_ms": wall - busy, "kernels": kernels}
-        a = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
-        out["one_gemm_ms"] = time_ms(lambda: a @ w.detach().t(), calls)
-        return out
+        for key, value in overrides.items():
+            setattr(module, key, value)
+        yield
     finally:
-        tb.BUFFER_BUDGET_BYTES = saved
+        for key, value in saved.items():
+            setattr(module, key, value)
+
+
+def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls: int) -> dict:
+    nograd, step, one_gemm = head_calls(h, v, n, temperature, buffer_budget_bytes=2**40 if buffer else 0)
+    out = {}
+    for phase, fn in (("forward_nograd", nograd), ("forward_backward", step)):
+        wall = time_ms(fn, calls)
+        kernels = kernel_table(fn, calls)
+        busy = sum(kernels.values())
+        out[phase] = {"wall_ms": wall, "kernels_ms": busy, "gap_ms": wall - busy, "kernels": kernels}
+    out["one_gemm_ms"] = time_ms(one_gemm, calls)
+    return out
 
 
 def sweep_variants() -> dict[str, dict]:
@@ -123,45 +144,21 @@ def forward_variants() -> dict[str, dict]:
 def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3, forward: bool = False) -> dict:
     """Forward+backward (or, with ``forward``, no-grad forward) medians per variant, variants
     interleaved round by round (clock drift)."""
-    from mcore_ppo import fused_log_probs_and_entropy
     from mcore_ppo.backends import triton_backend as tb
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(v, h, device="cuda", generator=gen) * (2.0 / math.sqrt(h))).to(torch.bfloat16)
-    w.requires_grad_(True)
-    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    g = torch.randn(n, device="cuda", generator=gen)
-    e = torch.randn(n, device="cuda", generator=gen)
-
-    def step():
-        x.grad = w.grad = None
-        lp, en = fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
-        torch.autograd.backward([lp, en], [g, e])
-
-    a = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
-
-    def nograd():
-        with torch.no_grad():
-            fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
-
+    nograd, step, one_gemm = head_calls(h, v, n, temperature)
     times: dict[str, list[float]] = defaultdict(list)
     variants = forward_variants() if forward else sweep_variants()
     run = nograd if forward else step
     for _ in range(rounds):
-        times["one GEMM"].append(time_ms(lambda: a @ w.detach().t(), calls))
+        times["one GEMM"].append(time_ms(one_gemm, calls))
         for name, overrides in variants.items():
-            saved = {key: getattr(tb, key) for key in overrides}
             try:
-                for key, value in overrides.items():
-                    setattr(tb, key, value)
-                times[name].append(time_ms(run, calls))
+                with module_overrides(tb, overrides):
+                    times[name].append(time_ms(run, calls))
             except Exception as err:  # a variant that fails to compile is reported, not fatal
                 times[name].append(float("nan"))
                 print(f"  {name}: {type(err).__name__}: {str(err)[:200]}")
-            finally:
-                for key, value in saved.items():
-                    setattr(tb, key, value)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
