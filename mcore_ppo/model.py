@@ -95,7 +95,7 @@ def build_gpt_model(
         pre_process, post_process: pipeline-stage flags (first / last stage).
         seed: seed of the CPU initialisation.
         transformer_layer_spec: a layer spec to use instead of ``get_gpt_layer_local_spec()``
-            (for example :func:`mcore_ppo.testing.thd_attention.thd_local_layer_spec`).
+            (for example :func:`mcore_ppo_testing.thd_attention.thd_local_layer_spec`).
         device: where the parameters end up; default CUDA's current device when CUDA is
             available, else the CPU.
         **config_overrides: any other ``TransformerConfig`` field.

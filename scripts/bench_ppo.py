@@ -9,7 +9,7 @@ parameters, on the same synthetic rollouts; they differ only in how log-probs an
 the model:
 
 - ``fused``: the fused vocab-parallel head (``install_fused_head``): no logits are materialised.
-- ``logits``: what a Megatron/verl user runs today (:class:`mcore_ppo.testing.logits_path.LogitsPath`):
+- ``logits``: what a Megatron/verl user runs today (:class:`mcore_ppo_testing.logits_path.LogitsPath`):
   the model's output layer (``ColumnParallelLinear``) gives vocab-parallel logits (bf16 for a
   bf16 model), brought to fp32 and divided by T; log-probs ``= -vocab_parallel_cross_entropy``
   (Megatron-Core), entropy from verl's vocab-parallel entropy.
@@ -29,7 +29,7 @@ TransformerEngine is installed, as ``scripts/ppo_step.py`` does. Data-parallel r
 ~1.8B-parameter GPT with vocab 151936, micro-batches of up to 8192 packed tokens, and (without
 TransformerEngine) causal SDPA per packed sequence as the decoder's attention (``--attention
 reference``, the O(t²) test attention, lowers the micro-batch default to 4096). CPU (no CUDA):
-gloo with ``mcore_ppo.testing.cpu_shims``, a tiny fp32 model, for testing the script.
+gloo with ``mcore_ppo_testing.cpu_shims``, a tiny fp32 model, for testing the script.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _gib(n: float | None) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     """Run both variants; returns the exit status (1: parity outside its bound)."""
     args = parse_args(argv)
-    from mcore_ppo.testing.ppo_harness import init_distributed
+    from mcore_ppo_testing.ppo_harness import init_distributed
 
     device = init_distributed()
 
@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
     from mcore_ppo.batching import padded_length
-    from mcore_ppo.testing.logits_path import LogitsPath
-    from mcore_ppo.testing.ppo_harness import (
+    from mcore_ppo_testing.logits_path import LogitsPath
+    from mcore_ppo_testing.ppo_harness import (
         build_actor_model,
         destroy_layout,
         init_layout,

@@ -9,7 +9,7 @@ entropies against the unfused path (the model's full logits gathered over TP, fp
 ``log_softmax``), and, with CP, against the same steps run without CP. The last line is PASS or
 FAIL with what was proven; a parity failure exits 1.
 
-CPU (no CUDA): gloo, with ``mcore_ppo.testing.cpu_shims``. GPU: NCCL, one GPU per rank, no shims.
+CPU (no CUDA): gloo, with ``mcore_ppo_testing.cpu_shims``. GPU: NCCL, one GPU per rank, no shims.
 """
 
 from __future__ import annotations
@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status (0 = every parity check passed)."""
     args = parse_args(argv)
     cfg = load_config(args)
-    from mcore_ppo.testing.ppo_harness import init_distributed
+    from mcore_ppo_testing.ppo_harness import init_distributed
 
     device = init_distributed()
 
     from mcore_ppo.actor import ActorParallel, MegatronPPOActor, PPOActorConfig
     from mcore_ppo.ppo_loss import kl_k3
-    from mcore_ppo.testing.ppo_harness import (
+    from mcore_ppo_testing.ppo_harness import (
         build_actor_model,
         destroy_layout,
         full_parameters,

@@ -30,7 +30,7 @@ def megatron_tp1():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mcore_ppo.testing.cpu_shims import cpu_shims
+    from mcore_ppo_testing.cpu_shims import cpu_shims
 
     created = not dist.is_initialized()
     if created:

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from mcore_ppo.testing.logits_path import vocab_parallel_entropy
+from mcore_ppo_testing.logits_path import vocab_parallel_entropy
 
 
 def _seed() -> int:

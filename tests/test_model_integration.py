@@ -21,15 +21,15 @@ from mcore_ppo import (
     install_fused_head,
 )
 from mcore_ppo import model as model_module
-from mcore_ppo.testing import cpu_shims, install_cpu_shims, shims_installed, uninstall_cpu_shims
-from mcore_ppo.testing.gpt_reference import (
+from mcore_ppo_testing import cpu_shims, install_cpu_shims, shims_installed, uninstall_cpu_shims
+from mcore_ppo_testing.gpt_reference import (
     logits_log_probs_and_entropy,
     pop_parameter_grads,
     synthetic_batch,
     weighted_backward,
 )
-from mcore_ppo.testing.hooked_gpt import HookedGPTModel, as_hooked, forward_path
-from mcore_ppo.testing.thd_attention import thd_local_layer_spec
+from mcore_ppo_testing.hooked_gpt import HookedGPTModel, as_hooked, forward_path
+from mcore_ppo_testing.thd_attention import thd_local_layer_spec
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 4, 2, 16
 TEMPERATURE = 0.7

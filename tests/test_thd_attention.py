@@ -14,8 +14,8 @@ import torch
 
 from mcore_ppo.batching import pack_micro_batch
 from mcore_ppo.model import build_gpt_model
-from mcore_ppo.testing.ppo_harness import synthetic_rollout
-from mcore_ppo.testing.thd_attention import thd_local_layer_spec
+from mcore_ppo_testing.ppo_harness import synthetic_rollout
+from mcore_ppo_testing.thd_attention import thd_local_layer_spec
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 VOCAB = 64

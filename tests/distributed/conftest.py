@@ -61,8 +61,8 @@ def megatron_timeout_minutes() -> int:
 @pytest.fixture(scope="session", autouse=True)
 def process_group():
     """One gloo process group for the whole session; Megatron's groups are reused per layout
-    (see mcore_ppo.testing.parallel_state_cache: otherwise every initialisation leaks threads)."""
-    from mcore_ppo.testing.parallel_state_cache import install_parallel_state_cache
+    (see mcore_ppo_testing.parallel_state_cache: otherwise every initialisation leaks threads)."""
+    from mcore_ppo_testing.parallel_state_cache import install_parallel_state_cache
 
     if not dist.is_initialized():
         if DIST_BACKEND == "nccl":
@@ -312,8 +312,8 @@ def fresh_parallel_state():
 
 @pytest.fixture(scope="module")
 def gpt_cpu_shims():
-    """Megatron's GPTModel on CPU (mcore_ppo.testing.cpu_shims); nothing on CUDA, where it runs unmodified."""
-    from mcore_ppo.testing import cpu_shims
+    """Megatron's GPTModel on CPU (mcore_ppo_testing.cpu_shims); nothing on CUDA, where it runs unmodified."""
+    from mcore_ppo_testing import cpu_shims
 
     if torch.cuda.is_available():
         yield

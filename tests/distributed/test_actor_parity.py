@@ -27,7 +27,7 @@ from conftest import shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
-from mcore_ppo.testing.ppo_harness import (
+from mcore_ppo_testing.ppo_harness import (
     build_actor_model,
     destroy_layout,
     full_parameters,

@@ -1,7 +1,7 @@
 """The benchmark's logits path equals the fused head through the PPO actor (4 gloo ranks, fp32).
 
 ``scripts/bench_ppo.py`` times the actor with the fused head against
-:class:`mcore_ppo.testing.logits_path.LogitsPath` (Megatron's output layer, then Megatron-Core's
+:class:`mcore_ppo_testing.logits_path.LogitsPath` (Megatron's output layer, then Megatron-Core's
 ``vocab_parallel_cross_entropy`` and verl's vocab-parallel entropy). For the comparison to be
 of the same work, both must give the same numbers: from the same global weights and rollout,
 under TP 2 + SP × CP 2 at the head, ``compute_log_prob``
@@ -17,8 +17,8 @@ import torch
 from conftest import shared_seed
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
-from mcore_ppo.testing.logits_path import LogitsPath
-from mcore_ppo.testing.ppo_harness import (
+from mcore_ppo_testing.logits_path import LogitsPath
+from mcore_ppo_testing.ppo_harness import (
     build_actor_model,
     destroy_layout,
     full_parameters,

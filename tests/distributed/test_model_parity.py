@@ -28,14 +28,14 @@ from conftest import megatron_timeout_minutes, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
-from mcore_ppo.testing.gpt_reference import (
+from mcore_ppo_testing.gpt_reference import (
     logits_log_probs_and_entropy,
     pop_parameter_grads,
     synthetic_batch,
     weighted_backward,
 )
-from mcore_ppo.testing.hooked_gpt import forward_path
-from mcore_ppo.testing.thd_attention import thd_local_layer_spec
+from mcore_ppo_testing.hooked_gpt import forward_path
+from mcore_ppo_testing.thd_attention import thd_local_layer_spec
 from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 4, 2, 16

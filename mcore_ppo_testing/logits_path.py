@@ -14,7 +14,7 @@ baseline the fused head is benchmarked against (``scripts/bench_ppo.py``). It wo
 with or without the fused head installed: called without labels the head *is* the
 ``ColumnParallelLinear`` it replaced.
 
-Not part of the library: the library never imports ``mcore_ppo.testing``.
+Not part of the library: the library never imports ``mcore_ppo_testing``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 - :func:`layout_independent_init`: the same global weights under every TP × PP layout.
 - :func:`full_parameters`: every parameter with its TP shards gathered (layout-independent).
 
-Not part of the library: the library never imports ``mcore_ppo.testing``.
+Not part of the library: the library never imports ``mcore_ppo_testing``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def init_distributed() -> torch.device:
     """Initialise the default process group of a torchrun script and return this rank's device.
 
     CUDA: NCCL, one GPU per rank (``LOCAL_RANK``), Megatron unmodified. CPU: gloo, with
-    :func:`mcore_ppo.testing.cpu_shims.install_cpu_shims`. Collectives time out after
+    :func:`mcore_ppo_testing.cpu_shims.install_cpu_shims`. Collectives time out after
     ``MCORE_PPO_DIST_TIMEOUT`` seconds (default 300), so a rank left behind cannot hang forever.
     """
     timeout = datetime.timedelta(seconds=int(os.environ.get("MCORE_PPO_DIST_TIMEOUT", "300")))
@@ -56,7 +56,7 @@ def init_distributed() -> torch.device:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
-        from mcore_ppo.testing.cpu_shims import install_cpu_shims
+        from mcore_ppo_testing.cpu_shims import install_cpu_shims
 
         install_cpu_shims()
         device = torch.device("cpu")
@@ -124,12 +124,12 @@ def destroy_layout() -> None:
 def layer_spec(attention: str = "reference") -> Any:
     """The layer spec that runs packed THD batches: TransformerEngine's, else the local spec with
     THD core attention (``attention``: ``"reference"`` or ``"sdpa"``, see
-    :func:`mcore_ppo.testing.thd_attention.thd_local_layer_spec`)."""
+    :func:`mcore_ppo_testing.thd_attention.thd_local_layer_spec`)."""
     if te_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
-    from mcore_ppo.testing.thd_attention import thd_local_layer_spec
+    from mcore_ppo_testing.thd_attention import thd_local_layer_spec
 
     return thd_local_layer_spec(attention=attention)
 

@@ -3,7 +3,7 @@
 Megatron-Core assumes CUDA in a few places that have nothing to do with the math. On the
 CPU machines (CI, the CPU demo) these shims replace exactly those places; on a machine with
 CUDA :func:`install_cpu_shims` refuses, so a GPU run never takes this path. The library
-(``mcore_ppo`` outside ``mcore_ppo.testing``) never imports this module.
+(``mcore_ppo`` outside ``mcore_ppo_testing``) never imports this module.
 
 What is replaced (all process-global, idempotent, undone by :func:`uninstall_cpu_shims`):
 
