@@ -72,7 +72,7 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     seed: int = 1234,
-    transformer_layer_spec: Any | None = None,
+    transformer_layer_spec: Any | Callable[[Any], Any] | None = None,
     device: torch.device | str | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
@@ -94,8 +94,10 @@ def build_gpt_model(
             ``Float16Module`` wrapper as in Megatron training).
         pre_process, post_process: pipeline-stage flags (first / last stage).
         seed: seed of the CPU initialisation.
-        transformer_layer_spec: a layer spec to use instead of ``get_gpt_layer_local_spec()``
-            (for example :func:`mcore_ppo_testing.thd_attention.thd_local_layer_spec`).
+        transformer_layer_spec: a layer or block spec to use instead of
+            ``get_gpt_layer_local_spec()``, or a function of the ``TransformerConfig`` returning
+            one (as Megatron's ``get_gpt_decoder_block_spec(config, ...)`` needs the config), for
+            example :func:`mcore_ppo_testing.layer_specs.local_gpt_spec`.
         device: where the parameters end up; default CUDA's current device when CUDA is
             available, else the CPU.
         **config_overrides: any other ``TransformerConfig`` field.
@@ -132,6 +134,8 @@ def build_gpt_model(
     config_kwargs.update(config_overrides)
     config = TransformerConfig(**config_kwargs)
     spec = transformer_layer_spec if transformer_layer_spec is not None else get_gpt_layer_local_spec()
+    if callable(spec):  # a spec factory of the config (specs themselves are dataclasses, not callables)
+        spec = spec(config)
 
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"

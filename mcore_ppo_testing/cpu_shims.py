@@ -13,12 +13,6 @@ What is replaced (all process-global, idempotent, undone by :func:`uninstall_cpu
 - ``CudaRNGStatesTracker.fork`` is a null context: it saves and restores CUDA RNG states
   around dropout and weight init. The models built here have dropout 0 and initialise on the
   CPU from the global torch RNG (``use_cpu_initialization``), so nothing is lost.
-- ``WrappedTorchNorm`` (the local spec's norm when Apex is absent) accepts
-  ``sequence_parallel=True``: it asserts against SP only because its parameters lack the
-  ``sequence_parallel`` attribute that makes Megatron all-reduce their gradients over TP;
-  the shim builds the same ``torch.nn.LayerNorm``/``RMSNorm`` and sets that attribute, as
-  Megatron's fused norms do. It also builds the norm in ``config.params_dtype`` (the original
-  uses torch's default dtype), so float64 models, used for tight comparisons, run.
 - ``device="cuda"`` literals become the CPU in the modules that hard-code them on paths a CPU
   run takes: ``megatron.core.transformer.utils`` (the default causal mask of the local
   attention's softmax), ``megatron.core.pipeline_parallel.schedules`` (the token counter
@@ -83,21 +77,6 @@ def _null_fork(self, name: str = "model-parallel-rng"):  # same signature as the
     return contextlib.nullcontext()
 
 
-def _sp_capable_norm_new(
-    cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False, normalization="LayerNorm"
-):  # same signature as the original
-    """``WrappedTorchNorm.__new__`` without the SP assert; marks parameters for Megatron's SP grad all-reduce."""
-    if config.normalization == "LayerNorm":
-        norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-    elif config.normalization == "RMSNorm":
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-    else:
-        raise ValueError(f"cpu_shims: normalization must be LayerNorm or RMSNorm, got {config.normalization!r}")
-    for param in norm.parameters():
-        param.sequence_parallel = bool(config.sequence_parallel)
-    return norm
-
-
 def shims_installed() -> bool:
     """Whether :func:`install_cpu_shims` is in effect."""
     return bool(_ORIGINALS)
@@ -117,14 +96,11 @@ def install_cpu_shims() -> None:
     if _ORIGINALS:
         return
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     _ORIGINALS["current_device"] = torch.cuda.current_device
     _ORIGINALS["fork"] = CudaRNGStatesTracker.__dict__["fork"]
-    _ORIGINALS["norm_new"] = WrappedTorchNorm.__dict__["__new__"]
     torch.cuda.current_device = _cpu_current_device
     CudaRNGStatesTracker.fork = _null_fork
-    WrappedTorchNorm.__new__ = _sp_capable_norm_new
     for module_name in _CUDA_LITERAL_MODULES:
         module = importlib.import_module(module_name)
         _ORIGINALS[f"torch@{module_name}"] = module.torch
@@ -136,11 +112,9 @@ def uninstall_cpu_shims() -> None:
     if not _ORIGINALS:
         return
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     torch.cuda.current_device = _ORIGINALS.pop("current_device")
     CudaRNGStatesTracker.fork = _ORIGINALS.pop("fork")
-    WrappedTorchNorm.__new__ = _ORIGINALS.pop("norm_new")
     for module_name in _CUDA_LITERAL_MODULES:
         importlib.import_module(module_name).torch = _ORIGINALS.pop(f"torch@{module_name}")
 

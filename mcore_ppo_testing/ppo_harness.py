@@ -122,16 +122,16 @@ def destroy_layout() -> None:
 
 
 def layer_spec(attention: str = "reference") -> Any:
-    """The layer spec that runs packed THD batches: TransformerEngine's, else the local spec with
-    THD core attention (``attention``: ``"reference"`` or ``"sdpa"``, see
-    :func:`mcore_ppo_testing.thd_attention.thd_local_layer_spec`)."""
+    """The spec that runs packed THD batches, SP and CP: TransformerEngine's, else Megatron's local
+    spec with THD/CP core attention and SP-capable norms (``attention``: ``"reference"`` or
+    ``"sdpa"``, see :func:`mcore_ppo_testing.layer_specs.local_gpt_spec`)."""
     if te_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
-    from mcore_ppo_testing.thd_attention import thd_local_layer_spec
+    from mcore_ppo_testing.layer_specs import local_gpt_spec
 
-    return thd_local_layer_spec(attention=attention)
+    return local_gpt_spec(attention=attention)
 
 
 def build_actor_model(
@@ -148,7 +148,7 @@ def build_actor_model(
 ) -> torch.nn.Module:
     """A ``GPTModel`` (on the current ``parallel_state``) with the fused head installed.
 
-    ``packed_attention=False`` builds Megatron's plain local spec, whose attention rejects
+    ``packed_attention=False`` uses Megatron's own ``DotProductAttention`` (local spec, SP norms), which rejects
     ``PackedSeqParams``; the actor then feeds packed batches with a block-diagonal causal mask.
     ``attention`` picks the THD core attention without TransformerEngine (:func:`layer_spec`).
 
@@ -168,7 +168,7 @@ def build_actor_model(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         seed=seed,
-        transformer_layer_spec=layer_spec(attention) if packed_attention else None,
+        transformer_layer_spec=layer_spec(attention if packed_attention else "megatron"),
         **overrides,
     )
     install_fused_head(model, temperature=temperature, backend=backend, buffer_budget_bytes=buffer_budget_bytes)

@@ -50,8 +50,9 @@ def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> li
     return bounds
 
 
-def _cp_token_index(bounds: list[int], cp_size: int, cp_rank: int) -> list[int]:
-    """Positions rank ``cp_rank`` keeps: chunks r and 2cp-1-r of every sequence, in order."""
+def cp_token_index(bounds: Sequence[int], cp_size: int, cp_rank: int) -> list[int]:
+    """Positions rank ``cp_rank`` keeps, in its local order: chunks ``r`` and ``2cp-1-r`` of every
+    sequence (``bounds``: cumulative sequence lengths, each length divisible by ``2·cp_size``)."""
     num_chunks = 2 * cp_size
     index: list[int] = []
     for seq_id, (start, end) in enumerate(itertools.pairwise(bounds)):
@@ -95,7 +96,7 @@ def split_for_cp(
         return tensor
     total = tensor.shape[seq_dim]
     bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
-    index = torch.tensor(_cp_token_index(bounds, cp_size, cp_rank), dtype=torch.long, device=tensor.device)
+    index = torch.tensor(cp_token_index(bounds, cp_size, cp_rank), dtype=torch.long, device=tensor.device)
     return tensor.index_select(seq_dim, index)
 
 

@@ -44,3 +44,13 @@ def megatron_tp1():
             parallel_state.destroy_model_parallel()
             if created:
                 dist.destroy_process_group()
+
+
+@pytest.fixture
+def test_seed(request) -> int:
+    """A fixed seed per test, printed (so a failure names it) and overridable with
+    ``MCORE_PPO_TEST_SEED``; torch's global RNG is seeded with it."""
+    seed = int(os.environ.get("MCORE_PPO_TEST_SEED", "1234"))
+    print(f"{request.node.nodeid}: seed {seed} (MCORE_PPO_TEST_SEED)")
+    torch.manual_seed(seed)
+    return seed

@@ -29,7 +29,7 @@ from mcore_ppo_testing.gpt_reference import (
     weighted_backward,
 )
 from mcore_ppo_testing.hooked_gpt import HookedGPTModel, as_hooked, forward_path
-from mcore_ppo_testing.thd_attention import thd_local_layer_spec
+from mcore_ppo_testing.layer_specs import local_gpt_spec
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 4, 2, 16
 TEMPERATURE = 0.7
@@ -53,7 +53,7 @@ def _model(*, tied: bool = False, pre_process: bool = True, post_process: bool =
         pre_process=pre_process,
         post_process=post_process,
         seed=2024,
-        transformer_layer_spec=thd_local_layer_spec(),
+        transformer_layer_spec=local_gpt_spec(),
         device=DEVICE,
     )
 
@@ -358,7 +358,7 @@ def test_under_megatron_wrappers_grads_reach_main_grad(precision: str):
             max_sequence_length=SEQ,
             params_dtype=torch.bfloat16 if bf16 else torch.float64,
             seed=9,
-            transformer_layer_spec=thd_local_layer_spec(),
+            transformer_layer_spec=local_gpt_spec(),
             device=DEVICE,
         )
         inner = Float16Module(model.config, model) if bf16 else model

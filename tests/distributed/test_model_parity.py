@@ -35,7 +35,7 @@ from mcore_ppo_testing.gpt_reference import (
     weighted_backward,
 )
 from mcore_ppo_testing.hooked_gpt import forward_path
-from mcore_ppo_testing.thd_attention import thd_local_layer_spec
+from mcore_ppo_testing.layer_specs import local_gpt_spec
 from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 4, 2, 16
@@ -94,7 +94,7 @@ def _model(*, tied: bool, sp: bool, **overrides):
         sequence_parallel=sp,
         params_dtype=torch.float64,
         seed=4321,
-        transformer_layer_spec=thd_local_layer_spec(),
+        transformer_layer_spec=local_gpt_spec(),
         **overrides,
     )
 
