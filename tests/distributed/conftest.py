@@ -1,28 +1,41 @@
-"""Multi-rank tests, run under ``torchrun --nproc_per_node 4 -m pytest tests/distributed``.
+"""Multi-rank tests, run under torchrun by ``scripts/run_distributed_tests.py`` (one torchrun per file).
 
 Every rank runs the same tests in the same order, so collectives line up. The world is 4
-ranks; each test carves the layout it needs (TP 2/4, CP 2, TP 2 × CP 2) out of it with
-:func:`tp_cp_groups`, with Megatron's rank order (TP fastest: ``rank = cp_rank·tp + tp_rank``).
-A test that fails on one rank makes the others time out on their next collective
-(``MCORE_PPO_TEST_TIMEOUT`` seconds, for the world and every group made here; pass
-:func:`megatron_timeout_minutes` to Megatron's ``initialize_model_parallel``) instead of hanging.
+ranks on CPU (gloo) or one rank per GPU (NCCL: ``MCORE_PPO_TEST_DIST_BACKEND=nccl``); each test
+carves the layout it needs (TP 2/4, CP 2, TP 2 × CP 2) out of it with :func:`tp_cp_groups` or
+Megatron's ``parallel_state``, with Megatron's rank order (TP fastest). Every tensor of a test
+lives on :data:`DEVICE`, this rank's GPU under NCCL, else the CPU: the same tests run on both.
+
+Isolation, so that one failure neither hides nor breaks another test:
+
+- :func:`check` collects soft comparisons and fails a test on *every* rank together (one
+  all-reduce at :meth:`Checks.done`), so a mismatch on one rank does not leave the others
+  waiting in the next test's collectives.
+- Each rank appends every test's start and outcome, with the full failure report, to its own
+  file in ``MCORE_PPO_TEST_RESULTS_DIR`` the moment it is known (before any later collective
+  can hang). The runner prints those files and re-runs, in a fresh torchrun, the tests a failure
+  or a hang kept from running.
+- A per-test watchdog (``MCORE_PPO_TEST_TIMEOUT`` seconds, default 300) dumps every thread's
+  stack into that file and ends the rank; ``SIGTERM`` (torchrun stopping the other ranks after
+  one failed) dumps the stack too. Collectives time out a little later than the watchdog.
+
+Seeds: :func:`shared_seed` is ``MCORE_PPO_TEST_SEED`` (default 1234) mixed with the test's name,
+identical on every rank and printed, so a failure can be replayed.
 
 Outside torchrun (no ``WORLD_SIZE``) the whole folder is skipped at collection, so a plain
 ``pytest tests`` stays single-process.
-
-The :func:`check` fixture collects soft comparisons and fails a test on *every* rank together
-(one all-reduce at :meth:`Checks.done`), so a mismatch on one rank does not leave the others
-waiting in the next test's collectives. The largest relative error of every comparison kind is
-gathered over ranks at the end of the session, printed in rank 0's summary and, when
-``MCORE_PPO_ERROR_REPORT`` names a file, written there as JSON.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import math
 import os
+import signal
+import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,32 +43,85 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_ppo_testing.reports import error_table, merge_errors
+
 if "WORLD_SIZE" not in os.environ:
     collect_ignore_glob = ["test_*.py"]
 
 
-# gloo (CPU, CI) by default; ``MCORE_PPO_TEST_DIST_BACKEND=nccl`` on several GPUs (one per rank),
-# with ``MCORE_PPO_TEST_DEVICE=cuda`` so the tests' tensors live on each rank's GPU.
+# gloo (CPU, CI) by default; ``MCORE_PPO_TEST_DIST_BACKEND=nccl`` on several GPUs (one per rank).
 DIST_BACKEND = os.environ.get("MCORE_PPO_TEST_DIST_BACKEND", "gloo")
+# Where every tensor of a test lives: this rank's GPU under NCCL, else the CPU.
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if DIST_BACKEND == "nccl" else torch.device("cpu")
 
 
 def comm_device() -> torch.device:
     """Where the harness's own small collectives (seed, verdicts) put their tensors."""
-    return torch.device("cuda", torch.cuda.current_device()) if DIST_BACKEND == "nccl" else torch.device("cpu")
+    return DEVICE
+
+
+def test_timeout_s() -> int:
+    """The per-test watchdog (``MCORE_PPO_TEST_TIMEOUT`` s, default 300)."""
+    return int(os.environ.get("MCORE_PPO_TEST_TIMEOUT", "300"))
 
 
 def collective_timeout() -> datetime.timedelta:
-    """How long a collective waits for the other ranks (``MCORE_PPO_TEST_TIMEOUT`` s, default 300).
+    """How long a collective waits for the other ranks: the watchdog's time plus 60 s, so a hung
+    rank dumps its stack (watchdog) before its peers give up on it.
 
     Every group the tests create must get it explicitly: ``dist.new_group`` does not inherit the
     world's timeout (it defaults to 30 minutes), so a rank left behind would outlive the CI.
     """
-    return datetime.timedelta(seconds=int(os.environ.get("MCORE_PPO_TEST_TIMEOUT", "300")))
+    return datetime.timedelta(seconds=test_timeout_s() + 60)
 
 
 def megatron_timeout_minutes() -> int:
     """:func:`collective_timeout` for Megatron's ``initialize_model_parallel(distributed_timeout_minutes=)``."""
     return max(1, math.ceil(collective_timeout().total_seconds() / 60))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-rank results file and watchdog (see the module doc).
+
+_RESULTS = None  # this rank's results file, line-buffered
+
+
+def _results_file():
+    global _RESULTS
+    if _RESULTS is None:
+        folder = os.environ.get("MCORE_PPO_TEST_RESULTS_DIR")
+        if not folder:
+            return None
+        os.makedirs(folder, exist_ok=True)
+        _RESULTS = open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.log"), "a", buffering=1)
+        # Torchrun stops the other ranks with SIGTERM once one has failed: leave their stacks.
+        faulthandler.register(signal.SIGTERM, file=_RESULTS, all_threads=True, chain=True)
+    return _RESULTS
+
+
+def _record(line: str) -> None:
+    results = _results_file()
+    if results is not None:
+        results.write(line + "\n")
+        results.flush()
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    _record(f"START {nodeid}")
+    # Dump every thread's stack and end the rank if this test outlives the watchdog.
+    faulthandler.dump_traceback_later(test_timeout_s(), exit=True, file=_results_file() or sys.stderr)
+
+
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each phase's outcome at once; a failure's full report with it."""
+    if report.when == "call" or report.outcome != "passed":
+        _record(f"{report.outcome.upper()} {report.when} {report.nodeid}")
+    if report.failed:
+        _record(f"--- rank {os.environ.get('RANK', '0')} {report.nodeid} ({report.when})\n{report.longreprtext}\n---")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -66,8 +132,10 @@ def process_group():
 
     if not dist.is_initialized():
         if DIST_BACKEND == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(DIST_BACKEND, timeout=collective_timeout())
+            torch.cuda.set_device(DEVICE)
+            dist.init_process_group(DIST_BACKEND, timeout=collective_timeout(), device_id=DEVICE)
+        else:
+            dist.init_process_group(DIST_BACKEND, timeout=collective_timeout())
     install_parallel_state_cache()
     yield dist.group.WORLD
     _gather_error_report()
@@ -138,15 +206,21 @@ ACTOR_GPT = {
 }
 
 
-def shared_seed() -> int:
-    """A fresh seed per call, identical on every rank (rank 0 draws it from the OS).
+_CURRENT_TEST = {"nodeid": ""}
 
-    Printed, so a failing test's captured output names the seed that reproduces it.
-    """
-    seed = torch.tensor([int.from_bytes(os.urandom(4), "little") if dist.get_rank() == 0 else 0], device=comm_device())
-    dist.broadcast(seed, src=0)
-    print(f"shared_seed={int(seed.item())}")
-    return int(seed.item())
+
+def pytest_runtest_setup(item) -> None:
+    _CURRENT_TEST["nodeid"] = item.nodeid
+
+
+def shared_seed() -> int:
+    """The test's seed, identical on every rank: ``MCORE_PPO_TEST_SEED`` (default 1234) mixed
+    with the test's id, so tests draw different data but a run is reproducible. Printed, so a
+    failing test's captured output names it (replay: ``MCORE_PPO_TEST_SEED=<base>``)."""
+    base = int(os.environ.get("MCORE_PPO_TEST_SEED", "1234"))
+    seed = (base + zlib.crc32(_CURRENT_TEST["nodeid"].encode())) % 2**31
+    print(f"shared_seed={seed} (MCORE_PPO_TEST_SEED={base}, {_CURRENT_TEST['nodeid']})")
+    return seed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,18 +333,13 @@ def _gather_error_report() -> None:
     """Merge every rank's largest errors and case counts (max over ranks) into rank 0's report."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"errors": _ERRORS, "cases": _CASES})
-    errors: dict[str, dict[str, float]] = {}
     cases: dict[str, int] = {}
     for part in gathered:
-        for kind, outputs in part["errors"].items():
-            merged = errors.setdefault(kind, {})
-            for output, err in outputs.items():
-                merged[output] = max(merged.get(output, 0.0), err)
         for test, count in part["cases"].items():
             cases[test] = max(cases.get(test, 0), count)
     if dist.get_rank() != 0:
         return
-    _REPORT.update(errors=errors, cases=cases)
+    _REPORT.update(errors=merge_errors([part["errors"] for part in gathered]), cases=cases)
     path = os.environ.get("MCORE_PPO_ERROR_REPORT")
     if path:
         with open(path, "w") as f:
@@ -278,19 +347,15 @@ def _gather_error_report() -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Rank 0 prints the largest relative error per comparison kind and output, and case counts."""
+    """Rank 0 prints the largest relative error per comparison and output, and case counts."""
     if not _REPORT.get("errors") and not _REPORT.get("cases"):
         return
-    write = terminalreporter.write_line
     terminalreporter.section("largest normwise relative error, max over ranks")
-    outputs = sorted({o for per in _REPORT["errors"].values() for o in per})
-    write(f"{'comparison':<48}" + "".join(f"{o:>12}" for o in outputs))
-    for kind in sorted(_REPORT["errors"]):
-        per = _REPORT["errors"][kind]
-        write(f"{kind:<48}" + "".join(f"{per[o]:>12.2e}" if o in per else f"{'-':>12}" for o in outputs))
+    for line in error_table(_REPORT["errors"]):
+        terminalreporter.write_line(line)
     terminalreporter.section("cases compared per test (max over ranks)")
     for test, count in sorted(_REPORT["cases"].items()):
-        write(f"{count:>5}  {test}")
+        terminalreporter.write_line(f"{count:>5}  {test}")
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import megatron_timeout_minutes, shared_seed
+from conftest import DEVICE, megatron_timeout_minutes, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
@@ -83,7 +83,7 @@ def model_parallel(tp: int, cp: int = 1) -> Iterator[None]:
         parallel_state.destroy_model_parallel()
 
 
-def _model(*, tied: bool, sp: bool, **overrides):
+def _model(*, tied: bool, sp: bool, attention: str = "reference", **overrides):
     return build_gpt_model(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -94,7 +94,8 @@ def _model(*, tied: bool, sp: bool, **overrides):
         sequence_parallel=sp,
         params_dtype=torch.float64,
         seed=4321,
-        transformer_layer_spec=local_gpt_spec(),
+        transformer_layer_spec=local_gpt_spec(attention=attention),
+        device=DEVICE,
         **overrides,
     )
 
@@ -142,9 +143,9 @@ def test_head_matches_logits_path_every_layout():
     torch.manual_seed(shared_seed())
     data = {}
     for kind, tied in CASES:
-        batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ)
-        g_lp = torch.randn(batch.labels.shape, dtype=torch.float64)
-        g_ent = torch.randn(batch.labels.shape, dtype=torch.float64)
+        batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ, device=DEVICE)
+        g_lp = torch.randn(batch.labels.shape, dtype=torch.float64).to(DEVICE)
+        g_ent = torch.randn(batch.labels.shape, dtype=torch.float64).to(DEVICE)
         data[kind, tied] = (batch, g_lp, g_ent)
 
     tp1 = {}
@@ -197,11 +198,11 @@ CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True)]
 
 def _check_cp_boundary(kind: str, tp: int, cp: int, sp: bool) -> None:
     where = f"tp{tp} cp{cp}{' sp' if sp else ''} {kind}"
-    batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ)
+    batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ, device=DEVICE)
     cu = batch.cu_seqlens
     labels_full = roll_labels(batch.input_ids, seq_dim=1, cu_seqlens=cu)
-    g_lp = torch.randn(labels_full.shape, dtype=torch.float64)
-    g_ent = torch.randn(labels_full.shape, dtype=torch.float64)
+    g_lp = torch.randn(labels_full.shape, dtype=torch.float64).to(DEVICE)
+    g_ent = torch.randn(labels_full.shape, dtype=torch.float64).to(DEVICE)
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group()
@@ -283,43 +284,90 @@ def test_cp_at_output_boundary(tp: int, cp: int, sp: bool):
     dist.barrier()
 
 
-def test_full_model_context_parallel():
-    """GPTModel with CP 2 end to end (TransformerEngine attention) equals the cp=1 model."""
-    pytest.importorskip(
-        "transformer_engine",
-        reason="GPTModel runs CP > 1 only with TransformerEngine attention, which is not installed here; "
-        "the head's CP contract is covered by test_cp_at_output_boundary",
-    )
-    if not torch.cuda.is_available():
-        pytest.skip("TransformerEngine attention needs CUDA")
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+FULL_CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True)]
 
+
+def _cp_sums(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, torch.Tensor]:
+    """Gradients as the cp=1 run holds them on this TP rank: summed over CP (each CP rank holds
+    its tokens' part, which DDP sums over DP×CP) and, for SP-partial parameters, over TP."""
+    params = dict(model.named_parameters())
+    names = sorted(grads)
+    flat = torch.cat([grads[n].reshape(-1) for n in names])
+    dist.all_reduce(flat, group=parallel_state.get_context_parallel_group())
+    summed = dict(zip(names, (p.view_as(grads[n]) for p, n in zip(flat.split([grads[n].numel() for n in names]), names, strict=True)), strict=True))
+    partial = [n for n in names if sp and getattr(params[n], "sequence_parallel", False)]
+    if partial:
+        flat = torch.cat([summed[n].reshape(-1) for n in partial])
+        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        for n, piece in zip(partial, flat.split([summed[n].numel() for n in partial]), strict=True):
+            summed[n] = piece.view_as(summed[n])
+    return summed
+
+
+def _tp_sums_of_sp_partials(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, torch.Tensor]:
+    """The cp=1 run's gradients with SP-partial parameters summed over TP (comparable to :func:`_cp_sums`)."""
+    params = dict(model.named_parameters())
+    out = dict(grads)
+    partial = [n for n in sorted(grads) if sp and getattr(params[n], "sequence_parallel", False)]
+    if partial:
+        flat = torch.cat([grads[n].reshape(-1) for n in partial])
+        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        for n, piece in zip(partial, flat.split([grads[n].numel() for n in partial]), strict=True):
+            out[n] = piece.view_as(grads[n])
+    return out
+
+
+def _full_model_run(tp: int, cp: int, sp: bool, attention: str, batch, g_lp, g_ent):
+    """One forward/backward of the whole GPT with the fused head on this rank's CP part.
+
+    Returns (logits [b, s_local, V/tp] ([1, t_local, V/tp] packed) of a labels=None forward, log_probs, entropy, gradients
+    as :func:`_cp_sums` / :func:`_tp_sums_of_sp_partials` make them comparable across CP sizes)."""
+    cu = batch.cu_seqlens
+    rank = parallel_state.get_context_parallel_rank()
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return split_for_cp(t, cp, rank, seq_dim=1, cu_seqlens=cu)
+
+    model = _model(tied=False, sp=sp, attention=attention, context_parallel_size=cp)
+    install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+    inputs = dict(batch.model_inputs(), input_ids=split(batch.input_ids), position_ids=split(batch.position_ids))
+    labels = roll_and_split_labels(batch.input_ids, cp, rank, seq_dim=1, cu_seqlens=cu)
+    with torch.no_grad():
+        logits = model(**inputs)
+    lp, ent = gpt_log_probs_and_entropy(model, labels=labels, **inputs)
+    weighted_backward(lp, ent, split(g_lp), split(g_ent))
+    grads = pop_parameter_grads(model)
+    grads = _cp_sums(model, grads, sp) if cp > 1 else _tp_sums_of_sp_partials(model, grads, sp)
+    return logits, lp.detach(), ent.detach(), grads
+
+
+@pytest.mark.parametrize("tp,cp,sp", FULL_CP_LAYOUTS, ids=[f"tp{t}cp{c}{'sp' if s else ''}" for t, c, s in FULL_CP_LAYOUTS])
+def test_full_model_context_parallel(tp: int, cp: int, sp: bool, check):
+    """GPTModel with CP inside the model (SdpaAttention: K/V all-gathered over CP, Megatron's
+    load-balanced chunks) equals the cp=1 model with the reference attention, padded and packed:
+    logits, log-probs, entropy, and every parameter gradient (summed over CP as DDP does)."""
     torch.manual_seed(shared_seed())
-    batch = synthetic_batch("padded", vocab_size=VOCAB, seq_length=SEQ, device="cuda")
-    results = {}
-    for cp in (1, 2):
-        with model_parallel(1, cp):
-            model = build_gpt_model(
-                num_layers=LAYERS,
-                hidden_size=HIDDEN,
-                num_attention_heads=HEADS,
-                vocab_size=VOCAB,
-                max_sequence_length=SEQ,
-                params_dtype=torch.float32,
-                seed=4321,
-                transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
-                position_embedding_type="rope",
-            )
-            install_fused_head(model, temperature=TEMPERATURE)
+    for kind in ("padded", "packed"):
+        batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ, device=DEVICE)
+        labels_full = roll_labels(batch.input_ids, seq_dim=1, cu_seqlens=batch.cu_seqlens)
+        g_lp = torch.randn(labels_full.shape, dtype=torch.float64).to(DEVICE)
+        g_ent = torch.randn(labels_full.shape, dtype=torch.float64).to(DEVICE)
+        with model_parallel(tp, 1):
+            ref = _full_model_run(tp, 1, sp, "reference", batch, g_lp, g_ent)
+        with model_parallel(tp, cp):
             rank = parallel_state.get_context_parallel_rank()
-            ids = split_for_cp(batch.input_ids, cp, rank, seq_dim=1)
-            pos = split_for_cp(batch.position_ids, cp, rank, seq_dim=1)
-            labels = roll_and_split_labels(batch.input_ids, cp, rank, seq_dim=1)
-            lp, ent = gpt_log_probs_and_entropy(model, ids, pos, None, labels)
-            if cp == 1:
-                results["ref"] = (lp.detach(), ent.detach())
-            else:
-                ref_lp, ref_ent = (split_for_cp(t, cp, rank, seq_dim=1) for t in results["ref"])
-                torch.testing.assert_close(lp, ref_lp, rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(ent, ref_ent, rtol=1e-4, atol=1e-4)
-    dist.barrier()
+            out = _full_model_run(tp, cp, sp, "sdpa", batch, g_lp, g_ent)
+        check.case(f"tp{tp} cp{cp}{' sp' if sp else ''} {kind}")
+
+        def split(t: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
+            return split_for_cp(t, cp, rank, seq_dim=seq_dim, cu_seqlens=batch.cu_seqlens)
+
+        kind_name = f"model CP{cp} vs CP1 ({kind})"
+        check.close("logits", out[0], split(ref[0]), tol=1e-10, kind=kind_name)
+        check.close("log_prob", out[1], split(ref[1]), tol=1e-10, kind=kind_name)
+        check.close("entropy", out[2], split(ref[2]), tol=1e-10, kind=kind_name)
+        if out[3].keys() != ref[3].keys():
+            check.fail(f"parameter names differ: {sorted(out[3].keys() ^ ref[3].keys())}")
+        for name in sorted(out[3].keys() & ref[3].keys()):
+            check.close(f"grad {name}", out[3][name], ref[3][name], tol=1e-9, kind=kind_name)
+    check.done()

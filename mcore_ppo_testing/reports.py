@@ -1,0 +1,40 @@
+"""Plain-text reports of the multi-rank test suite (the error table printed by rank 0 and by the runner)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def _family(output: str) -> str:
+    """Per-parameter outputs (names with a dot, e.g. ``Δdecoder.layers.0.mlp...``) share one row."""
+    if "." not in output:
+        return output
+    prefix = output.split(" ", 1)[0] if " " in output else output[0] if output[0] in "Δ∆" else ""
+    return f"{prefix} every parameter".strip()
+
+
+def error_table(errors: Mapping[str, Mapping[str, float]], *, width: int = 100) -> list[str]:
+    """One line per (comparison, output) with its largest normwise relative error, per-parameter
+    outputs folded into one row (their maximum and count): narrow enough to read in a CI log."""
+    lines = [f"{'comparison':<{width - 24}} {'output':<12} {'max rel err':>10}"]
+    for kind in sorted(errors):
+        folded: dict[str, tuple[float, int]] = {}
+        for output, err in errors[kind].items():
+            worst, count = folded.get(_family(output), (0.0, 0))
+            folded[_family(output)] = (max(worst, err), count + 1)
+        for output, (worst, count) in sorted(folded.items()):
+            label = output if count == 1 else f"{output} ({count})"
+            name = kind if len(kind) <= width - 24 else kind[: width - 27] + "..."
+            lines.append(f"{name:<{width - 24}} {label:<12} {worst:>10.2e}")
+    return lines
+
+
+def merge_errors(reports: list[Mapping[str, Mapping[str, float]]]) -> dict[str, dict[str, float]]:
+    """The largest error of each (comparison, output) over several reports."""
+    merged: dict[str, dict[str, float]] = {}
+    for report in reports:
+        for kind, outputs in report.items():
+            into = merged.setdefault(kind, {})
+            for output, err in outputs.items():
+                into[output] = max(into.get(output, 0.0), err)
+    return merged

@@ -1,0 +1,245 @@
+"""The multi-rank test suite: one torchrun per test file, isolated, every rank's failure readable.
+
+    python scripts/run_distributed_tests.py [--nproc N] [--out DIR] [FILE ...] [-- PYTEST_ARGS]
+
+Runs ``tests/distributed/test_*.py`` (or the files given), each file in its own
+``torchrun --standalone --nproc_per_node N -m pytest FILE -x``. Every rank writes each test's
+start, outcome and full failure report to its own results file the moment it is known
+(``tests/distributed/conftest.py``), so a rank that fails leaves its traceback even if another
+rank then hangs, and a hung rank leaves its stack (per-test watchdog, ``MCORE_PPO_TEST_TIMEOUT``).
+
+Isolation: when a file's run stops early (a failure with ``-x``, a crash, a hang), the tests it
+kept from running are run again in a fresh torchrun, with the finished ones deselected, until
+every test of the file has an outcome. So one failing test never makes later tests fail or hang,
+and never hides them. A test that hangs is reported as HUNG with every rank's stack.
+
+Environment: ``MCORE_PPO_TEST_DIST_BACKEND`` (gloo | nccl), ``MCORE_PPO_TEST_BACKEND`` (head
+backend), ``MCORE_PPO_TEST_TIMEOUT`` (per-test watchdog, s), ``MCORE_PPO_TEST_SEED``. Exit status
+0 only when no test failed or hung. ``--out`` keeps every rank's log, the results files and a
+JSON summary; the final error table merges every file's largest relative errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from mcore_ppo_testing.reports import error_table, merge_errors
+
+_OUTCOME = re.compile(r"^(PASSED|FAILED|SKIPPED|ERROR|XFAILED|XPASSED) (setup|call|teardown) (\S+)$")
+_WORST = {"PASSED": 0, "XFAILED": 0, "SKIPPED": 1, "XPASSED": 2, "FAILED": 3, "ERROR": 3}
+
+
+@dataclass
+class RankLog:
+    """One rank's results file of one round: tests started, outcomes, failure reports, anything else (stacks)."""
+
+    started: list[str] = field(default_factory=list)
+    outcome: dict[str, str] = field(default_factory=dict)
+    reports: list[str] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+
+
+def parse_rank_log(path: str) -> RankLog:
+    log = RankLog()
+    if not os.path.exists(path):
+        return log
+    with open(path, errors="replace") as f:
+        lines = f.read().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("START "):
+            log.started.append(line[6:])
+        elif match := _OUTCOME.match(line):
+            status, when, nodeid = match.groups()
+            status = "FAILED" if status == "ERROR" else status
+            # a test's outcome: the worst of its phases (a passing call with a failing teardown fails)
+            if when == "call" or status != "PASSED":
+                previous = log.outcome.get(nodeid, "PASSED")
+                log.outcome[nodeid] = max(previous, status, key=_WORST.__getitem__)
+        elif line.startswith("--- rank "):
+            block = [line]
+            i += 1
+            while i < len(lines) and lines[i] != "---":
+                block.append(lines[i])
+                i += 1
+            log.reports.append("\n".join(block))
+        elif line.strip():
+            log.other.append(line)
+        i += 1
+    return log
+
+
+def _print_reports(ranks: list[RankLog]) -> None:
+    """Every rank's failure reports, each distinct text once with the ranks that gave it."""
+    seen: dict[str, list[int]] = {}
+    for rank, log in enumerate(ranks):
+        for report in log.reports:
+            body = re.sub(r" at 0x[0-9a-f]+", "", report.split("\n", 1)[1] if "\n" in report else "")
+            header = report.split("\n", 1)[0].split(" ", 3)[-1]
+            seen.setdefault(f"{header}\n{body}", []).append(rank)
+    for text, ranks_with_it in seen.items():
+        header, body = text.split("\n", 1)
+        print(f"--- rank(s) {','.join(map(str, ranks_with_it))}: {header}\n{body}")
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float, stdout_path: str) -> int:
+    """``cmd`` in its own session, killed with its whole process group after ``timeout`` s."""
+    with open(stdout_path, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(timeout=30)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            return 124
+
+
+def _tail(path: str, n: int) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+def run_file(path: str, args: argparse.Namespace, workdir: str) -> dict:
+    """Every test of ``path`` to an outcome, over as many torchrun rounds as failures need."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    outcomes: dict[str, str] = {}
+    notes: list[str] = []
+    reports: list[dict] = []
+    start = time.monotonic()
+    for round_no in range(1, args.max_rounds + 1):
+        round_dir = os.path.join(workdir, f"{name}.round{round_no}")
+        os.makedirs(round_dir, exist_ok=True)
+        env = dict(os.environ)
+        env["MCORE_PPO_TEST_RESULTS_DIR"] = round_dir
+        env["MCORE_PPO_ERROR_REPORT"] = os.path.join(round_dir, "errors.json")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        deselect = [f"--deselect={nodeid}" for nodeid in outcomes]
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+            "--log-dir", os.path.join(round_dir, "torchrun"), "--redirects", "3",
+            "-m", "pytest", path, "-q", "-rs", "-x", "-p", "no:cacheprovider", *deselect, *args.pytest_args,
+        ]  # fmt: skip
+        status = _run(cmd, env, args.file_timeout, os.path.join(round_dir, "torchrun.out"))
+        ranks = [parse_rank_log(os.path.join(round_dir, f"rank{r}.log")) for r in range(args.nproc)]
+        rank0_out = sorted(glob.glob(os.path.join(round_dir, "torchrun", "**", "0", "stdout.log"), recursive=True))
+        if rank0_out:
+            print(_tail(rank0_out[0], args.tail), end="")
+        with contextlib.suppress(OSError, ValueError):
+            with open(env["MCORE_PPO_ERROR_REPORT"]) as f:
+                reports.append(json.load(f).get("errors", {}))
+        _print_reports(ranks)
+        for rank, log in enumerate(ranks):
+            # Stacks matter where a test started but never finished on this rank (a hang, a kill).
+            if status != 0 and log.other and set(log.started) - log.outcome.keys():
+                print(f"--- rank {rank}, {name} round {round_no}: stack dumps and other output ---")
+                print("\n".join(log.other[-args.tail :]))
+        started_anywhere = {n for log in ranks for n in log.started}
+        finished = {}
+        for nodeid in started_anywhere:
+            seen = [log.outcome[nodeid] for log in ranks if nodeid in log.outcome]
+            if any(s == "FAILED" for s in seen) or len(seen) == args.nproc:
+                finished[nodeid] = max(seen, key=_WORST.__getitem__)
+        outcomes.update(finished)
+        if status == 0 or (status == 5 and not started_anywhere):  # 5: every remaining test deselected
+            break
+        # Started on every rank, finished on none: a hang (or a crash inside it). Not re-run.
+        stuck = [n for n in started_anywhere - finished.keys() if all(n in log.started for log in ranks)]
+        for nodeid in stuck:
+            outcomes[nodeid] = "HUNG" if status == 124 or any(log.other for log in ranks) else "CRASHED"
+        if not finished and not stuck:
+            notes.append(f"round {round_no}: torchrun exited {status} before any test finished")
+            print(_tail(os.path.join(round_dir, "torchrun.out"), args.tail), end="")
+            outcomes.setdefault(f"{path} (collection or start-up)", "CRASHED")
+            break
+    counts: dict[str, int] = {}
+    for outcome in outcomes.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return {
+        "file": path,
+        "rounds": round_no,
+        "seconds": round(time.monotonic() - start, 1),
+        "counts": counts,
+        "outcomes": outcomes,
+        "notes": notes,
+        "errors": merge_errors(reports),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    pytest_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, pytest_args = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", help="test files (default: tests/distributed/test_*.py)")
+    parser.add_argument("--nproc", type=int, default=int(os.environ.get("MCORE_PPO_TEST_RANKS", "4")))
+    parser.add_argument("--out", help="keep logs and a JSON summary here (default: a temporary folder)")
+    parser.add_argument("--file-timeout", type=float, default=1200.0, help="backstop per torchrun round, s")
+    parser.add_argument("--max-rounds", type=int, default=20)
+    parser.add_argument("--tail", type=int, default=60, help="lines of rank 0's report shown per round")
+    args = parser.parse_args(argv)
+    args.pytest_args = pytest_args
+    args.files = args.files or sorted(glob.glob("tests/distributed/test_*.py"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backend = os.environ.get("MCORE_PPO_TEST_DIST_BACKEND", "gloo")
+    with contextlib.ExitStack() as stack:
+        workdir = args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="mcore_ppo_dist_"))
+        os.makedirs(workdir, exist_ok=True)
+        start = time.monotonic()
+        results = []
+        for path in args.files:
+            print(f"== {path}: torchrun, {args.nproc} ranks ({backend})", flush=True)
+            results.append(run_file(path, args, workdir))
+        total: dict[str, int] = {}
+        print(f"\n== distributed suite summary: {args.nproc} ranks ({backend}), {time.monotonic() - start:.0f} s")
+        for r in results:
+            for outcome, n in r["counts"].items():
+                total[outcome] = total.get(outcome, 0) + n
+            counts = ", ".join(f"{n} {o.lower()}" for o, n in sorted(r["counts"].items()))
+            extra = f", {r['rounds']} torchrun rounds" if r["rounds"] > 1 else ""
+            print(f"{r['file']:<52} {counts} ({r['seconds']:.0f} s{extra})")
+            for nodeid, outcome in sorted(r["outcomes"].items()):
+                if outcome not in ("PASSED", "SKIPPED", "XFAILED"):
+                    print(f"    {outcome}: {nodeid}")
+            for note in r["notes"]:
+                print(f"    {note}")
+        errors = merge_errors([r["errors"] for r in results])
+        if errors:
+            print("\nlargest normwise relative error, max over ranks and files:")
+            print("\n".join(error_table(errors)))
+        line = ", ".join(f"{n} {o.lower()}" for o, n in sorted(total.items()))
+        print(f"\n{line} ({args.nproc} ranks, {backend})")
+        if args.out:
+            with open(os.path.join(workdir, "summary.json"), "w") as f:
+                json.dump({"ranks": args.nproc, "backend": backend, "files": results, "total": total}, f, indent=1)
+    bad = sum(n for o, n in total.items() if o not in ("PASSED", "SKIPPED", "XFAILED"))
+    return 1 if bad or not total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
