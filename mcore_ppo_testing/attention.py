@@ -283,12 +283,16 @@ class SdpaAttention(MegatronModule):
         if cp_comm_type not in (None, "all_gather"):
             raise NotImplementedError(f"SdpaAttention: CP runs as all_gather, got cp_comm_type={cp_comm_type!r}")
         self.tp_group = getattr(pg_collection, "tp", None) or parallel_state.get_tensor_model_parallel_group()
-        self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
-        if group_size(self.cp_group) != config.context_parallel_size:
-            raise ValueError(
-                f"SdpaAttention: the CP group has {group_size(self.cp_group)} ranks but "
-                f"config.context_parallel_size is {config.context_parallel_size}"
-            )
+        # A model built with context_parallel_size=1 on a CP world (a cp=1 reference run beside
+        # the CP one) sees whole sequences: no CP group then.
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
+            if group_size(self.cp_group) != config.context_parallel_size:
+                raise ValueError(
+                    f"SdpaAttention: the CP group has {group_size(self.cp_group)} ranks but "
+                    f"config.context_parallel_size is {config.context_parallel_size}"
+                )
         tp = group_size(self.tp_group)
         head_dim = config.kv_channels
         self.num_attention_heads_per_partition = config.num_attention_heads // tp

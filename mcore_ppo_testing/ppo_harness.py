@@ -67,15 +67,17 @@ def init_distributed() -> torch.device:
 _CP_AT_HEAD_GROUPS: dict[tuple[int, int, int], dict[tuple, Any]] = {}
 
 
-def init_layout(tp: int, cp: int = 1, pp: int = 1, *, cp_at_head: bool | None = None) -> ActorParallel:
+def init_layout(tp: int, cp: int = 1, pp: int = 1, *, cp_at_head: bool = False) -> ActorParallel:
     """Initialise Megatron's ``parallel_state`` for ``tp × cp × pp`` over the whole world.
 
     Args:
         tp, cp, pp: tensor-, context- and pipeline-parallel sizes; ``world / (tp·cp·pp)`` is the
             data-parallel size (data-parallel ranks may hold the same data: the actor's global
             counts make the result the same).
-        cp_at_head: apply CP at the head (the model sees whole sequences; see
-            :meth:`ActorParallel.cp_at_head`) — default: when TransformerEngine is missing.
+        cp_at_head: apply CP at the head only (the model sees whole sequences; see
+            :meth:`ActorParallel.cp_at_head`). Default False: CP runs inside the model, which
+            needs a CP-capable core attention (TransformerEngine's, or the harness's
+            :class:`~mcore_ppo_testing.attention.SdpaAttention`: :func:`build_actor_model` picks it).
 
     Returns:
         The actor's groups. Call :func:`destroy_layout` when done.
@@ -83,8 +85,6 @@ def init_layout(tp: int, cp: int = 1, pp: int = 1, *, cp_at_head: bool | None = 
     world = dist.get_world_size()
     if world % (tp * cp * pp):
         raise ValueError(f"world size {world} does not divide by tp*cp*pp = {tp * cp * pp}")
-    if cp_at_head is None:
-        cp_at_head = cp > 1 and not te_available()
     if not cp_at_head or cp == 1:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
@@ -144,19 +144,22 @@ def build_actor_model(
     seed: int = 1234,
     packed_attention: bool = True,
     buffer_budget_bytes: int | None = None,
-    attention: str = "reference",
+    attention: str | None = None,
 ) -> torch.nn.Module:
     """A ``GPTModel`` (on the current ``parallel_state``) with the fused head installed.
 
     ``packed_attention=False`` uses Megatron's own ``DotProductAttention`` (local spec, SP norms), which rejects
     ``PackedSeqParams``; the actor then feeds packed batches with a block-diagonal causal mask.
-    ``attention`` picks the THD core attention without TransformerEngine (:func:`layer_spec`).
+    ``attention`` picks the THD core attention without TransformerEngine (:func:`layer_spec`);
+    None: ``"sdpa"`` when the model runs CP (the only one that can), else ``"reference"``.
 
     ``model_cfg`` holds ``build_gpt_model``'s shape keywords (``num_layers``, ``hidden_size``,
     ``num_attention_heads``, ``vocab_size``, ``max_sequence_length``, optional
     ``ffn_hidden_size`` and ``tie_embeddings``).
     """
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if attention is None:
+        attention = "sdpa" if parallel_state.get_context_parallel_world_size() > 1 else "reference"
     # Pipeline stages: the actor pads every micro-batch to one shape (fixed-shape p2p). On CPU
     # the p2p's post-batch `torch.cuda.synchronize()` is switched off (a config option, not a
     # shim; it guards an old PyTorch race on CUDA streams, and there are none on the CPU).

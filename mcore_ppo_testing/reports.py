@@ -16,7 +16,7 @@ def _family(output: str) -> str:
 def error_table(errors: Mapping[str, Mapping[str, float]], *, width: int = 100) -> list[str]:
     """One line per (comparison, output) with its largest normwise relative error, per-parameter
     outputs folded into one row (their maximum and count): narrow enough to read in a CI log."""
-    lines = [f"{'comparison':<{width - 24}} {'output':<12} {'max rel err':>10}"]
+    lines = [f"{'comparison':<{width - 40}} {'output':<28} {'max rel err':>10}"]
     for kind in sorted(errors):
         folded: dict[str, tuple[float, int]] = {}
         for output, err in errors[kind].items():
@@ -24,8 +24,8 @@ def error_table(errors: Mapping[str, Mapping[str, float]], *, width: int = 100) 
             folded[_family(output)] = (max(worst, err), count + 1)
         for output, (worst, count) in sorted(folded.items()):
             label = output if count == 1 else f"{output} ({count})"
-            name = kind if len(kind) <= width - 24 else kind[: width - 27] + "..."
-            lines.append(f"{name:<{width - 24}} {label:<12} {worst:>10.2e}")
+            name = kind if len(kind) <= width - 40 else kind[: width - 43] + "..."
+            lines.append(f"{name:<{width - 40}} {label:<28} {worst:>10.2e}")
     return lines
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # torchrun launcher of the PPO demo (scripts/ppo_step.py). With no arguments it is the README's
-# main command: TP 2 with sequence parallelism and CP 2 (at the head without TransformerEngine),
+# main command: TP 2 with sequence parallelism and CP 2 inside the model,
 # 4 ranks, gloo on CPU (NCCL on GPUs, one per rank).
 #
 #   scripts/launch.sh [--tp N] [--cp N] [--pp N] [--nproc N] [--config FILE] [--timeout SECONDS]
-#                     [any ppo_step.py option: --sp | --no-sp, --cp-mode auto|model|head, --steps N, --backend B]
+#                     [any ppo_step.py option: --sp | --no-sp, --cp-mode model|head, --steps N, --backend B]
 #
 # --tp/--cp/--pp default to the config's layout (configs/ppo_demo.yaml); --nproc defaults to
 # tp·cp·pp. The run gets its own session (setsid) under `timeout`, so a hung collective cannot

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, help="pipeline-parallel size (default: the config's)")
     parser.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallelism on")
     parser.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
-    parser.add_argument("--cp-mode", choices=["auto", "model", "head"], help="where CP runs (default: the config's)")
+    parser.add_argument("--cp-mode", choices=["model", "head"], help="where CP runs (default: the config's)")
     parser.add_argument("--steps", type=int, help="PPO steps (default: the config's)")
     parser.add_argument("--backend", help="head backend (default: the config's)")
     return parser.parse_args(argv)
@@ -105,14 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     layout, model_cfg, head_cfg, ppo_cfg = cfg["layout"], dict(cfg["model"]), cfg["head"], dict(cfg["ppo"])
     run_cfg, roll_cfg, tol = cfg["run"], cfg["rollout"], cfg["run"]["tolerance"]
     tp, cp, pp, sp = layout["tp"], layout["cp"], layout["pp"], layout["sequence_parallel"]
-    cp_mode = layout.get("cp_mode", "auto")
-    if cp_mode == "model" and cp > 1 and not te_available():
-        say("FAIL: cp_mode=model needs TransformerEngine attention (GPTModel runs CP > 1 only with it)")
-        return 2
-    cp_at_head = cp > 1 and (cp_mode == "head" or (cp_mode == "auto" and not te_available()))
+    cp_mode = layout.get("cp_mode", "model")
+    cp_at_head = cp > 1 and cp_mode == "head"
     world = dist.get_world_size()
     parallel = init_layout(tp, cp, pp, cp_at_head=cp_at_head)
-    cp_where = "at the head: model cp=1, no TransformerEngine" if cp_at_head else "inside the model"
+    attention = "TransformerEngine" if te_available() else "SdpaAttention, K/V all-gathered over CP"
+    cp_where = "at the head: model cp=1" if cp_at_head else f"inside the model ({attention})"
     name = _layout_name(tp, cp, pp, sp, cp_where)
     dtype = _DTYPES[model_cfg.pop("params_dtype", "float32")]
     temperature = float(head_cfg.get("temperature", 1.0))
@@ -120,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     epochs = int(ppo_cfg.pop("ppo_epochs", 1))
     actor_cfg = PPOActorConfig(temperature=temperature, **ppo_cfg)
 
-    def make_actor(actor_parallel: ActorParallel) -> MegatronPPOActor:
+    def make_actor(actor_parallel: ActorParallel, **model_overrides) -> MegatronPPOActor:
         model = build_actor_model(
-            model_cfg,
+            {**model_cfg, **model_overrides},
             sequence_parallel=sp,
             temperature=temperature,
             backend=head_cfg.get("backend", "auto"),
@@ -135,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
 
     actor = make_actor(parallel)
     reference = None
-    if cp > 1 and run_cfg.get("cp1_reference", True) and not parallel.model_runs_cp:
-        # The same steps without CP: a second model from the same seed, every rank holding whole
-        # sequences (the CP ranks then act as data-parallel replicas of the same data).
+    if cp > 1 and run_cfg.get("cp1_reference", True):
+        # The same steps without CP: a second model from the same seed, built with
+        # context_parallel_size=1, every rank holding whole sequences (the CP ranks then act as
+        # data-parallel replicas of the same data).
         reference = make_actor(
             ActorParallel(
                 tp=parallel.tp, cp=None, dp=parallel.dp, grad_avg=parallel.grad_avg, pp=parallel.pp, model_runs_cp=False
-            )
+            ),
+            context_parallel_size=1,
         )
 
     n_params = sum(p.numel() for p in actor.model.parameters())
@@ -158,11 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if cp_at_head:
         say(
-            "note: GPTModel runs CP > 1 only with TransformerEngine attention (not installed), so CP is "
-            "applied at the output boundary: each CP rank runs the whole sequence through the decoder, "
-            "the final hidden states are split as Megatron splits a CP batch (2·cp chunks, rank r keeps "
-            "r and 2cp-1-r; labels rolled before the split), and the head, loss, token counts and "
-            "gradient reduction run under CP."
+            "note: cp_mode=head: each CP rank runs the whole sequence through the decoder, the final "
+            "hidden states are split as Megatron splits a CP batch (2·cp chunks, rank r keeps r and "
+            "2cp-1-r; labels rolled before the split), and the head, loss, token counts and gradient "
+            "reduction run under CP."
         )
 
     worst = {"log_prob": 0.0, "entropy": 0.0, "cp_log_prob": 0.0}
@@ -256,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if reference is not None:
             proven.append(
-                f"CP{cp} at the head == cp1: log-probs to {worst['cp_log_prob']:.1e}, parameters after "
+                f"CP{cp} ({'at the head' if cp_at_head else 'in the model'}) == cp1: log-probs to {worst['cp_log_prob']:.1e}, parameters after "
                 f"{steps * epochs} updates to {d_params:.1e}"
             )
         say("PASS: " + "; ".join(proven))

@@ -94,6 +94,12 @@ def _print_reports(ranks: list[RankLog]) -> None:
         print(f"--- rank(s) {','.join(map(str, ranks_with_it))}: {header}\n{body}")
 
 
+def _all_deselected(rank0_stdout: list[str]) -> bool:
+    """pytest's report of a round with nothing left to run (every test deselected: exit 5)."""
+    text = _tail(rank0_stdout[0], 5) if rank0_stdout else ""
+    return re.search(r"^\d+ deselected in ", text, re.MULTILINE) is not None
+
+
 def _run(cmd: list[str], env: dict[str, str], timeout: float, stdout_path: str) -> int:
     """``cmd`` in its own session, killed with its whole process group after ``timeout`` s."""
     with open(stdout_path, "w") as out:
@@ -137,7 +143,7 @@ def run_file(path: str, args: argparse.Namespace, workdir: str) -> dict:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
             "--log-dir", os.path.join(round_dir, "torchrun"), "--redirects", "3",
-            "-m", "pytest", path, "-q", "-rs", "-x", "-p", "no:cacheprovider", *deselect, *args.pytest_args,
+            "-m", "pytest", path, "-q", "-rs", "-x", "--disable-warnings", "-p", "no:cacheprovider", *deselect, *args.pytest_args,
         ]  # fmt: skip
         status = _run(cmd, env, args.file_timeout, os.path.join(round_dir, "torchrun.out"))
         ranks = [parse_rank_log(os.path.join(round_dir, f"rank{r}.log")) for r in range(args.nproc)]
@@ -160,7 +166,7 @@ def run_file(path: str, args: argparse.Namespace, workdir: str) -> dict:
             if any(s == "FAILED" for s in seen) or len(seen) == args.nproc:
                 finished[nodeid] = max(seen, key=_WORST.__getitem__)
         outcomes.update(finished)
-        if status == 0 or (status == 5 and not started_anywhere):  # 5: every remaining test deselected
+        if status == 0 or (not started_anywhere and _all_deselected(rank0_out)):
             break
         # Started on every rank, finished on none: a hang (or a crash inside it). Not re-run.
         stuck = [n for n in started_anywhere - finished.keys() if all(n in log.started for log in ranks)]

@@ -7,9 +7,10 @@ compares. Global sizes are small (DESIGN: 2 busy cores) but chosen so every spli
 in the interesting way: several tokens per shard, vocab shards of 24/48 rows over a backend
 vocab chunk of 16, token chunks that cut through sequences.
 
-``MCORE_PPO_TEST_BACKEND`` (default ``torch``) picks the backend of the distributed side and
-``MCORE_PPO_TEST_DEVICE`` (default ``cpu``) its device, so the same matrix runs on a GPU with
-the Triton kernels.
+``MCORE_PPO_TEST_BACKEND`` (default ``torch``) picks the backend of the distributed side; its
+device is the suite's (``conftest.DEVICE``: this rank's GPU under NCCL), so the same matrix runs
+on GPUs with the Triton kernels. Results stay on that device (collectives need them there); the
+comparisons bring both sides to the CPU.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from conftest import DEVICE
 
 from mcore_ppo import fused_log_probs_and_entropy
 from mcore_ppo.backends import torch_backend
 
 BACKEND = os.environ.get("MCORE_PPO_TEST_BACKEND", "torch")
-DEVICE = torch.device(os.environ.get("MCORE_PPO_TEST_DEVICE", "cpu"))
 VOCAB = 96
 HIDDEN = 16
 TEMPERATURE = 0.7
@@ -132,7 +133,7 @@ def make_case(layout: str, dtype: torch.dtype) -> GlobalCase:
 
 @dataclass
 class HeadResult:
-    """Outputs and gradients of one head call, on the CPU."""
+    """Outputs and gradients of one head call (on the device it ran on)."""
 
     log_prob: torch.Tensor
     entropy: torch.Tensor
@@ -195,7 +196,7 @@ def run_head(
                 outputs.append(out)
                 grads.append(grad.to(device=device, dtype=out.dtype))
         torch.autograd.backward(outputs, grads)
-    return HeadResult(log_prob.detach().cpu(), entropy.detach().cpu(), h.grad.cpu(), w.grad.cpu())
+    return HeadResult(log_prob.detach(), entropy.detach(), h.grad, w.grad)
 
 
 def reference(case: GlobalCase, labels: torch.Tensor | None = None, *, use_entropy: bool = True) -> HeadResult:

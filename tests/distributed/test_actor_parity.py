@@ -1,9 +1,11 @@
 """The PPO actor gives the same numbers under every layout (4 gloo ranks, fp64 model).
 
 One world, many layouts carved out of it with Megatron's ``parallel_state`` (initialised and
-destroyed per layout): TP 1/2/4 with SP on/off, CP 2 at the head (TP 1, plus 2 data-parallel
-replicas), TP 2 × CP 2 at the head with SP on/off, TP 2 × PP 2, and TP 2 × CP 2 with Megatron's
-plain (mask-based) local attention instead of THD attention. For each layout, from the
+destroyed per layout): TP 1/2/4 with SP on/off, CP 2 inside the model (SDPA core attention,
+K/V all-gathered over CP; TP 1 plus 2 data-parallel replicas, and TP 2 × CP 2 with SP), CP 2 at
+the head (the decoder sees whole sequences; TP 1, and TP 2 × CP 2 with SP on/off), TP 2 × PP 2,
+and TP 2 × CP 2 at the head with Megatron's plain (mask-based) local attention instead of THD
+attention. For each layout, from the
 same global weights and the same rollout:
 
 - ``compute_log_prob`` equals the unfused logits path (full logits gathered over TP, fp64
@@ -23,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import ACTOR_GPT as MODEL
-from conftest import shared_seed
+from conftest import DEVICE, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
@@ -50,6 +52,9 @@ LAYOUTS = [
     (4, 1, 1, False, {"micro_batch_size": 7}),
     (1, 2, 1, False, {"micro_batch_size": 2}),
     (2, 2, 1, True, {"micro_batch_size": 3}),
+    # CP inside the model: the decoder runs CP itself (SdpaAttention), as with TransformerEngine.
+    (1, 2, 1, False, {"micro_batch_size": 3, "cp_in_model": True}),
+    (2, 2, 1, True, {"max_tokens_per_micro_batch": 40, "cp_in_model": True}),
     (2, 2, 1, False, {"max_tokens_per_micro_batch": 40}),
     (2, 1, 2, True, {"micro_batch_size": 2}),
     # Megatron's plain local attention (no THD): packed batches go in with a block-causal mask.
@@ -66,7 +71,8 @@ def shims(gpt_cpu_shims):
 def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_agg_mode):
     batching = dict(batching)
     packed_attention = batching.pop("packed_attention", True)
-    parallel = init_layout(tp, cp, pp, cp_at_head=True)
+    cp_in_model = batching.pop("cp_in_model", False)
+    parallel = init_layout(tp, cp, pp, cp_at_head=not cp_in_model)
     try:
         model = build_actor_model(
             MODEL,
@@ -75,6 +81,7 @@ def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_
             backend="torch",
             params_dtype=torch.float64,
             packed_attention=packed_attention,
+            attention="sdpa" if cp_in_model else "reference",
         )
         layout_independent_init(model, seed)
         before = full_parameters(model, parallel.tp)
@@ -89,7 +96,8 @@ def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_
             **batching,
         )
         actor = MegatronPPOActor(model, torch.optim.SGD(model.parameters(), lr=1.0), config, parallel=parallel)
-        assert actor.packed_attention == packed_attention
+        if actor.packed_attention != packed_attention or parallel.model_runs_cp != (cp_in_model and cp > 1):
+            raise AssertionError(f"layout not built as asked: {parallel}, packed attention {actor.packed_attention}")
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
         reference = logits_path_outputs(
             model, rollout, parallel, temperature=TEMPERATURE, align=actor.align, packed_attention=packed_attention
@@ -106,10 +114,11 @@ def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_
 def test_actor_same_numbers_every_layout(check, fresh_parallel_state, loss_agg_mode):
     seed = shared_seed()
     rollout = synthetic_rollout(
-        num_seqs=7, vocab_size=MODEL["vocab_size"], prompt_len=(2, 9), response_len=(3, 16), seed=seed, device="cpu"
+        num_seqs=7, vocab_size=MODEL["vocab_size"], prompt_len=(2, 9), response_len=(3, 16), seed=seed, device=DEVICE
     )
     mask = rollout.response_mask
     noise = torch.randn(rollout.tokens.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    noise = noise.to(DEVICE)
     # Random noise alone left the dual clip idle for some seeds (~1 run in 100): one response
     # token with a negative advantage gets ratio e^0.8 ≈ 2.2 > clip_ratio_c, so it always fires.
     negative = torch.nonzero(mask & (rollout.advantages < 0)).flatten()
@@ -121,7 +130,7 @@ def test_actor_same_numbers_every_layout(check, fresh_parallel_state, loss_agg_m
         # clip, the dual clip and the KL are all active.
         return torch.where(mask, log_probs.double() + 0.4 * noise, 0.0)
 
-    layouts = LAYOUTS if loss_agg_mode == "seq-mean-token-mean" else [LAYOUTS[0], LAYOUTS[6], LAYOUTS[8]]
+    layouts = LAYOUTS if loss_agg_mode == "seq-mean-token-mean" else [LAYOUTS[0], LAYOUTS[6], LAYOUTS[8], LAYOUTS[10]]
     ref = None
     for tp, cp, pp, sp, batching in layouts:
         name = f"tp{tp} cp{cp} pp{pp} sp{int(sp)} {batching}"

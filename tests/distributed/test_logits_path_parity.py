@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import shared_seed
+from conftest import DEVICE, shared_seed
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
 from mcore_ppo_testing.logits_path import LogitsPath
@@ -66,7 +66,7 @@ def _run(tp, cp, sp, forward_fn, *, seed, rollout, noise):
         actor = MegatronPPOActor(model, optimizer, config, parallel=parallel, forward_fn=forward_fn)
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
         # The sampling policy is ~0.3 nats per token away, so the clip acts.
-        old = torch.where(rollout.response_mask, log_probs.cpu() + 0.3 * noise, 0.0)
+        old = torch.where(rollout.response_mask, log_probs + 0.3 * noise, 0.0)
         metrics = actor.update_policy(rollout.with_fields(old_log_probs=old))
         after = full_parameters(model, parallel.tp)
         return log_probs, entropy, metrics, {k: after[k] - before[k] for k in after}
@@ -78,13 +78,12 @@ def test_logits_path_matches_fused_head(check, fresh_parallel_state):
     tp, cp, sp = 2, 2, True
     seed = shared_seed()
     rollout = synthetic_rollout(
-        num_seqs=6, vocab_size=MODEL["vocab_size"], prompt_len=(2, 8), response_len=(4, 14), seed=seed, device="cpu"
+        num_seqs=6, vocab_size=MODEL["vocab_size"], prompt_len=(2, 8), response_len=(4, 14), seed=seed, device=DEVICE
     )
-    noise = torch.randn(rollout.tokens.shape, generator=torch.Generator().manual_seed(seed + 1))
+    noise = torch.randn(rollout.tokens.shape, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
     mask = rollout.response_mask
     fused = _run(tp, cp, sp, None, seed=seed, rollout=rollout, noise=noise)
     logits = _run(tp, cp, sp, LogitsPath(), seed=seed, rollout=rollout, noise=noise)
-    mask = mask.to(fused[0].device)  # the actor's outputs live on the model's device
     kind = f"logits path vs fused head [tp{tp} cp{cp} sp{int(sp)}]"
     check.case(kind)
     check.close("log_prob", logits[0][mask], fused[0][mask], tol=TOL, kind=kind)

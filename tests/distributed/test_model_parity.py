@@ -287,41 +287,32 @@ def test_cp_at_output_boundary(tp: int, cp: int, sp: bool):
 FULL_CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True)]
 
 
-def _cp_sums(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, torch.Tensor]:
-    """Gradients as the cp=1 run holds them on this TP rank: summed over CP (each CP rank holds
-    its tokens' part, which DDP sums over DP×CP) and, for SP-partial parameters, over TP."""
-    params = dict(model.named_parameters())
-    names = sorted(grads)
-    flat = torch.cat([grads[n].reshape(-1) for n in names])
-    dist.all_reduce(flat, group=parallel_state.get_context_parallel_group())
-    summed = dict(zip(names, (p.view_as(grads[n]) for p, n in zip(flat.split([grads[n].numel() for n in names]), names, strict=True)), strict=True))
-    partial = [n for n in names if sp and getattr(params[n], "sequence_parallel", False)]
-    if partial:
-        flat = torch.cat([summed[n].reshape(-1) for n in partial])
-        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-        for n, piece in zip(partial, flat.split([summed[n].numel() for n in partial]), strict=True):
-            summed[n] = piece.view_as(summed[n])
-    return summed
-
-
-def _tp_sums_of_sp_partials(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, torch.Tensor]:
-    """The cp=1 run's gradients with SP-partial parameters summed over TP (comparable to :func:`_cp_sums`)."""
-    params = dict(model.named_parameters())
+def _summed(grads: dict[str, torch.Tensor], names: list[str], group) -> dict[str, torch.Tensor]:
+    """``grads`` with those in ``names`` summed over ``group`` (one flat all-reduce)."""
     out = dict(grads)
-    partial = [n for n in sorted(grads) if sp and getattr(params[n], "sequence_parallel", False)]
-    if partial:
-        flat = torch.cat([grads[n].reshape(-1) for n in partial])
-        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-        for n, piece in zip(partial, flat.split([grads[n].numel() for n in partial]), strict=True):
+    if names:
+        flat = torch.cat([grads[n].reshape(-1) for n in names])
+        dist.all_reduce(flat, group=group)
+        for n, piece in zip(names, flat.split([grads[n].numel() for n in names]), strict=True):
             out[n] = piece.view_as(grads[n])
     return out
+
+
+def _comparable_across_cp(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, torch.Tensor]:
+    """Gradients as a cp=1 run holds them on this TP rank: summed over CP (each CP rank holds its
+    tokens' part, which DDP sums over DP×CP), and SP-partial parameters summed over TP (their
+    partials cover different tokens under different CP sizes)."""
+    params = dict(model.named_parameters())
+    grads = _summed(grads, sorted(grads), parallel_state.get_context_parallel_group())
+    partial = [n for n in sorted(grads) if sp and getattr(params[n], "sequence_parallel", False)]
+    return _summed(grads, partial, parallel_state.get_tensor_model_parallel_group())
 
 
 def _full_model_run(tp: int, cp: int, sp: bool, attention: str, batch, g_lp, g_ent):
     """One forward/backward of the whole GPT with the fused head on this rank's CP part.
 
-    Returns (logits [b, s_local, V/tp] ([1, t_local, V/tp] packed) of a labels=None forward, log_probs, entropy, gradients
-    as :func:`_cp_sums` / :func:`_tp_sums_of_sp_partials` make them comparable across CP sizes)."""
+    Returns the logits of a labels=None forward ([b, s_local, V/tp]; packed [1, t_local, V/tp]),
+    the log-probs, the entropy, and the gradients made comparable across CP sizes."""
     cu = batch.cu_seqlens
     rank = parallel_state.get_context_parallel_rank()
 
@@ -337,11 +328,10 @@ def _full_model_run(tp: int, cp: int, sp: bool, attention: str, batch, g_lp, g_e
     lp, ent = gpt_log_probs_and_entropy(model, labels=labels, **inputs)
     weighted_backward(lp, ent, split(g_lp), split(g_ent))
     grads = pop_parameter_grads(model)
-    grads = _cp_sums(model, grads, sp) if cp > 1 else _tp_sums_of_sp_partials(model, grads, sp)
-    return logits, lp.detach(), ent.detach(), grads
+    return logits, lp.detach(), ent.detach(), _comparable_across_cp(model, grads, sp)
 
 
-@pytest.mark.parametrize("tp,cp,sp", FULL_CP_LAYOUTS, ids=[f"tp{t}cp{c}{'sp' if s else ''}" for t, c, s in FULL_CP_LAYOUTS])
+@pytest.mark.parametrize("tp,cp,sp", FULL_CP_LAYOUTS, ids=[f"tp{t}cp{c}{'sp' * s}" for t, c, s in FULL_CP_LAYOUTS])
 def test_full_model_context_parallel(tp: int, cp: int, sp: bool, check):
     """GPTModel with CP inside the model (SdpaAttention: K/V all-gathered over CP, Megatron's
     load-balanced chunks) equals the cp=1 model with the reference attention, padded and packed:
@@ -358,16 +348,58 @@ def test_full_model_context_parallel(tp: int, cp: int, sp: bool, check):
             rank = parallel_state.get_context_parallel_rank()
             out = _full_model_run(tp, cp, sp, "sdpa", batch, g_lp, g_ent)
         check.case(f"tp{tp} cp{cp}{' sp' if sp else ''} {kind}")
-
-        def split(t: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
-            return split_for_cp(t, cp, rank, seq_dim=seq_dim, cu_seqlens=batch.cu_seqlens)
-
         kind_name = f"model CP{cp} vs CP1 ({kind})"
-        check.close("logits", out[0], split(ref[0]), tol=1e-10, kind=kind_name)
-        check.close("log_prob", out[1], split(ref[1]), tol=1e-10, kind=kind_name)
-        check.close("entropy", out[2], split(ref[2]), tol=1e-10, kind=kind_name)
+        for output, actual, expected in zip(("logits", "log_prob", "entropy"), out[:3], ref[:3], strict=True):
+            expected = split_for_cp(expected, cp, rank, seq_dim=1, cu_seqlens=batch.cu_seqlens)
+            check.close(output, actual, expected, tol=1e-10, kind=kind_name)
         if out[3].keys() != ref[3].keys():
             check.fail(f"parameter names differ: {sorted(out[3].keys() ^ ref[3].keys())}")
         for name in sorted(out[3].keys() & ref[3].keys()):
             check.close(f"grad {name}", out[3][name], ref[3][name], tol=1e-9, kind=kind_name)
+    check.done()
+
+
+def _megatron_sp_grad_reduction():
+    """Megatron's all-reduce of SP-replicated parameters' gradients over TP (finalize_model_grads uses it)."""
+    import importlib
+
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
+    reduce = getattr(fmg, "_allreduce_non_tensor_model_parallel_grads", None) or fmg._allreduce_layernorm_grads
+    return reduce
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_norm_gradients_reduced_as_megatron_reduces_te_norms(tp: int, check):
+    """The SP torch norms (SequenceParallelTorchNorm) under SP: their gradients are partial sums over
+    each rank's sequence shard until Megatron's own TP all-reduce of ``sequence_parallel``
+    parameters (what ``finalize_model_grads`` runs for TransformerEngine's norms); after it, every
+    parameter's gradient equals the same model's without SP. Packed and padded batches."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    torch.manual_seed(shared_seed())
+    reduce = _megatron_sp_grad_reduction()
+    for kind in ("padded", "packed"):
+        batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ, device=DEVICE)
+        g_lp = torch.randn(batch.labels.shape, dtype=torch.float64).to(DEVICE)
+        g_ent = torch.randn(batch.labels.shape, dtype=torch.float64).to(DEVICE)
+        grads = {}
+        with model_parallel(tp):
+            for sp in (False, True):
+                model = _model(tied=False, sp=sp)
+                install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+                lp, ent = gpt_log_probs_and_entropy(model, labels=batch.labels, **batch.model_inputs())
+                weighted_backward(lp, ent, g_lp, g_ent)
+                if sp:
+                    norms = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
+                    partial = {n: p.grad.clone() for n, p in model.named_parameters() if n in norms}
+                    model.ddp_config = DistributedDataParallelConfig()  # what the reduction reads of a DDP chunk
+                    reduce([model], model.config)
+                grads[sp] = pop_parameter_grads(model)
+        check.case(f"tp{tp} {kind}")
+        if not norms or not any("layernorm" in n for n in norms):
+            check.fail(f"no SP-marked norm parameters: {sorted(norms)}")
+        if all(torch.allclose(partial[n], grads[False][n]) for n in norms):
+            check.fail("SP norm gradients were complete before the reduction: the test cannot see it")
+        for name in sorted(grads[False]):
+            check.close(f"grad {name}", grads[True][name], grads[False][name], tol=1e-9, kind=f"SP vs no SP ({kind})")
     check.done()
