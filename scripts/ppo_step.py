@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if reference is not None:
             proven.append(
-                f"CP{cp} ({'at the head' if cp_at_head else 'in the model'}) == cp1: log-probs to {worst['cp_log_prob']:.1e}, parameters after "
+                f"CP{cp} ({'at the head' if cp_at_head else 'in the model'}) == cp1: "
+                f"log-probs to {worst['cp_log_prob']:.1e}, parameters after "
                 f"{steps * epochs} updates to {d_params:.1e}"
             )
         say("PASS: " + "; ".join(proven))

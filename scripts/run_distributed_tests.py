@@ -143,7 +143,8 @@ def run_file(path: str, args: argparse.Namespace, workdir: str) -> dict:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
             "--log-dir", os.path.join(round_dir, "torchrun"), "--redirects", "3",
-            "-m", "pytest", path, "-q", "-rs", "-x", "--disable-warnings", "-p", "no:cacheprovider", *deselect, *args.pytest_args,
+            "-m", "pytest", path, "-q", "-rs", "-x", "--disable-warnings", "-p", "no:cacheprovider",
+            *deselect, *args.pytest_args,
         ]  # fmt: skip
         status = _run(cmd, env, args.file_timeout, os.path.join(round_dir, "torchrun.out"))
         ranks = [parse_rank_log(os.path.join(round_dir, f"rank{r}.log")) for r in range(args.nproc)]
