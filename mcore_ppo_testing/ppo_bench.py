@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -389,3 +391,17 @@ def table(results: dict[str, dict[str, Any]], ppo_epochs: int) -> list[str]:
             f"{r['tokens_per_s']:,.0f} | {fmt(r['peak_gib'], '.2f')} |"
         )
     return lines
+
+
+class Report:
+    """The run's JSON, rewritten after every phase (rank 0)."""
+
+    def __init__(self, path: str | None, header: dict[str, Any]) -> None:
+        self.path, self.data = path, dict(header)
+
+    def add(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        if self.path and dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "w") as f:
+                json.dump(self.data, f, indent=1)
