@@ -54,7 +54,7 @@ def test_main_command_passes_with_parity_lines():
     assert float(updates[1][1]) > 0.0  # the second update of a rollout sees a moved policy
     last = out.strip().splitlines()[-1]
     assert last.startswith("PASS: head log-probs == fp64 full-logits path"), last
-    assert "CP2 at the head == cp1" in last and "TP2+SP" in last, last
+    assert "CP2 (in the model) == cp1" in last and "TP2+SP" in last, last
 
 
 def test_parity_failure_exits_nonzero(tmp_path):

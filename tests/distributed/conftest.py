@@ -142,6 +142,36 @@ def process_group():
     dist.barrier()
 
 
+def layout_fits(ranks: int) -> bool:
+    """Whether a layout of ``ranks`` ranks (tp·cp·pp) can be initialised on this world (Megatron
+    needs the world to be a multiple of it)."""
+    world = dist.get_world_size()
+    return ranks <= world and world % ranks == 0
+
+
+# Layouts a test left out for lack of ranks: test id -> descriptions (printed in the summary).
+_LEFT_OUT: dict[str, list[str]] = {}
+
+
+def require_ranks(ranks: int, what: str) -> None:
+    """Skip the test, saying why, when ``what`` (a layout of ``ranks`` ranks) does not fit the world."""
+    if not layout_fits(ranks):
+        pytest.skip(f"{what} needs {ranks} ranks (a divisor of the world); the world has {dist.get_world_size()}")
+
+
+def fitting(layouts, ranks_of, describe) -> list:
+    """The layouts that fit the world; the others are recorded (with the running test) for the summary."""
+    kept = []
+    for layout in layouts:
+        if layout_fits(ranks_of(layout)):
+            kept.append(layout)
+        else:
+            _LEFT_OUT.setdefault(_CURRENT_TEST["nodeid"], []).append(
+                f"{describe(layout)} (needs {ranks_of(layout)} ranks, world {dist.get_world_size()})"
+            )
+    return kept
+
+
 @dataclass(frozen=True)
 class Layout:
     """This rank's place in a TP × CP layout of the world."""
@@ -348,7 +378,7 @@ def _gather_error_report() -> None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Rank 0 prints the largest relative error per comparison and output, and case counts."""
-    if not _REPORT.get("errors") and not _REPORT.get("cases"):
+    if not _REPORT.get("errors") and not _REPORT.get("cases") and not _LEFT_OUT:
         return
     terminalreporter.section("largest normwise relative error, max over ranks")
     for line in error_table(_REPORT["errors"]):
@@ -356,6 +386,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("cases compared per test (max over ranks)")
     for test, count in sorted(_REPORT["cases"].items()):
         terminalreporter.write_line(f"{count:>5}  {test}")
+    if _LEFT_OUT:
+        terminalreporter.section("layouts left out inside tests (too few ranks)")
+        for test, layouts in sorted(_LEFT_OUT.items()):
+            terminalreporter.write_line(f"{test}: {'; '.join(layouts)}")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import ACTOR_GPT as MODEL
-from conftest import DEVICE, shared_seed
+from conftest import DEVICE, fitting, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
@@ -132,6 +132,11 @@ def test_actor_same_numbers_every_layout(check, fresh_parallel_state, loss_agg_m
 
     layouts = LAYOUTS if loss_agg_mode == "seq-mean-token-mean" else [LAYOUTS[0], LAYOUTS[6], LAYOUTS[8], LAYOUTS[10]]
     ref = None
+    layouts = fitting(
+        layouts,
+        lambda layout: layout[0] * layout[1] * layout[2],
+        lambda layout: f"tp{layout[0]} cp{layout[1]} pp{layout[2]}",
+    )
     for tp, cp, pp, sp, batching in layouts:
         name = f"tp{tp} cp{cp} pp{pp} sp{int(sp)} {batching}"
         check.case(f"{loss_agg_mode}: {name}")

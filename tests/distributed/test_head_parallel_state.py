@@ -18,7 +18,7 @@ from parallel import resolve_cp_group, resolve_tp_group
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 
 
-@pytest.mark.parametrize(("tp", "cp"), [(4, 1), (2, 2)], ids=["tp4", "tp2xcp2"])
+@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "tp2xcp2"])
 def test_tp_group_none_resolves_to_megatron(tp, cp, check):
     layout = tp_cp_groups(tp, cp)
     torch.manual_seed(shared_seed())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, shared_seed
+from conftest import DEVICE, require_ranks, shared_seed
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
 from mcore_ppo_testing.logits_path import LogitsPath
@@ -76,6 +76,7 @@ def _run(tp, cp, sp, forward_fn, *, seed, rollout, noise):
 
 def test_logits_path_matches_fused_head(check, fresh_parallel_state):
     tp, cp, sp = 2, 2, True
+    require_ranks(tp * cp, f"TP{tp} × CP{cp}")
     seed = shared_seed()
     rollout = synthetic_rollout(
         num_seqs=6, vocab_size=MODEL["vocab_size"], prompt_len=(2, 8), response_len=(4, 14), seed=seed, device=DEVICE

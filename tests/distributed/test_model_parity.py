@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, megatron_timeout_minutes, shared_seed
+from conftest import DEVICE, fitting, megatron_timeout_minutes, require_ranks, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
@@ -149,7 +149,7 @@ def test_head_matches_logits_path_every_layout():
         data[kind, tied] = (batch, g_lp, g_ent)
 
     tp1 = {}
-    for tp, sp in LAYOUTS:
+    for tp, sp in fitting(LAYOUTS, lambda layout: layout[0], lambda layout: _layout_name(*layout)):
         with model_parallel(tp):
             for kind, tied in CASES:
                 where = f"{_layout_name(tp, sp)} {kind} {'tied' if tied else 'untied'}"
@@ -277,6 +277,7 @@ def _check_cp_boundary(kind: str, tp: int, cp: int, sp: bool) -> None:
 def test_cp_at_output_boundary(tp: int, cp: int, sp: bool):
     """Final hidden states of a cp=1 run, split as Megatron splits them, through the installed head
     under CP: values and gradients (hidden, head weight) equal the cp=1 ones (padded and packed)."""
+    require_ranks(tp * cp, f"TP{tp} × CP{cp}")
     torch.manual_seed(shared_seed())
     with model_parallel(tp, cp):
         for kind in ("padded", "packed"):
@@ -336,6 +337,7 @@ def test_full_model_context_parallel(tp: int, cp: int, sp: bool, check):
     """GPTModel with CP inside the model (SdpaAttention: K/V all-gathered over CP, Megatron's
     load-balanced chunks) equals the cp=1 model with the reference attention, padded and packed:
     logits, log-probs, entropy, and every parameter gradient (summed over CP as DDP does)."""
+    require_ranks(tp * cp, f"TP{tp} × CP{cp}")
     torch.manual_seed(shared_seed())
     for kind in ("padded", "packed"):
         batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ, device=DEVICE)
@@ -376,6 +378,7 @@ def test_sp_norm_gradients_reduced_as_megatron_reduces_te_norms(tp: int, check):
     parameter's gradient equals the same model's without SP. Packed and padded batches."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    require_ranks(tp, f"TP{tp}")
     torch.manual_seed(shared_seed())
     reduce = _megatron_sp_grad_reduction()
     for kind in ("padded", "packed"):
