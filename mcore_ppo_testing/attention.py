@@ -274,6 +274,7 @@ class SdpaAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        **_later_megatron_keywords: Any,  # newer Megatron versions pass more; none changes this math
     ) -> None:
         super().__init__(config=config)
         if config.apply_query_key_layer_scaling or getattr(config, "softmax_type", "vanilla") != "vanilla":

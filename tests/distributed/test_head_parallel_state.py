@@ -20,6 +20,9 @@ pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 
 @pytest.mark.parametrize(("tp", "cp"), [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "tp2xcp2"])
 def test_tp_group_none_resolves_to_megatron(tp, cp, check):
+    if dist.get_world_size() != tp * cp:
+        # Megatron's groups tile the whole world; the harness's cover its first tp·cp ranks only.
+        pytest.skip(f"compares with Megatron's groups over the whole world: needs a world of {tp * cp} ranks")
     layout = tp_cp_groups(tp, cp)
     torch.manual_seed(shared_seed())
     # References first: once Megatron is initialised, tp_group=None is no longer one rank.
