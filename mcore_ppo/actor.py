@@ -214,6 +214,14 @@ def _all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.Reduce
     return tensor
 
 
+def _is_megatron_optimizer(optimizer: Any) -> bool:
+    """A Megatron-Core optimizer (its ``step()`` clips and returns the grad norm). By class, not by
+    attribute: megatron-core 0.19's ``ChainedOptimizer`` lacks methods its 0.16 version has."""
+    from megatron.core.optimizer import MegatronOptimizer
+
+    return isinstance(optimizer, MegatronOptimizer)
+
+
 def _uses_plain_local_attention(gpt: torch.nn.Module) -> bool:
     """True when the core attention is Megatron's local ``DotProductAttention`` itself, which
     rejects ``PackedSeqParams``: packed batches then go in with a block-diagonal causal mask."""
@@ -255,7 +263,7 @@ class MegatronPPOActor:
         self.parallel = parallel if parallel is not None else ActorParallel.from_parallel_state()
         self.forward_fn = forward_fn if forward_fn is not None else gpt_log_probs_and_entropy
         self.uses_ddp = hasattr(model, "finish_grad_sync")
-        self.megatron_optimizer = hasattr(optimizer, "get_main_grads_for_grad_norm")
+        self.megatron_optimizer = _is_megatron_optimizer(optimizer)
         if self.uses_ddp and not self.megatron_optimizer:
             raise TypeError("a model wrapped in Megatron DDP needs a Megatron optimizer (grads live in main_grad)")
         mcfg = self.gpt.config

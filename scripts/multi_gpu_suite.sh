@@ -141,7 +141,7 @@ for step in "${steps[@]}"; do
         python3 scripts/bench_attention.py --out "$work"
       ;;
     tests)
-      run_step tests "${MGPU_TIMEOUT_TESTS:-360}" "$work/tests.log" \
+      run_step tests "${MGPU_TIMEOUT_TESTS:-300}" "$work/tests.log" \
         env MCORE_PPO_TEST_DIST_BACKEND=nccl MCORE_PPO_TEST_BACKEND=triton MCORE_PPO_TEST_TIMEOUT="${MCORE_PPO_TEST_TIMEOUT:-150}" \
         python3 scripts/run_distributed_tests.py --nproc "$ranks" --out "$work/tests"
       [ -f "$work/tests/summary.json" ] && cp "$work/tests/summary.json" "$out/distributed_summary.json"
@@ -179,7 +179,6 @@ done
 } | tee "$work/summary.txt"
 cp "$work/summary.txt" "$out/summary.txt" 2>/dev/null
 if [ "$out" != "$work" ]; then
-  tar czf "$out/mgpu_logs.tgz" -C "$work" --exclude='tests/*/torchrun' . 2>/dev/null \
-    || tar czf "$out/mgpu_logs.tgz" -C "$work" . 2>/dev/null
+  tar czf "$out/mgpu_logs.tgz" -C "$work" . 2>/dev/null
 fi
 exit $failed

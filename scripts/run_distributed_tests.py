@@ -44,6 +44,7 @@ _WORST = {"PASSED": 0, "XFAILED": 0, "SKIPPED": 1, "XPASSED": 2, "FAILED": 3, "E
 class RankLog:
     """One rank's results file of one round: tests started, outcomes, failure reports, anything else (stacks)."""
 
+    collected: list[str] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
     outcome: dict[str, str] = field(default_factory=dict)
     reports: list[str] = field(default_factory=list)
@@ -59,7 +60,9 @@ def parse_rank_log(path: str) -> RankLog:
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.startswith("START "):
+        if line.startswith("COLLECTED "):
+            log.collected.append(line[10:])
+        elif line.startswith("START "):
             log.started.append(line[6:])
         elif match := _OUTCOME.match(line):
             status, when, nodeid = match.groups()
@@ -173,6 +176,8 @@ def run_file(path: str, args: argparse.Namespace, workdir: str) -> dict:
         stuck = [n for n in started_anywhere - finished.keys() if all(n in log.started for log in ranks)]
         for nodeid in stuck:
             outcomes[nodeid] = "HUNG" if status == 124 or any(log.other for log in ranks) else "CRASHED"
+        if all(n in outcomes for log in ranks for n in log.collected) and any(log.collected for log in ranks):
+            break  # every test collected in this round has its outcome: nothing left to re-run
         if not finished and not stuck:
             notes.append(f"round {round_no}: torchrun exited {status} before any test finished")
             print(_tail(os.path.join(round_dir, "torchrun.out"), args.tail), end="")

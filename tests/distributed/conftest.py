@@ -106,6 +106,12 @@ def _record(line: str) -> None:
         results.flush()
 
 
+def pytest_collection_finish(session) -> None:
+    """Every test this run will run, so the runner knows which ones a failure kept from running."""
+    for item in session.items:
+        _record(f"COLLECTED {item.nodeid}")
+
+
 def pytest_runtest_logstart(nodeid, location) -> None:
     _record(f"START {nodeid}")
     # Dump every thread's stack and end the rank if this test outlives the watchdog.
@@ -140,6 +146,9 @@ def process_group():
     yield dist.group.WORLD
     _gather_error_report()
     dist.barrier()
+    # Destroy every group (Megatron's too) before the interpreter exits: NCCL communicators left
+    # to the destructors made the ranks of a finished run stall for about a minute and exit 1.
+    dist.destroy_process_group()
 
 
 def layout_fits(ranks: int) -> bool:
