@@ -275,12 +275,21 @@ def long_context(
         row: dict[str, Any] = {"seq_len": length}
         for variant in variants if j % 2 == 0 else list(reversed(variants)):
             bench.start_pass()
-            actor = bench.actor(variant, max_tokens_per_micro_batch=length + 64, micro_batch_size=None)
-            bench.step(actor, rollout, epochs=1)
-            if bench.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            s = bench.step(actor, rollout, epochs=1)
-            del actor
+            try:
+                actor = bench.actor(variant, max_tokens_per_micro_batch=length + 64, micro_batch_size=None)
+                bench.step(actor, rollout, epochs=1)
+                if bench.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                s = bench.step(actor, rollout, epochs=1)
+            except torch.OutOfMemoryError:
+                # Every rank holds the same shapes, so all run out at the same allocation and
+                # none is left waiting in a collective (a lopsided failure would hit the timeout).
+                row[variant] = {"oom": True}
+                say(f"  long context {length} tokens {variant:>6}: out of memory")
+                continue
+            finally:
+                actor = None
+                bench.reset()
             row[variant] = {"step_s": s["step_s"], "peak_gib": gib(bench.peak_over_ranks(bench.memory()[1]))}
             peak = row[variant]["peak_gib"]
             say(
