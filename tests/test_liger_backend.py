@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from mcore_ppo import fused_log_probs_and_entropy
+from mcore_ppo import fused_log_probs_and_entropy, linear_cross_entropy
 from mcore_ppo.backends import liger_backend, resolve_backend
 from tests.reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference, reference_outputs
 
@@ -90,6 +90,38 @@ def test_dispatch_megatron_layout(fake_liger):
     assert torch.equal(call[2], labels.t().reshape(-1))
     ref = reference(hidden, weight, labels, 1.0)
     assert_close(logp, ref["log_prob"], name="log_prob", dtype=torch.float64, rtol=1e-6, track=False)
+
+
+def test_verl_entry_dispatches_to_liger(fake_liger):
+    """verl's entry runs Liger through the same pipeline: its own token order (no transpose),
+    verl's reduction, values and d_hidden as the reference."""
+    s, b, h, v = 5, 3, 8, 20
+    gen = generator(fresh_seed())
+    hidden = torch.randn(s, b, h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, v, (s, b), generator=gen)  # verl pairs hidden[i, j] with labels[i, j]
+    labels[0, 1] = IGNORE_INDEX
+    x = hidden.clone().requires_grad_(True)
+    logp, ent = linear_cross_entropy(x, weight, labels, 0.8, backend="liger")
+    (call,) = fake_liger.LigerFusedLinearScaledCrossEntropyFunction.calls
+    assert torch.equal(call[2], labels.reshape(-1)) and call[3] == (0.8, IGNORE_INDEX, 1, True)
+    assert logp.shape == ent.shape == (s * b,) and logp.dtype == ent.dtype == torch.float32
+    flat_hidden, flat_labels = hidden.reshape(-1, h), labels.reshape(-1)
+    g = torch.randn(s * b, generator=gen, dtype=torch.float64)
+    ref = reference(flat_hidden, weight, flat_labels, 0.8, g)
+    assert_close(logp, ref["log_prob"], name="log_prob", dtype=torch.float64, rtol=1e-6, track=False)
+    assert_close(ent, ref["entropy"], name="entropy", dtype=torch.float64, rtol=1e-2, track=False)  # bf16 entropy
+    (logp * g).sum().backward()
+    assert x.grad.shape == hidden.shape
+    assert_close(x.grad.reshape(-1, h), ref["d_hidden"], name="d_hidden", dtype=torch.float64, rtol=1e-6, track=False)
+    total, _ = linear_cross_entropy(hidden, weight, labels, 0.8, "sum", backend="liger")
+    torch.testing.assert_close(total, logp.detach().sum())
+
+
+def test_verl_entry_refuses_liger_tp(fake_liger):
+    """Liger's TP function reduces d_hidden itself; verl's contract returns the partial one."""
+    reason = liger_backend.LigerBackend().unsupported(2, False, torch.zeros(2, 4), reduce_hidden_grad=False)
+    assert reason is not None and "partial" in reason
 
 
 def test_refuses_sequence_parallel_and_cpu_tp():

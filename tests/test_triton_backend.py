@@ -20,7 +20,8 @@ if _SET_INTERPRET:
 
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels  # noqa: E402,F401  (decorated now, under the interpreter on CPU)
-from mcore_ppo.api import compute_log_probs_and_entropy, fused_log_probs_and_entropy  # noqa: E402
+from mcore_ppo import pipeline  # noqa: E402
+from mcore_ppo.api import fused_log_probs_and_entropy  # noqa: E402
 from mcore_ppo.backends import resolve_backend  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
 from tests.reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference  # noqa: E402
@@ -180,17 +181,8 @@ def test_main_grad_accumulation():
     w = weight.clone().requires_grad_(True)
     w.main_grad = torch.randn(w.shape, generator=generator(1)).to(DEVICE)
     before = w.main_grad.clone()
-    logp, ent = compute_log_probs_and_entropy(
-        hidden,
-        w,
-        labels,
-        temperature=1.0,
-        tp_group=None,
-        sequence_parallel=False,
-        ignore_index=IGNORE_INDEX,
-        backend="triton",
-        accumulate_into_main_grad=True,
-    )
+    options = pipeline.HeadOptions(temperature=1.0, ignore_index=IGNORE_INDEX, backend="triton")
+    logp, ent = pipeline.run_head(hidden, w, labels, options, tp_group=None, accumulate_into_main_grad=True)
     torch.autograd.backward([logp, ent], [g.to(DEVICE), e.to(DEVICE)])
     ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 1.0, g, e)
     assert w.main_grad.dtype == torch.float32

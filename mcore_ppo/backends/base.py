@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from parallel.groups import ProcessGroup
+
 
 class Backend(Protocol):
     """Per-shard statistics and gradients of the fused head."""
@@ -65,4 +67,35 @@ class Backend(Protocol):
         weight gradient is needed, else an fp32 ``[v, h]`` buffer to accumulate into (zeros,
         or Megatron's ``main_grad``), which is returned.
         """
+        ...
+
+
+class OutputsBackend(Protocol):
+    """A backend that computes whole outputs with its own autograd and TP handling (Liger).
+
+    :func:`mcore_ppo.pipeline.run_head` calls it in place of the head's autograd Function and
+    wraps ``hidden`` in no TP mapping: its backward must return the ``d_hidden`` the entry
+    point promises (reduced over TP, unless it reports the case unsupported).
+    """
+
+    name: str
+    computes_outputs: bool  # True: this protocol, not the per-shard one
+
+    def unsupported(
+        self, tp_size: int, sequence_parallel: bool, hidden: torch.Tensor, *, reduce_hidden_grad: bool = True
+    ) -> str | None:
+        """Why this case cannot run here (the pipeline raises ValueError with it), or None."""
+        ...
+
+    def log_probs_and_entropy(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float,
+        ignore_index: int,
+        tp_group: ProcessGroup | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(log_prob [n], entropy [n])`` for ``hidden [n, h]`` and global ``labels [n]``."""
         ...

@@ -166,23 +166,14 @@ def test_no_grad_forward_keeps_nothing_and_memory_budget(h, v):
 
 
 def test_main_grad_fp32():
-    from mcore_ppo.api import compute_log_probs_and_entropy
+    from mcore_ppo.pipeline import HeadOptions, run_head
 
     x, w, labels, g, e = make(2048, 1024, 20000, seed=5)
     wg = w.detach().requires_grad_(True)
     wg.main_grad = torch.randn(w.shape, device="cuda")
     before = wg.main_grad.clone()
-    logp, ent = compute_log_probs_and_entropy(
-        x,
-        wg,
-        labels,
-        temperature=0.7,
-        tp_group=None,
-        sequence_parallel=False,
-        ignore_index=-100,
-        backend="triton",
-        accumulate_into_main_grad=True,
-    )
+    options = HeadOptions(temperature=0.7, ignore_index=-100, backend="triton")
+    logp, ent = run_head(x, wg, labels, options, tp_group=None, accumulate_into_main_grad=True)
     torch.autograd.backward([logp, ent], [g, e])
     ref = fp64_reference(x, w, labels, g, e, 0.7)
     assert rel(wg.main_grad - before, ref[3]) <= 5e-3
