@@ -17,7 +17,7 @@ import torch
 
 from mcore_ppo import validation
 from mcore_ppo.backends import Backend, check_backend, is_backend_object, resolve_backend
-from mcore_ppo.function import FusedPPOHeadFunction
+from mcore_ppo.function import ShardPlan, shard_head
 from parallel.groups import ProcessGroup, group_rank, group_size
 from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
 
@@ -141,8 +141,6 @@ def run_head(
         )
         return _like_labels(log_probs, labels, flat_labels), _like_labels(entropy, labels, flat_labels)
 
-    if hasattr(impl, "grad_needed"):  # lets a backend keep backward buffers only when they will be used
-        impl.grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if reduce_hidden_grad:
         # The one TP reduction of d_hidden lives in this mapping's backward.
         if sequence_parallel and tp_size > 1:
@@ -150,18 +148,16 @@ def run_head(
         else:
             hidden = reduce_grad_over_tp(hidden, tp_group)
     tokens_hidden, tokens_labels = _tokens(hidden, labels, flat_labels)
-    log_probs, entropy = FusedPPOHeadFunction.apply(
-        tokens_hidden,
-        weight,
-        tokens_labels,
-        options.temperature,
-        options.ignore_index,
-        group_rank(tp_group) * weight.shape[0],
-        vocab_size,
-        tp_group,
-        impl,
-        accumulate_into_main_grad,
+    plan = ShardPlan(
+        backend=impl,
+        temperature=options.temperature,
+        ignore_index=options.ignore_index,
+        vocab_start=group_rank(tp_group) * weight.shape[0],
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+        accumulate_into_main_grad=accumulate_into_main_grad,
     )
+    log_probs, entropy = shard_head(tokens_hidden, weight, tokens_labels, plan)
     return _like_labels(log_probs, labels, flat_labels), _like_labels(entropy, labels, flat_labels)
 
 

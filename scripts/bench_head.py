@@ -422,6 +422,8 @@ def tune_triton(x, w, labels, g, e, temperature, reps) -> dict:
 def breakdown(x, w, labels, g, e, temperature, reps, step) -> dict:
     """Where the time goes: backend calls alone vs the API, and a larger backward workspace."""
     from mcore_ppo.backends import triton_backend as tb
+    from mcore_ppo.backends import triton_host
+    from mcore_ppo.backends.base import SavedTokens
     from parallel.combine import combine_shard_statistics
 
     backend = tb.TritonBackend(buffer_budget_bytes=0)  # the recompute path (the API would set it per call)
@@ -429,12 +431,14 @@ def breakdown(x, w, labels, g, e, temperature, reps, step) -> dict:
     local = torch.where(valid, labels, -1)
     with torch.no_grad():
         stats = backend.shard_statistics(x, w, local, valid, temperature)
-        lse, ent, _ = combine_shard_statistics(*stats, None)
+        lse, ent, _ = combine_shard_statistics(*stats.tensors(), None)
+    saved = SavedTokens(local, valid, lse, ent)
+    grads = {"grad_log_prob": g, "grad_entropy": e, "need_hidden_grad": True, "temperature": temperature}
     res = {
         "compact_rows_ms": time_ms(lambda: tb.compact_rows(valid), reps * 4),
         "backend_statistics_ms": time_ms(lambda: backend.shard_statistics(x, w, local, valid, temperature), reps * 2),
         "backend_gradients_ms": time_ms(
-            lambda: backend.shard_gradients(x, w, local, valid, temperature, lse, ent, g, e, True, torch.zeros_like(w)),
+            lambda: backend.shard_gradients(x, w, saved, weight_grad=torch.zeros_like(w), **grads),
             reps,
         ),
         "dz_chunk_columns": backend.vocab_chunk(x.shape[0], w.shape[0], x.element_size()),
@@ -444,7 +448,8 @@ def breakdown(x, w, labels, g, e, temperature, reps, step) -> dict:
     dz = torch.randn(n, chunk, dtype=x.dtype, device=x.device)
     dh = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
     chunks = -(-v // chunk)
-    res["cublas_dhidden_all_chunks_ms"] = chunks * time_ms(lambda: tb._addmm_fp32(dh, dz, w[:chunk], "d_hidden"), reps)
+    addmm = lambda: triton_host.addmm_fp32(dh, dz, w[:chunk], "d_hidden")
+    res["cublas_dhidden_all_chunks_ms"] = chunks * time_ms(addmm, reps)
     res["cublas_dweight_all_chunks_ms"] = chunks * time_ms(lambda: torch.mm(dz.t(), x), reps)
     dz = dh = None  # free the 0.5 GiB before the next measurement
     saved = tb.WORKSPACE_BYTES
@@ -615,8 +620,9 @@ def main(argv=None) -> int:
                             res["fwd_bwd_ratio_vs_gemm3"] = res["fwd_bwd_ms"] / entry["floor"]["gemm3_ms"]
                         if name == "ours_triton":
                             from mcore_ppo.backends import triton_backend as tb
+                            from mcore_ppo.backends import triton_host
 
-                            res["addmm_path"] = dict(tb.ADDMM_PATH)
+                            res["addmm_path"] = dict(triton_host.ADDMM_PATH)
                             res["half_ignored"] = time_half_ignored(fn, x, w, labels, g, e, temperature, args.reps)
                             res["forward_config"] = asdict(tb.FORWARD_CONFIG)
                             res["backward_config"] = asdict(tb.BACKWARD_CONFIG)

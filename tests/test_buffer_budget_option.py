@@ -57,14 +57,14 @@ def spy(monkeypatch):
     stats = triton_backend.TritonBackend.shard_statistics
     from_buffer = triton_backend.TritonBackend._gradients_from_buffer
 
-    def spied_stats(self, *args):
-        out = stats(self, *args)
-        record["forward"].append((self.buffer_budget_bytes, self._buffer is not None))
+    def spied_stats(self, *args, **kwargs):
+        out = stats(self, *args, **kwargs)
+        record["forward"].append((self.buffer_budget_bytes, out.residual is not None))
         return out
 
-    def spied_from_buffer(self, *args):
+    def spied_from_buffer(self, *args, **kwargs):
         record["buffer_backward"].append(1)
-        return from_buffer(self, *args)
+        return from_buffer(self, *args, **kwargs)
 
     monkeypatch.setattr(triton_backend.TritonBackend, "shard_statistics", spied_stats)
     monkeypatch.setattr(triton_backend.TritonBackend, "_gradients_from_buffer", spied_from_buffer)

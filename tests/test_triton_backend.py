@@ -116,8 +116,8 @@ def test_statistics_match_torch_backend():
     local = labels.clone()
     local[1::3] = -1  # label owned by another TP rank: y must be 0, the row still counted
     local[~valid] = -1
-    ours = triton_backend.TritonBackend().shard_statistics(hidden, weight, local, valid, 0.9)
-    ref = TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9)
+    ours = triton_backend.TritonBackend().shard_statistics(hidden, weight, local, valid, 0.9).tensors()
+    ref = TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9).tensors()
     for name, a, b in zip("msuy", ours, ref, strict=True):
         assert a.dtype == torch.float32
         assert_close(a[valid].cpu(), b[valid].cpu(), name=f"stat_{name}", dtype=torch.float32, rtol=2e-6, atol=1e-6)
@@ -210,7 +210,7 @@ def buffer_backwards(monkeypatch) -> list[int]:
     monkeypatch.setattr(
         triton_backend.TritonBackend,
         "_gradients_from_buffer",
-        lambda self, *a: calls.append(1) or original(self, *a),
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
     )
     return calls
 
@@ -327,6 +327,16 @@ def test_buffer_not_kept_without_grad(monkeypatch):
     hidden, weight, labels, _, _ = make_case(9, 16, 40, seed=fresh_seed())
     backend = triton_backend.TritonBackend()
     monkeypatch.setattr(triton_backend, "TritonBackend", lambda: backend)
+    forwards = []  # (grad_needed, residual) of every statistics call: the backend keeps nothing itself
+    statistics = backend.shard_statistics
+
+    def spied_statistics(*args, grad_needed=False):
+        stats = statistics(*args, grad_needed=grad_needed)
+        forwards.append((grad_needed, stats.residual))
+        return stats
+
+    monkeypatch.setattr(backend, "shard_statistics", spied_statistics)
     with torch.no_grad():
         fused_log_probs_and_entropy(hidden.requires_grad_(True), weight, labels, backend="triton")
-    assert backend.grad_needed is False and backend._buffer is None
+    ((grad_needed, buffer),) = forwards
+    assert grad_needed is False and buffer is None

@@ -80,9 +80,7 @@ def check_backend(backend: object) -> None:
         )
 
 
-def resolve_backend(
-    name: str | Backend, device: torch.device, *, buffer_budget_bytes: int | None = None
-) -> Backend:
+def resolve_backend(name: str | Backend, device: torch.device, *, buffer_budget_bytes: int | None = None) -> Backend:
     """The backend object for ``name`` on ``device`` (a backend object is returned as it is).
 
     ``auto`` picks the fused Triton kernels on CUDA when they are available and the chunked

@@ -183,26 +183,35 @@ def test_main_grad_fp32():
 def test_cuda_graph_capture(use_tma, budget):
     """No host synchronisation: the forward statistics and the backward capture in a CUDA graph
     (with the buffer too: the forward keeps it, the backward consumes it, inside the graph)."""
+    from mcore_ppo.backends.base import SavedTokens
     from mcore_ppo.backends.triton_backend import TritonBackend
 
     x, w, labels, g, e = make(2048, 1024, 20000, ignored=0.3, seed=6)
     valid = labels != -100
     local = torch.where(valid, labels, -1)
     backend = TritonBackend(buffer_budget_bytes=budget)
-    eager = backend.shard_statistics(x, w, local, valid, 0.7)
     lse, ent = torch.rand(2048, device="cuda") + 5, torch.rand(2048, device="cuda")
-    backend.shard_gradients(x, w, local, valid, 0.7, lse, ent, g, e, True, torch.zeros_like(w))  # compile first
+
+    def statistics():
+        return backend.shard_statistics(x, w, local, valid, 0.7, grad_needed=True)
+
+    def gradients(stats):  # consumes the forward's buffer, if it kept one
+        saved = SavedTokens(local, valid, lse, ent, stats.residual)
+        grads = {"grad_log_prob": g, "grad_entropy": e, "need_hidden_grad": True, "weight_grad": torch.zeros_like(w)}
+        return backend.shard_gradients(x, w, saved, temperature=0.7, **grads)
+
+    eager = statistics()
+    gradients(eager)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        stats = backend.shard_statistics(x, w, local, valid, 0.7)
-        grads = backend.shard_gradients(x, w, local, valid, 0.7, lse, ent, g, e, True, torch.zeros_like(w))
+        stats = statistics()
+        grads = gradients(stats)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(stats, eager, strict=True):
+    for a, b in zip(stats.tensors(), eager.tensors(), strict=True):
         assert torch.equal(a[valid], b[valid])
-    backend.shard_statistics(x, w, local, valid, 0.7)  # eagerly again: the same path (buffer kept or not)
-    eager_grads = backend.shard_gradients(x, w, local, valid, 0.7, lse, ent, g, e, True, torch.zeros_like(w))
+    eager_grads = gradients(statistics())  # eagerly again: the same path (buffer kept or not)
     assert torch.equal(grads[0], eager_grads[0]) and torch.equal(grads[1], eager_grads[1])
 
 
