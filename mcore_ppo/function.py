@@ -24,7 +24,7 @@ import torch
 
 from mcore_ppo.backends.base import Backend, SavedTokens
 from parallel.combine import combine_shard_statistics
-from parallel.groups import ProcessGroup
+from parallel.ranks import ProcessGroup
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import torch
 from mcore_ppo import validation
 from mcore_ppo.backends import Backend, check_backend, is_backend_object, resolve_backend
 from mcore_ppo.function import ShardPlan, shard_head
-from parallel.groups import ProcessGroup, group_rank, group_size
 from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
+from parallel.ranks import ProcessGroup, group_rank, group_size
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from parallel.groups import ProcessGroup, group_size
+from parallel.ranks import ProcessGroup, group_size
 
 
 def validate_on_device() -> bool:

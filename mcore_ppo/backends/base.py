@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from parallel.groups import ProcessGroup
+from parallel.ranks import ProcessGroup
 
 
 @dataclass(frozen=True)

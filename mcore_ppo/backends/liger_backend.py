@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 
 from mcore_ppo.backends import import_optional
-from parallel.groups import ProcessGroup, group_size
+from parallel.ranks import ProcessGroup, group_size
 
 LIGER_MODULE = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
 
