@@ -1,8 +1,12 @@
 """Megatron-Core GPT integration: build a small GPT, install the fused head, run the PPO forward.
 
-Entry points (and :func:`build_gpt_model`, re-exported from :mod:`mcore_ppo.gpt_builder`):
+Three entry points:
 
-- :func:`install_fused_head` — replaces ``model.output_layer`` by a
+- :func:`build_gpt_model` — a ``GPTModel`` with the local (non-TransformerEngine) layer spec on
+  the current ``parallel_state``, initialised on the CPU from ``seed`` so every TP layout holds
+  the same *global* weights (Megatron's CPU init draws each layer's full master weight and
+  keeps this rank's slice).
+- :func:`install_fused_head` (from :mod:`mcore_ppo.install`) — replaces ``model.output_layer`` by a
   :class:`~mcore_ppo.head.VocabParallelFusedPPOHead` that owns the *same* ``weight`` Parameter
   object (untied) or none at all (tied: the embedding's weight is passed at call time, as
   ``GPTModel`` does), so state-dict keys, checkpoints, optimizer state and Megatron DDP's
@@ -34,12 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.models.gpt import GPTModel
 
-from mcore_ppo.backends.base import Backend
-from mcore_ppo.gpt_builder import build_gpt_model
 from mcore_ppo.head import VocabParallelFusedPPOHead
-from mcore_ppo.pipeline import HeadOptions
+from mcore_ppo.install import install_fused_head, unwrap_gpt_model
 from mcore_ppo.validation import check_temperature
 
 __all__ = [
@@ -52,132 +54,119 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# Installing the head
+# Building a small GPT
 # ---------------------------------------------------------------------------------------------
 
 
-def unwrap_gpt_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The innermost language model under DDP / FSDP / ``Float16Module`` wrappers (anything with
-    a ``.module`` that is not itself a language module)."""
-    inner = model
-    while not hasattr(inner, "post_process") and isinstance(getattr(inner, "module", None), torch.nn.Module):
-        inner = inner.module
-    if not hasattr(inner, "post_process"):
-        raise TypeError(f"expected a Megatron GPTModel (possibly wrapped), got {type(model).__name__}")
-    return inner
-
-
-# Forward/backward hook registries of an nn.Module. The head takes over the replaced layer's
-# dicts (the same objects), so hooks registered before the swap (Megatron DDP's forward
-# pre-hook that waits for the parameter all-gather) fire on the head and their handles still
-# remove them. State-dict hooks stay the head's own (ColumnParallelLinear registers its own).
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-
-
-def _take_over_hooks(model: torch.nn.Module, old: torch.nn.Module, head: torch.nn.Module) -> None:
-    for name in _HOOK_DICTS:
-        if not hasattr(old, name) or not hasattr(head, name):
-            continue
-        shared = getattr(old, name)
-        shared.update(getattr(head, name))
-        setattr(head, name, shared)
-    # Megatron DDP keys its forward-pre-hook handles by module (disable_forward_pre_hook looks
-    # every current submodule up): re-key the old layer's handle to the head.
-    wrapper = model
-    while wrapper is not None:
-        handles = getattr(wrapper, "remove_forward_pre_hook_handles", None)
-        if isinstance(handles, dict) and old in handles:
-            handles[head] = handles.pop(old)
-        wrapper = getattr(wrapper, "module", None) if wrapper is not old else None
-
-
-def install_fused_head(
-    model: torch.nn.Module,
+def build_gpt_model(
     *,
-    temperature: float = 1.0,
-    backend: str | Backend = "auto",
-    ignore_index: int = -100,
-    buffer_budget_bytes: int | None = None,
-) -> VocabParallelFusedPPOHead | None:
-    """Make ``model``'s output layer a :class:`VocabParallelFusedPPOHead` (idempotent).
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    vocab_size: int,
+    max_sequence_length: int,
+    ffn_hidden_size: int | None = None,
+    tie_embeddings: bool = False,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    pre_process: bool = True,
+    post_process: bool = True,
+    seed: int = 1234,
+    transformer_layer_spec: Any | None = None,
+    device: torch.device | str | None = None,
+    **config_overrides: Any,
+) -> GPTModel:
+    """A ``GPTModel`` with Megatron's local layer spec on the current ``parallel_state``.
 
-    Untied: the head registers the *same* ``weight`` Parameter object as the layer it replaces,
-    so ``state_dict`` keys, loaded checkpoints, optimizer state, DDP buffers and gradient hooks
-    are unchanged. Tied: the head allocates no weight and receives the embedding's at call
-    time, exactly as ``GPTModel`` passes it to ``ColumnParallelLinear``. Hooks registered on
-    the old layer (Megatron DDP's forward pre-hook) are carried over, so the head may be
-    installed before or after wrapping in DDP; before is the usual order.
+    ``initialize_model_parallel`` is the caller's job (TP/CP/PP sizes are read from it).
+    Dropout is 0 and weights are initialised on the CPU (``use_cpu_initialization``) from
+    ``seed``, with the global torch RNG forked so the caller's RNG stream is untouched: every
+    TP layout then holds the same global weights, the basis of layout-parity tests.
 
-    ``temperature``, ``backend``, ``ignore_index`` and ``buffer_budget_bytes`` are the head's
-    options (:class:`mcore_ppo.pipeline.HeadOptions`), checked before the model is looked at.
-
-    Called again on a model that has the head, it updates ``temperature``, ``backend``,
-    ``ignore_index`` and ``buffer_budget_bytes`` and returns the same head.
-
-    Returns:
-        The head on the last pipeline stage; None on other stages (they have no output layer).
-
-    Raises:
-        TypeError: the model's output layer is not a ``ColumnParallelLinear`` (e.g. a
-            TransformerEngine MXFP8 LM head), or it has a bias.
-        NotImplementedError: ``config.defer_embedding_wgrad_compute`` is set.
+    Args:
+        num_layers, hidden_size, num_attention_heads, ffn_hidden_size: transformer shape
+            (``ffn_hidden_size`` defaults to ``4 * hidden_size``).
+        vocab_size: global vocab size; must divide by the TP size (Megatron's output layer).
+        max_sequence_length: size of the learned absolute position table.
+        tie_embeddings: share the input embedding and the output layer weight.
+        sequence_parallel: Megatron SP (needs TP > 1).
+        params_dtype: parameter dtype (fp32 or fp64 for tight comparisons; bf16 with a
+            ``Float16Module`` wrapper as in Megatron training).
+        pre_process, post_process: pipeline-stage flags (first / last stage).
+        seed: seed of the CPU initialisation.
+        transformer_layer_spec: a layer spec to use instead of ``get_gpt_layer_local_spec()``
+            (for example :func:`mcore_ppo_testing.thd_attention.thd_local_layer_spec`).
+        device: where the parameters end up; default CUDA's current device when CUDA is
+            available, else the CPU.
+        **config_overrides: any other ``TransformerConfig`` field.
     """
-    options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
-    gpt = unwrap_gpt_model(model)
-    if not gpt.post_process:
-        return None
-    old = gpt.output_layer
-    if isinstance(old, VocabParallelFusedPPOHead):
-        old.temperature, old.backend, old.ignore_index = options.temperature, options.backend, options.ignore_index
-        old.buffer_budget_bytes = options.buffer_budget_bytes
-        return old
-    if type(old) is not ColumnParallelLinear:
-        raise TypeError(
-            f"install_fused_head supports Megatron's ColumnParallelLinear output layer, got {type(old).__name__}"
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_gpt_model needs megatron.core.parallel_state: call initialize_model_parallel(...) first"
         )
-    if old.bias is not None:
-        raise TypeError("install_fused_head: the output layer has a bias; the fused head has none")
-    if getattr(old.config, "defer_embedding_wgrad_compute", False):
-        # Megatron would compute the output weight's gradient at the pipeline flush from buffers
-        # the fused path never fills; the fused path computes it in its own backward.
-        raise NotImplementedError("install_fused_head does not support config.defer_embedding_wgrad_compute")
+    if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+        raise TypeError(f"params_dtype must be a floating torch.dtype, got {params_dtype!r}")
+    config_kwargs: dict[str, Any] = {
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_attention_heads": num_attention_heads,
+        "ffn_hidden_size": ffn_hidden_size,
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "sequence_parallel": sequence_parallel,
+        "params_dtype": params_dtype,
+        "pipeline_dtype": params_dtype,
+        "bf16": params_dtype == torch.bfloat16,
+        "fp16": params_dtype == torch.float16,
+        "use_cpu_initialization": True,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        # The fused path needs no gradient-accumulation fusion kernel; without CUDA it does not exist.
+        "gradient_accumulation_fusion": False,
+    }
+    config_kwargs.update(config_overrides)
+    config = TransformerConfig(**config_kwargs)
+    spec = transformer_layer_spec if transformer_layer_spec is not None else get_gpt_layer_local_spec()
 
-    head = VocabParallelFusedPPOHead(
-        old.input_size,
-        old.output_size,
-        config=old.config,
-        init_method=_no_init,
-        temperature=options.temperature,
-        ignore_index=options.ignore_index,
-        backend=options.backend,
-        buffer_budget_bytes=options.buffer_budget_bytes,
-        gather_output=old.gather_output,
-        # Never allocate (or initialise, drawing from the RNG) a weight that is replaced below.
-        skip_weight_param_allocation=True,
-        embedding_activation_buffer=old.embedding_activation_buffer,
-        grad_output_buffer=old.grad_output_buffer,
-        tp_group=old.tp_group,
-        disable_grad_reduce=old.disable_grad_reduce,
-    )
-    head.skip_bias_add = old.skip_bias_add
-    if old.weight is not None:
-        head.weight = old.weight  # the same Parameter object: registered under the same key
-    head.train(old.training)
-    _take_over_hooks(model, old, head)
-    gpt.output_layer = head
-    return head
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not _rng_tracker_seeded():
+        # Megatron's dropout/init contexts fork this tracker; it must hold a state on CUDA.
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=tie_embeddings,
+        )
+    # Plain torch modules inside the local spec (the position table; the norms when Apex is
+    # absent) are built in torch's default dtype whatever params_dtype says. Keep one dtype
+    # throughout, as Megatron's Float16Module does for bf16 (Parameters are converted in place).
+    for module in model.modules():
+        if isinstance(module, _PLAIN_TORCH_MODULES):
+            module.to(params_dtype)
+    return model.to(device)
 
 
-def _no_init(weight: torch.Tensor) -> None:  # the init_method signature
-    """The head never initialises a weight: it shares the replaced layer's (or the embedding's)."""
+_PLAIN_TORCH_MODULES = (torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm)
+
+
+def _rng_tracker_seeded() -> bool:
+    from megatron.core import tensor_parallel
+
+    return bool(tensor_parallel.get_cuda_rng_tracker().get_states())
 
 
 # ---------------------------------------------------------------------------------------------
