@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from mcore_ppo_testing.reference import normwise_relative_error, reference
+
 SHAPES = {"qwen7b": (3584, 152064), "llama3-8b": (4096, 128256)}
 GIB = 2**30
 
@@ -96,11 +98,7 @@ def time_ms(fn, reps: int, warmup: int = 1, hide_host_latency: bool | None = Non
 
 
 def rel_err(out: torch.Tensor | None, ref: torch.Tensor | None) -> float | None:
-    if out is None or ref is None:
-        return None
-    out, ref = out.double(), ref.double()
-    denom = ref.norm().item()
-    return (out - ref).norm().item() / denom if denom > 0 else (out - ref).norm().item()
+    return None if out is None or ref is None else normwise_relative_error(out, ref)
 
 
 # ----------------------------------------------------------------------------- peers
@@ -223,36 +221,9 @@ def build_impls(args) -> dict[str, tuple[object, str | None, dict]]:
 # ----------------------------------------------------------------------------- reference
 def fp64_reference(x, w, labels, g, e, temperature, rows_per_chunk=1024, need_grads=True):
     """float64 log-prob, entropy, d_hidden and d_weight of all tokens, row chunk by chunk."""
-    n = x.shape[0]
-    w64 = w.double()
-    logp = torch.zeros(n, dtype=torch.float64, device=x.device)
-    ent = torch.zeros_like(logp)
-    dh = torch.zeros(n, x.shape[1], dtype=torch.float64, device=x.device) if need_grads else None
-    dw = torch.zeros_like(w64) if need_grads else None
-    for r0 in range(0, n, rows_per_chunk):
-        r1 = min(n, r0 + rows_per_chunk)
-        xc = x[r0:r1].double()
-        lab = labels[r0:r1]
-        valid = lab != -100
-        z = xc @ w64.t() / temperature
-        logp_all = z - torch.logsumexp(z, dim=-1, keepdim=True)
-        del z
-        p = logp_all.exp()
-        h = -(p * logp_all).sum(-1)
-        lp = logp_all.gather(1, lab.clamp(min=0)[:, None]).squeeze(1)
-        logp[r0:r1] = torch.where(valid, lp, 0.0)
-        ent[r0:r1] = torch.where(valid, h, 0.0)
-        if need_grads:
-            gc = torch.where(valid, g[r0:r1].double(), 0.0)[:, None]
-            ec = torch.where(valid, e[r0:r1].double(), 0.0)[:, None]
-            dz = -p * (gc + ec * (logp_all + h[:, None]))
-            del p, logp_all
-            dz.scatter_add_(1, lab.clamp(min=0)[:, None], gc)
-            dz /= temperature
-            dh[r0:r1] = dz @ w64
-            dw += dz.t() @ xc
-            del dz
-    return logp, ent, dh, dw
+    upstream = (g, e) if need_grads else (None, None)
+    ref = reference(x, w, labels, temperature, *upstream, rows_per_chunk=rows_per_chunk, with_terms=False)
+    return ref["log_prob"], ref["entropy"], ref.get("d_hidden"), ref.get("d_weight")
 
 
 # ----------------------------------------------------------------------------- one configuration

@@ -14,13 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
-from reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference, single_threaded
 
 import mcore_ppo
 from mcore_ppo import VocabParallelFusedPPOHead
 from mcore_ppo.backends import TorchBackend, resolve_backend, torch_backend
 from mcore_ppo.model import install_fused_head
 from mcore_ppo.verl_compat import linear_cross_entropy
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference
+from mcore_ppo_testing.seeds import fresh_seed, generator
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 if not triton_backend.is_available():  # pragma: no cover - triton installed but neither CUDA nor the interpreter
@@ -29,13 +32,6 @@ if not triton_backend.is_available():  # pragma: no cover - triton installed but
 ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
 BIG = 1 << 30
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
-    with single_threaded():
-        yield
 
 
 @pytest.fixture

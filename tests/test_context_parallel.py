@@ -17,11 +17,14 @@ import math
 
 import pytest
 import torch
-from reference import IGNORE_INDEX, assert_close, check_invariants, fresh_seed, generator, reference, single_threaded
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, reference
+from mcore_ppo_testing.seeds import fresh_seed, generator
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
 # (cp_size, cu_seqlens or None for a padded batch). Packed sequences have different lengths,
 # each a multiple of 2·cp.
@@ -32,13 +35,6 @@ LAYOUTS = [
     (4, [0, 8, 24, 48]),
 ]
 LAYOUT_IDS = ["cp2-padded", "cp4-padded", "cp2-packed", "cp4-packed"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
-    with single_threaded():
-        yield
 
 
 def total_length(cp_size: int, cu_seqlens: list[int] | None) -> int:

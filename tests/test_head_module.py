@@ -17,19 +17,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
-from reference import IGNORE_INDEX, assert_close, check_invariants, fresh_seed, generator, reference, single_threaded
 
 import mcore_ppo
 from mcore_ppo import VocabParallelFusedPPOHead
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, reference
+from mcore_ppo_testing.seeds import fresh_seed, generator
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
 H, V = 16, 37
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
-    with single_threaded():
-        yield
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""The head against the float64 reference of ``tests/reference.py``, on fresh random data.
+"""The head against the float64 reference (:mod:`mcore_ppo_testing.reference`), on seeded random data.
 
 Tolerances, and why (``rtol`` is relative to the tensor's largest reference value, see
-:func:`reference.assert_close`):
+:func:`mcore_ppo_testing.reference.assert_close`):
 
 * Every output is fp32 and every backend statistic is accumulated in fp32, whatever the input
   dtype (bf16 inputs are compared with the fp64 reference of the *same* bf16 values upcast, so
@@ -24,19 +24,13 @@ import os
 
 import pytest
 import torch
-from reference import (
-    IGNORE_INDEX,
-    assert_close,
-    check_invariants,
-    error_table,
-    fresh_seed,
-    generator,
-    reference,
-    single_threaded,
-)
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, error_table, reference
+from mcore_ppo_testing.seeds import fresh_seed, generator
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
 OUT_RTOL = 1e-5  # fp32 outputs and fp32 gradients, relative to the tensor's max
 BF16_CAST_RTOL = 2.0**-8  # the final cast of a gradient to bf16 (2^-9 relative, ×2 margin)
@@ -45,13 +39,6 @@ BF16_CAST_RTOL = 2.0**-8  # the final cast of a gradient to bf16 (2^-9 relative,
 GRAD_ATOL = 1e-30
 LAYOUTS = ("2d", "3d", "packed")
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
-    with single_threaded():
-        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -286,7 +273,7 @@ def test_extreme_logits(mode, dtype, monkeypatch):
     out = run_head(case, 1.0)
     ref = reference(case["hidden"], case["weight"], case["labels"], 1.0, case["g"], case["e"])
     # A logit error δz moves p_j by ≲ 2·δz·p_j (z_j and lse both move), so each gradient is off
-    # by ≲ 2·δz times the magnitude of the terms it sums (see reference._gradient_term_magnitudes).
+    # by ≲ 2·δz times the magnitude of the terms it sums (see mcore_ppo_testing.reference._gradient_term_magnitudes).
     # Error table: outputs relative to the logit scale, gradients relative to their largest term
     # magnitude (the max-norm relative error means little where a coordinate cancels to ~0).
     compare(

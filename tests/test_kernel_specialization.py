@@ -25,7 +25,8 @@ triton = pytest.importorskip("triton")
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
 from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
-from tests.reference import IGNORE_INDEX, fresh_seed, generator  # noqa: E402
+from mcore_ppo_testing.reference import IGNORE_INDEX  # noqa: E402
+from mcore_ppo_testing.seeds import fresh_seed, generator  # noqa: E402
 
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]

@@ -16,7 +16,8 @@ import torch
 
 from mcore_ppo import fused_log_probs_and_entropy, linear_cross_entropy
 from mcore_ppo.backends import liger_backend, resolve_backend
-from tests.reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference, reference_outputs
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference, reference_outputs
+from mcore_ppo_testing.seeds import fresh_seed, generator
 
 
 class FakeLiger:

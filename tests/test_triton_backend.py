@@ -24,7 +24,8 @@ from mcore_ppo import pipeline  # noqa: E402
 from mcore_ppo.api import fused_log_probs_and_entropy  # noqa: E402
 from mcore_ppo.backends import resolve_backend  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
-from tests.reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference  # noqa: E402
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
+from mcore_ppo_testing.seeds import fresh_seed, generator  # noqa: E402
 
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]  # the rest of the suite never sees it

@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 
+from mcore_ppo_testing.reference import normwise_relative_error, reference
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -22,36 +24,12 @@ GIB = 2**30
 
 
 def fp64_reference(x, w, labels, g, e, temperature, chunk=2048):
-    n = x.shape[0]
-    w64 = w.double()
-    logp = torch.zeros(n, dtype=torch.float64, device=x.device)
-    ent = torch.zeros_like(logp)
-    dh = torch.zeros(n, x.shape[1], dtype=torch.float64, device=x.device)
-    dw = torch.zeros_like(w64)
-    for r0 in range(0, n, chunk):
-        r1 = min(n, r0 + chunk)
-        xc, lab = x[r0:r1].double(), labels[r0:r1]
-        valid = lab != -100
-        z = xc @ w64.t() / temperature
-        log_p = z - torch.logsumexp(z, -1, keepdim=True)
-        del z
-        p = log_p.exp()
-        h = -(p * log_p).sum(-1)
-        logp[r0:r1] = torch.where(valid, log_p.gather(1, lab.clamp(min=0)[:, None]).squeeze(1), 0.0)
-        ent[r0:r1] = torch.where(valid, h, 0.0)
-        gc = torch.where(valid, g[r0:r1].double(), 0.0)[:, None]
-        ec = torch.where(valid, e[r0:r1].double(), 0.0)[:, None]
-        dz = -p * (gc + ec * (log_p + h[:, None]))
-        del p, log_p
-        dz.scatter_add_(1, lab.clamp(min=0)[:, None], gc)
-        dz /= temperature
-        dh[r0:r1] = dz @ w64
-        dw += dz.t() @ xc
-    return logp, ent, dh, dw
+    """``(log_prob, entropy, d_hidden, d_weight)`` in fp64, on the GPU, row chunk by chunk."""
+    ref = reference(x, w, labels, temperature, g, e, rows_per_chunk=chunk, with_terms=False)
+    return ref["log_prob"], ref["entropy"], ref["d_hidden"], ref["d_weight"]
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+rel = normwise_relative_error
 
 
 def make(n, h, v, dtype=torch.bfloat16, ignored=0.0, seed=0):
