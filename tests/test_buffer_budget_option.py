@@ -21,7 +21,7 @@ from mcore_ppo.backends import TorchBackend, resolve_backend, torch_backend
 from mcore_ppo.model import install_fused_head
 from mcore_ppo.verl_compat import linear_cross_entropy
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference
-from mcore_ppo_testing.seeds import fresh_seed, generator
+from mcore_ppo_testing.seeds import generator, next_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
@@ -107,7 +107,7 @@ BAD_TYPE_IDS = ["str", "float", "bool", "tensor"]
 
 
 def _small():
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     return (
         torch.randn(6, 8, generator=gen),
         torch.randn(13, 8, generator=gen),
@@ -144,7 +144,7 @@ def test_head_and_install_reject_bad_values(value, no_compute):
     # The head's attribute may be changed between calls: the forward validates it.
     head = make_head()
     head.buffer_budget_bytes = value
-    hidden = torch.randn(5, 16, generator=generator(fresh_seed()))
+    hidden = torch.randn(5, 16, generator=generator(next_seed()))
     with pytest.raises(error, match=r"buffer_budget_bytes must be"):
         head(hidden, torch.zeros(5, dtype=torch.long))
 
@@ -170,7 +170,7 @@ def test_resolve_backend_passes_the_budget_to_triton_only(monkeypatch):
 )
 def test_api_budget_decides_the_buffer(budget, env, kept, monkeypatch, spy):
     monkeypatch.setenv(ENV, env)
-    hidden, weight, labels, g, e = make_case(29, 24, 130, fresh_seed())
+    hidden, weight, labels, g, e = make_case(29, 24, 130, next_seed())
     x = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     logp, ent = mcore_ppo.fused_log_probs_and_entropy(
@@ -187,7 +187,7 @@ def test_head_budget_used_on_every_forward(monkeypatch, spy):
     monkeypatch.delenv(ENV, raising=False)
     head = make_head(backend="triton", temperature=0.9, buffer_budget_bytes=BIG)
     assert head.buffer_budget_bytes == BIG
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     for budget, kept in ((BIG, True), (0, False)):
         head.buffer_budget_bytes = budget
         hidden = torch.randn(7, 3, 16, generator=gen).to(DEVICE)
@@ -206,7 +206,7 @@ def test_head_budget_used_on_every_forward(monkeypatch, spy):
 def test_verl_entry_budget_and_no_grad(monkeypatch, spy):
     """verl's entry passes the budget on, and (as the API) keeps no buffer when no backward will run."""
     monkeypatch.setenv(ENV, "0")
-    hidden, weight, labels, g, e = make_case(21, 16, 75, fresh_seed())
+    hidden, weight, labels, g, e = make_case(21, 16, 75, next_seed())
     with torch.no_grad():
         linear_cross_entropy(
             hidden.clone().requires_grad_(True), weight, labels, backend="triton", buffer_budget_bytes=BIG

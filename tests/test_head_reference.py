@@ -20,7 +20,6 @@ Tolerances, and why (``rtol`` is relative to the tensor's largest reference valu
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ import torch
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, error_table, reference
-from mcore_ppo_testing.seeds import fresh_seed, generator
+from mcore_ppo_testing.seeds import generator, next_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
@@ -179,7 +178,7 @@ def test_matches_reference(layout, dtype, temperature, chunking, monkeypatch):
     """Values and both gradients, every layout × dtype × T × chunking, ignored labels sprinkled."""
     token_chunk, vocab_chunk, vocab = chunking
     set_chunks(monkeypatch, token_chunk, vocab_chunk)
-    case = make_case(layout, dtype, vocab, 24, 23, generator(fresh_seed()))
+    case = make_case(layout, dtype, vocab, 24, 23, generator(next_seed()))
     out = run_head(case, temperature)
     ref = reference(case["hidden"], case["weight"], case["labels"], temperature, case["g"], case["e"])
     compare(out, ref, dtype)
@@ -196,7 +195,7 @@ def test_chunking_is_exercised(monkeypatch):
         return original(x, w, temperature)
 
     monkeypatch.setattr(torch_backend, "_tempered_logits", spy)
-    case = make_case("2d", torch.float32, 37, 8, 23, generator(fresh_seed()))
+    case = make_case("2d", torch.float32, 37, 8, 23, generator(next_seed()))
     run_head(case, 1.0)
     blocks = math.ceil(23 / 5) * math.ceil(37 / 7)
     assert len(calls) == 2 * blocks  # forward statistics + backward recompute
@@ -208,7 +207,7 @@ def test_chunking_is_exercised(monkeypatch):
 def test_all_ignored(layout, dtype, monkeypatch):
     """Every token ignored: outputs and gradients exactly zero, nothing NaN."""
     set_chunks(monkeypatch, 5, 7)
-    case = make_case(layout, dtype, 29, 16, 17, generator(fresh_seed()))
+    case = make_case(layout, dtype, 29, 16, 17, generator(next_seed()))
     case["labels"].fill_(IGNORE_INDEX)
     out = run_head(case, 0.7)
     for name in ("log_prob", "entropy", "d_hidden", "d_weight"):
@@ -220,7 +219,7 @@ def test_all_ignored(layout, dtype, monkeypatch):
 def test_custom_ignore_index(ignore_index, monkeypatch):
     """A non-default ignore_index (even one inside the vocab) is honoured; -100 is then a bad label."""
     set_chunks(monkeypatch, 5, 7)
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     case = make_case("3d", torch.float32, 31, 16, 24, gen, ignore_fraction=0.0)
     labels = case["labels"]
     labels[labels == ignore_index] = 0
@@ -233,7 +232,7 @@ def test_custom_ignore_index(ignore_index, monkeypatch):
 def test_int32_labels(monkeypatch):
     """int32 labels (as some data loaders produce) give the same answer as int64."""
     set_chunks(monkeypatch, 5, 7)
-    case = make_case("packed", torch.float32, 53, 16, 19, generator(fresh_seed()))
+    case = make_case("packed", torch.float32, 53, 16, 19, generator(next_seed()))
     case["labels"] = case["labels"].to(torch.int32)
     out = run_head(case, 0.7)
     ref = reference(case["hidden"], case["weight"], case["labels"].long(), 0.7, case["g"], case["e"])
@@ -258,7 +257,7 @@ def test_extreme_logits(mode, dtype, monkeypatch):
     the shifted cases test that the head never forms exp of a large number.
     """
     set_chunks(monkeypatch, 5, 7)
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     h = 16
     case = make_case("3d", dtype, 41, h, 21, gen, logit_std=1.0)
     hidden, weight = case["hidden"].float(), case["weight"].float()
@@ -298,7 +297,7 @@ def test_all_equal_logits(how, dtype, monkeypatch):
     """All logits of a token equal: entropy = log V and log p = -log V (to fp32 rounding)."""
     set_chunks(monkeypatch, 5, 7)
     vocab = 97
-    case = make_case("2d", dtype, vocab, 16, 22, generator(fresh_seed()))
+    case = make_case("2d", dtype, vocab, 16, 22, generator(next_seed()))
     if how == "zero_hidden":
         case["hidden"] = torch.zeros_like(case["hidden"])
     else:
@@ -323,7 +322,7 @@ def test_near_uniform_entropy_never_exceeds_log_vocab(vocab, monkeypatch):
     right side of the bound, here checked exactly (fp64 comparison with the real log V).
     """
     set_chunks(monkeypatch, 64, 7)
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     h = 8
     weight = torch.randn(1, h, generator=gen).expand(vocab, h) + 1e-7 * torch.randn(vocab, h, generator=gen)
     hidden = torch.randn(64, h, generator=gen) * 3
@@ -339,7 +338,7 @@ def test_near_uniform_entropy_never_exceeds_log_vocab(vocab, monkeypatch):
 def test_non_contiguous_inputs(layout, dtype, monkeypatch):
     """Transposed and strided views of hidden, weight, labels and upstream gradients."""
     set_chunks(monkeypatch, 5, 7)
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     vocab, h = 45, 12
     weight = (torch.randn(h, vocab, generator=gen) / math.sqrt(h)).to(dtype).t()  # [V, h], transposed
     if layout == "2d":
@@ -365,7 +364,7 @@ def test_non_contiguous_inputs(layout, dtype, monkeypatch):
 def test_only_one_output_used(use, dtype, monkeypatch):
     """The other output's gradient is None (never materialised): works and equals the reference."""
     set_chunks(monkeypatch, 5, 7)
-    case = make_case("3d", dtype, 57, 16, 24, generator(fresh_seed()))
+    case = make_case("3d", dtype, 57, 16, 24, generator(next_seed()))
     out = run_head(case, 0.7, use=use)
     g = case["g"] if use == "log_prob" else None
     e = case["e"] if use == "entropy" else None
@@ -377,7 +376,7 @@ def test_only_one_output_used(use, dtype, monkeypatch):
 def test_gradcheck_float64(layout, monkeypatch):
     """torch.autograd.gradcheck in float64 on small shapes, with chunking and ignored tokens."""
     set_chunks(monkeypatch, 2, 3)
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     vocab, h = 8, 4
     lead, lshape = label_shape(layout, 6, batch=2)
     hidden = torch.randn(*lead, h, generator=gen, dtype=torch.float64).requires_grad_(True)
@@ -408,7 +407,7 @@ class _SavedCounter:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_saved_tensors(dtype):
     """Grad-enabled forward saves fp32 per-token values; a no-grad forward saves nothing."""
-    case = make_case("3d", dtype, 33, 16, 24, generator(fresh_seed()))
+    case = make_case("3d", dtype, 33, 16, 24, generator(next_seed()))
     hidden = case["hidden"].requires_grad_(True)
     weight = case["weight"].requires_grad_(True)
     n_tokens = case["labels"].numel()
@@ -438,7 +437,7 @@ def test_saved_tensors(dtype):
 def test_gradient_reaches_3d_hidden(layout, dtype, monkeypatch):
     """Regression: hidden [s,b,h] / [t,1,h] as a leaf gets .grad, equal to the reference."""
     set_chunks(monkeypatch, 5, 7)
-    case = make_case(layout, dtype, 39, 16, 24, generator(fresh_seed()))
+    case = make_case(layout, dtype, 39, 16, 24, generator(next_seed()))
     hidden = case["hidden"].clone().requires_grad_(True)
     weight = case["weight"].clone()  # frozen: only hidden asks for a gradient
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=1.3)
@@ -462,7 +461,7 @@ def test_gradient_reaches_3d_hidden(layout, dtype, monkeypatch):
 def test_gradient_reaches_backbone(monkeypatch):
     """Regression: through a backbone layer producing 3-D hidden, the layer's parameter gets its gradient."""
     set_chunks(monkeypatch, 5, 7)
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     case = make_case("3d", torch.float32, 39, 16, 24, gen)
     x = case["hidden"]
     proj = (torch.randn(16, 16, generator=gen) / 4).requires_grad_(True)
@@ -483,7 +482,7 @@ def test_gradient_reaches_backbone(monkeypatch):
 def test_gradient_to_one_input_only(which, monkeypatch):
     """Only one input requires grad: it gets the reference gradient, the other stays None."""
     set_chunks(monkeypatch, 5, 7)
-    case = make_case("2d", torch.float32, 39, 16, 24, generator(fresh_seed()))
+    case = make_case("2d", torch.float32, 39, 16, 24, generator(next_seed()))
     hidden = case["hidden"].clone().requires_grad_(which == "hidden")
     weight = case["weight"].clone().requires_grad_(which == "weight")
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=1.0)
@@ -499,7 +498,7 @@ def test_gradient_to_one_input_only(which, monkeypatch):
 def test_repeated_backward_accumulates(monkeypatch):
     """Two micro-batches through the same weight: weight.grad is the sum (no state left behind)."""
     set_chunks(monkeypatch, 5, 7)
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     weight = (torch.randn(29, 16, generator=gen) / 4).requires_grad_(True)
     expected = torch.zeros(29, 16, dtype=torch.float64)
     terms = torch.zeros(29, 16, dtype=torch.float64)
@@ -518,7 +517,7 @@ def test_repeated_backward_accumulates(monkeypatch):
 def test_mean_loss_broadcast_upstream(layout, monkeypatch):
     """A mean loss hands the head an expanded (stride-0) upstream gradient: same as a dense one."""
     set_chunks(monkeypatch, 5, 7)
-    case = make_case(layout, torch.float32, 43, 16, 21, generator(fresh_seed()))
+    case = make_case(layout, torch.float32, 43, 16, 21, generator(next_seed()))
     hidden = case["hidden"].clone().requires_grad_(True)
     weight = case["weight"].clone().requires_grad_(True)
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=0.7)
@@ -537,7 +536,7 @@ def test_zero_tokens(layout):
     """An empty micro-batch (no tokens on this rank) returns empty outputs and zero gradients."""
     lead, lshape = {"2d": ((0,), (0,)), "3d": ((0, 2), (2, 0)), "packed": ((0, 1), (1, 0))}[layout]
     hidden = torch.randn(*lead, 8, requires_grad=True)
-    weight = torch.randn(11, 8, generator=generator(fresh_seed()), requires_grad=True)
+    weight = torch.randn(11, 8, generator=generator(next_seed()), requires_grad=True)
     labels = torch.zeros(lshape, dtype=torch.long)
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels)
     check_invariants(log_prob, entropy, labels, 11)
@@ -549,7 +548,7 @@ def test_zero_tokens(layout):
 def test_ignored_rows_with_inf_hidden_give_finite_gradients():
     """Padding rows (ignored labels) may hold inf: outputs there are 0, every gradient finite,
     and the valid rows' results equal those of a batch without the padding rows."""
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    gen = generator(next_seed())
     hidden = torch.randn(9, 16, generator=gen)
     weight = torch.randn(40, 16, generator=gen)
     labels = torch.randint(0, 40, (9,), generator=gen)

@@ -17,7 +17,7 @@ import torch
 from mcore_ppo import fused_log_probs_and_entropy, linear_cross_entropy
 from mcore_ppo.backends import liger_backend, resolve_backend
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference, reference_outputs
-from mcore_ppo_testing.seeds import fresh_seed, generator
+from mcore_ppo_testing.seeds import generator, next_seed
 
 
 class FakeLiger:
@@ -61,7 +61,7 @@ def test_available_with_fake(fake_liger):
 
 
 def test_dispatch_2d(fake_liger):
-    hidden, weight, labels = case(fresh_seed())
+    hidden, weight, labels = case(next_seed())
     x = hidden.clone().requires_grad_(True)
     logp, ent = fused_log_probs_and_entropy(
         x, weight, labels, temperature=0.7, ignore_index=IGNORE_INDEX, backend="liger"
@@ -81,7 +81,7 @@ def test_dispatch_2d(fake_liger):
 def test_dispatch_megatron_layout(fake_liger):
     """[s, b, h] hidden with [b, s] labels: tokens passed sequence-major, outputs back as [b, s]."""
     s, b, h, v = 5, 3, 8, 20
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     hidden = torch.randn(s, b, h, generator=gen, dtype=torch.float64)
     weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
     labels = torch.randint(0, v, (b, s), generator=gen)
@@ -97,7 +97,7 @@ def test_verl_entry_dispatches_to_liger(fake_liger):
     """verl's entry runs Liger through the same pipeline: its own token order (no transpose),
     verl's reduction, values and d_hidden as the reference."""
     s, b, h, v = 5, 3, 8, 20
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     hidden = torch.randn(s, b, h, generator=gen, dtype=torch.float64)
     weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
     labels = torch.randint(0, v, (s, b), generator=gen)  # verl pairs hidden[i, j] with labels[i, j]
@@ -140,7 +140,7 @@ def test_tp_needs_cuda(fake_liger):
 def test_tp_variant_called_with_group(fake_liger, monkeypatch):
     """TP > 1 without SP goes to Liger's TP function with the group (its backward reduces d_hidden)."""
     monkeypatch.setattr(liger_backend, "group_size", lambda group: 2)
-    hidden, weight, labels = case(fresh_seed())
+    hidden, weight, labels = case(next_seed())
     group = object()
     liger_backend.LigerBackend().log_probs_and_entropy(
         hidden, weight, labels, temperature=1.5, ignore_index=IGNORE_INDEX, tp_group=group
@@ -160,7 +160,7 @@ def test_absent_liger_is_unavailable(monkeypatch):
 def test_real_liger_cpu_fallback():
     """The installed Liger (its chunked PyTorch fallback on CPU) through the head, vs fp64."""
     pytest.importorskip(liger_backend.LIGER_MODULE)
-    hidden, weight, labels = case(fresh_seed(), n=10, h=16, v=40, dtype=torch.float32)
+    hidden, weight, labels = case(next_seed(), n=10, h=16, v=40, dtype=torch.float32)
     g = torch.randn(10, generator=generator(3))
     x = hidden.clone().requires_grad_(True)
     logp, ent = fused_log_probs_and_entropy(x, weight, labels, temperature=0.9, backend="liger")

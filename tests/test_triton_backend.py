@@ -25,7 +25,7 @@ from mcore_ppo.api import fused_log_probs_and_entropy  # noqa: E402
 from mcore_ppo.backends import resolve_backend  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
-from mcore_ppo_testing.seeds import fresh_seed, generator  # noqa: E402
+from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]  # the rest of the suite never sees it
@@ -105,13 +105,13 @@ def test_backend_resolves():
 )
 def test_head_matches_fp64(n, h, v, temperature):
     """Outputs and both gradients vs fp64, odd sizes, ignored tokens, T ≠ 1."""
-    hidden, weight, labels, g, e = make_case(n, h, v, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(n, h, v, seed=next_seed())
     check_against_reference(hidden, weight, labels, temperature, g, e)
 
 
 def test_statistics_match_torch_backend():
     """The raw shard statistics (m, s, u, y) equal the torch backend's, labels of other shards too."""
-    hidden, weight, labels, _, _ = make_case(33, 20, 101, seed=fresh_seed(), ignored=0.0)
+    hidden, weight, labels, _, _ = make_case(33, 20, 101, seed=next_seed(), ignored=0.0)
     valid = torch.ones(33, dtype=torch.bool, device=DEVICE)
     valid[::4] = False
     local = labels.clone()
@@ -128,7 +128,7 @@ def test_statistics_match_torch_backend():
 
 
 def test_all_ignored_is_zero():
-    hidden, weight, labels, g, e = make_case(19, 16, 70, seed=fresh_seed(), ignored=1.0)
+    hidden, weight, labels, g, e = make_case(19, 16, 70, seed=next_seed(), ignored=1.0)
     logp, ent, dh, dw = run_head(hidden, weight, labels, 1.3, g, e)
     for t in (logp, ent, dh, dw):
         assert torch.isfinite(t).all()
@@ -138,7 +138,7 @@ def test_all_ignored_is_zero():
 @pytest.mark.parametrize(("scale", "shift"), [(300.0, 0.0), (1.0, -5000.0), (1.0, 8000.0)])
 def test_extreme_logits(scale, shift):
     """Logits of size 1e3..1e4, far below and far above zero: exact to fp32 rounding."""
-    hidden, weight, labels, g, e = make_case(16, 16, 45, seed=fresh_seed(), scale=scale, shift=shift)
+    hidden, weight, labels, g, e = make_case(16, 16, 45, seed=next_seed(), scale=scale, shift=shift)
     # The fp32 GEMM that forms logits of size L is itself off by ~sqrt(h)·eps32·L before the head
     # does anything, and every output is Lipschitz in the logits: tolerances scale with L (as in
     # test_head_reference.py), plus the head's own fp32 rounding.
@@ -149,7 +149,7 @@ def test_extreme_logits(scale, shift):
 
 def test_equal_logits_entropy_is_log_v():
     n, h, v = 9, 16, 77
-    hidden = torch.randn(n, h, generator=generator(fresh_seed())).to(DEVICE)
+    hidden = torch.randn(n, h, generator=generator(next_seed())).to(DEVICE)
     weight = torch.ones(v, h, device=DEVICE)
     labels = torch.arange(n, device=DEVICE) * 7
     logp, ent = fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.5, backend="triton")
@@ -161,7 +161,7 @@ def test_equal_logits_entropy_is_log_v():
 @pytest.mark.parametrize("which", ["log_prob", "entropy"])
 def test_one_output_used(which):
     """An unused output passes no gradient (None); the other's gradient is still exact."""
-    hidden, weight, labels, g, e = make_case(21, 24, 66, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(21, 24, 66, seed=next_seed())
     g, e = (g, None) if which == "log_prob" else (None, e)
     check_against_reference(hidden, weight, labels, 1.1, g, e)
 
@@ -171,14 +171,14 @@ def test_several_backward_chunks(monkeypatch):
     block_n = triton_backend.TritonBackend().backward_config.block_n
     monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 30 * 4 * 2 * block_n)  # two tiles for n=30 fp32
     v = 4 * block_n + 22
-    hidden, weight, labels, g, e = make_case(30, 16, v, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(30, 16, v, seed=next_seed())
     assert triton_backend.TritonBackend().vocab_chunk(30, v, 4) == 2 * block_n
     check_against_reference(hidden, weight, labels, 0.6, g, e)
 
 
 def test_main_grad_accumulation():
     """With Megatron's gradient-accumulation fusion the weight gradient is added to main_grad."""
-    hidden, weight, labels, g, e = make_case(18, 16, 50, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(18, 16, 50, seed=next_seed())
     w = weight.clone().requires_grad_(True)
     w.main_grad = torch.randn(w.shape, generator=generator(1)).to(DEVICE)
     before = w.main_grad.clone()
@@ -244,7 +244,7 @@ def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
         block_n = triton_backend.TritonBackend().backward_config.block_n
         monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", n * 2 * chunk_tiles * block_n)
         assert v > 2 * chunk_tiles * block_n and v % (chunk_tiles * block_n) != 0  # >2 chunks, ragged
-    hidden, weight, labels, g, e = make_case(n, 32, v, seed=fresh_seed(), dtype=dtype, ignored=ignored)
+    hidden, weight, labels, g, e = make_case(n, 32, v, seed=next_seed(), dtype=dtype, ignored=ignored)
     labels[0] = 3  # at least one valid token
     logp, ent, dh, dw = run_head(hidden, weight, labels, 0.7, g, e)
     assert buffer_backwards == ([1] if buffer else [])
@@ -269,7 +269,7 @@ def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
 def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):
     """Padding rows full of inf (ignored labels) must not turn into 0·inf = NaN in d_W."""
     _use_tma_everywhere(monkeypatch)
-    hidden, weight, labels, g, e = make_case(21, 16, 40, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(21, 16, 40, seed=next_seed())
     ignored = labels == IGNORE_INDEX
     assert ignored.any()
     clean = check_against_reference(hidden, weight, labels, 0.8, g, e)
@@ -283,7 +283,7 @@ def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):
 
 
 def test_compact_rows():
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     valid = torch.rand(57, generator=gen) < 0.6
     perm, count = triton_backend.compact_rows(valid.to(DEVICE))
     k = int(valid.sum())
@@ -293,7 +293,7 @@ def test_compact_rows():
 
 
 def test_fp64_falls_back_to_reference():
-    hidden, weight, labels, g, e = make_case(12, 8, 30, seed=fresh_seed(), dtype=torch.float64)
+    hidden, weight, labels, g, e = make_case(12, 8, 30, seed=next_seed(), dtype=torch.float64)
     check_against_reference(hidden, weight, labels, 1.0, g, e, rtol=1e-12, grad_rtol=1e-10)
 
 
@@ -307,7 +307,7 @@ def test_tma_operands(monkeypatch):
     monkeypatch.setattr(
         triton_backend, "BACKWARD_CONFIG", triton_backend.replace(triton_backend.BACKWARD_CONFIG, use_tma=True)
     )
-    hidden, weight, labels, g, e = make_case(37, 28, 151, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(37, 28, 151, seed=next_seed())
     assert triton_backend.TritonBackend().forward_config.use_tma
     check_against_reference(hidden, weight, labels, 0.7, g, e)
 
@@ -316,7 +316,7 @@ def test_tma_operands(monkeypatch):
 def test_buffer_mode(monkeypatch, buffer_backwards, which):
     """Issue 6: with a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
-    hidden, weight, labels, g, e = make_case(29, 24, 130, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(29, 24, 130, seed=next_seed())
     if which == "log_prob":
         e = None
     check_against_reference(hidden, weight, labels, 0.7, g, e)
@@ -325,7 +325,7 @@ def test_buffer_mode(monkeypatch, buffer_backwards, which):
 
 def test_buffer_not_kept_without_grad(monkeypatch):
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
-    hidden, weight, labels, _, _ = make_case(9, 16, 40, seed=fresh_seed())
+    hidden, weight, labels, _, _ = make_case(9, 16, 40, seed=next_seed())
     backend = triton_backend.TritonBackend()
     monkeypatch.setattr(triton_backend, "TritonBackend", lambda: backend)
     forwards = []  # (grad_needed, residual) of every statistics call: the backend keeps nothing itself
