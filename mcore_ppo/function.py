@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_ppo.backends.base import Backend, SavedTokens
+from mcore_ppo.backends.base import Backend, GradientRequest, SavedTokens
 from parallel.combine import combine_shard_statistics
 from parallel.ranks import ProcessGroup
 
@@ -150,11 +150,8 @@ class FusedPPOHeadFunction(torch.autograd.Function):
             hidden,
             weight,
             SavedTokens(local_labels, valid, lse, entropy, residual),
+            GradientRequest(grad_log_prob, grad_entropy, need_hidden, weight_grad),
             temperature=plan.temperature,
-            grad_log_prob=grad_log_prob,
-            grad_entropy=grad_entropy,
-            need_hidden_grad=need_hidden,
-            weight_grad=weight_grad,
         )
         if d_hidden is not None:
             d_hidden = d_hidden.to(hidden.dtype)

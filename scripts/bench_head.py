@@ -203,7 +203,7 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, settings: di
     """Where the time goes: backend calls alone vs the API, and a larger backward workspace."""
     from mcore_ppo.backends import triton_backend as tb
     from mcore_ppo.backends import triton_host
-    from mcore_ppo.backends.base import SavedTokens
+    from mcore_ppo.backends.base import GradientRequest, SavedTokens
     from parallel.combine import combine_shard_statistics
 
     x, w, labels = inputs.x, inputs.w, inputs.labels
@@ -214,13 +214,16 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, settings: di
         stats = backend.shard_statistics(x, w, local, valid, temperature)
         lse, ent, _ = combine_shard_statistics(*stats.tensors(), None)
     saved = SavedTokens(local, valid, lse, ent)
-    grads = {"grad_log_prob": inputs.g, "grad_entropy": inputs.e, "need_hidden_grad": True, "temperature": temperature}
+
+    def request() -> GradientRequest:
+        return GradientRequest(inputs.g, inputs.e, need_hidden_grad=True, weight_grad=torch.zeros_like(w))
+
     reps = timer.reps
     res = {
         "compact_rows_ms": timer(lambda: tb.compact_rows(valid), reps * 4),
         "backend_statistics_ms": timer(lambda: backend.shard_statistics(x, w, local, valid, temperature), reps * 2),
         "backend_gradients_ms": timer(
-            lambda: backend.shard_gradients(x, w, saved, weight_grad=torch.zeros_like(w), **grads), reps
+            lambda: backend.shard_gradients(x, w, saved, request(), temperature=temperature), reps
         ),
         "dz_chunk_columns": backend.vocab_chunk(x.shape[0], w.shape[0], x.element_size()),
     }

@@ -66,6 +66,23 @@ class SavedTokens:
     residual: Any = None
 
 
+@dataclass(frozen=True)
+class GradientRequest:
+    """What one backward asks of a shard.
+
+    ``grad_log_prob`` / ``grad_entropy``: per-token ``[n]`` upstream gradients of the two
+    outputs, None for an output that is unused. ``need_hidden_grad``: ``d_hidden`` is wanted.
+    ``weight_grad``: the ``[v, h]`` buffer ``d_weight`` is accumulated into (zeros in fp32 or,
+    see :attr:`Backend.weight_grad_in_weight_dtype`, the weight's dtype; or Megatron's
+    ``main_grad``), None when no weight gradient is wanted.
+    """
+
+    grad_log_prob: torch.Tensor | None
+    grad_entropy: torch.Tensor | None
+    need_hidden_grad: bool
+    weight_grad: torch.Tensor | None
+
+
 class Backend(Protocol):
     """Per-shard statistics and gradients of the fused head, stateless between calls."""
 
@@ -94,21 +111,17 @@ class Backend(Protocol):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         saved: SavedTokens,
+        request: GradientRequest,
         *,
         temperature: float,
-        grad_log_prob: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
-        need_hidden_grad: bool,
-        weight_grad: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This shard's ``(d_hidden, d_weight)`` in fp32 (``d_hidden`` may come already rounded
         once to ``hidden``'s dtype, from fp32 accumulation, when that saves the backend a pass).
 
-        The upstream gradients are per token (``None`` = that output is unused). ``d_hidden``
-        is this shard's partial sum (the caller reduces it over TP). ``weight_grad`` is None
-        when no weight gradient is needed, else an fp32 ``[v, h]`` buffer to accumulate into
-        (zeros, or Megatron's ``main_grad``), which is returned. A residual in ``saved`` is
-        consumed (it may be overwritten in place).
+        ``d_hidden`` (None unless ``request.need_hidden_grad``) is this shard's partial sum: the
+        caller reduces it over TP. ``d_weight`` is ``request.weight_grad`` accumulated into and
+        returned (None when it is None). A residual in ``saved`` is consumed (it may be
+        overwritten in place).
         """
         ...
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_ppo.backends.base import SavedTokens, ShardStatistics
+from mcore_ppo.backends.base import GradientRequest, SavedTokens, ShardStatistics
 from parallel.combine import merge_statistics
 
 TOKEN_CHUNK = 2048
@@ -93,15 +93,13 @@ class TorchBackend:
         hidden: torch.Tensor,
         weight: torch.Tensor,
         saved: SavedTokens,
+        request: GradientRequest,
         *,
         temperature: float,
-        grad_log_prob: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
-        need_hidden_grad: bool,
-        weight_grad: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(d_hidden, d_weight)`` of this shard, logits recomputed chunk by chunk; see the Backend protocol."""
         local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
+        grad_log_prob, grad_entropy, weight_grad = request.grad_log_prob, request.grad_entropy, request.weight_grad
         n, h = hidden.shape
         v = weight.shape[0]
         acc = accumulation_dtype(hidden.dtype)
@@ -109,7 +107,7 @@ class TorchBackend:
         # Ignored tokens get zero upstream gradient, whatever the caller passed.
         g = torch.where(valid, grad_log_prob.to(acc), zeros) if grad_log_prob is not None else zeros
         e = torch.where(valid, grad_entropy.to(acc), zeros) if grad_entropy is not None else zeros
-        hidden_grad = torch.zeros(n, h, dtype=acc, device=hidden.device) if need_hidden_grad else None
+        hidden_grad = torch.zeros(n, h, dtype=acc, device=hidden.device) if request.need_hidden_grad else None
         for t0, t1 in _chunks(n, self.token_chunk):
             valid_c = valid[t0:t1, None]
             # Ignored rows' hidden states may be anything (inf padding): zero them so their

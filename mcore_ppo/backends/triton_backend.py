@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import torch
 
-from mcore_ppo.backends.base import SavedTokens, ShardStatistics
+from mcore_ppo.backends.base import GradientRequest, SavedTokens, ShardStatistics
 from mcore_ppo.backends.torch_backend import TorchBackend
 from mcore_ppo.backends.triton_host import (
     ElementwiseConfig,
@@ -220,12 +220,9 @@ class TritonBackend:
         hidden: torch.Tensor,
         weight: torch.Tensor,
         saved: SavedTokens,
+        request: GradientRequest,
         *,
         temperature: float,
-        grad_log_prob: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
-        need_hidden_grad: bool,
-        weight_grad: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This shard's ``(d_hidden, d_weight)`` (``d_hidden`` in the input dtype, rounded once
         from fp32 accumulation): from the forward's buffer when ``saved`` carries one, else by
@@ -236,33 +233,22 @@ class TritonBackend:
             path = self._gradients_from_buffer
         else:
             path = self._gradients_by_recompute
-        return path(
-            hidden,
-            weight,
-            saved,
-            temperature=temperature,
-            grad_log_prob=grad_log_prob,
-            grad_entropy=grad_entropy,
-            need_hidden_grad=need_hidden_grad,
-            weight_grad=weight_grad,
-        )
+        return path(hidden, weight, saved, request, temperature=temperature)
 
     def _gradients_by_recompute(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         saved: SavedTokens,
+        request: GradientRequest,
         *,
         temperature: float,
-        grad_log_prob: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
-        need_hidden_grad: bool,
-        weight_grad: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Backward without a buffer: ``dz`` recomputed vocab chunk by chunk (module doc)."""
         from mcore_ppo.kernels import dz_kernel
 
         local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
+        weight_grad = request.weight_grad
 
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         cfg = for_dtype(self.backward_config, hidden.dtype)
@@ -270,11 +256,11 @@ class TritonBackend:
         v = weight.shape[0]
         device = hidden.device
         perm, count = compact_rows(valid)
-        has_g, has_e, g, e = upstream_gradients(grad_log_prob, grad_entropy, lse)
+        has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, request.grad_entropy, lse)
         # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
         use_tma = operands_by_tma(hidden, weight, cfg)
         x_c = gathered_rows(hidden, perm, count) if use_tma or weight_grad is not None else None
-        hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=device) if need_hidden_grad else None
+        hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=device) if request.need_hidden_grad else None
         chunk = self.vocab_chunk(n, v, hidden.element_size())
         workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
         flags = kernel_flags(hidden, cfg)
@@ -332,12 +318,9 @@ class TritonBackend:
         hidden: torch.Tensor,
         weight: torch.Tensor,
         saved: SavedTokens,
+        request: GradientRequest,
         *,
         temperature: float,
-        grad_log_prob: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
-        need_hidden_grad: bool,
-        weight_grad: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Backward of the buffer mode: ``dz`` formed in place from the forward's buffer, then
         the two GEMMs over the whole shard at once (K = V/tp for ``d_hidden``: no fp32
@@ -347,10 +330,11 @@ class TritonBackend:
         buffer: ProbabilityBuffer = saved.residual
         buf, tmax, block_n, perm, count = buffer.probs, buffer.tile_max, buffer.block_n, buffer.perm, buffer.count
         local_labels, lse, entropy = saved.local_labels, saved.lse, saved.entropy
+        weight_grad = request.weight_grad
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         n, h = hidden.shape
         v = weight.shape[0]
-        has_g, has_e, g, e = upstream_gradients(grad_log_prob, grad_entropy, lse)
+        has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, request.grad_entropy, lse)
         cfg = self.buffer_dz_config
         n_tiles_v = tmax.shape[1]
         dz_from_buffer_kernel[(cdiv(n, cfg.block_m) * n_tiles_v,)](
@@ -376,7 +360,7 @@ class TritonBackend:
         )
         del tmax
         hidden_grad = None
-        if need_hidden_grad:
+        if request.need_hidden_grad:
             hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=hidden.device)
             addmm_fp32(hidden_grad_c, buf, weight, "d_hidden")
         if weight_grad is not None:
@@ -384,6 +368,6 @@ class TritonBackend:
             addmm_fp32(weight_grad, buf.t(), x_c, "d_weight")
             del x_c
         del buf
-        if need_hidden_grad:
+        if request.need_hidden_grad:
             hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype)
         return hidden_grad, weight_grad

@@ -161,7 +161,7 @@ def test_main_grad_fp32():
 def test_cuda_graph_capture(use_tma, budget):
     """No host synchronisation: the forward statistics and the backward capture in a CUDA graph
     (with the buffer too: the forward keeps it, the backward consumes it, inside the graph)."""
-    from mcore_ppo.backends.base import SavedTokens
+    from mcore_ppo.backends.base import GradientRequest, SavedTokens
     from mcore_ppo.backends.triton_backend import TritonBackend
 
     x, w, labels, g, e = make(2048, 1024, 20000, ignored=0.3, seed=6)
@@ -175,8 +175,8 @@ def test_cuda_graph_capture(use_tma, budget):
 
     def gradients(stats):  # consumes the forward's buffer, if it kept one
         saved = SavedTokens(local, valid, lse, ent, stats.residual)
-        grads = {"grad_log_prob": g, "grad_entropy": e, "need_hidden_grad": True, "weight_grad": torch.zeros_like(w)}
-        return backend.shard_gradients(x, w, saved, temperature=0.7, **grads)
+        request = GradientRequest(g, e, need_hidden_grad=True, weight_grad=torch.zeros_like(w))
+        return backend.shard_gradients(x, w, saved, request, temperature=0.7)
 
     eager = statistics()
     gradients(eager)  # compile first
