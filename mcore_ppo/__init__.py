@@ -2,16 +2,40 @@
 
 Per token, ``log p(label)`` and the entropy of ``softmax(hidden @ W.T / T)`` with the vocab
 sharded over tensor-parallel ranks, without ever holding the ``[tokens, V]`` logits.
+
+The public names are loaded on first use (PEP 562), so ``import mcore_ppo.kernels``,
+``mcore_ppo.backends`` or ``mcore_ppo.function`` needs torch (and triton) only; the Megatron
+integration (the head module, the model helpers) imports megatron-core when it is touched.
 """
 
-from mcore_ppo.api import fused_log_probs_and_entropy
-from mcore_ppo.backends import BACKENDS
-from mcore_ppo.head import VocabParallelFusedPPOHead
-from mcore_ppo.model import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
-from mcore_ppo.verl_compat import linear_cross_entropy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mcore_ppo.api import fused_log_probs_and_entropy
+    from mcore_ppo.backends import BACKENDS
+    from mcore_ppo.head import VocabParallelFusedPPOHead
+    from mcore_ppo.model import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
+    from mcore_ppo.pipeline import HeadOptions
+    from mcore_ppo.verl_compat import linear_cross_entropy
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "BACKENDS": "mcore_ppo.backends",
+    "HeadOptions": "mcore_ppo.pipeline",
+    "VocabParallelFusedPPOHead": "mcore_ppo.head",
+    "build_gpt_model": "mcore_ppo.model",
+    "fused_log_probs_and_entropy": "mcore_ppo.api",
+    "gpt_log_probs_and_entropy": "mcore_ppo.model",
+    "install_fused_head": "mcore_ppo.model",
+    "linear_cross_entropy": "mcore_ppo.verl_compat",
+}
 
 __all__ = [
     "BACKENDS",
+    "HeadOptions",
     "VocabParallelFusedPPOHead",
     "build_gpt_model",
     "fused_log_probs_and_entropy",
@@ -20,3 +44,16 @@ __all__ = [
     "linear_cross_entropy",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mcore_ppo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,27 +1,65 @@
-"""The autograd Function of the head, shared by every backend.
+"""The autograd Function of the head, shared by every per-shard backend.
 
 Forward (one rank, its vocab shard ``[vocab_start, vocab_start + v)``):
-  1. local statistics ``(m, s, u, y)`` from the backend, fp32, nothing ``[n, v]`` kept;
+  1. local statistics ``(m, s, u, y)`` from the backend, fp32, nothing ``[n, v]`` kept unless
+     the backend returns a residual for its backward (the triton buffer);
   2. the cross-rank combine (:func:`parallel.combine_shard_statistics`): MAX, then one SUM;
   3. ``log_prob = y - lse`` and ``entropy = H``, zero for ignored tokens.
-Saved for backward: the inputs and the fp32 per-token ``lse`` and ``entropy``.
+Saved for backward: the inputs and the fp32 per-token ``lse`` and ``entropy`` (saved tensors),
+and the backend's residual (on ``ctx``, handed to the one backward that consumes it).
 
-Backward: the backend recomputes the logits shard by shard and returns this rank's *partial*
-``d_hidden`` (fp32, cast once at the end) and ``d_weight``. The partial ``d_hidden`` is summed
-over TP by the mapping that wraps ``hidden`` outside this Function (see
-:mod:`parallel.mappings`), so it is reduced exactly once, whatever the layout.
+Backward: the backend returns this rank's *partial* ``d_hidden`` (fp32, cast once at the end)
+and ``d_weight``. The partial ``d_hidden`` is summed over TP by the mapping that wraps
+``hidden`` outside this Function (:mod:`parallel.mappings`), or by the caller (verl's
+contract), so it is reduced exactly once, whatever the layout.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
-from mcore_ppo.backends.base import Backend
+from mcore_ppo.backends.base import Backend, GradientRequest, SavedTokens
 from parallel.combine import combine_shard_statistics
-from parallel.groups import ProcessGroup
+from parallel.ranks import ProcessGroup
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Everything one call of the Function needs besides its tensors.
+
+    Attributes:
+        backend: the per-shard backend (stateless: one may serve every call).
+        temperature: python float > 0.
+        ignore_index: label value of skipped tokens.
+        vocab_start: the first global vocab id of this rank's shard.
+        vocab_size: the global vocab size (every rank's shard together).
+        tp_group: the group the statistics are combined over (None: one rank).
+        accumulate_into_main_grad: the weight gradient goes into ``weight.main_grad`` (fp32),
+            Megatron's gradient-accumulation fusion.
+    """
+
+    backend: Backend
+    temperature: float
+    ignore_index: int
+    vocab_start: int
+    vocab_size: int
+    tp_group: ProcessGroup | None = None
+    accumulate_into_main_grad: bool = False
+
+
+def shard_head(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, plan: ShardPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_prob [n], entropy [n])``, fp32, for ``hidden [n, h]``, this rank's ``weight [v, h]``
+    and global ``labels [n]``; differentiable (this rank's partial ``d_hidden``)."""
+    # Decided here, where grad mode is still visible: a backend keeps backward buffers only
+    # when a backward can follow.
+    grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return FusedPPOHeadFunction.apply(hidden, weight, labels, plan, grad_needed)
 
 
 @functools.lru_cache(maxsize=64)
@@ -50,10 +88,11 @@ def _weight_grad_buffer(weight: torch.Tensor, accumulate_into_main_grad: bool, b
 
 
 class FusedPPOHeadFunction(torch.autograd.Function):
-    """``(hidden [n,h], weight [v,h], labels [n]) → (log_prob [n], entropy [n])``, fp32.
+    """``(hidden [n,h], weight [v,h], labels [n], plan, grad_needed) → (log_prob [n], entropy [n])``, fp32.
 
-    ``labels`` are global vocab ids (or ``ignore_index``); this rank owns rows
-    ``[vocab_start, vocab_start + v)`` of the global vocab of size ``vocab_size``.
+    ``labels`` are global vocab ids (or ``plan.ignore_index``); this rank owns rows
+    ``[plan.vocab_start, plan.vocab_start + v)`` of the global vocab. Call it through
+    :func:`shard_head`, which decides ``grad_needed``.
     """
 
     @staticmethod
@@ -62,61 +101,57 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
-        temperature: float,
-        ignore_index: int,
-        vocab_start: int,
-        vocab_size: int,
-        tp_group: ProcessGroup | None,
-        backend: Backend,
-        accumulate_into_main_grad: bool,
+        plan: ShardPlan,
+        grad_needed: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
-        valid = labels != ignore_index
-        local_labels = labels.long() - vocab_start
+        valid = labels != plan.ignore_index
+        local_labels = labels.long() - plan.vocab_start
         in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
         local_labels = torch.where(in_shard, local_labels, torch.full_like(local_labels, -1))
 
-        m, s, u, y = backend.shard_statistics(hidden, weight, local_labels, valid, temperature)
-        lse, entropy, label_logit = combine_shard_statistics(m, s, u, y, tp_group)
+        stats = plan.backend.shard_statistics(
+            hidden, weight, local_labels, valid, plan.temperature, grad_needed=grad_needed
+        )
+        lse, entropy, label_logit = combine_shard_statistics(*stats.tensors(), plan.tp_group)
 
         zero = torch.zeros_like(lse)
         # Rounding can push log p a hair above 0 or H a hair below 0; the math forbids both.
         log_prob = torch.where(valid, (label_logit - lse).clamp(max=0.0), zero)
         # A label outside [0, vocab_size) that was not caught by validation (CUDA without
         # MCORE_PPO_VALIDATE=1) poisons its log-prob instead of returning a plausible number.
-        out_of_range = valid & ((labels < 0) | (labels >= vocab_size))
+        out_of_range = valid & ((labels < 0) | (labels >= plan.vocab_size))
         log_prob = torch.where(out_of_range, torch.full_like(log_prob, torch.nan), log_prob)
         # Near-uniform logits: H rounds to within an ulp of log V, possibly above it.
-        entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=_max_entropy(vocab_size, entropy.dtype)), zero)
+        max_entropy = _max_entropy(plan.vocab_size, entropy.dtype)
+        entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=max_entropy), zero)
 
         ctx.save_for_backward(hidden, weight, local_labels, valid, lse, entropy)
-        ctx.temperature = temperature
-        ctx.backend = backend
-        ctx.accumulate_into_main_grad = accumulate_into_main_grad
+        ctx.plan = plan
+        # Not a saved tensor: the one backward that uses it takes it (see backward).
+        ctx.residual = stats.residual
         return log_prob, entropy_out
 
     @staticmethod
     def backward(ctx, grad_log_prob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         hidden, weight, local_labels, valid, lse, entropy = ctx.saved_tensors
+        plan: ShardPlan = ctx.plan
+        # Taken, not read: the buffer is freed with this backward (a second one, with
+        # retain_graph, recomputes), and the backend may overwrite it in place.
+        residual, ctx.residual = ctx.residual, None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        nones = (None,) * 8
+        nones = (None,) * 3
         if (grad_log_prob is None and grad_entropy is None) or not (need_hidden or need_weight):
             return None, None, *nones
 
-        main_grad = ctx.accumulate_into_main_grad and hasattr(weight, "main_grad")
-        weight_grad = _weight_grad_buffer(weight, ctx.accumulate_into_main_grad, ctx.backend) if need_weight else None
-        d_hidden, d_weight = ctx.backend.shard_gradients(
+        main_grad = plan.accumulate_into_main_grad and hasattr(weight, "main_grad")
+        weight_grad = _weight_grad_buffer(weight, plan.accumulate_into_main_grad, plan.backend) if need_weight else None
+        d_hidden, d_weight = plan.backend.shard_gradients(
             hidden,
             weight,
-            local_labels,
-            valid,
-            ctx.temperature,
-            lse,
-            entropy,
-            grad_log_prob,
-            grad_entropy,
-            need_hidden,
-            weight_grad,
+            SavedTokens(local_labels, valid, lse, entropy, residual),
+            GradientRequest(grad_log_prob, grad_entropy, need_hidden, weight_grad),
+            temperature=plan.temperature,
         )
         if d_hidden is not None:
             d_hidden = d_hidden.to(hidden.dtype)

@@ -8,8 +8,8 @@ import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from mcore_ppo.api import compute_log_probs_and_entropy
-from mcore_ppo.validation import check_buffer_budget_bytes, check_temperature
+from mcore_ppo.backends.base import Backend
+from mcore_ppo.pipeline import HeadOptions, run_head
 
 
 class VocabParallelFusedPPOHead(ColumnParallelLinear):
@@ -27,17 +27,10 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         config: Megatron ``ModelParallelConfig`` (``sequence_parallel``,
             ``gradient_accumulation_fusion``, ``params_dtype``, ... are honoured).
         init_method: weight initialiser, as for ``ColumnParallelLinear``.
-        temperature: default sampling temperature of the fused path.
-        ignore_index: label value of tokens to skip (prompt tokens, padding).
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"``.
-        buffer_budget_bytes: per-rank memory budget of the ``triton`` backend's probability
-            buffer, used on every fused forward: when a gradient will be needed and ``n·V/tp``
-            values of the input dtype plus fp32 tile maxima fit in it, the forward keeps the
-            buffer and the backward skips recomputing the logits (three GEMMs instead of four).
-            None: the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend
-            default (1 GiB); 0: off. Other backends ignore it. See
-            :func:`mcore_ppo.fused_log_probs_and_entropy`. The attribute of the same name may
-            be changed between calls.
+        temperature, ignore_index, backend, buffer_budget_bytes: the fused path's options
+            (:class:`mcore_ppo.pipeline.HeadOptions`; ``temperature`` is the default that a
+            call may override). Kept as attributes of the same names, which may be changed
+            between calls: every fused forward validates them again.
         **kwargs: passed to ``ColumnParallelLinear`` (``skip_weight_param_allocation`` for
             tied embeddings, ``tp_group``, ``gather_output``, ...). ``bias`` must be False.
     """
@@ -52,17 +45,18 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         bias: bool = False,
         temperature: float = 1.0,
         ignore_index: int = -100,
-        backend: str = "auto",
+        backend: str | Backend = "auto",
         buffer_budget_bytes: int | None = None,
         **kwargs,
     ) -> None:
         if bias:
             raise ValueError("VocabParallelFusedPPOHead has no bias (bias must be False): output layers have none")
+        options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
         super().__init__(input_size, output_size, config=config, init_method=init_method, bias=False, **kwargs)
-        self.temperature = check_temperature(temperature)
-        self.ignore_index = ignore_index
-        self.backend = backend
-        self.buffer_budget_bytes = check_buffer_budget_bytes(buffer_budget_bytes)
+        self.temperature = options.temperature
+        self.ignore_index = options.ignore_index
+        self.backend = options.backend
+        self.buffer_budget_bytes = options.buffer_budget_bytes
 
     def forward(  # type: ignore[override]
         self,
@@ -94,15 +88,18 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
                 "weight must be passed to forward when the head was built with "
                 "skip_weight_param_allocation=True (tied embeddings)"
             )
-        return compute_log_probs_and_entropy(
+        options = HeadOptions(
+            self.temperature if temperature is None else temperature,
+            self.ignore_index,
+            self.backend,
+            self.buffer_budget_bytes,
+        )
+        return run_head(
             input_,
             weight,
             labels,
-            temperature=self.temperature if temperature is None else temperature,
+            options,
             tp_group=self.tp_group,
             sequence_parallel=self.sequence_parallel,
-            ignore_index=self.ignore_index,
-            backend=self.backend,
             accumulate_into_main_grad=self.gradient_accumulation_fusion,
-            buffer_budget_bytes=self.buffer_budget_bytes,
         )

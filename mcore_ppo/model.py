@@ -6,7 +6,7 @@ Three entry points:
   the current ``parallel_state``, initialised on the CPU from ``seed`` so every TP layout holds
   the same *global* weights (Megatron's CPU init draws each layer's full master weight and
   keeps this rank's slice).
-- :func:`install_fused_head` — replaces ``model.output_layer`` by a
+- :func:`install_fused_head` (from :mod:`mcore_ppo.install`) — replaces ``model.output_layer`` by a
   :class:`~mcore_ppo.head.VocabParallelFusedPPOHead` that owns the *same* ``weight`` Parameter
   object (untied) or none at all (tied: the embedding's weight is passed at call time, as
   ``GPTModel`` does), so state-dict keys, checkpoints, optimizer state and Megatron DDP's
@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from mcore_ppo.head import VocabParallelFusedPPOHead
-from mcore_ppo.validation import check_buffer_budget_bytes, check_temperature
+from mcore_ppo.install import install_fused_head, unwrap_gpt_model
+from mcore_ppo.validation import check_temperature
 
 __all__ = [
     "build_gpt_model",
@@ -171,142 +171,6 @@ def _rng_tracker_seeded() -> bool:
     from megatron.core import tensor_parallel
 
     return bool(tensor_parallel.get_cuda_rng_tracker().get_states())
-
-
-# ---------------------------------------------------------------------------------------------
-# Installing the head
-# ---------------------------------------------------------------------------------------------
-
-
-def unwrap_gpt_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The innermost language model under DDP / FSDP / ``Float16Module`` wrappers (anything with
-    a ``.module`` that is not itself a language module)."""
-    inner = model
-    while not hasattr(inner, "post_process") and isinstance(getattr(inner, "module", None), torch.nn.Module):
-        inner = inner.module
-    if not hasattr(inner, "post_process"):
-        raise TypeError(f"expected a Megatron GPTModel (possibly wrapped), got {type(model).__name__}")
-    return inner
-
-
-# Forward/backward hook registries of an nn.Module. The head takes over the replaced layer's
-# dicts (the same objects), so hooks registered before the swap (Megatron DDP's forward
-# pre-hook that waits for the parameter all-gather) fire on the head and their handles still
-# remove them. State-dict hooks stay the head's own (ColumnParallelLinear registers its own).
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-
-
-def _take_over_hooks(model: torch.nn.Module, old: torch.nn.Module, head: torch.nn.Module) -> None:
-    for name in _HOOK_DICTS:
-        if not hasattr(old, name) or not hasattr(head, name):
-            continue
-        shared = getattr(old, name)
-        shared.update(getattr(head, name))
-        setattr(head, name, shared)
-    # Megatron DDP keys its forward-pre-hook handles by module (disable_forward_pre_hook looks
-    # every current submodule up): re-key the old layer's handle to the head.
-    wrapper = model
-    while wrapper is not None:
-        handles = getattr(wrapper, "remove_forward_pre_hook_handles", None)
-        if isinstance(handles, dict) and old in handles:
-            handles[head] = handles.pop(old)
-        wrapper = getattr(wrapper, "module", None) if wrapper is not old else None
-
-
-def install_fused_head(
-    model: torch.nn.Module,
-    *,
-    temperature: float = 1.0,
-    backend: str = "auto",
-    ignore_index: int = -100,
-    buffer_budget_bytes: int | None = None,
-) -> VocabParallelFusedPPOHead | None:
-    """Make ``model``'s output layer a :class:`VocabParallelFusedPPOHead` (idempotent).
-
-    Untied: the head registers the *same* ``weight`` Parameter object as the layer it replaces,
-    so ``state_dict`` keys, loaded checkpoints, optimizer state, DDP buffers and gradient hooks
-    are unchanged. Tied: the head allocates no weight and receives the embedding's at call
-    time, exactly as ``GPTModel`` passes it to ``ColumnParallelLinear``. Hooks registered on
-    the old layer (Megatron DDP's forward pre-hook) are carried over, so the head may be
-    installed before or after wrapping in DDP; before is the usual order.
-
-    ``buffer_budget_bytes`` is the head's per-rank budget for the ``triton`` backend's
-    probability buffer (the backward then skips the logits recompute: three GEMMs instead of
-    four); None = the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend
-    default (1 GiB); 0 = off (see :class:`~mcore_ppo.head.VocabParallelFusedPPOHead`).
-
-    Called again on a model that has the head, it updates ``temperature``, ``backend``,
-    ``ignore_index`` and ``buffer_budget_bytes`` and returns the same head.
-
-    Returns:
-        The head on the last pipeline stage; None on other stages (they have no output layer).
-
-    Raises:
-        TypeError: the model's output layer is not a ``ColumnParallelLinear`` (e.g. a
-            TransformerEngine MXFP8 LM head), or it has a bias.
-        NotImplementedError: ``config.defer_embedding_wgrad_compute`` is set.
-    """
-    temperature = check_temperature(temperature)
-    buffer_budget_bytes = check_buffer_budget_bytes(buffer_budget_bytes)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    gpt = unwrap_gpt_model(model)
-    if not gpt.post_process:
-        return None
-    old = gpt.output_layer
-    if isinstance(old, VocabParallelFusedPPOHead):
-        old.temperature, old.backend, old.ignore_index = temperature, backend, ignore_index
-        old.buffer_budget_bytes = buffer_budget_bytes
-        return old
-    if type(old) is not ColumnParallelLinear:
-        raise TypeError(
-            f"install_fused_head supports Megatron's ColumnParallelLinear output layer, got {type(old).__name__}"
-        )
-    if old.bias is not None:
-        raise TypeError("install_fused_head: the output layer has a bias; the fused head has none")
-    if getattr(old.config, "defer_embedding_wgrad_compute", False):
-        # Megatron would compute the output weight's gradient at the pipeline flush from buffers
-        # the fused path never fills; the fused path computes it in its own backward.
-        raise NotImplementedError("install_fused_head does not support config.defer_embedding_wgrad_compute")
-
-    head = VocabParallelFusedPPOHead(
-        old.input_size,
-        old.output_size,
-        config=old.config,
-        init_method=_no_init,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        backend=backend,
-        buffer_budget_bytes=buffer_budget_bytes,
-        gather_output=old.gather_output,
-        # Never allocate (or initialise, drawing from the RNG) a weight that is replaced below.
-        skip_weight_param_allocation=True,
-        embedding_activation_buffer=old.embedding_activation_buffer,
-        grad_output_buffer=old.grad_output_buffer,
-        tp_group=old.tp_group,
-        disable_grad_reduce=old.disable_grad_reduce,
-    )
-    head.skip_bias_add = old.skip_bias_add
-    if old.weight is not None:
-        head.weight = old.weight  # the same Parameter object: registered under the same key
-    head.train(old.training)
-    _take_over_hooks(model, old, head)
-    gpt.output_layer = head
-    return head
-
-
-def _no_init(weight: torch.Tensor) -> None:  # the init_method signature
-    """The head never initialises a weight: it shares the replaced layer's (or the embedding's)."""
 
 
 # ---------------------------------------------------------------------------------------------

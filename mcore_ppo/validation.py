@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from parallel.groups import ProcessGroup, group_size
+from parallel.ranks import ProcessGroup, group_size
 
 
 def validate_on_device() -> bool:
@@ -46,12 +46,18 @@ def check_buffer_budget_bytes(buffer_budget_bytes: object) -> int | None:
     return int(buffer_budget_bytes)
 
 
-def check_tensors(hidden: object, weight: object, labels: object, ignore_index: object) -> None:
+def check_ignore_index(ignore_index: object) -> int:
+    """``ignore_index`` is an int (bool is not accepted); returns it."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    return ignore_index
+
+
+def check_tensors(hidden: object, weight: object, labels: object) -> None:
+    """Tensors, floating ``hidden`` and ``weight`` of one dtype, integer ``labels``, one device."""
     for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if not hidden.dtype.is_floating_point:
         raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
     if weight.dtype != hidden.dtype:
@@ -93,6 +99,19 @@ def check_layout(
             )
         sp_note = f" (hidden's first dim {hidden.shape[0]} is the SP shard, × tp {tp_size})" if sp else ""
         raise ValueError(f"labels must have shape {what}, i.e. {expected}{sp_note}, got {tuple(labels.shape)}")
+
+
+def check_flat_layout(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_size: int) -> None:
+    """verl's pairing: hidden ``[..., h]`` flattens to ``N`` tokens, labels hold ``N`` ids in any shape."""
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension (the hidden size last)")
+    tokens = math.prod(hidden.shape[:-1])
+    if labels.numel() != tokens:
+        raise ValueError(
+            f"labels has {labels.numel()} elements but hidden flattens to {tokens} tokens "
+            f"(hidden shape {tuple(hidden.shape)}, labels shape {tuple(labels.shape)})"
+        )
+    check_layout(hidden.reshape(tokens, hidden.shape[-1]), weight, labels.reshape(-1), tp_size, False)
 
 
 def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:

@@ -32,10 +32,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_ppo import validation
-from mcore_ppo.backends import resolve_backend
-from mcore_ppo.function import FusedPPOHeadFunction
-from parallel.groups import group_rank, group_size
+from mcore_ppo.backends.base import Backend
+from mcore_ppo.pipeline import HeadOptions, run_head
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -49,7 +47,7 @@ def linear_cross_entropy(
     dist_process_group: dist.ProcessGroup | None = None,
     *,
     ignore_index: int = -100,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     buffer_budget_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's ``linear_cross_entropy``: per-token log-probs and entropy of ``softmax(hidden @ W.T / T)``.
@@ -63,13 +61,11 @@ def linear_cross_entropy(
             None means ``"none"``).
         dist_process_group: the TP group; None for one rank.
         ignore_index: label value of tokens to skip (keyword-only; not in verl).
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"`` (keyword-only).
-        buffer_budget_bytes: per-rank budget of the ``triton`` backend's probability buffer
-            (keyword-only; not in verl): when a gradient will be needed and ``N·V/tp`` values
-            of the input dtype plus fp32 tile maxima fit, the forward keeps the buffer and the
-            backward skips recomputing the logits (three GEMMs instead of four). None = the
-            environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend default;
-            0 = off; other backends ignore it (see :func:`mcore_ppo.fused_log_probs_and_entropy`).
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"liger"`` or a backend object
+            (keyword-only). ``"liger"`` runs at TP 1 only here: Liger's TP variant reduces
+            ``d_hidden`` itself, which verl's contract leaves to the caller.
+        buffer_budget_bytes: the ``triton`` backend's probability buffer (keyword-only; not in
+            verl); see :class:`mcore_ppo.pipeline.HeadOptions`.
 
     Returns:
         ``(log_probs, entropy)``, fp32: ``[N]`` and ``[N]``, or a 0-d ``log_probs`` for
@@ -84,39 +80,10 @@ def linear_cross_entropy(
     reduction = reduction.lower()
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    temperature = validation.check_temperature(temperature)
-    buffer_budget_bytes = validation.check_buffer_budget_bytes(buffer_budget_bytes)
-    validation.check_tensors(hidden, weight, labels, ignore_index)
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have at least one dimension (the hidden size last)")
-    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    labels_1d = labels.reshape(-1)
-    if labels_1d.shape[0] != hidden_2d.shape[0]:
-        raise ValueError(
-            f"labels has {labels_1d.shape[0]} elements but hidden flattens to {hidden_2d.shape[0]} tokens "
-            f"(hidden shape {tuple(hidden.shape)}, labels shape {tuple(labels.shape)})"
-        )
-    tp_size = group_size(dist_process_group)
-    validation.check_layout(hidden_2d, weight, labels_1d, tp_size, False)
-    validation.check_equal_shards(weight, dist_process_group)
-    vocab_size = weight.shape[0] * tp_size
-    validation.check_label_range(labels_1d, vocab_size, ignore_index)
-    impl = resolve_backend(backend, hidden.device, buffer_budget_bytes=buffer_budget_bytes)
-    if hasattr(impl, "grad_needed"):  # as in the API: no buffer kept when no backward will use it
-        impl.grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-
+    options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
     # No TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
-    log_probs, entropy = FusedPPOHeadFunction.apply(
-        hidden_2d,
-        weight,
-        labels_1d,
-        temperature,
-        ignore_index,
-        group_rank(dist_process_group) * weight.shape[0],
-        vocab_size,
-        dist_process_group,
-        impl,
-        False,
+    log_probs, entropy = run_head(
+        hidden, weight, labels, options, tp_group=dist_process_group, reduce_hidden_grad=False, flat_labels=True
     )
     if reduction == "sum":
         log_probs = log_probs.sum()

@@ -1,6 +1,7 @@
 """Communication layer of mcore_ppo: TP/CP groups, the statistics combine, the one
 ``d_hidden`` reduction, SP gather/scatter, and the CP label roll and split. Knows nothing
-of PPO."""
+of PPO, and imports with torch alone: Megatron's ``parallel_state`` is consulted only inside
+:func:`resolve_tp_group` / :func:`resolve_cp_group`, when ``torch.distributed`` is initialised."""
 
 from parallel.combine import combine_shard_statistics, merge_statistics, rescale_statistics
 from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.groups import ProcessGroup, group_size
+from parallel.ranks import ProcessGroup, group_size
 
 
 def rescale_statistics(

@@ -3,14 +3,18 @@
 Order of precedence, the same for TP and CP: an explicit group passed by the caller, else
 Megatron's ``parallel_state`` when it has been initialised, else a single rank (``None``).
 ``None`` always means "one rank, no communication", so callers never special-case
-``torch.distributed`` being absent.
+``torch.distributed`` being absent. Megatron is imported only when a group is resolved with
+``torch.distributed`` initialised; the size and rank helpers (:mod:`parallel.ranks`, re-exported
+here) need torch alone.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-ProcessGroup = dist.ProcessGroup
+from parallel.ranks import ProcessGroup, group_rank, group_size
+
+__all__ = ["ProcessGroup", "group_rank", "group_size", "resolve_cp_group", "resolve_tp_group"]
 
 
 def _megatron_parallel_state():
@@ -36,13 +40,3 @@ def resolve_cp_group(cp_group: ProcessGroup | None = None) -> ProcessGroup | Non
         return cp_group
     state = _megatron_parallel_state()
     return state.get_context_parallel_group() if state is not None else None
-
-
-def group_size(group: ProcessGroup | None) -> int:
-    """Number of ranks in ``group`` (1 for None)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: ProcessGroup | None) -> int:
-    """This process's rank inside ``group`` (0 for None)."""
-    return 0 if group is None else dist.get_rank(group)

@@ -6,21 +6,22 @@ Function, and its backward is where the partials are summed:
 
 - SP on:  :func:`gather_sequence_parallel` — all-gather along the sequence (first) dim in
   forward, reduce-scatter in backward (TP sum and SP scatter in one collective).
-- SP off: :func:`reduce_grad_over_tp` — identity in forward, all-reduce in backward
-  (Megatron's ``copy_to_tensor_model_parallel_region``).
+- SP off: :func:`reduce_grad_over_tp` — identity in forward, all-reduce in backward (the
+  mapping of Megatron's ``copy_to_tensor_model_parallel_region``).
 
-Megatron's own SP gather allocates its output on ``torch.cuda.current_device()``, which
-breaks CPU tensors, so the gather is written here on the input's device; the all-reduce
-mapping is Megatron's as it is.
+Both are written here rather than taken from Megatron. Megatron's SP gather allocates its
+output on ``torch.cuda.current_device()``, which breaks CPU tensors. Its all-reduce mapping
+would fit, but importing it would tie the head's core to megatron-core (issue 13: the core
+runs with torch alone); our copy is the same math and also reduces a non-contiguous gradient,
+which Megatron's ``_reduce`` all-reduces into a temporary copy and drops.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from parallel.groups import ProcessGroup, group_size
+from parallel.ranks import ProcessGroup, group_size
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,8 +70,23 @@ def gather_sequence_parallel(tensor: torch.Tensor, group: ProcessGroup | None) -
     return _GatherSequenceParallel.apply(tensor, group)
 
 
+class _ReduceGradOverTP(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce SUM over the group (our own, not Megatron's: module doc)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def reduce_grad_over_tp(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Identity in forward; all-reduce of the gradient over ``group`` in backward."""
     if group_size(group) == 1:
         return tensor
-    return copy_to_tensor_model_parallel_region(tensor, group=group)
+    return _ReduceGradOverTP.apply(tensor, group)

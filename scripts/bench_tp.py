@@ -18,9 +18,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from bench_head import time_ms  # scripts/ is on sys.path when this runs as a script
 
 from mcore_ppo import fused_log_probs_and_entropy
+from mcore_ppo_testing.bench import time_ms
 
 
 def head_timings(hidden, weight, labels, group, repeats):

@@ -8,8 +8,9 @@ every kernel per call, the gap between the two (host latency and idle GPU), and 
 sorted by time. ``--buffer`` also profiles the budgeted probability buffer of issue 6.
 
 ``--sweep`` instead times forward+backward (API call, CUDA events, medians of interleaved
-rounds) under variants of the triton backend's module settings (the TMA stores, the buffer's
-dz kernel tiling), to choose them by measurement.
+rounds) under variants of the triton backend's settings (the TMA stores, the buffer's dz
+kernel tiling; ``--sweep-forward``: the forward's tile configs), each a ``TritonBackend``
+built with them and passed to the API, to choose them by measurement.
 
 Usage (GPU):  python scripts/profile_head.py [--shapes qwen7b] [--tp 1,8] [--buffer] [--sweep] [--out DIR]
 Writes ``<out>/profile_head.json`` (or ``profile_sweep.json``).
@@ -18,19 +19,17 @@ Writes ``<out>/profile_head.json`` (or ``profile_sweep.json``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import statistics
 import sys
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_head import SHAPES, time_ms
+from mcore_ppo_testing.bench import SHAPES, HeadInputs, make_inputs, ours, time_ms
 
 
 def kernel_table(fn, calls: int) -> dict[str, float]:
@@ -50,30 +49,25 @@ def kernel_table(fn, calls: int) -> dict[str, float]:
     return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
 
 
-def head_calls(h: int, v: int, n: int, temperature: float, **head_options):
-    """Seeded bf16 inputs of one shard (N tokens, V/tp rows) and three calls on them: the
-    no-grad forward and the forward+backward of ``fused_log_probs_and_entropy`` (triton
-    backend, ``head_options`` passed on), and the one-GEMM floor ``x @ W.T``."""
-    from mcore_ppo import fused_log_probs_and_entropy
+def seeded_inputs(h: int, v: int, n: int) -> HeadInputs:
+    """bf16 inputs of one shard (N tokens, V/tp rows), the same for every call of the script."""
+    return make_inputs(n, h, v, torch.Generator(device="cuda").manual_seed(0))
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(v, h, device="cuda", generator=gen) * (2.0 / math.sqrt(h))).to(torch.bfloat16)
-    w.requires_grad_(True)
-    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    g = torch.randn(n, device="cuda", generator=gen)
-    e = torch.randn(n, device="cuda", generator=gen)
 
-    def head():
-        return fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton", **head_options)
+def head_calls(inputs: HeadInputs, temperature: float, backend: Any = "triton", **head_options):
+    """Three calls on ``inputs``: the no-grad forward and the forward+backward of
+    ``fused_log_probs_and_entropy`` (``backend``: a name or a backend object; ``head_options``
+    passed on), and the one-GEMM floor ``x @ W.T``."""
+    head = ours(backend, **head_options)
+    x, w = inputs.x.requires_grad_(True), inputs.w.requires_grad_(True)
 
     def nograd():
         with torch.no_grad():
-            head()
+            head(x, w, inputs.labels, temperature)
 
     def step():
         x.grad = w.grad = None
-        torch.autograd.backward(list(head()), [g, e])
+        torch.autograd.backward(list(head(x, w, inputs.labels, temperature)), [inputs.g, inputs.e])
 
     def one_gemm():
         with torch.no_grad():
@@ -82,21 +76,9 @@ def head_calls(h: int, v: int, n: int, temperature: float, **head_options):
     return nograd, step, one_gemm
 
 
-@contextlib.contextmanager
-def module_overrides(module, overrides: dict):
-    """``module``'s attributes set to ``overrides`` inside, restored after."""
-    saved = {key: getattr(module, key) for key in overrides}
-    try:
-        for key, value in overrides.items():
-            setattr(module, key, value)
-        yield
-    finally:
-        for key, value in saved.items():
-            setattr(module, key, value)
-
-
 def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls: int) -> dict:
-    nograd, step, one_gemm = head_calls(h, v, n, temperature, buffer_budget_bytes=2**40 if buffer else 0)
+    inputs = seeded_inputs(h, v, n)
+    nograd, step, one_gemm = head_calls(inputs, temperature, buffer_budget_bytes=2**40 if buffer else 0)
     out = {}
     for phase, fn in (("forward_nograd", nograd), ("forward_backward", step)):
         wall = time_ms(fn, calls)
@@ -108,24 +90,24 @@ def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls
 
 
 def sweep_variants() -> dict[str, dict]:
-    """Module settings of ``triton_backend`` to compare (name → overrides)."""
+    """Settings of the triton backend to compare (name → ``TritonBackend`` arguments)."""
     from mcore_ppo.backends import triton_backend as tb
 
     dz = tb.BUFFER_DZ_CONFIG
-    budget = {"BUFFER_BUDGET_BYTES": 2**40}
+    budget = {"buffer_budget_bytes": 2**40}
     return {
-        "recompute": {"BUFFER_BUDGET_BYTES": 0},
-        "recompute, dz pointer stores": {"BUFFER_BUDGET_BYTES": 0, "DZ_STORE_TMA": False},
+        "recompute": {"buffer_budget_bytes": 0},
+        "recompute, dz pointer stores": {"buffer_budget_bytes": 0, "dz_store_tma": False},
         "buffer": budget,
-        "buffer, pointer stores": {**budget, "BUFFER_STORE_TMA": False},
-        "buffer, fp32 log2": {**budget, "BUFFER_DZ_CONFIG": replace(dz, fast_log2=False)},
-        "buffer, dz 16 rows": {**budget, "BUFFER_DZ_CONFIG": replace(dz, block_m=16)},
-        "buffer, dz 32 rows 8 warps": {**budget, "BUFFER_DZ_CONFIG": replace(dz, block_m=32, num_warps=8)},
+        "buffer, pointer stores": {**budget, "buffer_store_tma": False},
+        "buffer, fp32 log2": {**budget, "buffer_dz_config": replace(dz, fast_log2=False)},
+        "buffer, dz 16 rows": {**budget, "buffer_dz_config": replace(dz, block_m=16)},
+        "buffer, dz 32 rows 8 warps": {**budget, "buffer_dz_config": replace(dz, block_m=32, num_warps=8)},
     }
 
 
 def forward_variants() -> dict[str, dict]:
-    """Tile configurations of the forward kernel to compare at a shard size (name → overrides)."""
+    """Tile configurations of the forward kernel to compare (name → ``TritonBackend`` arguments)."""
     from mcore_ppo.backends import triton_backend as tb
 
     base = tb.FORWARD_CONFIG
@@ -138,24 +120,26 @@ def forward_variants() -> dict[str, dict]:
         "4 stages": replace(base, num_stages=4),
         "4 stages, 4 tiles/split": replace(base, num_stages=4, tiles_per_split=4),
     }
-    return {name: {"FORWARD_CONFIG": cfg} for name, cfg in configs.items()}
+    return {name: {"forward_config": cfg} for name, cfg in configs.items()}
 
 
 def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3, forward: bool = False) -> dict:
     """Forward+backward (or, with ``forward``, no-grad forward) medians per variant, variants
     interleaved round by round (clock drift)."""
-    from mcore_ppo.backends import triton_backend as tb
+    from mcore_ppo.backends.triton_backend import TritonBackend
 
-    nograd, step, one_gemm = head_calls(h, v, n, temperature)
+    inputs = seeded_inputs(h, v, n)
+    one_gemm = head_calls(inputs, temperature)[2]
+    runs = {}
+    for name, settings in (forward_variants() if forward else sweep_variants()).items():
+        nograd, step, _ = head_calls(inputs, temperature, TritonBackend(**settings))
+        runs[name] = nograd if forward else step
     times: dict[str, list[float]] = defaultdict(list)
-    variants = forward_variants() if forward else sweep_variants()
-    run = nograd if forward else step
     for _ in range(rounds):
         times["one GEMM"].append(time_ms(one_gemm, calls))
-        for name, overrides in variants.items():
+        for name, run in runs.items():
             try:
-                with module_overrides(tb, overrides):
-                    times[name].append(time_ms(run, calls))
+                times[name].append(time_ms(run, calls))
             except Exception as err:  # a variant that fails to compile is reported, not fatal
                 times[name].append(float("nan"))
                 print(f"  {name}: {type(err).__name__}: {str(err)[:200]}")

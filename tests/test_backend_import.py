@@ -9,6 +9,7 @@ Real packages are built in ``tmp_path`` and put on ``sys.path`` for each case.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import types
@@ -18,10 +19,12 @@ import torch
 
 from mcore_ppo.backends import TorchBackend, import_optional, resolve_backend
 
+_NAMES = itertools.count()
+
 
 def unique(prefix: str) -> str:
     """A module name no other test (or installed package) uses."""
-    return f"{prefix}_{os.urandom(4).hex()}"
+    return f"{prefix}_{os.getpid()}_{next(_NAMES)}"
 
 
 @pytest.fixture

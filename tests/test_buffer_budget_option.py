@@ -14,13 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
-from reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference, single_threaded
 
 import mcore_ppo
 from mcore_ppo import VocabParallelFusedPPOHead
 from mcore_ppo.backends import TorchBackend, resolve_backend, torch_backend
 from mcore_ppo.model import install_fused_head
 from mcore_ppo.verl_compat import linear_cross_entropy
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference
+from mcore_ppo_testing.seeds import generator, next_seed
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 if not triton_backend.is_available():  # pragma: no cover - triton installed but neither CUDA nor the interpreter
@@ -29,13 +32,6 @@ if not triton_backend.is_available():  # pragma: no cover - triton installed but
 ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
 BIG = 1 << 30
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
-    with single_threaded():
-        yield
 
 
 @pytest.fixture
@@ -57,14 +53,14 @@ def spy(monkeypatch):
     stats = triton_backend.TritonBackend.shard_statistics
     from_buffer = triton_backend.TritonBackend._gradients_from_buffer
 
-    def spied_stats(self, *args):
-        out = stats(self, *args)
-        record["forward"].append((self.buffer_budget_bytes, self._buffer is not None))
+    def spied_stats(self, *args, **kwargs):
+        out = stats(self, *args, **kwargs)
+        record["forward"].append((self.buffer_budget_bytes, out.residual is not None))
         return out
 
-    def spied_from_buffer(self, *args):
+    def spied_from_buffer(self, *args, **kwargs):
         record["buffer_backward"].append(1)
-        return from_buffer(self, *args)
+        return from_buffer(self, *args, **kwargs)
 
     monkeypatch.setattr(triton_backend.TritonBackend, "shard_statistics", spied_stats)
     monkeypatch.setattr(triton_backend.TritonBackend, "_gradients_from_buffer", spied_from_buffer)
@@ -111,7 +107,7 @@ BAD_TYPE_IDS = ["str", "float", "bool", "tensor"]
 
 
 def _small():
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     return (
         torch.randn(6, 8, generator=gen),
         torch.randn(13, 8, generator=gen),
@@ -148,7 +144,7 @@ def test_head_and_install_reject_bad_values(value, no_compute):
     # The head's attribute may be changed between calls: the forward validates it.
     head = make_head()
     head.buffer_budget_bytes = value
-    hidden = torch.randn(5, 16, generator=generator(fresh_seed()))
+    hidden = torch.randn(5, 16, generator=generator(next_seed()))
     with pytest.raises(error, match=r"buffer_budget_bytes must be"):
         head(hidden, torch.zeros(5, dtype=torch.long))
 
@@ -174,7 +170,7 @@ def test_resolve_backend_passes_the_budget_to_triton_only(monkeypatch):
 )
 def test_api_budget_decides_the_buffer(budget, env, kept, monkeypatch, spy):
     monkeypatch.setenv(ENV, env)
-    hidden, weight, labels, g, e = make_case(29, 24, 130, fresh_seed())
+    hidden, weight, labels, g, e = make_case(29, 24, 130, next_seed())
     x = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     logp, ent = mcore_ppo.fused_log_probs_and_entropy(
@@ -191,7 +187,7 @@ def test_head_budget_used_on_every_forward(monkeypatch, spy):
     monkeypatch.delenv(ENV, raising=False)
     head = make_head(backend="triton", temperature=0.9, buffer_budget_bytes=BIG)
     assert head.buffer_budget_bytes == BIG
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     for budget, kept in ((BIG, True), (0, False)):
         head.buffer_budget_bytes = budget
         hidden = torch.randn(7, 3, 16, generator=gen).to(DEVICE)
@@ -210,7 +206,7 @@ def test_head_budget_used_on_every_forward(monkeypatch, spy):
 def test_verl_entry_budget_and_no_grad(monkeypatch, spy):
     """verl's entry passes the budget on, and (as the API) keeps no buffer when no backward will run."""
     monkeypatch.setenv(ENV, "0")
-    hidden, weight, labels, g, e = make_case(21, 16, 75, fresh_seed())
+    hidden, weight, labels, g, e = make_case(21, 16, 75, next_seed())
     with torch.no_grad():
         linear_cross_entropy(
             hidden.clone().requires_grad_(True), weight, labels, backend="triton", buffer_budget_bytes=BIG

@@ -17,11 +17,14 @@ import math
 
 import pytest
 import torch
-from reference import IGNORE_INDEX, assert_close, check_invariants, fresh_seed, generator, reference, single_threaded
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, reference
+from mcore_ppo_testing.seeds import generator, next_seed
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
 # (cp_size, cu_seqlens or None for a padded batch). Packed sequences have different lengths,
 # each a multiple of 2·cp.
@@ -32,13 +35,6 @@ LAYOUTS = [
     (4, [0, 8, 24, 48]),
 ]
 LAYOUT_IDS = ["cp2-padded", "cp4-padded", "cp2-packed", "cp4-packed"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
-    with single_threaded():
-        yield
 
 
 def total_length(cp_size: int, cu_seqlens: list[int] | None) -> int:
@@ -79,7 +75,7 @@ def test_split_is_megatron_load_balanced(cp_size, cu_seqlens):
 @pytest.mark.parametrize(("cp_size", "cu_seqlens"), LAYOUTS, ids=LAYOUT_IDS)
 def test_split_selects_along_seq_dim(cp_size, cu_seqlens):
     """hidden [s,b,h] (seq_dim 0) and labels [b,s] (seq_dim 1 or -1) are split by the same index."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     total = total_length(cp_size, cu_seqlens)
     batch = 3 if cu_seqlens is None else 1
     hidden = torch.randn(total, batch, 5, generator=gen)
@@ -97,7 +93,7 @@ def test_split_selects_along_seq_dim(cp_size, cu_seqlens):
 @pytest.mark.parametrize("ignore_index", [IGNORE_INDEX, -1])
 def test_roll_labels(cu_seqlens, ignore_index):
     """labels[i] = input_ids[i+1] within each sequence; each sequence's last label is ignore_index."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     ids = torch.randint(0, 50, (2 if cu_seqlens is None else 1, 10), generator=gen)
     labels = roll_labels(ids, seq_dim=1, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
     expected = torch.full_like(ids, ignore_index)
@@ -117,7 +113,7 @@ def test_roll_after_split_differs_exactly_at_chunk_boundaries(cp_size, cu_seqlen
     are not boundaries in this sense: the sequence's last position (ignore_index either way),
     and the end of chunk cp-1, whose successor chunk cp is held by the same rank right after it.
     """
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     total = total_length(cp_size, cu_seqlens)
     batch = 2 if cu_seqlens is None else 1
     ids = torch.randperm(10_000, generator=gen)[: batch * total].view(batch, total)  # distinct ids
@@ -153,7 +149,7 @@ def test_head_cp_path_equals_cp1(cp_size, cu_seqlens, dtype, monkeypatch):
     """Every CP rank's head output and d_hidden, reassembled, equal the cp=1 run; d_weight sums to it."""
     monkeypatch.setattr(torch_backend, "TOKEN_CHUNK", 5)
     monkeypatch.setattr(torch_backend, "VOCAB_CHUNK", 7)
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     vocab, h = 61, 16
     total = total_length(cp_size, cu_seqlens)
     batch = 2 if cu_seqlens is None else 1

@@ -17,19 +17,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
-from reference import IGNORE_INDEX, assert_close, check_invariants, fresh_seed, generator, reference, single_threaded
 
 import mcore_ppo
 from mcore_ppo import VocabParallelFusedPPOHead
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, reference
+from mcore_ppo_testing.seeds import generator, next_seed
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
 H, V = 16, 37
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
-    with single_threaded():
-        yield
 
 
 @pytest.fixture
@@ -71,7 +67,7 @@ def backward(log_prob, entropy, g, e):
 def test_construction_without_parallel_state():
     """Megatron's layer is built on one rank: same weight shape, dtype and init as the layer it replaces."""
     assert not dist.is_initialized()
-    seed = fresh_seed()
+    seed = next_seed()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         head = make_head()
@@ -87,7 +83,7 @@ def test_construction_without_parallel_state():
 @pytest.mark.parametrize("layout", ["2d", "3d"])
 def test_forward_equals_functional(layout, params_dtype):
     """head(hidden, labels) is fused_log_probs_and_entropy with head.weight: outputs and gradients."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     head = make_head(params_dtype, temperature=0.7)
     hidden, labels, g, e = make_inputs(layout, params_dtype, gen)
 
@@ -112,7 +108,7 @@ def test_forward_equals_functional(layout, params_dtype):
 
 def test_temperature_override():
     """forward(temperature=T) overrides the head's default for that call only."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     head = make_head(temperature=1.3)
     hidden, labels, _, _ = make_inputs("3d", torch.float32, gen)
     with torch.no_grad():
@@ -128,7 +124,7 @@ def test_temperature_override():
 
 def test_constructor_options():
     """ignore_index is honoured; bias=True and a bad temperature are rejected at construction."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     head = make_head(ignore_index=-1)
     hidden, labels, _, _ = make_inputs("2d", torch.float32, gen)
     labels[labels == IGNORE_INDEX] = 1
@@ -145,7 +141,7 @@ def test_constructor_options():
 @pytest.mark.parametrize("layout", ["2d", "3d"])
 def test_logits_path_forward(layout):
     """labels=None: the ColumnParallelLinear it replaces, (hidden @ W.T, None); no parallel_state needed."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     head = make_head()
     hidden, _, _, _ = make_inputs(layout, torch.float32, gen)
     with torch.no_grad():
@@ -156,7 +152,7 @@ def test_logits_path_forward(layout):
 
 def test_logits_path_backward(megatron_state):
     """labels=None with Megatron's parallel_state: gradients of hidden @ W.T reach hidden and weight."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     head = make_head()
     hidden, _, _, _ = make_inputs("3d", torch.float32, gen)
     upstream = torch.randn(7, 3, V, generator=gen)
@@ -171,7 +167,7 @@ def test_logits_path_backward(megatron_state):
 
 def test_fused_path_with_parallel_state(megatron_state):
     """With parallel_state initialised the head uses Megatron's (size-1) TP group: same answer."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     head = make_head(temperature=0.7)
     assert head.tp_group is not None and dist.get_world_size(head.tp_group) == 1
     hidden, labels, g, e = make_inputs("3d", torch.float32, gen)
@@ -189,7 +185,7 @@ def test_fused_path_with_parallel_state(megatron_state):
 @pytest.mark.parametrize("own_weight", [True, False], ids=["own-weight", "skip-allocation"])
 def test_tied_weight_passed_in_forward(own_weight):
     """A weight passed to forward (tied embeddings) is used instead of head.weight and gets the gradient."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     head = make_head(temperature=1.3, skip_weight_param_allocation=not own_weight)
     assert (head.weight is not None) == own_weight
     embedding = torch.nn.Parameter(torch.randn(V, H, generator=gen) / math.sqrt(H))
@@ -212,7 +208,7 @@ def test_tied_weight_passed_in_forward(own_weight):
 
 def test_skipped_weight_must_be_passed():
     head = make_head(skip_weight_param_allocation=True)
-    hidden, labels, _, _ = make_inputs("2d", torch.float32, generator(fresh_seed()))
+    hidden, labels, _, _ = make_inputs("2d", torch.float32, generator(next_seed()))
     with pytest.raises(ValueError, match=r"weight must be passed to forward"):
         head(hidden, labels)
 
@@ -223,7 +219,7 @@ def test_gradient_accumulation_into_main_grad():
     Building the layer with ``gradient_accumulation_fusion=True`` needs Megatron's CUDA extension,
     so the flag is switched on after construction, as the behaviour under test is the head's.
     """
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     head = make_head(temperature=0.7)
     head.gradient_accumulation_fusion = True
     prefill = torch.randn(V, H, generator=gen, dtype=torch.float64)

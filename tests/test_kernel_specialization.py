@@ -25,7 +25,8 @@ triton = pytest.importorskip("triton")
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
 from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
-from tests.reference import IGNORE_INDEX, fresh_seed, generator  # noqa: E402
+from mcore_ppo_testing.reference import IGNORE_INDEX  # noqa: E402
+from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]
@@ -75,7 +76,7 @@ def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budg
         for name in ("INTERPRETER_CONFIG", "FORWARD_CONFIG", "BACKWARD_CONFIG"):
             config = getattr(triton_backend, name)
             monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, use_tma=True))
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     h, v = 16, 72
     weight = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype).to(DEVICE).requires_grad_(True)
     for n in (37, 40, 45, 48, 50, 51):  # residues 5, 8, 13, 0, 2, 3 mod 16; 1, 0, 1, 0, 2, 3 mod 4

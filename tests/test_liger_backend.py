@@ -14,9 +14,10 @@ import types
 import pytest
 import torch
 
-from mcore_ppo import fused_log_probs_and_entropy
+from mcore_ppo import fused_log_probs_and_entropy, linear_cross_entropy
 from mcore_ppo.backends import liger_backend, resolve_backend
-from tests.reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference, reference_outputs
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference, reference_outputs
+from mcore_ppo_testing.seeds import generator, next_seed
 
 
 class FakeLiger:
@@ -60,7 +61,7 @@ def test_available_with_fake(fake_liger):
 
 
 def test_dispatch_2d(fake_liger):
-    hidden, weight, labels = case(fresh_seed())
+    hidden, weight, labels = case(next_seed())
     x = hidden.clone().requires_grad_(True)
     logp, ent = fused_log_probs_and_entropy(
         x, weight, labels, temperature=0.7, ignore_index=IGNORE_INDEX, backend="liger"
@@ -80,7 +81,7 @@ def test_dispatch_2d(fake_liger):
 def test_dispatch_megatron_layout(fake_liger):
     """[s, b, h] hidden with [b, s] labels: tokens passed sequence-major, outputs back as [b, s]."""
     s, b, h, v = 5, 3, 8, 20
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     hidden = torch.randn(s, b, h, generator=gen, dtype=torch.float64)
     weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
     labels = torch.randint(0, v, (b, s), generator=gen)
@@ -90,6 +91,38 @@ def test_dispatch_megatron_layout(fake_liger):
     assert torch.equal(call[2], labels.t().reshape(-1))
     ref = reference(hidden, weight, labels, 1.0)
     assert_close(logp, ref["log_prob"], name="log_prob", dtype=torch.float64, rtol=1e-6, track=False)
+
+
+def test_verl_entry_dispatches_to_liger(fake_liger):
+    """verl's entry runs Liger through the same pipeline: its own token order (no transpose),
+    verl's reduction, values and d_hidden as the reference."""
+    s, b, h, v = 5, 3, 8, 20
+    gen = generator(next_seed())
+    hidden = torch.randn(s, b, h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, v, (s, b), generator=gen)  # verl pairs hidden[i, j] with labels[i, j]
+    labels[0, 1] = IGNORE_INDEX
+    x = hidden.clone().requires_grad_(True)
+    logp, ent = linear_cross_entropy(x, weight, labels, 0.8, backend="liger")
+    (call,) = fake_liger.LigerFusedLinearScaledCrossEntropyFunction.calls
+    assert torch.equal(call[2], labels.reshape(-1)) and call[3] == (0.8, IGNORE_INDEX, 1, True)
+    assert logp.shape == ent.shape == (s * b,) and logp.dtype == ent.dtype == torch.float32
+    flat_hidden, flat_labels = hidden.reshape(-1, h), labels.reshape(-1)
+    g = torch.randn(s * b, generator=gen, dtype=torch.float64)
+    ref = reference(flat_hidden, weight, flat_labels, 0.8, g)
+    assert_close(logp, ref["log_prob"], name="log_prob", dtype=torch.float64, rtol=1e-6, track=False)
+    assert_close(ent, ref["entropy"], name="entropy", dtype=torch.float64, rtol=1e-2, track=False)  # bf16 entropy
+    (logp * g).sum().backward()
+    assert x.grad.shape == hidden.shape
+    assert_close(x.grad.reshape(-1, h), ref["d_hidden"], name="d_hidden", dtype=torch.float64, rtol=1e-6, track=False)
+    total, _ = linear_cross_entropy(hidden, weight, labels, 0.8, "sum", backend="liger")
+    torch.testing.assert_close(total, logp.detach().sum())
+
+
+def test_verl_entry_refuses_liger_tp(fake_liger):
+    """Liger's TP function reduces d_hidden itself; verl's contract returns the partial one."""
+    reason = liger_backend.LigerBackend().unsupported(2, False, torch.zeros(2, 4), reduce_hidden_grad=False)
+    assert reason is not None and "partial" in reason
 
 
 def test_refuses_sequence_parallel_and_cpu_tp():
@@ -107,7 +140,7 @@ def test_tp_needs_cuda(fake_liger):
 def test_tp_variant_called_with_group(fake_liger, monkeypatch):
     """TP > 1 without SP goes to Liger's TP function with the group (its backward reduces d_hidden)."""
     monkeypatch.setattr(liger_backend, "group_size", lambda group: 2)
-    hidden, weight, labels = case(fresh_seed())
+    hidden, weight, labels = case(next_seed())
     group = object()
     liger_backend.LigerBackend().log_probs_and_entropy(
         hidden, weight, labels, temperature=1.5, ignore_index=IGNORE_INDEX, tp_group=group
@@ -127,7 +160,7 @@ def test_absent_liger_is_unavailable(monkeypatch):
 def test_real_liger_cpu_fallback():
     """The installed Liger (its chunked PyTorch fallback on CPU) through the head, vs fp64."""
     pytest.importorskip(liger_backend.LIGER_MODULE)
-    hidden, weight, labels = case(fresh_seed(), n=10, h=16, v=40, dtype=torch.float32)
+    hidden, weight, labels = case(next_seed(), n=10, h=16, v=40, dtype=torch.float32)
     g = torch.randn(10, generator=generator(3))
     x = hidden.clone().requires_grad_(True)
     logp, ent = fused_log_probs_and_entropy(x, weight, labels, temperature=0.9, backend="liger")

@@ -6,23 +6,16 @@ is in ``tests/distributed/test_logits_path_parity.py``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from mcore_ppo_testing.logits_path import vocab_parallel_entropy
-
-
-def _seed() -> int:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
-    return seed
+from mcore_ppo_testing.seeds import next_seed
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_entropy_and_gradient_match_fp64_autograd(dtype):
-    gen = torch.Generator().manual_seed(_seed())
+    gen = torch.Generator().manual_seed(next_seed())
     logits64 = 3.0 * torch.randn(5, 7, 50, generator=gen, dtype=torch.float64)
     grad_out = torch.randn(5, 7, generator=gen, dtype=torch.float64)
 

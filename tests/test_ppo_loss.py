@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
@@ -22,13 +21,8 @@ from mcore_ppo.ppo_loss import (
     schedule_loss_scale,
     sequence_token_counts,
 )
+from mcore_ppo_testing.seeds import next_seed
 from parallel.context_parallel import split_for_cp
-
-
-def _seed() -> int:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
-    return seed
 
 
 def _scalar_ppo_loss(lp: float, old: float, adv: float, lo: float, hi: float, c: float | None) -> float:
@@ -76,7 +70,7 @@ def test_policy_loss_matches_hand_computation(clip_ratio_c):
 
 def test_policy_loss_gradient():
     # d loss / d log_prob = -A·ratio where the unclipped branch is active, 0 where clipped or dual-clipped.
-    gen = torch.Generator().manual_seed(_seed())
+    gen = torch.Generator().manual_seed(next_seed())
     n = 64
     lp = (torch.randn(n, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
     old = torch.randn(n, generator=gen, dtype=torch.float64) * 0.5
@@ -111,7 +105,7 @@ def test_kl_k3_matches_hand_computation_and_estimates_kl():
     torch.testing.assert_close(kl_k3(old, new), torch.tensor(expected, dtype=torch.float64), rtol=1e-14, atol=1e-15)
     # Unbiased for KL(q || p) over samples of q: the q-weighted mean over a whole (small) vocab
     # equals the exact KL.
-    gen = torch.Generator().manual_seed(_seed())
+    gen = torch.Generator().manual_seed(next_seed())
     log_q = torch.log_softmax(torch.randn(7, generator=gen, dtype=torch.float64), 0)
     log_p = torch.log_softmax(torch.randn(7, generator=gen, dtype=torch.float64), 0)
     exact = (log_q.exp() * (log_q - log_p)).sum()
@@ -176,7 +170,7 @@ def test_aggregation_same_over_micro_batches_and_cp_ranks(mode):
     """Σ over micro-batches × CP ranks × DP ranks of the schedule-scaled loss, run through
     Megatron's 2-tuple scaling (×cp/num_microbatches) and DP×CP gradient averaging, gives the
     whole-batch loss and its gradient, for every split."""
-    gen = torch.Generator().manual_seed(_seed())
+    gen = torch.Generator().manual_seed(next_seed())
     rollout = _random_rollout(gen, num_seqs=7)
     per_token = torch.randn(rollout.tokens.shape[0], generator=gen, dtype=torch.float64).requires_grad_()
     padded, mask = _padded_view(rollout, per_token)
@@ -236,7 +230,7 @@ def test_make_micro_batches():
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_pack_micro_batch_labels_and_cp_split(cp):
-    gen = torch.Generator().manual_seed(_seed())
+    gen = torch.Generator().manual_seed(next_seed())
     rollout = _random_rollout(gen, num_seqs=4)
     seqs = [3, 1, 2]
     align = 2 * cp

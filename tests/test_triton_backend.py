@@ -20,10 +20,12 @@ if _SET_INTERPRET:
 
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels  # noqa: E402,F401  (decorated now, under the interpreter on CPU)
-from mcore_ppo.api import compute_log_probs_and_entropy, fused_log_probs_and_entropy  # noqa: E402
+from mcore_ppo import pipeline  # noqa: E402
+from mcore_ppo.api import fused_log_probs_and_entropy  # noqa: E402
 from mcore_ppo.backends import resolve_backend  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
-from tests.reference import IGNORE_INDEX, assert_close, fresh_seed, generator, reference  # noqa: E402
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
+from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]  # the rest of the suite never sees it
@@ -103,20 +105,20 @@ def test_backend_resolves():
 )
 def test_head_matches_fp64(n, h, v, temperature):
     """Outputs and both gradients vs fp64, odd sizes, ignored tokens, T ≠ 1."""
-    hidden, weight, labels, g, e = make_case(n, h, v, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(n, h, v, seed=next_seed())
     check_against_reference(hidden, weight, labels, temperature, g, e)
 
 
 def test_statistics_match_torch_backend():
     """The raw shard statistics (m, s, u, y) equal the torch backend's, labels of other shards too."""
-    hidden, weight, labels, _, _ = make_case(33, 20, 101, seed=fresh_seed(), ignored=0.0)
+    hidden, weight, labels, _, _ = make_case(33, 20, 101, seed=next_seed(), ignored=0.0)
     valid = torch.ones(33, dtype=torch.bool, device=DEVICE)
     valid[::4] = False
     local = labels.clone()
     local[1::3] = -1  # label owned by another TP rank: y must be 0, the row still counted
     local[~valid] = -1
-    ours = triton_backend.TritonBackend().shard_statistics(hidden, weight, local, valid, 0.9)
-    ref = TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9)
+    ours = triton_backend.TritonBackend().shard_statistics(hidden, weight, local, valid, 0.9).tensors()
+    ref = TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9).tensors()
     for name, a, b in zip("msuy", ours, ref, strict=True):
         assert a.dtype == torch.float32
         assert_close(a[valid].cpu(), b[valid].cpu(), name=f"stat_{name}", dtype=torch.float32, rtol=2e-6, atol=1e-6)
@@ -126,7 +128,7 @@ def test_statistics_match_torch_backend():
 
 
 def test_all_ignored_is_zero():
-    hidden, weight, labels, g, e = make_case(19, 16, 70, seed=fresh_seed(), ignored=1.0)
+    hidden, weight, labels, g, e = make_case(19, 16, 70, seed=next_seed(), ignored=1.0)
     logp, ent, dh, dw = run_head(hidden, weight, labels, 1.3, g, e)
     for t in (logp, ent, dh, dw):
         assert torch.isfinite(t).all()
@@ -136,7 +138,7 @@ def test_all_ignored_is_zero():
 @pytest.mark.parametrize(("scale", "shift"), [(300.0, 0.0), (1.0, -5000.0), (1.0, 8000.0)])
 def test_extreme_logits(scale, shift):
     """Logits of size 1e3..1e4, far below and far above zero: exact to fp32 rounding."""
-    hidden, weight, labels, g, e = make_case(16, 16, 45, seed=fresh_seed(), scale=scale, shift=shift)
+    hidden, weight, labels, g, e = make_case(16, 16, 45, seed=next_seed(), scale=scale, shift=shift)
     # The fp32 GEMM that forms logits of size L is itself off by ~sqrt(h)·eps32·L before the head
     # does anything, and every output is Lipschitz in the logits: tolerances scale with L (as in
     # test_head_reference.py), plus the head's own fp32 rounding.
@@ -147,7 +149,7 @@ def test_extreme_logits(scale, shift):
 
 def test_equal_logits_entropy_is_log_v():
     n, h, v = 9, 16, 77
-    hidden = torch.randn(n, h, generator=generator(fresh_seed())).to(DEVICE)
+    hidden = torch.randn(n, h, generator=generator(next_seed())).to(DEVICE)
     weight = torch.ones(v, h, device=DEVICE)
     labels = torch.arange(n, device=DEVICE) * 7
     logp, ent = fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.5, backend="triton")
@@ -159,7 +161,7 @@ def test_equal_logits_entropy_is_log_v():
 @pytest.mark.parametrize("which", ["log_prob", "entropy"])
 def test_one_output_used(which):
     """An unused output passes no gradient (None); the other's gradient is still exact."""
-    hidden, weight, labels, g, e = make_case(21, 24, 66, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(21, 24, 66, seed=next_seed())
     g, e = (g, None) if which == "log_prob" else (None, e)
     check_against_reference(hidden, weight, labels, 1.1, g, e)
 
@@ -169,28 +171,19 @@ def test_several_backward_chunks(monkeypatch):
     block_n = triton_backend.TritonBackend().backward_config.block_n
     monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 30 * 4 * 2 * block_n)  # two tiles for n=30 fp32
     v = 4 * block_n + 22
-    hidden, weight, labels, g, e = make_case(30, 16, v, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(30, 16, v, seed=next_seed())
     assert triton_backend.TritonBackend().vocab_chunk(30, v, 4) == 2 * block_n
     check_against_reference(hidden, weight, labels, 0.6, g, e)
 
 
 def test_main_grad_accumulation():
     """With Megatron's gradient-accumulation fusion the weight gradient is added to main_grad."""
-    hidden, weight, labels, g, e = make_case(18, 16, 50, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(18, 16, 50, seed=next_seed())
     w = weight.clone().requires_grad_(True)
     w.main_grad = torch.randn(w.shape, generator=generator(1)).to(DEVICE)
     before = w.main_grad.clone()
-    logp, ent = compute_log_probs_and_entropy(
-        hidden,
-        w,
-        labels,
-        temperature=1.0,
-        tp_group=None,
-        sequence_parallel=False,
-        ignore_index=IGNORE_INDEX,
-        backend="triton",
-        accumulate_into_main_grad=True,
-    )
+    options = pipeline.HeadOptions(temperature=1.0, ignore_index=IGNORE_INDEX, backend="triton")
+    logp, ent = pipeline.run_head(hidden, w, labels, options, tp_group=None, accumulate_into_main_grad=True)
     torch.autograd.backward([logp, ent], [g.to(DEVICE), e.to(DEVICE)])
     ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 1.0, g, e)
     assert w.main_grad.dtype == torch.float32
@@ -218,7 +211,7 @@ def buffer_backwards(monkeypatch) -> list[int]:
     monkeypatch.setattr(
         triton_backend.TritonBackend,
         "_gradients_from_buffer",
-        lambda self, *a: calls.append(1) or original(self, *a),
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
     )
     return calls
 
@@ -251,7 +244,7 @@ def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
         block_n = triton_backend.TritonBackend().backward_config.block_n
         monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", n * 2 * chunk_tiles * block_n)
         assert v > 2 * chunk_tiles * block_n and v % (chunk_tiles * block_n) != 0  # >2 chunks, ragged
-    hidden, weight, labels, g, e = make_case(n, 32, v, seed=fresh_seed(), dtype=dtype, ignored=ignored)
+    hidden, weight, labels, g, e = make_case(n, 32, v, seed=next_seed(), dtype=dtype, ignored=ignored)
     labels[0] = 3  # at least one valid token
     logp, ent, dh, dw = run_head(hidden, weight, labels, 0.7, g, e)
     assert buffer_backwards == ([1] if buffer else [])
@@ -276,7 +269,7 @@ def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
 def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):
     """Padding rows full of inf (ignored labels) must not turn into 0·inf = NaN in d_W."""
     _use_tma_everywhere(monkeypatch)
-    hidden, weight, labels, g, e = make_case(21, 16, 40, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(21, 16, 40, seed=next_seed())
     ignored = labels == IGNORE_INDEX
     assert ignored.any()
     clean = check_against_reference(hidden, weight, labels, 0.8, g, e)
@@ -290,7 +283,7 @@ def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):
 
 
 def test_compact_rows():
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     valid = torch.rand(57, generator=gen) < 0.6
     perm, count = triton_backend.compact_rows(valid.to(DEVICE))
     k = int(valid.sum())
@@ -300,7 +293,7 @@ def test_compact_rows():
 
 
 def test_fp64_falls_back_to_reference():
-    hidden, weight, labels, g, e = make_case(12, 8, 30, seed=fresh_seed(), dtype=torch.float64)
+    hidden, weight, labels, g, e = make_case(12, 8, 30, seed=next_seed(), dtype=torch.float64)
     check_against_reference(hidden, weight, labels, 1.0, g, e, rtol=1e-12, grad_rtol=1e-10)
 
 
@@ -314,7 +307,7 @@ def test_tma_operands(monkeypatch):
     monkeypatch.setattr(
         triton_backend, "BACKWARD_CONFIG", triton_backend.replace(triton_backend.BACKWARD_CONFIG, use_tma=True)
     )
-    hidden, weight, labels, g, e = make_case(37, 28, 151, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(37, 28, 151, seed=next_seed())
     assert triton_backend.TritonBackend().forward_config.use_tma
     check_against_reference(hidden, weight, labels, 0.7, g, e)
 
@@ -323,7 +316,7 @@ def test_tma_operands(monkeypatch):
 def test_buffer_mode(monkeypatch, buffer_backwards, which):
     """Issue 6: with a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
-    hidden, weight, labels, g, e = make_case(29, 24, 130, seed=fresh_seed())
+    hidden, weight, labels, g, e = make_case(29, 24, 130, seed=next_seed())
     if which == "log_prob":
         e = None
     check_against_reference(hidden, weight, labels, 0.7, g, e)
@@ -332,9 +325,19 @@ def test_buffer_mode(monkeypatch, buffer_backwards, which):
 
 def test_buffer_not_kept_without_grad(monkeypatch):
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
-    hidden, weight, labels, _, _ = make_case(9, 16, 40, seed=fresh_seed())
+    hidden, weight, labels, _, _ = make_case(9, 16, 40, seed=next_seed())
     backend = triton_backend.TritonBackend()
     monkeypatch.setattr(triton_backend, "TritonBackend", lambda: backend)
+    forwards = []  # (grad_needed, residual) of every statistics call: the backend keeps nothing itself
+    statistics = backend.shard_statistics
+
+    def spied_statistics(*args, grad_needed=False):
+        stats = statistics(*args, grad_needed=grad_needed)
+        forwards.append((grad_needed, stats.residual))
+        return stats
+
+    monkeypatch.setattr(backend, "shard_statistics", spied_statistics)
     with torch.no_grad():
         fused_log_probs_and_entropy(hidden.requires_grad_(True), weight, labels, backend="triton")
-    assert backend.grad_needed is False and backend._buffer is None
+    ((grad_needed, buffer),) = forwards
+    assert grad_needed is False and buffer is None

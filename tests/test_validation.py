@@ -12,27 +12,23 @@ import math
 
 import pytest
 import torch
-from reference import IGNORE_INDEX, check_invariants, fresh_seed, generator, single_threaded
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
 from mcore_ppo.validation import check_layout
+from mcore_ppo_testing.reference import IGNORE_INDEX, check_invariants
+from mcore_ppo_testing.seeds import generator, next_seed
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
+
 H, V = 8, 13
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread (see reference.single_threaded)."""
-    with single_threaded():
-        yield
 
 
 @pytest.fixture
 def data():
     """Valid 2-D and 3-D inputs (s=4, b=3), fresh per test."""
-    gen = generator(fresh_seed())
+    gen = generator(next_seed())
     return {
         "h2": torch.randn(6, H, generator=gen),
         "l2": torch.randint(0, V, (6,), generator=gen),

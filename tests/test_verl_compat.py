@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from mcore_ppo import fused_log_probs_and_entropy, linear_cross_entropy
+from mcore_ppo_testing.reference import reference_outputs
 
 VOCAB, HIDDEN = 128, 32
 
 
 def _fp64_reference(hidden, weight, labels, temperature):
-    log_softmax = torch.log_softmax(hidden.reshape(-1, hidden.shape[-1]) @ weight.t() / temperature, dim=-1)
-    flat = labels.reshape(-1)
-    lp = log_softmax.gather(-1, flat.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return lp, -(log_softmax.exp() * log_softmax).sum(-1)
+    """verl's pairing: the tokens of hidden and labels in their own memory order."""
+    return reference_outputs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), temperature)
 
 
 def test_verl_linear_cross_entropy_flattens_like_verl():

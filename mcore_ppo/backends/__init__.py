@@ -59,26 +59,43 @@ def _liger_backend(buffer_budget_bytes: int | None = None) -> Backend | None:
 _FACTORIES = {"torch": _torch_backend, "triton": _triton_backend, "liger": _liger_backend}
 
 
-def resolve_backend(name: str, device: torch.device, *, buffer_budget_bytes: int | None = None) -> Backend:
-    """The backend object for ``name`` on ``device``.
+def is_backend_object(backend: object) -> bool:
+    """``backend`` is a backend instance rather than a name: it implements the per-shard
+    :class:`Backend` protocol, or computes whole outputs itself (``computes_outputs``)."""
+    if getattr(backend, "computes_outputs", False):
+        return callable(getattr(backend, "log_probs_and_entropy", None))
+    return callable(getattr(backend, "shard_statistics", None)) and callable(getattr(backend, "shard_gradients", None))
+
+
+def check_backend(backend: object) -> None:
+    """``backend`` is one of :data:`BACKENDS` or a backend object; TypeError / ValueError otherwise."""
+    if isinstance(backend, str):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        return
+    if not is_backend_object(backend):
+        raise TypeError(
+            f"backend must be a str, one of {BACKENDS}, or a backend object (mcore_ppo.backends.base.Backend), "
+            f"got {type(backend).__name__}"
+        )
+
+
+def resolve_backend(name: str | Backend, device: torch.device, *, buffer_budget_bytes: int | None = None) -> Backend:
+    """The backend object for ``name`` on ``device`` (a backend object is returned as it is).
 
     ``auto`` picks the fused Triton kernels on CUDA when they are available and the chunked
     torch reference elsewhere: in the benchmark (docs/benchmarks) ``triton`` is the fastest
-    backend that meets the head's accuracy contract at every shape; Liger's CuTe kernel is as
-    fast at tp 1 and up to 8 % faster in the forward at tp 4-8, but its log-prob error is
-    ~5e-5 and its entropy bf16 (~1.5e-3), so ``auto`` never picks it (ask for ``"liger"``).
-    An explicitly named backend that is not available raises.
+    backend that meets the head's accuracy contract at every shape. Liger's CuTe kernel is
+    about as fast, but its log-prob error is above that contract and its entropy is computed
+    in bf16 (docs/benchmarks), so ``auto`` never picks it (ask for ``"liger"``). An explicitly
+    named backend that is not available raises.
 
-    ``buffer_budget_bytes`` goes to the ``triton`` backend (also when ``auto`` picks it): the
-    bytes its forward may spend on a bf16 probability buffer that lets the backward skip the
-    logits recompute (see :func:`mcore_ppo.fused_log_probs_and_entropy`); None leaves the
-    backend's default (environment ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else its module
-    default). The ``torch`` and ``liger`` backends ignore it. Validation is the caller's.
+    ``buffer_budget_bytes`` (see :class:`mcore_ppo.pipeline.HeadOptions`) goes to the
+    ``triton`` backend, also when ``auto`` picks it; None leaves the backend's default.
     """
+    check_backend(name)
     if not isinstance(name, str):
-        raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(name).__name__}")
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+        return name
     if name == "auto":
         backend = _triton_backend(buffer_budget_bytes) if device.type == "cuda" else None
         return backend if backend is not None else TorchBackend()
@@ -91,4 +108,12 @@ def resolve_backend(name: str, device: torch.device, *, buffer_budget_bytes: int
     return backend
 
 
-__all__ = ["BACKENDS", "Backend", "TorchBackend", "import_optional", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "TorchBackend",
+    "check_backend",
+    "import_optional",
+    "is_backend_object",
+    "resolve_backend",
+]

@@ -1,11 +1,16 @@
-"""The contract every backend of the head implements.
+"""The contracts a backend of the head implements, and what travels between its two calls.
 
-A backend computes, for one rank's vocab shard, the per-token softmax statistics of the
-tempered logits ``z = hidden @ weight.T / T`` and, in the backward, this shard's gradient
-contributions. It never communicates: the cross-rank combine and the ``d_hidden`` reduction
-live in :mod:`parallel` and in the autograd Function.
+A per-shard :class:`Backend` computes, for one rank's vocab shard, the per-token softmax
+statistics of the tempered logits ``z = hidden @ weight.T / T`` and, in the backward, this
+shard's gradient contributions. It never communicates (the cross-rank combine and the
+``d_hidden`` reduction live in :mod:`parallel` and in the autograd Function) and keeps nothing
+between calls: whatever its backward may reuse from its forward is returned by
+:meth:`Backend.shard_statistics` as :attr:`ShardStatistics.residual`, kept by the autograd
+Function, and handed back in :attr:`SavedTokens.residual`.
 
-Arguments shared by both methods:
+An :class:`OutputsBackend` (Liger) computes whole outputs with its own autograd instead.
+
+Arguments shared by both per-shard methods:
     hidden: ``[n, h]`` activations (any float dtype; the backend computes in fp32).
     weight: ``[v, h]`` this rank's vocab shard.
     local_labels: ``[n]`` int64, the label's row in this shard, or -1 where the label is
@@ -17,13 +22,69 @@ Arguments shared by both methods:
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
+from parallel.ranks import ProcessGroup
+
+
+@dataclass(frozen=True)
+class ShardStatistics:
+    """fp32 ``[n]`` statistics of one shard, and what the backward may reuse.
+
+    ``m``: shard max of ``z``; ``s``: Σexp(z-m); ``u``: Σexp(z-m)(z-m); ``y``: ``z_label``
+    (0 if the label is not in this shard). ``residual``: the backend's own (e.g. the triton
+    backend's probability buffer), or None when the backward recomputes.
+    """
+
+    m: torch.Tensor
+    s: torch.Tensor
+    u: torch.Tensor
+    y: torch.Tensor
+    residual: Any = None
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(m, s, u, y)``, the arguments of :func:`parallel.combine_shard_statistics`."""
+        return self.m, self.s, self.u, self.y
+
+
+@dataclass(frozen=True)
+class SavedTokens:
+    """What the forward leaves for the backward: per-token ``[n]`` tensors and the residual.
+
+    ``local_labels`` and ``valid`` as in the module doc; ``lse`` and ``entropy`` are the
+    combined (global, over every TP rank) fp32 values; ``residual`` is
+    :attr:`ShardStatistics.residual` of the same call, or None (recompute).
+    """
+
+    local_labels: torch.Tensor
+    valid: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    residual: Any = None
+
+
+@dataclass(frozen=True)
+class GradientRequest:
+    """What one backward asks of a shard.
+
+    ``grad_log_prob`` / ``grad_entropy``: per-token ``[n]`` upstream gradients of the two
+    outputs, None for an output that is unused. ``need_hidden_grad``: ``d_hidden`` is wanted.
+    ``weight_grad``: the ``[v, h]`` buffer ``d_weight`` is accumulated into (zeros in fp32 or,
+    see :attr:`Backend.weight_grad_in_weight_dtype`, the weight's dtype; or Megatron's
+    ``main_grad``), None when no weight gradient is wanted.
+    """
+
+    grad_log_prob: torch.Tensor | None
+    grad_entropy: torch.Tensor | None
+    need_hidden_grad: bool
+    weight_grad: torch.Tensor | None
+
 
 class Backend(Protocol):
-    """Per-shard statistics and gradients of the fused head."""
+    """Per-shard statistics and gradients of the fused head, stateless between calls."""
 
     name: str
     # Optional (default False): True lets the Function pass a zero ``weight_grad`` in the
@@ -38,31 +99,59 @@ class Backend(Protocol):
         local_labels: torch.Tensor,
         valid: torch.Tensor,
         temperature: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 ``[n]`` tensors ``(m, s, u, y)``: shard max, Σexp(z-m), Σexp(z-m)(z-m), z_label (0 if not here)."""
+        *,
+        grad_needed: bool = False,
+    ) -> ShardStatistics:
+        """This shard's statistics. ``grad_needed``: a backward will follow, so a residual for
+        it may be returned (a backend keeps none otherwise)."""
         ...
 
     def shard_gradients(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
-        local_labels: torch.Tensor,
-        valid: torch.Tensor,
+        saved: SavedTokens,
+        request: GradientRequest,
+        *,
         temperature: float,
-        lse: torch.Tensor,
-        entropy: torch.Tensor,
-        grad_log_prob: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
-        need_hidden_grad: bool,
-        weight_grad: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This shard's ``(d_hidden, d_weight)`` in fp32 (``d_hidden`` may come already rounded
         once to ``hidden``'s dtype, from fp32 accumulation, when that saves the backend a pass).
 
-        ``lse`` and ``entropy`` are the combined (global) fp32 values per token; the upstream
-        gradients are per token (``None`` = that output is unused). ``d_hidden`` is this
-        shard's partial sum (the caller reduces it over TP). ``weight_grad`` is None when no
-        weight gradient is needed, else an fp32 ``[v, h]`` buffer to accumulate into (zeros,
-        or Megatron's ``main_grad``), which is returned.
+        ``d_hidden`` (None unless ``request.need_hidden_grad``) is this shard's partial sum: the
+        caller reduces it over TP. ``d_weight`` is ``request.weight_grad`` accumulated into and
+        returned (None when it is None). A residual in ``saved`` is consumed (it may be
+        overwritten in place).
         """
+        ...
+
+
+class OutputsBackend(Protocol):
+    """A backend that computes whole outputs with its own autograd and TP handling (Liger).
+
+    :func:`mcore_ppo.pipeline.run_head` calls it in place of the head's autograd Function and
+    wraps ``hidden`` in no TP mapping: its backward must return the ``d_hidden`` the entry
+    point promises (reduced over TP, unless it reports the case unsupported).
+    """
+
+    name: str
+    computes_outputs: bool  # True: this protocol, not the per-shard one
+
+    def unsupported(
+        self, tp_size: int, sequence_parallel: bool, hidden: torch.Tensor, *, reduce_hidden_grad: bool = True
+    ) -> str | None:
+        """Why this case cannot run here (the pipeline raises ValueError with it), or None."""
+        ...
+
+    def log_probs_and_entropy(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float,
+        ignore_index: int,
+        tp_group: ProcessGroup | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(log_prob [n], entropy [n])`` for ``hidden [n, h]`` and global ``labels [n]``."""
         ...

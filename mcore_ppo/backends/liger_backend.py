@@ -3,9 +3,9 @@
 Liger returns per-token ``nll`` and entropy of ``softmax(x @ W.T / T)`` through its own
 autograd (a CuTe kernel on Hopper bf16 with ``nvidia-cutlass-dsl``, a chunked PyTorch
 fallback elsewhere). It does not expose the per-shard softmax statistics of the Backend
-protocol, so it is dispatched at the API level instead: :func:`mcore_ppo.api` calls
-:meth:`LigerBackend.log_probs_and_entropy` (``computes_outputs = True``) in place of the
-head's autograd Function, and skips its own TP mapping.
+protocol, so it implements :class:`~mcore_ppo.backends.base.OutputsBackend` instead:
+:func:`mcore_ppo.pipeline.run_head` calls :meth:`LigerBackend.log_probs_and_entropy` in place
+of the head's autograd Function, and skips its own TP mapping.
 
 Where its contract fits:
 - TP 1: ``LigerFusedLinearScaledCrossEntropyFunction``.
@@ -13,13 +13,16 @@ Where its contract fits:
   ``LigerFusedLinearScaledCrossEntropyTPFunction`` (CUDA tensors; its backward already
   returns the TP-reduced ``d_hidden``, so the head must not reduce it again).
 - Sequence parallelism: not supported (Liger would need the gathered hidden and a
-  reduce-scatter of its gradient); the API raises ``ValueError``.
+  reduce-scatter of its gradient); the pipeline raises ``ValueError``.
+- verl's entry at TP > 1: not supported (verl's contract returns the *partial* ``d_hidden``,
+  Liger's TP variant the reduced one).
 
 Differences from the head's own backends, documented rather than hidden: Liger's entropy is
 computed in the input dtype on its CuTe path (bf16 for bf16 inputs; returned here as fp32),
-its log-prob error is ~1e-3 (docs/benchmarks), its input validation syncs the host, ignored
-tokens still cost GEMM work, and ``main_grad`` fusion is not used (the weight gets a ``.grad``
-that Megatron's DDP hook adds to ``main_grad``). ``backend="auto"`` never picks it.
+its log-prob error is above the head's contract (docs/benchmarks), its input validation
+syncs the host, ignored tokens still cost GEMM work, and ``main_grad`` fusion is not used
+(the weight gets a ``.grad`` that Megatron's DDP hook adds to ``main_grad``).
+``backend="auto"`` never picks it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from types import ModuleType
 import torch
 
 from mcore_ppo.backends import import_optional
-from parallel.groups import ProcessGroup, group_size
+from parallel.ranks import ProcessGroup, group_size
 
 LIGER_MODULE = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
 
@@ -50,10 +53,14 @@ class LigerBackend:
     name = "liger"
     computes_outputs = True
 
-    def unsupported(self, tp_size: int, sequence_parallel: bool, hidden: torch.Tensor) -> str | None:
+    def unsupported(
+        self, tp_size: int, sequence_parallel: bool, hidden: torch.Tensor, *, reduce_hidden_grad: bool = True
+    ) -> str | None:
         """Why Liger cannot run this case, or None when it can."""
         if sequence_parallel and tp_size > 1:
             return "sequence parallelism is not supported by Liger's fused linear scaled CE"
+        if tp_size > 1 and not reduce_hidden_grad:
+            return "Liger's tensor-parallel function reduces d_hidden itself; this entry must return the partial one"
         if tp_size > 1:
             module = _liger()
             if module is None or not hasattr(module, "LigerFusedLinearScaledCrossEntropyTPFunction"):
@@ -89,11 +96,3 @@ class LigerBackend:
                 hidden, weight, labels, temperature, ignore_index, 1, True
             )
         return -nll.float(), entropy.float()
-
-    def shard_statistics(self, *args, **kwargs):
-        """Not provided: Liger exposes outputs, not shard statistics (dispatched at the API level)."""
-        raise NotImplementedError("the liger backend computes outputs directly; it is dispatched by mcore_ppo.api")
-
-    def shard_gradients(self, *args, **kwargs):
-        """Not provided: Liger's own autograd computes the gradients."""
-        raise NotImplementedError("the liger backend computes outputs directly; it is dispatched by mcore_ppo.api")

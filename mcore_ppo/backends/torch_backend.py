@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from mcore_ppo.backends.base import GradientRequest, SavedTokens, ShardStatistics
 from parallel.combine import merge_statistics
 
 TOKEN_CHUNK = 2048
@@ -45,7 +46,8 @@ def _label_columns(local_labels: torch.Tensor, v0: int, v1: int) -> tuple[torch.
 
 
 class TorchBackend:
-    """Chunked fp32 PyTorch implementation of the shard statistics and gradients."""
+    """Chunked fp32 PyTorch implementation of the shard statistics and gradients (no residual:
+    the backward always recomputes)."""
 
     name = "torch"
 
@@ -54,7 +56,17 @@ class TorchBackend:
         self.token_chunk = token_chunk or TOKEN_CHUNK
         self.vocab_chunk = vocab_chunk or VOCAB_CHUNK
 
-    def shard_statistics(self, hidden, weight, local_labels, valid, temperature):
+    def shard_statistics(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        local_labels: torch.Tensor,
+        valid: torch.Tensor,
+        temperature: float,
+        *,
+        grad_needed: bool = False,
+    ) -> ShardStatistics:
+        """``(m, s, u, y)`` in the accumulation dtype; see the Backend protocol."""
         n, v = hidden.shape[0], weight.shape[0]
         acc = accumulation_dtype(hidden.dtype)
         stats = torch.empty(4, n, dtype=acc, device=hidden.device)
@@ -74,22 +86,20 @@ class TorchBackend:
                 label_logit = torch.where(in_chunk, picked, label_logit)
             stats[0, t0:t1], stats[1, t0:t1], stats[2, t0:t1] = running
             stats[3, t0:t1] = label_logit
-        return tuple(stats.unbind(0))
+        return ShardStatistics(*stats.unbind(0))
 
     def shard_gradients(
         self,
-        hidden,
-        weight,
-        local_labels,
-        valid,
-        temperature,
-        lse,
-        entropy,
-        grad_log_prob,
-        grad_entropy,
-        need_hidden_grad,
-        weight_grad,
-    ):
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        saved: SavedTokens,
+        request: GradientRequest,
+        *,
+        temperature: float,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(d_hidden, d_weight)`` of this shard, logits recomputed chunk by chunk; see the Backend protocol."""
+        local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
+        grad_log_prob, grad_entropy, weight_grad = request.grad_log_prob, request.grad_entropy, request.weight_grad
         n, h = hidden.shape
         v = weight.shape[0]
         acc = accumulation_dtype(hidden.dtype)
@@ -97,7 +107,7 @@ class TorchBackend:
         # Ignored tokens get zero upstream gradient, whatever the caller passed.
         g = torch.where(valid, grad_log_prob.to(acc), zeros) if grad_log_prob is not None else zeros
         e = torch.where(valid, grad_entropy.to(acc), zeros) if grad_entropy is not None else zeros
-        hidden_grad = torch.zeros(n, h, dtype=acc, device=hidden.device) if need_hidden_grad else None
+        hidden_grad = torch.zeros(n, h, dtype=acc, device=hidden.device) if request.need_hidden_grad else None
         for t0, t1 in _chunks(n, self.token_chunk):
             valid_c = valid[t0:t1, None]
             # Ignored rows' hidden states may be anything (inf padding): zero them so their

@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 
+from mcore_ppo_testing.reference import normwise_relative_error, reference
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -22,36 +24,12 @@ GIB = 2**30
 
 
 def fp64_reference(x, w, labels, g, e, temperature, chunk=2048):
-    n = x.shape[0]
-    w64 = w.double()
-    logp = torch.zeros(n, dtype=torch.float64, device=x.device)
-    ent = torch.zeros_like(logp)
-    dh = torch.zeros(n, x.shape[1], dtype=torch.float64, device=x.device)
-    dw = torch.zeros_like(w64)
-    for r0 in range(0, n, chunk):
-        r1 = min(n, r0 + chunk)
-        xc, lab = x[r0:r1].double(), labels[r0:r1]
-        valid = lab != -100
-        z = xc @ w64.t() / temperature
-        log_p = z - torch.logsumexp(z, -1, keepdim=True)
-        del z
-        p = log_p.exp()
-        h = -(p * log_p).sum(-1)
-        logp[r0:r1] = torch.where(valid, log_p.gather(1, lab.clamp(min=0)[:, None]).squeeze(1), 0.0)
-        ent[r0:r1] = torch.where(valid, h, 0.0)
-        gc = torch.where(valid, g[r0:r1].double(), 0.0)[:, None]
-        ec = torch.where(valid, e[r0:r1].double(), 0.0)[:, None]
-        dz = -p * (gc + ec * (log_p + h[:, None]))
-        del p, log_p
-        dz.scatter_add_(1, lab.clamp(min=0)[:, None], gc)
-        dz /= temperature
-        dh[r0:r1] = dz @ w64
-        dw += dz.t() @ xc
-    return logp, ent, dh, dw
+    """``(log_prob, entropy, d_hidden, d_weight)`` in fp64, on the GPU, row chunk by chunk."""
+    ref = reference(x, w, labels, temperature, g, e, rows_per_chunk=chunk, with_terms=False)
+    return ref["log_prob"], ref["entropy"], ref["d_hidden"], ref["d_weight"]
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+rel = normwise_relative_error
 
 
 def make(n, h, v, dtype=torch.bfloat16, ignored=0.0, seed=0):
@@ -166,23 +144,14 @@ def test_no_grad_forward_keeps_nothing_and_memory_budget(h, v):
 
 
 def test_main_grad_fp32():
-    from mcore_ppo.api import compute_log_probs_and_entropy
+    from mcore_ppo.pipeline import HeadOptions, run_head
 
     x, w, labels, g, e = make(2048, 1024, 20000, seed=5)
     wg = w.detach().requires_grad_(True)
     wg.main_grad = torch.randn(w.shape, device="cuda")
     before = wg.main_grad.clone()
-    logp, ent = compute_log_probs_and_entropy(
-        x,
-        wg,
-        labels,
-        temperature=0.7,
-        tp_group=None,
-        sequence_parallel=False,
-        ignore_index=-100,
-        backend="triton",
-        accumulate_into_main_grad=True,
-    )
+    options = HeadOptions(temperature=0.7, ignore_index=-100, backend="triton")
+    logp, ent = run_head(x, wg, labels, options, tp_group=None, accumulate_into_main_grad=True)
     torch.autograd.backward([logp, ent], [g, e])
     ref = fp64_reference(x, w, labels, g, e, 0.7)
     assert rel(wg.main_grad - before, ref[3]) <= 5e-3
@@ -192,26 +161,35 @@ def test_main_grad_fp32():
 def test_cuda_graph_capture(use_tma, budget):
     """No host synchronisation: the forward statistics and the backward capture in a CUDA graph
     (with the buffer too: the forward keeps it, the backward consumes it, inside the graph)."""
+    from mcore_ppo.backends.base import GradientRequest, SavedTokens
     from mcore_ppo.backends.triton_backend import TritonBackend
 
     x, w, labels, g, e = make(2048, 1024, 20000, ignored=0.3, seed=6)
     valid = labels != -100
     local = torch.where(valid, labels, -1)
     backend = TritonBackend(buffer_budget_bytes=budget)
-    eager = backend.shard_statistics(x, w, local, valid, 0.7)
     lse, ent = torch.rand(2048, device="cuda") + 5, torch.rand(2048, device="cuda")
-    backend.shard_gradients(x, w, local, valid, 0.7, lse, ent, g, e, True, torch.zeros_like(w))  # compile first
+
+    def statistics():
+        return backend.shard_statistics(x, w, local, valid, 0.7, grad_needed=True)
+
+    def gradients(stats):  # consumes the forward's buffer, if it kept one
+        saved = SavedTokens(local, valid, lse, ent, stats.residual)
+        request = GradientRequest(g, e, need_hidden_grad=True, weight_grad=torch.zeros_like(w))
+        return backend.shard_gradients(x, w, saved, request, temperature=0.7)
+
+    eager = statistics()
+    gradients(eager)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        stats = backend.shard_statistics(x, w, local, valid, 0.7)
-        grads = backend.shard_gradients(x, w, local, valid, 0.7, lse, ent, g, e, True, torch.zeros_like(w))
+        stats = statistics()
+        grads = gradients(stats)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(stats, eager, strict=True):
+    for a, b in zip(stats.tensors(), eager.tensors(), strict=True):
         assert torch.equal(a[valid], b[valid])
-    backend.shard_statistics(x, w, local, valid, 0.7)  # eagerly again: the same path (buffer kept or not)
-    eager_grads = backend.shard_gradients(x, w, local, valid, 0.7, lse, ent, g, e, True, torch.zeros_like(w))
+    eager_grads = gradients(statistics())  # eagerly again: the same path (buffer kept or not)
     assert torch.equal(grads[0], eager_grads[0]) and torch.equal(grads[1], eager_grads[1])
 
 

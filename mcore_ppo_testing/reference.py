@@ -1,54 +1,24 @@
-"""Float64 reference of the head for the tests: it materialises the full ``[tokens, V]`` logits.
+"""The float64 reference of the head, and the error metrics every test and benchmark uses.
 
-Everything here is deliberately naive: ``log_softmax(hidden @ W.T / T)`` in fp64, the label's
-log-probability picked with ``gather`` and the entropy ``-Σ p log p``, ignored tokens set to 0,
-and the gradients taken by ``torch.autograd.grad`` through that graph. The inputs are upcast
+Deliberately naive: ``log_softmax(hidden @ W.T / T)`` over the whole vocabulary in fp64, the
+label's log-probability picked with ``gather``, the entropy ``-Σ p log p``, ignored tokens set
+to 0, and the gradients taken by ``torch.autograd.grad`` through that graph. Inputs are upcast
 from whatever dtype the head saw (bf16 values upcast exactly), so the reference answers "what
-would exact arithmetic give on these very inputs".
+would exact arithmetic give on these very inputs". Tokens are processed in row chunks when
+asked (``rows_per_chunk``), so the benchmark's full shapes fit a GPU.
 
-Also: fresh per-test seeds, an error tracker (largest relative error seen per output and
-dtype, printed at the end of the suite), and the invariants every output must satisfy.
+Layouts follow the head's (Megatron's): hidden ``[s, b, h]`` pairs with labels ``[b, s]``,
+``[n, h]`` with ``[n]``. Upstream gradients are shaped like the labels.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from collections import defaultdict
-from collections.abc import Iterator
 
 import torch
 
 IGNORE_INDEX = -100
-
-
-def fresh_seed() -> int:
-    """A new random seed from the OS, printed so a failing test names the data it saw."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
-    return seed
-
-
-@contextlib.contextmanager
-def single_threaded() -> Iterator[None]:
-    """Run torch on one intra-op thread inside the block (restored after).
-
-    The tests use tiny shapes, where a second OpenMP/MKL thread only adds synchronisation; on the
-    2 busy CI cores its spinning workers cost ~2.5× the CPU time and ~9× the wall time (measured:
-    17 s vs 44 s user for the reference matrix).
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def generator(seed: int) -> torch.Generator:
-    """A CPU generator seeded with ``seed`` (tests never touch the global RNG)."""
-    return torch.Generator().manual_seed(seed)
 
 
 def _tokens_first(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +29,20 @@ def _tokens_first(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     if hidden.dim() == 3:
         return hidden.transpose(0, 1), labels
     return hidden, labels
+
+
+def outputs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_prob, entropy)`` in fp64 of full logits ``[..., V]`` for labels ``[...]``; 0 where ignored."""
+    log_p = torch.log_softmax(logits.to(torch.float64) / temperature, dim=-1)
+    # p·log p with p = 0 is 0 (xlogy would also do); log_p is finite for finite logits.
+    entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    picked = log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    return torch.where(valid, picked, zero), torch.where(valid, entropy, zero)
 
 
 def reference_outputs(
@@ -75,15 +59,7 @@ def reference_outputs(
     """
     assert hidden.dtype == weight.dtype == torch.float64
     x, labels = _tokens_first(hidden, labels)
-    logits = torch.matmul(x, weight.t()) / temperature  # [..., V]
-    log_p = torch.log_softmax(logits, dim=-1)
-    # p·log p with p = 0 is 0 (xlogy would also do); log_p is finite for finite logits.
-    entropy = -(log_p.exp() * log_p).sum(dim=-1)
-    valid = labels != ignore_index
-    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
-    picked = log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    zero = torch.zeros((), dtype=torch.float64)
-    return torch.where(valid, picked, zero), torch.where(valid, entropy, zero)
+    return outputs_from_logits(torch.matmul(x, weight.t()), labels, temperature, ignore_index)
 
 
 def reference(
@@ -94,31 +70,72 @@ def reference(
     grad_log_prob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
+    *,
+    rows_per_chunk: int | None = None,
+    with_terms: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Reference outputs and, given per-token upstream gradients, the gradients of both inputs.
 
     Returns a dict with ``log_prob``, ``entropy`` (fp64, shaped like labels) and, when an
     upstream gradient is given, ``d_hidden`` and ``d_weight`` (fp64, shaped like the inputs) of
-    ``Σ g·log_prob + Σ e·entropy``. A missing ``g`` or ``e`` counts as zero.
+    ``Σ g·log_prob + Σ e·entropy`` (a missing ``g`` or ``e`` counts as zero), with
+    ``with_terms`` also ``d_hidden_terms`` and ``d_weight_terms`` (see
+    :func:`_gradient_term_magnitudes`). ``rows_per_chunk``: tokens per fp64 ``[rows, V]`` block
+    (None: all at once). Computed on ``hidden``'s device.
     """
-    h64 = hidden.detach().to(torch.float64).requires_grad_(True)
-    w64 = weight.detach().to(torch.float64).requires_grad_(True)
-    log_prob, entropy = reference_outputs(h64, w64, labels, temperature, ignore_index)
-    out = {"log_prob": log_prob.detach(), "entropy": entropy.detach()}
-    if grad_log_prob is None and grad_entropy is None:
-        return out
-    objective = torch.zeros((), dtype=torch.float64)
-    if grad_log_prob is not None:
-        objective = objective + (log_prob * grad_log_prob.to(torch.float64)).sum()
-    if grad_entropy is not None:
-        objective = objective + (entropy * grad_entropy.to(torch.float64)).sum()
-    d_hidden, d_weight = torch.autograd.grad(objective, (h64, w64), allow_unused=True)
-    out["d_hidden"] = torch.zeros_like(h64) if d_hidden is None else d_hidden
-    out["d_weight"] = torch.zeros_like(w64) if d_weight is None else d_weight
-    out["d_hidden_terms"], out["d_weight_terms"] = _gradient_term_magnitudes(
-        h64.detach(), w64.detach(), labels, temperature, grad_log_prob, grad_entropy, ignore_index
-    )
+    x, token_labels = _tokens_first(hidden.detach(), labels)
+    lead, h = token_labels.shape, hidden.shape[-1]
+    x = x.reshape(-1, h)
+    token_labels = token_labels.reshape(-1)
+    n = token_labels.numel()
+    with_grads = grad_log_prob is not None or grad_entropy is not None
+    g = None if grad_log_prob is None else grad_log_prob.reshape(-1).to(x.device, torch.float64)
+    e = None if grad_entropy is None else grad_entropy.reshape(-1).to(x.device, torch.float64)
+    w64 = weight.detach().to(torch.float64).requires_grad_(with_grads)
+    out = {name: torch.zeros(n, dtype=torch.float64, device=x.device) for name in ("log_prob", "entropy")}
+    if with_grads:
+        out["d_hidden"] = torch.zeros(n, h, dtype=torch.float64, device=x.device)
+        out["d_weight"] = torch.zeros_like(w64)
+        if with_terms:
+            out["d_hidden_terms"] = torch.zeros_like(out["d_hidden"])
+            out["d_weight_terms"] = torch.zeros_like(out["d_weight"])
+    step = rows_per_chunk or max(n, 1)
+    for r0 in range(0, n, step):
+        rows = slice(r0, min(n, r0 + step))
+        x64 = x[rows].to(torch.float64).requires_grad_(with_grads)
+        with torch.set_grad_enabled(with_grads):  # the reference's own graph, whatever the caller's mode
+            log_prob, entropy = reference_outputs(x64, w64, token_labels[rows], temperature, ignore_index)
+            out["log_prob"][rows], out["entropy"][rows] = log_prob.detach(), entropy.detach()
+            if not with_grads:
+                continue
+            objective = torch.zeros((), dtype=torch.float64, device=x.device)
+            if g is not None:
+                objective = objective + (log_prob * g[rows]).sum()
+            if e is not None:
+                objective = objective + (entropy * e[rows]).sum()
+            d_hidden, d_weight = torch.autograd.grad(objective, (x64, w64), allow_unused=True)
+        if d_hidden is not None:
+            out["d_hidden"][rows] = d_hidden
+        if d_weight is not None:
+            out["d_weight"] += d_weight
+        if with_terms:
+            upstream = (_rows(g, rows), _rows(e, rows))
+            hidden_terms, weight_terms = _gradient_term_magnitudes(
+                x64.detach(), w64.detach(), token_labels[rows], temperature, *upstream, ignore_index
+            )
+            out["d_hidden_terms"][rows] = hidden_terms
+            out["d_weight_terms"] += weight_terms
+    for name in ("log_prob", "entropy"):
+        out[name] = out[name].view(lead)
+    for name in ("d_hidden", "d_hidden_terms"):
+        if name in out:  # back from tokens-first to hidden's own layout
+            value = out[name].view(*lead, h)
+            out[name] = value.transpose(0, 1) if hidden.dim() == 3 else value
     return out
+
+
+def _rows(values: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if values is None else values[rows]
 
 
 def _gradient_term_magnitudes(
@@ -130,7 +147,8 @@ def _gradient_term_magnitudes(
     grad_entropy: torch.Tensor | None,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per element, the sum of the absolute values of the terms each gradient is a sum of.
+    """Per element, the sum of the absolute values of the terms each gradient is a sum of
+    (fp64 ``hidden [n, h]``, ``labels [n]``).
 
     ``d_hidden_k = Σ_j dz_j w_jk / T`` and ``d_weight_jk = Σ_t dz_tj x_tk / T`` with
     ``dz_j = g·1[j=label] - p_j·(g + e·(log p_j + H))``. Rounding of a sum is bounded relative to
@@ -140,26 +158,21 @@ def _gradient_term_magnitudes(
     ``Σ_j S_j |w_jk| / T`` (resp. ``Σ_t S_tj |x_tk| / T``) with
     ``S_j = |g|·1[j=label] + p_j·(|g| + |e|·(|log p_j + H| + 1))``.
     """
-    x, labels = _tokens_first(hidden, labels)
-    log_p = torch.log_softmax(torch.matmul(x, weight.t()) / temperature, dim=-1)
+    log_p = torch.log_softmax(torch.matmul(hidden, weight.t()) / temperature, dim=-1)
     p = log_p.exp()
     entropy = -(p * log_p).sum(dim=-1, keepdim=True)
-    zero = torch.zeros(labels.shape, dtype=torch.float64)
-    g = zero if grad_log_prob is None else grad_log_prob.to(torch.float64).abs()
-    e = zero if grad_entropy is None else grad_entropy.to(torch.float64).abs()
+    zero = torch.zeros(labels.shape, dtype=torch.float64, device=hidden.device)
+    g = zero if grad_log_prob is None else grad_log_prob.abs()
+    e = zero if grad_entropy is None else grad_entropy.abs()
     valid = labels != ignore_index
-    g, e = torch.where(valid, g, zero)[..., None], torch.where(valid, e, zero)[..., None]
+    g, e = torch.where(valid, g, zero)[:, None], torch.where(valid, e, zero)[:, None]
     terms = p * (g + e * ((log_p + entropy).abs() + 1))
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
     terms = terms.scatter_add(-1, safe.unsqueeze(-1), g)
-    hidden_terms = torch.matmul(terms, weight.abs()) / temperature
-    weight_terms = torch.einsum("...v,...h->vh", terms, x.abs()) / temperature
-    if hidden.dim() == 3:
-        hidden_terms = hidden_terms.transpose(0, 1)
-    return hidden_terms, weight_terms
+    return torch.matmul(terms, weight.abs()) / temperature, torch.matmul(terms.t(), hidden.abs()) / temperature
 
 
-# --- error tracking -----------------------------------------------------------------------------
+# --- error metrics -------------------------------------------------------------------------------
 
 #: Largest relative error seen in this process, per (dtype name, output name).
 MAX_RELATIVE_ERROR: dict[tuple[str, str], float] = defaultdict(float)
@@ -173,6 +186,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if diff == 0.0:
         return 0.0
     return diff / scale if scale > 0 else math.inf
+
+
+def normwise_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``‖actual − expected‖₂ / ‖expected‖₂`` in fp64 (the absolute norm when ``expected`` is 0)."""
+    diff = (actual.detach().to(torch.float64) - expected.detach().to(torch.float64)).norm().item()
+    scale = expected.detach().to(torch.float64).norm().item()
+    return diff / scale if scale > 0 else diff
 
 
 def assert_close(

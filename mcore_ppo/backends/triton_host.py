@@ -1,0 +1,242 @@
+"""Host side of the Triton kernels: tile configs, row compaction, copy-engine (TMA) decisions,
+descriptors, and the fp32-output cuBLAS products that consume the kernels' ``dz`` tiles.
+
+Pure functions of their arguments; :mod:`mcore_ppo.backends.triton_backend` decides what to
+launch with them. Only :data:`ADDMM_PATH` is written (a record for the benchmark, never read here).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+COMPACT_BLOCK = 1024
+ROW_BLOCK = 1024  # columns per step of the row gather / scatter kernels
+MERGE_BLOCK_T = 64
+MERGE_BLOCK_S = 32
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipelining of one fused GEMM kernel."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 16
+    num_warps: int = 8
+    num_stages: int = 3
+    tiles_per_split: int = 4  # forward only: vocab tiles folded per program before a partial is written
+    use_tma: bool = False  # operands through the copy engine (host descriptors; rows gathered first)
+
+
+@dataclass(frozen=True)
+class ElementwiseConfig:
+    """Tiling of ``dz_from_buffer_kernel`` (rows per program; the columns are one forward tile)."""
+
+    block_m: int = 8
+    num_warps: int = 4
+    fast_log2: bool = True  # bf16 buffers: log2 from the bits (see kernels.backward._log2_bf16)
+
+
+@dataclass(frozen=True)
+class ProbabilityBuffer:
+    """The forward's residual in buffer mode: what the backward forms ``dz`` from."""
+
+    probs: torch.Tensor  # [n, v] input dtype, 2^(z₂ − tile max), rows in compacted order
+    tile_max: torch.Tensor  # [n, v tiles] fp32
+    block_n: int  # columns per tile of the forward that wrote it
+    perm: torch.Tensor  # compacted row order of the forward
+    count: torch.Tensor  # valid rows, on the device
+
+
+def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, count)``: row indices with valid rows first (in order), and their number.
+
+    Both stay on the device: one single-program Triton launch (``compact_kernel``) instead of
+    the five torch ops of a cumulative-sum formulation; ``nonzero`` would sync the host.
+    ``perm`` is int32 ``[n]``; ``count`` is an int32 ``[1]`` tensor.
+    """
+    from mcore_ppo.kernels import compact_kernel
+
+    n = valid.shape[0]
+    perm = torch.empty(n, dtype=torch.int32, device=valid.device)
+    count = torch.empty(1, dtype=torch.int32, device=valid.device)
+    compact_kernel[(1,)](valid.contiguous().view(torch.uint8), perm, count, n, BLOCK=COMPACT_BLOCK)
+    return perm, count
+
+
+def merge_splits(parts: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [3, splits, n]``."""
+    from mcore_ppo.kernels import merge_splits_kernel
+
+    _, num_splits, n = parts.shape
+    stats = torch.empty(3, n, dtype=torch.float32, device=parts.device)
+    merge_splits_kernel[(cdiv(n, MERGE_BLOCK_T),)](
+        parts[0],
+        parts[1],
+        parts[2],
+        perm,
+        count,
+        stats[0],
+        stats[1],
+        stats[2],
+        n,
+        num_splits,
+        BLOCK_T=MERGE_BLOCK_T,
+        BLOCK_S=MERGE_BLOCK_S,
+    )
+    return stats[0], stats[1], stats[2]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rowmajor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
+    """fp32 operands take twice the shared memory per stage: halve the K tile for them."""
+    if dtype == torch.float32 and config.block_k > 16:
+        return replace(config, block_k=config.block_k // 2)
+    return config
+
+
+def kernel_flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
+    return {
+        "EVEN_K": hidden.shape[1] % config.block_k == 0,
+        "UPCAST": interpreting() and hidden.dtype != torch.float32,
+        "DOT_IEEE": hidden.dtype == torch.float32,
+    }
+
+
+#: Which path :func:`addmm_fp32` took, per output (recorded by the benchmark).
+ADDMM_PATH: dict[str, str] = {}
+
+
+def tma_capable(tensor: torch.Tensor) -> bool:
+    """The copy engine is there: Hopper or newer, or the interpreter (which emulates it)."""
+    return interpreting() or (tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9)
+
+
+def _tma_store_fits(tensor: torch.Tensor, config: GemmConfig) -> bool:
+    """A ``BLOCK_M × BLOCK_N`` staging tile for a TMA store fits beside 3 operand stages.
+
+    Datacenter Hopper/Blackwell have 227 KiB of shared memory per block (3 × 48 KiB + 64 KiB
+    at the default tiles); parts with ~100 KiB (sm_120) store through pointers instead.
+    """
+    if interpreting():
+        return True
+    stage = (config.block_m + config.block_n) * config.block_k * tensor.element_size()
+    staging = config.block_m * config.block_n * tensor.element_size()
+    props = torch.cuda.get_device_properties(tensor.device)
+    # Older torch lacks the field: Hopper and datacenter Blackwell (sm_90/sm_100) have 227 KiB.
+    available = getattr(props, "shared_memory_per_block_optin", 227 * 1024 if props.major in (9, 10) else 99 * 1024)
+    return 3 * stage + staging <= available
+
+
+def with_tma_store(enabled: bool, tensor: torch.Tensor, config: GemmConfig) -> tuple[bool, GemmConfig]:
+    """Whether ``[BLOCK_M, BLOCK_N]`` tiles of ``tensor`` are stored by the copy engine, and the
+    kernel config to use: with the 64 KiB staging tile the operand pipeline keeps 3 stages (a
+    fourth overflows shared memory). Only 16-bit tiles, on rows the engine can address, where
+    the staging tile fits (:func:`_tma_store_fits`)."""
+    ok = (
+        enabled
+        and tensor.element_size() == 2
+        and tma_capable(tensor)
+        and descriptor_ok(tensor)
+        and _tma_store_fits(tensor, config)
+    )
+    return ok, (replace(config, num_stages=min(config.num_stages, 3)) if ok else config)
+
+
+def upstream_gradients(grad_log_prob, grad_entropy, placeholder: torch.Tensor):
+    """``(has_g, has_e, g, e)``: the per-token upstream gradients as contiguous fp32 vectors for
+    the kernels; an absent one is replaced by ``placeholder`` (a pointer the kernel never reads)."""
+    has_g, has_e = grad_log_prob is not None, grad_entropy is not None
+    g = grad_log_prob.float().contiguous() if has_g else placeholder
+    e = grad_entropy.float().contiguous() if has_e else placeholder
+    return has_g, has_e, g, e
+
+
+def descriptor_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor the copy engine can address: unit last stride, 16-byte aligned rows."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def operands_by_tma(hidden: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> bool:
+    """Operands through the copy engine (host descriptors over gathered rows)?"""
+    aligned = (hidden.shape[1] * hidden.element_size()) % 16 == 0 and descriptor_ok(weight)
+    return config.use_tma and aligned and tma_capable(hidden)
+
+
+def gathered_rows(hidden: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``hidden[perm]`` with the rows past the device-side ``count`` zeroed: valid rows first.
+
+    Contiguous ``n × h`` in the input dtype, one launch (``gather_rows_kernel``). The zeros are
+    stored, not multiplied in, so an inf in an ignored row (padding) never reaches a GEMM that
+    runs over every row (``d_W``) as 0·inf = NaN.
+    """
+    from mcore_ppo.kernels import gather_rows_kernel
+
+    n, h = hidden.shape
+    rows = torch.empty(n, h, dtype=hidden.dtype, device=hidden.device)
+    if n:
+        gather_rows_kernel[(n,)](hidden, perm, count, rows, h, hidden.stride(0), BLOCK_H=ROW_BLOCK)
+    return rows
+
+
+def scatter_rows(compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of fp32 ``compacted`` (in ``perm`` order) back to their places, cast to ``dtype``
+    in the same pass (the one rounding of ``d_hidden``)."""
+    from mcore_ppo.kernels import scatter_rows_kernel
+
+    n, h = compacted.shape
+    out = torch.empty(n, h, dtype=dtype, device=compacted.device)
+    if n:
+        scatter_rows_kernel[(n,)](compacted, perm, out, h, BLOCK_H=ROW_BLOCK)
+    return out
+
+
+def addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """``out += a @ b`` with fp32 ``out`` and low-precision ``a``, ``b``.
+
+    cuBLAS does it in one GEMM with fp32 output and ``beta = 1`` (``addmm(..., out_dtype=
+    float32)``, torch ≥ 2.8 on CUDA), so partial sums are never rounded to bf16; older torch
+    gets an fp32-output product added separately, or at worst a bf16 product.
+    """
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        ADDMM_PATH[what] = "addmm_ same dtype"
+        return
+    if not a.is_cuda:
+        out.add_(torch.mm(a.float(), b.float()))
+        ADDMM_PATH[what] = "fp32 upcast (CPU)"
+        return
+    try:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        ADDMM_PATH[what] = "addmm out_dtype=fp32, beta=1"
+        return
+    except (RuntimeError, TypeError):  # older torch: no out_dtype overload
+        pass
+    try:
+        out.add_(torch.mm(a, b, out_dtype=torch.float32))
+        ADDMM_PATH[what] = "mm out_dtype=fp32 + add"
+    except (RuntimeError, TypeError):
+        out.add_(torch.mm(a, b))
+        ADDMM_PATH[what] = "bf16 mm + add"

@@ -1,0 +1,178 @@
+"""The one path from every entry point to the head's kernels.
+
+:func:`mcore_ppo.fused_log_probs_and_entropy`, the
+:class:`~mcore_ppo.head.VocabParallelFusedPPOHead` module and verl's
+:func:`~mcore_ppo.verl_compat.linear_cross_entropy` each build a :class:`HeadOptions` and call
+:func:`run_head`. It validates the tensors, resolves the backend, places the one TP reduction of
+``d_hidden`` (or leaves it to the caller, as verl's contract does), and runs either the head's
+autograd Function or a backend that computes whole outputs with its own autograd (Liger).
+A new framework adapter belongs beside those entry points and calls :func:`run_head` too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_ppo import validation
+from mcore_ppo.backends import Backend, check_backend, is_backend_object, resolve_backend
+from mcore_ppo.function import ShardPlan, shard_head
+from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
+from parallel.ranks import ProcessGroup, group_rank, group_size
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """What the caller chooses about the head, validated once when the object is built.
+
+    Attributes:
+        temperature: the logits are divided by it; a finite Python number > 0 (kept as float).
+        ignore_index: label value of tokens whose log-prob and entropy are 0 and which get no
+            gradient (prompt tokens, padding).
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"`` (see
+            :func:`mcore_ppo.backends.resolve_backend`), or a backend object built by the
+            caller (e.g. a ``TritonBackend`` with its own tile configs), used as it is.
+        buffer_budget_bytes: bytes this rank may hold in the ``triton`` backend's probability
+            buffer. When a gradient will be needed (grad mode on and ``hidden`` or ``weight``
+            requires grad) and ``n·V/tp`` values of the input dtype (bf16 in training) plus
+            the fp32 tile maxima fit in it, the forward keeps that buffer of per-tile
+            probabilities until the backward, which forms ``dz`` from it instead of
+            recomputing the logits: three GEMMs instead of four. Decided per call from shapes
+            (no host sync); over the budget the head recomputes. The budget is per call:
+            outputs of several calls kept before one backward hold one buffer each. None: the
+            environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend default
+            (``triton_backend.BUFFER_BUDGET_BYTES``, 1 GiB, chosen by measurement:
+            docs/kernels.md); 0: always recompute. Only the ``triton`` backend uses it (also
+            when ``auto`` picks it); the others ignore it. Must be None when ``backend`` is an
+            object, which carries its own.
+
+    Raises:
+        TypeError: a field of the wrong type (bool is not an int here).
+        ValueError: a temperature that is not finite and > 0, an unknown backend name, a
+            negative budget, or a budget given with a backend object.
+    """
+
+    temperature: float = 1.0
+    ignore_index: int = -100
+    backend: str | Backend = "auto"
+    buffer_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "temperature", validation.check_temperature(self.temperature))
+        validation.check_ignore_index(self.ignore_index)
+        check_backend(self.backend)
+        budget = validation.check_buffer_budget_bytes(self.buffer_budget_bytes)
+        if budget is not None and is_backend_object(self.backend):
+            raise ValueError(
+                "buffer_budget_bytes must be None when backend is a backend object (give the object its budget)"
+            )
+        object.__setattr__(self, "buffer_budget_bytes", budget)
+
+
+def run_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    options: HeadOptions,
+    *,
+    tp_group: ProcessGroup | None,
+    sequence_parallel: bool = False,
+    reduce_hidden_grad: bool = True,
+    flat_labels: bool = False,
+    accumulate_into_main_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(log_probs, entropy)`` of ``softmax(hidden @ weight.T / T)`` over the TP-sharded vocab.
+
+    Args:
+        hidden, weight, labels: as for :func:`mcore_ppo.fused_log_probs_and_entropy`, or, with
+            ``flat_labels``, as for verl's ``linear_cross_entropy``.
+        options: the caller's :class:`HeadOptions`.
+        tp_group: the TP group, already resolved (None: one rank).
+        sequence_parallel: ``hidden`` is this rank's sequence shard; it is all-gathered here
+            and ``d_hidden`` reduce-scattered back.
+        reduce_hidden_grad: True: ``d_hidden`` is summed over TP here, exactly once (the SP
+            reduce-scatter, else an all-reduce). False: every rank gets its own vocab shard's
+            partial ``d_hidden`` and the caller reduces it (verl's contract).
+        flat_labels: False: Megatron's pairing, hidden ``[s, b, h]`` with labels ``[b, s]`` (or
+            ``[n, h]`` with ``[n]``), outputs shaped like labels. True: verl's, hidden
+            ``[..., h]`` and labels of the same ``N`` tokens in their own memory order, outputs
+            ``[N]``.
+        accumulate_into_main_grad: write the weight gradient into ``weight.main_grad`` (fp32),
+            as Megatron's gradient-accumulation fusion does.
+
+    Returns:
+        fp32 ``(log_probs, entropy)``, identical on every TP rank; zero where labels equal
+        ``options.ignore_index``.
+    """
+    validation.check_tensors(hidden, weight, labels)
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+    if sequence_parallel and not reduce_hidden_grad:
+        raise ValueError("sequence_parallel needs reduce_hidden_grad: the SP gather's backward is the TP reduction")
+    tp_size = group_size(tp_group)
+    # Shapes may be wrong on one rank only: the shard-size collective carries that to every rank.
+    layout_error = None
+    try:
+        if flat_labels:
+            validation.check_flat_layout(hidden, weight, labels, tp_size)
+        else:
+            validation.check_layout(hidden, weight, labels, tp_size, sequence_parallel)
+    except ValueError as err:
+        layout_error = err
+    validation.check_equal_shards(weight, tp_group, layout_error)
+    vocab_size = weight.shape[0] * tp_size
+    validation.check_label_range(labels, vocab_size, options.ignore_index)
+    impl = resolve_backend(options.backend, hidden.device, buffer_budget_bytes=options.buffer_budget_bytes)
+
+    if getattr(impl, "computes_outputs", False):
+        # Its own autograd and TP handling (Liger): no Function and no TP mapping here.
+        reason = impl.unsupported(tp_size, sequence_parallel, hidden, reduce_hidden_grad=reduce_hidden_grad)
+        if reason is not None:
+            raise ValueError(f"backend={impl.name!r} cannot run this case: {reason}")
+        tokens_hidden, tokens_labels = _tokens(hidden, labels, flat_labels)
+        log_probs, entropy = impl.log_probs_and_entropy(
+            tokens_hidden,
+            weight,
+            tokens_labels,
+            temperature=options.temperature,
+            ignore_index=options.ignore_index,
+            tp_group=tp_group,
+        )
+        return _like_labels(log_probs, labels, flat_labels), _like_labels(entropy, labels, flat_labels)
+
+    if reduce_hidden_grad:
+        # The one TP reduction of d_hidden lives in this mapping's backward.
+        if sequence_parallel and tp_size > 1:
+            hidden = gather_sequence_parallel(hidden, tp_group)
+        else:
+            hidden = reduce_grad_over_tp(hidden, tp_group)
+    tokens_hidden, tokens_labels = _tokens(hidden, labels, flat_labels)
+    plan = ShardPlan(
+        backend=impl,
+        temperature=options.temperature,
+        ignore_index=options.ignore_index,
+        vocab_start=group_rank(tp_group) * weight.shape[0],
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+        accumulate_into_main_grad=accumulate_into_main_grad,
+    )
+    log_probs, entropy = shard_head(tokens_hidden, weight, tokens_labels, plan)
+    return _like_labels(log_probs, labels, flat_labels), _like_labels(entropy, labels, flat_labels)
+
+
+def _tokens(hidden: torch.Tensor, labels: torch.Tensor, flat_labels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden [n, h]`` and ``labels [n]`` token by token. Megatron's tokens are sequence-major:
+    hidden ``[s, b, h] -> [s·b, h]`` pairs with labels ``[b, s]`` transposed."""
+    tokens_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if labels.dim() == 2 and not flat_labels:
+        return tokens_hidden, labels.t().reshape(-1)
+    return tokens_hidden, labels.reshape(-1)
+
+
+def _like_labels(values: torch.Tensor, labels: torch.Tensor, flat_labels: bool) -> torch.Tensor:
+    """Per-token ``values [n]`` back in the labels' layout (``[b, s]`` from sequence-major)."""
+    if labels.dim() != 2 or flat_labels:
+        return values
+    batch, seq = labels.shape
+    return values.view(seq, batch).t().contiguous()

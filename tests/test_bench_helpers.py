@@ -1,0 +1,45 @@
+"""The GPU benchmarks' shared helpers that run without a GPU: report merging and tables, the
+backend settings the tuner and sweeps pass as objects (no module state is changed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mcore_ppo_testing import bench
+
+
+def _report(shape: str) -> dict:
+    impl = {"fwd_ms": 2.0, "nograd_fwd_ms": 1.5, "fwd_bwd_ms": 8.0, "fwd_ratio": 1.05, "fwd_bwd_ratio": 1.02}
+    impl.update(peak_extra_gib=1.5, logp_rel_err=2e-6, entropy_rel_err=3e-6, dhidden_rel_err=None)
+    floor = {"gemm1_ms": 1.9, "gemm3_ms": 5.9, "gemm4_ms": 7.8}
+    entry = {"shape": shape, "tp": 1, "hidden": 8, "vocab_local": 16, "tokens": 4, "temperature": 0.7}
+    entry.update(output_grads_gib=1.0, floor=floor, impls={"ours_triton": impl, "verl_linear_ce": {"skipped": "no"}})
+    return {"device": "test", "date": "today", "args": {}, "results": [entry]}
+
+
+def test_merge_reports_writes_one_report_and_table(tmp_path, capsys):
+    paths = []
+    for shape in ("qwen7b", "llama3-8b"):
+        paths.append(tmp_path / f"{shape}.json")
+        paths[-1].write_text(json.dumps(_report(shape)))
+    assert bench.merge_reports([str(p) for p in paths], tmp_path / "out", "merged") == 0
+    merged = json.loads((tmp_path / "out" / "merged.json").read_text())
+    assert [r["shape"] for r in merged["results"]] == ["qwen7b", "llama3-8b"] and len(merged["runs"]) == 2
+    table = (tmp_path / "out" / "merged_table.md").read_text().splitlines()
+    assert len(table) == 4 and "| qwen7b | 1 | 16 |" in table[2] and table[2].endswith("| - |")
+    assert "ours_triton" in capsys.readouterr().out
+
+
+def test_build_impls_configures_our_backends_by_object():
+    pytest.importorskip("mcore_ppo.backends.triton_backend")
+    from mcore_ppo.backends import triton_backend as tb
+
+    before = tb.FORWARD_CONFIG
+    config = tb.replace(tb.FORWARD_CONFIG, group_m=8)
+    impls = bench.build_impls({"forward_config": config})
+    assert tb.FORWARD_CONFIG is before  # settings travel as arguments, never as module state
+    assert impls["ours_triton"][2]["forward_config"]["group_m"] == 8
+    assert list(impls)[:4] == ["ours_triton", "ours_triton_recompute", "ours_triton_buffer", "ours_torch"]
+    assert bench.Timer(reps=3).flipped() == bench.Timer(reps=3, hide_host_latency=False)
