@@ -414,3 +414,61 @@ class Report:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "w") as f:
                 json.dump(self.data, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a step's GPU time goes
+
+
+def _kernel_category(name: str, head_kernels: frozenset[str]) -> str:
+    lowered = name.lower()
+    if any(k in name for k in head_kernels):
+        return "fused head (Triton)"
+    if "nccl" in lowered:
+        return "collectives (NCCL)"
+    if "flash" in lowered or "fmha" in lowered or "attention" in lowered:
+        return "attention"
+    if any(k in lowered for k in ("gemm", "xmma", "nvjet", "cutlass", "sm90_", "cublas")):
+        return "GEMMs (cuBLAS)"
+    return "elementwise and other"
+
+
+def profile_step(
+    bench: Bench, rollout: PackedRollout, variants: Sequence[str], say: Callable[[str], None]
+) -> dict[str, dict[str, float]]:
+    """GPU kernel time of one PPO step (log-prob pass + one update) per variant, by category
+    (after a warm step on the same rollout), from ``torch.profiler``; rank 0's view."""
+    from mcore_ppo import kernels
+
+    head_kernels = frozenset(kernels.__all__)
+    out: dict[str, dict[str, float]] = {}
+    for variant in variants:
+        bench.start_pass()
+        actor = bench.actor(variant)
+        bench.step(actor, rollout, epochs=1)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if bench.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            s = bench.step(actor, rollout, epochs=1)
+        del actor
+        by_category: dict[str, float] = {}
+        for event in prof.key_averages():
+            device_us = getattr(event, "self_device_time_total", 0.0) or 0.0
+            if device_us > 0:
+                category = _kernel_category(event.key, head_kernels)
+                by_category[category] = by_category.get(category, 0.0) + device_us / 1e3
+        by_category["step wall (s)"] = s["step_s"]
+        out[variant] = by_category
+    categories = sorted({c for v in out.values() for c in v if c != "step wall (s)"})
+    say("GPU kernel time of one step (log-prob pass + 1 update), ms, rank 0:")
+    say("| category | " + " | ".join(out) + " |")
+    say("|---|" + "---|" * len(out))
+    for c in categories:
+        say(f"| {c} | " + " | ".join(f"{out[v].get(c, 0.0):,.1f}" for v in out) + " |")
+    say(
+        "| **all kernels** | "
+        + " | ".join(f"{sum(x for k, x in out[v].items() if k != 'step wall (s)'):,.1f}" for v in out)
+        + " |"
+    )
+    return out

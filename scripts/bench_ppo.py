@@ -104,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-micro-batch", type=_int_list, default=[], help="micro-batch sizes to try (one rank)")
     parser.add_argument("--probe-seq-len", type=int, help="sequence length filling the --max-micro-batch micro-batches")
     parser.add_argument("--skip-timing", action="store_true", help="only the memory measurements asked for")
+    parser.add_argument("--profile", action="store_true", help="GPU kernel time of one step per variant, by category")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON (default: $OUT, else none)")
     args = parser.parse_args(argv)
@@ -222,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if not args.skip_timing and not args.max_micro_batch:
         ok = _timing(args, bench, report, say, dtype, cuda)
+    if args.profile:
+        rollout = ppo_bench.rollouts_for(
+            count=1, seed=args.seed + 1, num_seqs=args.num_seqs, vocab=args.vocab, prompt_len=args.prompt_len,
+            response_len=args.response_len, device=device,
+        )[0]  # fmt: skip
+        report.add("profile", ppo_bench.profile_step(bench, rollout, args.variants, say))
     if args.long_context:
         say(f"long context ({name}): one sequence per micro-batch, a warm step then a timed one")
         rows = ppo_bench.long_context(bench, args.long_context, args.variants, args.seed + 1000, say)

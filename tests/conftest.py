@@ -77,10 +77,9 @@ def megatron_tp1():
 
 
 @pytest.fixture
-def test_seed(request) -> int:
-    """A fixed seed per test, printed (so a failure names it) and overridable with
-    ``MCORE_PPO_TEST_SEED``; torch's global RNG is seeded with it."""
-    seed = int(os.environ.get("MCORE_PPO_TEST_SEED", "1234"))
-    print(f"{request.node.nodeid}: seed {seed} (MCORE_PPO_TEST_SEED)")
+def test_seed() -> int:
+    """The test's first seed (:func:`mcore_ppo_testing.seeds.next_seed`), with torch's global RNG
+    seeded from it too, for tests whose data is drawn by library helpers from the global RNG."""
+    seed = seeds.next_seed()
     torch.manual_seed(seed)
     return seed
