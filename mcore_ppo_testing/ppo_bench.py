@@ -453,14 +453,14 @@ def profile_step(
             s = bench.step(actor, rollout, epochs=1)
         del actor
         by_category: dict[str, float] = {}
-        kernels_ms = sorted(
-            ((getattr(e, "self_device_time_total", 0.0) or 0.0) / 1e3, e.key) for e in prof.key_averages()
-        )[::-1]
+        # Kernel events only: CPU ops (aten::mm, record_param_comms) carry their kernels' time too.
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels_ms = sorted(((getattr(e, "self_device_time_total", 0.0) or 0.0) / 1e3, e.key) for e in events)[::-1]
         say(
             f"top kernels of one {variant} step (ms): "
             + "; ".join(f"{ms:,.1f} {name[:60]}" for ms, name in kernels_ms[:14])
         )
-        for event in prof.key_averages():
+        for event in events:
             device_us = getattr(event, "self_device_time_total", 0.0) or 0.0
             if device_us > 0:
                 category = _kernel_category(event.key, head_kernels)
