@@ -454,7 +454,12 @@ def profile_step(
         del actor
         by_category: dict[str, float] = {}
         # Kernel events only: CPU ops (aten::mm, record_param_comms) carry their kernels' time too.
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        # "nccl:..." are c10d's annotations of the NCCL kernels listed beside them: not counted twice.
+        events = [
+            e
+            for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("nccl:")
+        ]
         kernels_ms = sorted(((getattr(e, "self_device_time_total", 0.0) or 0.0) / 1e3, e.key) for e in events)[::-1]
         say(
             f"top kernels of one {variant} step (ms): "
