@@ -122,8 +122,13 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
     faulthandler.cancel_dump_traceback_later()
 
 
+_FAILED_HERE = False  # a test failed on this rank (see process_group's teardown)
+
+
 def pytest_runtest_logreport(report) -> None:
     """Each phase's outcome at once; a failure's full report with it."""
+    global _FAILED_HERE
+    _FAILED_HERE = _FAILED_HERE or report.failed
     if report.when == "call" or report.outcome != "passed":
         _record(f"{report.outcome.upper()} {report.when} {report.nodeid}")
     if report.failed:
@@ -144,6 +149,11 @@ def process_group():
             dist.init_process_group(DIST_BACKEND, timeout=collective_timeout())
     install_parallel_state_cache()
     yield dist.group.WORLD
+    if _FAILED_HERE:
+        # A rank that failed leaves without session collectives: its peers may still wait inside
+        # the failed test's collectives, which a report all-gather here could pair with. The
+        # runner re-runs what they had not finished, in a fresh torchrun.
+        return
     _gather_error_report()
     dist.barrier()
     # Destroy every group (Megatron's too) before the interpreter exits: NCCL communicators left

@@ -1,0 +1,72 @@
+"""The multi-rank runner's isolation (scripts/run_distributed_tests.py), on 2 gloo ranks.
+
+A throwaway test folder with the suite's own conftest holds a test that fails on one rank only
+(its peer then waits in a collective), one that hangs on every rank, and one that passes. The
+runner must report exactly that (1 failed, 1 hung, 1 passed; exit 1), print the failing rank's
+traceback and the hung ranks' stacks, and still run the passing test after them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = """
+import torch
+import torch.distributed as dist
+
+
+def test_a_fails_on_rank1_only():
+    if dist.get_rank() == 1:
+        raise AssertionError("rank 1 alone fails here")
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins: rank 0 waits
+
+
+def test_b_hangs_on_every_rank():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    else:
+        dist.barrier()  # a different collective: neither returns
+
+
+def test_c_passes():
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == dist.get_world_size()
+"""
+
+
+def test_runner_isolates_failures_and_hangs(tmp_path):
+    folder = tmp_path / "cases"
+    folder.mkdir()
+    shutil.copy(ROOT / "tests" / "distributed" / "conftest.py", folder / "conftest.py")
+    (folder / "test_cases.py").write_text(CASES)
+    env = dict(
+        os.environ, MCORE_PPO_TEST_TIMEOUT="10", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "run_distributed_tests.py"),
+            "--nproc",
+            "2",
+            str(folder / "test_cases.py"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr[-3000:]
+    assert out.strip().splitlines()[-1].startswith("1 failed, 1 hung, 1 passed (2 ranks, gloo)"), out
+    assert "FAILED: " in out and "test_a_fails_on_rank1_only" in out, out
+    assert "HUNG: " in out and "test_b_hangs_on_every_rank" in out, out
+    assert "rank 1 alone fails here" in out and "--- rank(s) 1:" in out, out
+    assert "Timeout (0:00:10)!" in out, out  # the watchdog's stack dump of the hung ranks
