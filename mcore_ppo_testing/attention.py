@@ -133,7 +133,9 @@ class _Plan:
         return k.index_select(0, rows), v.index_select(0, rows)
 
 
-@functools.lru_cache(maxsize=256)
+# A rollout brings new layouts every step; 64 plans (with their index tensors on the device)
+# cover a step's micro-batches in every layer without holding on to old steps.
+@functools.lru_cache(maxsize=64)
 def _plan(bounds: tuple[int, ...], cp_size: int, cp_rank: int) -> _Plan:
     """The segments of CP rank ``cp_rank`` for global sequence bounds ``bounds``.
 
