@@ -18,10 +18,33 @@ Modules, one concern each: :mod:`.worker` (:class:`MegatronPPOActor`: batching, 
 ``compute_log_prob``, ``update_policy``), :mod:`.config` (:class:`PPOActorConfig`),
 :mod:`.layout` (:class:`ActorParallel`, CP at the head), :mod:`.loss` (weights, the loss
 function, metrics), :mod:`.grads` (Megatron's gradient finalisation, norm and clipping).
+
+The names load on first use (PEP 562), so ``PPOActorConfig`` imports without Megatron: the demo
+launcher checks a config with it before it starts torchrun.
 """
 
-from mcore_ppo.actor.config import PPOActorConfig
-from mcore_ppo.actor.layout import ActorParallel
-from mcore_ppo.actor.worker import MegatronPPOActor
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mcore_ppo.actor.config import PPOActorConfig
+    from mcore_ppo.actor.layout import ActorParallel
+    from mcore_ppo.actor.worker import MegatronPPOActor
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "ActorParallel": "mcore_ppo.actor.layout",
+    "MegatronPPOActor": "mcore_ppo.actor.worker",
+    "PPOActorConfig": "mcore_ppo.actor.config",
+}
 
 __all__ = ["ActorParallel", "MegatronPPOActor", "PPOActorConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mcore_ppo.actor' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
