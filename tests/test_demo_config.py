@@ -4,7 +4,10 @@ typed sections, and every bad key, type or value is refused with its key named (
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,8 @@ from mcore_ppo_testing.demo_config import (
     main,
 )
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "ppo_demo.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "ppo_demo.yaml"
 RAW = yaml.safe_load(CONFIG.read_text())
 
 
@@ -149,3 +153,45 @@ def test_command_line_prints_the_layout_or_exits_2(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and "layout.tp" in captured.err
     assert main([str(tmp_path / "missing.yaml")]) == 2
+
+
+# launch.sh checks the config before torchrun: that must not pay for importing Megatron.
+_NO_MEGATRON = """
+import importlib.abc, sys
+
+
+class NoMegatron(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            raise ImportError(f"{name} blocked")
+        return None
+
+
+sys.meta_path.insert(0, NoMegatron())
+from mcore_ppo_testing.demo_config import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_config_check_needs_no_megatron():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_MEGATRON, str(CONFIG), "--layout"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "2", "1"]
+
+
+def test_actor_names_resolve_lazily():
+    import mcore_ppo.actor as actor
+
+    assert sorted(actor.__all__) == sorted(actor._EXPORTS)
+    for name, module in actor._EXPORTS.items():
+        assert getattr(actor, name) is getattr(__import__(module, fromlist=[name]), name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        actor.no_such_name  # noqa: B018
