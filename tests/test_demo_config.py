@@ -156,27 +156,20 @@ def test_command_line_prints_the_layout_or_exits_2(tmp_path, capsys):
 
 
 # launch.sh checks the config before torchrun: that must not pay for importing Megatron.
-_NO_MEGATRON = """
-import importlib.abc, sys
-
-
-class NoMegatron(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "megatron" or name.startswith("megatron."):
-            raise ImportError(f"{name} blocked")
-        return None
-
-
-sys.meta_path.insert(0, NoMegatron())
+_CHECK_WITHOUT_MEGATRON = """
+import sys
 from mcore_ppo_testing.demo_config import main
-sys.exit(main(sys.argv[1:]))
+status = main(sys.argv[1:])
+loaded = sorted(m for m in sys.modules if m == "megatron" or m.startswith("megatron."))
+assert not loaded, loaded
+sys.exit(status)
 """
 
 
 def test_config_check_needs_no_megatron():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
-        [sys.executable, "-c", _NO_MEGATRON, str(CONFIG), "--layout"],
+        [sys.executable, "-c", _CHECK_WITHOUT_MEGATRON, str(CONFIG), "--layout"],
         cwd=ROOT,
         env=env,
         capture_output=True,
