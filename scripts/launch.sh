@@ -40,14 +40,17 @@ for v in "$tp" "$cp" "$pp" "$nproc" "$limit"; do
 done
 [ -f "$config" ] || { echo "launch.sh: no config file $config" >&2; exit 2; }
 
-# Sizes not given on the command line come from the config's layout.
-read -r ctp ccp cpp < <(python - "$config" <<'EOF'
-import sys, yaml
-layout = (yaml.safe_load(open(sys.argv[1])) or {}).get("layout", {})
-print(layout.get("tp", 1), layout.get("cp", 1), layout.get("pp", 1))
-EOF
-)
-tp=${tp:-$ctp} cp=${cp:-$ccp} pp=${pp:-$cpp}
+# The config and the sizes are checked once here, by the demo's own loader (a bad key, type or
+# size exits 2 before any rank starts); sizes not given on the command line come from the config.
+check=("$config" --layout)
+[ -z "$tp" ] || check+=(--tp "$tp")
+[ -z "$cp" ] || check+=(--cp "$cp")
+[ -z "$pp" ] || check+=(--pp "$pp")
+sizes=$(python -m mcore_ppo_testing.demo_config "${check[@]}") || {
+  echo "launch.sh: invalid config or sizes ($config)" >&2
+  exit 2
+}
+read -r tp cp pp <<<"$sizes"
 nproc=${nproc:-$((tp * cp * pp))}
 if [ $((nproc % (tp * cp * pp))) -ne 0 ]; then
   echo "launch.sh: --nproc $nproc is not a multiple of tp*cp*pp = $((tp * cp * pp))" >&2

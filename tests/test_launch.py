@@ -76,3 +76,20 @@ def test_launch_rejects_bad_arguments(args):
     proc = subprocess.run(["bash", str(LAUNCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "launch.sh:" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"), [("ppo", "clip_ratoi", 0.2), ("layout", "tp", "two"), ("run", "steps", 1.5)]
+)
+def test_launch_rejects_a_bad_config_before_torchrun(tmp_path, section, key, value):
+    """The config is checked once, by the demo's loader, before any rank starts: exit 2, key named."""
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg[section][key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        ["bash", str(LAUNCH), "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "launch.sh:" in proc.stderr and f"{section}.{key}" in proc.stderr, proc.stderr
+    assert "torchrun" not in proc.stdout, proc.stdout

@@ -1,0 +1,318 @@
+"""The PPO demo's configuration (``configs/ppo_demo.yaml``): typed sections and the one loader.
+
+``scripts/launch.sh`` and ``scripts/ppo_step.py`` both read the YAML through
+:func:`load_demo_config`, which checks every key and type once: an unknown key is a
+``ValueError`` and a value of the wrong type a ``TypeError``, each naming the key
+(``ppo.clip_ratio``). The ``ppo`` section holds :class:`~mcore_ppo.actor.PPOActorConfig`'s
+options (the temperature comes from ``head``) plus the demo's ``ppo_epochs`` and ``lr``.
+
+Command line (for ``launch.sh``, which needs the layout before it starts torchrun)::
+
+    python -m mcore_ppo_testing.demo_config CONFIG [--tp N] [--cp N] [--pp N] --layout
+    # prints "tp cp pp" (the config's, or the sizes given); exit 2 on a bad config or size
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mcore_ppo.actor import PPOActorConfig
+
+__all__ = [
+    "DemoConfig",
+    "HeadConfig",
+    "LayoutConfig",
+    "ModelConfig",
+    "PPOConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "ToleranceConfig",
+    "load_demo_config",
+]
+
+_DTYPES = ("float32", "float64", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """The parallel layout. ``sequence_parallel`` is asked for; :attr:`sp` says whether it is on."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    cp_mode: str = "model"  # model: the decoder runs CP | head: CP at the head only
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"layout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cp_mode not in ("model", "head"):
+            raise ValueError(f"layout.cp_mode must be 'model' or 'head', got {self.cp_mode!r}")
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect: asked for, and more than one TP rank."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def cp_at_head(self) -> bool:
+        """CP applied at the head (the model sees whole sequences)."""
+        return self.cp > 1 and self.cp_mode == "head"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT's shape (``build_gpt_model``'s keywords) and parameter dtype."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    max_sequence_length: int
+    ffn_hidden_size: int | None = None
+    tie_embeddings: bool = False
+    params_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(f"model.params_dtype must be one of {', '.join(_DTYPES)}, got {self.params_dtype!r}")
+
+    def shape(self) -> dict[str, Any]:
+        """``build_gpt_model``'s shape keywords (everything but the dtype)."""
+        shape = dataclasses.asdict(self)
+        del shape["params_dtype"]
+        return shape
+
+    @property
+    def dtype(self) -> Any:
+        """``params_dtype`` as a ``torch.dtype``."""
+        import torch
+
+        return getattr(torch, self.params_dtype)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """The fused head's options."""
+
+    temperature: float = 1.0
+    backend: str = "auto"  # auto | torch | triton | liger
+    buffer_budget_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """The actor's options and the demo's optimiser loop."""
+
+    actor: PPOActorConfig
+    ppo_epochs: int = 1  # policy updates per rollout
+    lr: float = 1e-4  # AdamW
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Synthetic packed rollouts: inclusive length ranges of prompts and responses."""
+
+    num_seqs: int
+    prompt_len: tuple[int, int]
+    response_len: tuple[int, int]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "response_len"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"rollout.{name} must be [low, high] with 1 <= low <= high, got {[low, high]}")
+
+
+@dataclass(frozen=True)
+class ToleranceConfig:
+    """What the parity lines must stay under."""
+
+    log_prob: float  # |head - fp64 full-logits path| (and |CP - cp1|)
+    entropy: float
+    params: float  # max |CP - cp1| over every parameter after all steps
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Steps, the model's seed, the cp=1 reference and the tolerances."""
+
+    steps: int
+    tolerance: ToleranceConfig
+    seed: int = 1234  # model initialisation
+    cp1_reference: bool = True  # with CP: also run the same steps without CP and compare
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """The whole demo configuration, as :func:`load_demo_config` returns it."""
+
+    model: ModelConfig
+    rollout: RolloutConfig
+    run: RunConfig
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    ppo: PPOConfig = field(default_factory=lambda: PPOConfig(actor=PPOActorConfig()))
+
+    def with_overrides(
+        self,
+        *,
+        tp: int | None = None,
+        cp: int | None = None,
+        pp: int | None = None,
+        sequence_parallel: bool | None = None,
+        cp_mode: str | None = None,
+        steps: int | None = None,
+        backend: str | None = None,
+    ) -> DemoConfig:
+        """A copy with the given (command-line) values; None keeps the config's."""
+        layout = {"tp": tp, "cp": cp, "pp": pp, "sequence_parallel": sequence_parallel, "cp_mode": cp_mode}
+        layout = {k: v for k, v in layout.items() if v is not None}
+        config = dataclasses.replace(self, layout=dataclasses.replace(self.layout, **layout))
+        if steps is not None:
+            config = dataclasses.replace(config, run=dataclasses.replace(config.run, steps=steps))
+        if backend is not None:
+            config = dataclasses.replace(config, head=dataclasses.replace(config.head, backend=backend))
+        return config
+
+
+# ---------------------------------------------------------------------------------------------
+# The loader
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:  # YAML writes whole numbers as ints
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, list | tuple) and len(value) == len(args) and all(map(_matches, value, args))
+    raise TypeError(f"no YAML check for {annotation!r}")  # a new field type: teach _matches
+
+
+def _describe(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _typed(value: Any, annotation: Any, key: str) -> Any:
+    if not _matches(value, annotation):
+        hint = ""
+        if isinstance(value, str) and _matches(0.5, annotation):
+            # PyYAML reads YAML 1.1, where 1e-4 (no dot) is a string.
+            hint = " (write a float with a dot, e.g. 1.0e-4: YAML reads 1e-4 as a string)"
+        raise TypeError(f"{key} must be {_describe(annotation)}, got {type(value).__name__} {value!r}{hint}")
+    if isinstance(value, list):
+        return tuple(value)
+    if type(value) is int and _matches(0.5, annotation):
+        return float(value)
+    return value
+
+
+def _mapping(raw: Any, key: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise TypeError(f"{key} must be a mapping, got {type(raw).__name__}")
+    return dict(raw)
+
+
+def _check_keys(raw: dict[str, Any], known: list[str], required: list[str], section: str) -> None:
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ValueError(f"unknown key {section}{unknown[0]} (known: {', '.join(known)})")
+    missing = [name for name in required if name not in raw]
+    if missing:
+        raise ValueError(f"missing key {section}{missing[0]}")
+
+
+def _fields(cls: type, raw: dict[str, Any], section: str, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``raw``'s values checked against ``cls``'s fields (``skip``: fields the caller fills)."""
+    fields = [f for f in dataclasses.fields(cls) if f.name not in skip]
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    _check_keys(raw, [f.name for f in fields], required, f"{section}.")
+    hints = typing.get_type_hints(cls)
+    return {name: _typed(value, hints[name], f"{section}.{name}") for name, value in raw.items()}
+
+
+def demo_config_from_dict(raw: Any) -> DemoConfig:
+    """A :class:`DemoConfig` from the parsed YAML (see :func:`load_demo_config` for the errors)."""
+    raw = _mapping(raw, "the config")
+    _check_keys(raw, ["model", "layout", "head", "ppo", "rollout", "run"], ["model", "rollout", "run"], "")
+    head = HeadConfig(**_fields(HeadConfig, _mapping(raw.get("head"), "head"), "head"))
+    run = _mapping(raw["run"], "run")
+    tolerance = _fields(ToleranceConfig, _mapping(run.pop("tolerance", None), "run.tolerance"), "run.tolerance")
+    ppo = _mapping(raw.get("ppo"), "ppo")
+    loop = _fields(PPOConfig, {k: ppo.pop(k) for k in ("ppo_epochs", "lr") if k in ppo}, "ppo", skip=("actor",))
+    actor_options = _fields(PPOActorConfig, ppo, "ppo", skip=("temperature",))
+    try:
+        actor = PPOActorConfig(temperature=head.temperature, **actor_options)
+    except ValueError as e:  # the actor's own checks (clip ratios, aggregation mode, ...)
+        raise ValueError(f"ppo: {e}") from e
+    return DemoConfig(
+        model=ModelConfig(**_fields(ModelConfig, _mapping(raw["model"], "model"), "model")),
+        rollout=RolloutConfig(**_fields(RolloutConfig, _mapping(raw["rollout"], "rollout"), "rollout")),
+        run=RunConfig(tolerance=ToleranceConfig(**tolerance), **_fields(RunConfig, run, "run", skip=("tolerance",))),
+        layout=LayoutConfig(**_fields(LayoutConfig, _mapping(raw.get("layout"), "layout"), "layout")),
+        head=head,
+        ppo=PPOConfig(actor=actor, **loop),
+    )
+
+
+def load_demo_config(path: str | Path) -> DemoConfig:
+    """Read and check a demo YAML config.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: an unknown or missing key, or a value out of range, named in the message
+            (prefixed with the file).
+        TypeError: a value of the wrong type, its key named in the message (prefixed with the file).
+    """
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    try:
+        return demo_config_from_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{path}: {e}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mcore_ppo_testing.demo_config CONFIG [--tp N] [--cp N] [--pp N] [--layout]``:
+    check CONFIG with the given sizes (exit 2 when bad); ``--layout`` prints ``tp cp pp``."""
+    parser = argparse.ArgumentParser(prog="demo_config", description=main.__doc__)
+    parser.add_argument("config")
+    for size in ("tp", "cp", "pp"):
+        parser.add_argument(f"--{size}", type=int, help=f"{size} size instead of the config's")
+    parser.add_argument("--layout", action="store_true", help="print the layout's tp cp pp")
+    args = parser.parse_args(argv)
+    try:
+        layout = load_demo_config(args.config).with_overrides(tp=args.tp, cp=args.cp, pp=args.pp).layout
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as e:
+        print(f"demo_config: {e}", file=sys.stderr)
+        return 2
+    if args.layout:
+        print(layout.tp, layout.cp, layout.pp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The demo config's one loader (``mcore_ppo_testing.demo_config``): the shipped YAML loads into
+typed sections, and every bad key, type or value is refused with its key named (single process)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mcore_ppo.actor import PPOActorConfig
+from mcore_ppo_testing.demo_config import (
+    DemoConfig,
+    LayoutConfig,
+    demo_config_from_dict,
+    load_demo_config,
+    main,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "ppo_demo.yaml"
+RAW = yaml.safe_load(CONFIG.read_text())
+
+
+def _with(path: str, value) -> dict:
+    """The shipped config with ``path`` (``section.key``) set to ``value`` (deleted when ``...``)."""
+    raw = copy.deepcopy(RAW)
+    *sections, key = path.split(".")
+    node = raw
+    for s in sections:
+        node = node[s]
+    if value is ...:
+        del node[key]
+    else:
+        node[key] = value
+    return raw
+
+
+def test_shipped_config_loads_typed():
+    config = load_demo_config(CONFIG)
+    assert isinstance(config, DemoConfig)
+    assert (config.layout.tp, config.layout.cp, config.layout.pp) == (2, 2, 1)
+    assert config.layout.sp and not config.layout.cp_at_head
+    assert config.model.shape()["vocab_size"] == 512 and "params_dtype" not in config.model.shape()
+    assert str(config.model.dtype) == "torch.float32"
+    assert config.rollout.prompt_len == (4, 16) and config.rollout.response_len == (8, 40)
+    assert config.run.tolerance.log_prob == 5e-5 and config.run.cp1_reference
+    # The actor's options: typed by PPOActorConfig itself, the temperature from the head section.
+    assert isinstance(config.ppo.actor, PPOActorConfig)
+    assert config.ppo.actor.temperature == config.head.temperature == 0.7
+    assert config.ppo.actor.clip_ratio_c == 3.0 and config.ppo.ppo_epochs == 2 and config.ppo.lr == 3e-4
+
+
+def test_defaults_of_optional_sections_and_keys():
+    raw = {k: v for k, v in RAW.items() if k in ("model", "rollout", "run")}
+    config = demo_config_from_dict(raw)
+    assert config.layout == LayoutConfig()
+    assert (config.head.temperature, config.head.backend, config.head.buffer_budget_bytes) == (1.0, "auto", None)
+    assert (config.ppo.ppo_epochs, config.ppo.lr) == (1, 1e-4)
+    assert config.ppo.actor == PPOActorConfig()
+    assert config.run.seed == 1234 and config.rollout.seed == 0
+
+
+def test_whole_numbers_are_accepted_as_floats():
+    config = demo_config_from_dict(_with("ppo.lr", 1))
+    assert config.ppo.lr == 1.0 and isinstance(config.ppo.lr, float)
+    assert isinstance(demo_config_from_dict(_with("ppo.max_grad_norm", 2)).ppo.actor.max_grad_norm, float)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "named"),
+    [
+        ("ppo.clip_ratoi", 0.2, "ppo.clip_ratoi"),
+        ("ppo.temperature", 0.7, "ppo.temperature"),  # the temperature is the head's
+        ("layout.dp", 2, "layout.dp"),
+        ("run.tolerance.logprob", 1e-5, "run.tolerance.logprob"),
+        ("extra", {}, "extra"),
+    ],
+)
+def test_unknown_keys_are_value_errors_naming_the_key(path, value, named):
+    with pytest.raises(ValueError, match=re.escape(f"unknown key {named}")):
+        demo_config_from_dict(_with(path, value))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "named"),
+    [
+        ("ppo.clip_ratio", "0.2", "ppo.clip_ratio"),
+        ("ppo.lr", "1e-4", "ppo.lr"),  # YAML 1.1 reads 1e-4 as a string
+        ("ppo.micro_batch_size", 2.5, "ppo.micro_batch_size"),
+        ("layout.tp", True, "layout.tp"),
+        ("layout.sequence_parallel", 1, "layout.sequence_parallel"),
+        ("rollout.prompt_len", [4, 16, 3], "rollout.prompt_len"),
+        ("head.buffer_budget_bytes", "1GiB", "head.buffer_budget_bytes"),
+        ("model", [1, 2], "model"),
+    ],
+)
+def test_wrong_types_are_type_errors_naming_the_key(path, value, named):
+    with pytest.raises(TypeError, match=re.escape(named)):
+        demo_config_from_dict(_with(path, value))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        ("model.vocab_size", ..., "missing key model.vocab_size"),
+        ("run.tolerance", ..., "missing key run.tolerance.log_prob"),
+        ("rollout", ..., "missing key rollout"),
+        ("layout.cp_mode", "inside", "layout.cp_mode"),
+        ("layout.pp", 0, "layout.pp"),
+        ("model.params_dtype", "float16", "model.params_dtype"),
+        ("rollout.response_len", [9, 3], "rollout.response_len"),
+        ("ppo.clip_ratio_c", 0.5, "ppo: clip_ratio_c"),  # the actor's own check, its section named
+    ],
+)
+def test_missing_keys_and_bad_values_are_value_errors(path, value, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        demo_config_from_dict(_with(path, value))
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_with("ppo.clip_ratoi", 0.2)))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: unknown key ppo.clip_ratoi")):
+        load_demo_config(path)
+
+
+def test_overrides_replace_and_recheck():
+    config = load_demo_config(CONFIG)
+    changed = config.with_overrides(tp=4, cp=1, sequence_parallel=False, cp_mode="head", steps=1, backend="torch")
+    assert (changed.layout.tp, changed.layout.cp, changed.layout.pp) == (4, 1, 1)
+    assert not changed.layout.sp and changed.layout.cp_mode == "head"
+    assert changed.run.steps == 1 and changed.head.backend == "torch"
+    assert config.with_overrides() == config and config.layout.tp == 2  # None keeps; the original is untouched
+    assert not config.with_overrides(tp=1).layout.sp  # SP needs tp > 1
+    with pytest.raises(ValueError, match=re.escape("layout.tp")):
+        config.with_overrides(tp=0)
+
+
+def test_command_line_prints_the_layout_or_exits_2(tmp_path, capsys):
+    assert main([str(CONFIG), "--layout"]) == 0
+    assert capsys.readouterr().out.split() == ["2", "2", "1"]
+    assert main([str(CONFIG), "--layout", "--tp", "4", "--cp", "1"]) == 0
+    assert capsys.readouterr().out.split() == ["4", "1", "1"]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_with("layout.tp", "two")))
+    assert main([str(path), "--layout"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "layout.tp" in captured.err
+    assert main([str(tmp_path / "missing.yaml")]) == 2
+
+
+# launch.sh checks the config before torchrun: that must not pay for importing Megatron.
+_CHECK_WITHOUT_MEGATRON = """
+import sys
+from mcore_ppo_testing.demo_config import main
+status = main(sys.argv[1:])
+loaded = sorted(m for m in sys.modules if m == "megatron" or m.startswith("megatron."))
+assert not loaded, loaded
+sys.exit(status)
+"""
+
+
+def test_config_check_needs_no_megatron():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK_WITHOUT_MEGATRON, str(CONFIG), "--layout"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "2", "1"]
+
+
+def test_actor_names_resolve_lazily():
+    import mcore_ppo.actor as actor
+
+    assert sorted(actor.__all__) == sorted(actor._EXPORTS)
+    for name, module in actor._EXPORTS.items():
+        assert getattr(actor, name) is getattr(__import__(module, fromlist=[name]), name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        actor.no_such_name  # noqa: B018
