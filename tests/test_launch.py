@@ -31,7 +31,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_main_command_passes_with_parity_lines():
-    """Default layout (TP 2 + SP, CP 2 at the head, 4 ranks), 2 steps to keep CI short."""
+    """Default layout (TP 2 + SP, CP 2 inside the model, 4 ranks), 2 steps to keep CI short."""
     proc = _run("--steps", "2")
     out = proc.stdout
     assert proc.returncode == 0, f"launch.sh exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
