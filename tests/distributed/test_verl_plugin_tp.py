@@ -20,12 +20,12 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from mcore_ppo.integrations.verl import linear_cross_entropy
 from mcore_ppo_testing.cpu_shims import cpu_shims
+from mcore_ppo_testing.reference import outputs_from_logits
 
 
 def _reference(hidden, weight, labels, temperature):
-    log_softmax = torch.log_softmax(hidden.reshape(-1, hidden.shape[-1]) @ weight.t() / temperature, dim=-1)
-    lp = log_softmax.gather(-1, labels.reshape(-1, 1)).squeeze(-1)
-    return lp, -(log_softmax.exp() * log_softmax).sum(-1)
+    """verl's flat pairing: token i of hidden [..., h] with labels.reshape(-1)[i]."""
+    return outputs_from_logits(hidden.reshape(-1, hidden.shape[-1]) @ weight.t(), labels.reshape(-1), temperature)
 
 
 def test_verl_plugin_d_hidden_complete_with_and_without_sp(check):
