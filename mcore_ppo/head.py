@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,11 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.pipeline import HeadOptions, run_head
+
+# megatron-core >= 0.20 gives ColumnParallelLinear an ``output_dtype`` (the logits GEMM's output
+# dtype, GPTModel's ``logit_dtype``) and passes it to the output layer; older versions have none.
+_CPL_TAKES_OUTPUT_DTYPE = "output_dtype" in inspect.signature(ColumnParallelLinear.__init__).parameters
+_REDUCTIONS = ("none", "sum", "mean")
 
 
 class VocabParallelFusedPPOHead(ColumnParallelLinear):
@@ -31,8 +37,20 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             (:class:`mcore_ppo.pipeline.HeadOptions`; ``temperature`` is the default that a
             call may override). Kept as attributes of the same names, which may be changed
             between calls: every fused forward validates them again.
+        output_dtype: the dtype of the logits on the ``labels=None`` path, which megatron-core
+            >= 0.20 passes to its output layer (``GPTModel(logit_dtype=...)``) and
+            ``ColumnParallelLinear`` honours there. The fused path does not need it: it forms
+            the logits' statistics in fp32 and returns fp32 whatever it is. On older
+            megatron-core, whose ``ColumnParallelLinear`` has no such argument, only None or
+            ``config.params_dtype`` (a no-op) is accepted.
         **kwargs: passed to ``ColumnParallelLinear`` (``skip_weight_param_allocation`` for
             tied embeddings, ``tp_group``, ``gather_output``, ...). ``bias`` must be False.
+
+    It also keeps the forward contract of megatron-core's ``LinearCrossEntropyModule`` (the
+    output layer on Megatron's dev branch, a ``ColumnParallelLinear`` subclass), so it can take
+    that module's place: ``output_cross_entropy_loss=True`` returns the per-token cross entropy
+    ``-log p(label)`` at temperature 1 from the fused path, without logits (Megatron's language
+    model loss and its MTP depths call it so).
     """
 
     def __init__(
@@ -47,12 +65,23 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         ignore_index: int = -100,
         backend: str | Backend = "auto",
         buffer_budget_bytes: int | None = None,
+        output_dtype: torch.dtype | None = None,
         **kwargs,
     ) -> None:
         if bias:
             raise ValueError("VocabParallelFusedPPOHead has no bias (bias must be False): output layers have none")
         options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
+        if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
+            raise TypeError(f"output_dtype must be a torch.dtype or None, got {type(output_dtype).__name__}")
+        if _CPL_TAKES_OUTPUT_DTYPE:
+            kwargs["output_dtype"] = output_dtype
+        elif output_dtype not in (None, getattr(config, "params_dtype", None)):
+            raise ValueError(
+                f"output_dtype={output_dtype} needs megatron-core >= 0.20 (its ColumnParallelLinear computes "
+                "the logits in that dtype); this version's has no such argument: pass None"
+            )
         super().__init__(input_size, output_size, config=config, init_method=init_method, bias=False, **kwargs)
+        self.output_dtype = output_dtype
         self.temperature = options.temperature
         self.ignore_index = options.ignore_index
         self.backend = options.backend
@@ -66,6 +95,9 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         weight: torch.Tensor | None = None,
         runtime_gather_output: bool | None = None,
         temperature: float | None = None,
+        output_cross_entropy_loss: bool = False,
+        reduction: str = "none",
+        ignore_index: int | None = None,
     ):
         """``(log_probs, entropy)`` for ``labels``, or ``(logits, None)`` when ``labels`` is None.
 
@@ -78,9 +110,52 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
                 embedding's shard, as Megatron's ``GPTModel`` passes it).
             runtime_gather_output: as for ``ColumnParallelLinear`` (logits path only).
             temperature: overrides the head's default temperature for this call.
+            output_cross_entropy_loss, reduction, ignore_index: ``LinearCrossEntropyModule``'s
+                contract (class doc): with ``output_cross_entropy_loss`` the result is the
+                cross entropy at temperature 1, ``[b, s]`` for ``reduction="none"``, else its
+                sum or its mean over the tokens not equal to ``ignore_index`` (default: the
+                head's), as a 0-d tensor.
         """
+        if output_cross_entropy_loss:
+            if labels is None:
+                raise ValueError("labels cannot be None when output_cross_entropy_loss=True")
+            return self._cross_entropy(input_, labels, weight, reduction, ignore_index)
         if labels is None:
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        weight = self._weight(weight)
+        options = HeadOptions(
+            self.temperature if temperature is None else temperature,
+            self.ignore_index,
+            self.backend,
+            self.buffer_budget_bytes,
+        )
+        return self._run(input_, weight, labels, options)
+
+    def _cross_entropy(
+        self,
+        input_: torch.Tensor,
+        labels: torch.Tensor,
+        weight: torch.Tensor | None,
+        reduction: str,
+        ignore_index: int | None,
+    ) -> torch.Tensor:
+        """``LinearCrossEntropyModule``'s fused loss: ``-log p(label)`` at temperature 1, no logits."""
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        ignore = self.ignore_index if ignore_index is None else ignore_index
+        weight = self._weight(weight)
+        # The language-model loss has no sampling temperature: T = 1 whatever the head's default.
+        log_probs, _ = self._run(
+            input_, weight, labels, HeadOptions(1.0, ignore, self.backend, self.buffer_budget_bytes)
+        )
+        loss = -log_probs
+        if reduction == "sum":
+            return loss.sum()
+        if reduction == "mean":  # over the tokens that count, as Megatron's fused linear cross entropy
+            return loss.sum() / (labels != ignore).sum().clamp(min=1)
+        return loss
+
+    def _weight(self, weight: torch.Tensor | None) -> torch.Tensor:
         if weight is None:
             weight = self.weight
         if weight is None:
@@ -88,12 +163,11 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
                 "weight must be passed to forward when the head was built with "
                 "skip_weight_param_allocation=True (tied embeddings)"
             )
-        options = HeadOptions(
-            self.temperature if temperature is None else temperature,
-            self.ignore_index,
-            self.backend,
-            self.buffer_budget_bytes,
-        )
+        return weight
+
+    def _run(
+        self, input_: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, options: HeadOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return run_head(
             input_,
             weight,

@@ -8,11 +8,14 @@ unchanged. :mod:`mcore_ppo.model` re-exports both public names.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.head import VocabParallelFusedPPOHead
+from mcore_ppo.logs import log_once
 from mcore_ppo.pipeline import HeadOptions
 
 __all__ = ["install_fused_head", "unwrap_gpt_model"]
@@ -42,6 +45,21 @@ _HOOK_DICTS = (
     "_backward_pre_hooks",
     "_backward_hooks",
 )
+
+
+def _replaceable_output_layer(layer: torch.nn.Module) -> bool:
+    """Whether the head can take ``layer``'s place: Megatron's ``ColumnParallelLinear`` itself, or
+    the dev branch's ``LinearCrossEntropyModule`` (a ``ColumnParallelLinear`` subclass with the same
+    constructor and weight, adding only a fused-loss forward that the head also keeps). Any other
+    subclass (TransformerEngine's MXFP8 LM head) computes something the head does not."""
+    if type(layer) is ColumnParallelLinear:
+        return True
+    cls = type(layer)
+    return (
+        cls.__name__ == "LinearCrossEntropyModule"
+        and cls.__module__ == "megatron.core.transformer.linear_cross_entropy"
+        and isinstance(layer, ColumnParallelLinear)
+    )
 
 
 def _take_over_hooks(model: torch.nn.Module, old: torch.nn.Module, head: torch.nn.Module) -> None:
@@ -88,8 +106,9 @@ def install_fused_head(
         The head on the last pipeline stage; None on other stages (they have no output layer).
 
     Raises:
-        TypeError: the model's output layer is not a ``ColumnParallelLinear`` (e.g. a
-            TransformerEngine MXFP8 LM head), or it has a bias.
+        TypeError: the model's output layer is neither a ``ColumnParallelLinear`` nor the dev
+            branch's ``LinearCrossEntropyModule`` (e.g. a TransformerEngine MXFP8 LM head), or
+            it has a bias.
         NotImplementedError: ``config.defer_embedding_wgrad_compute`` is set.
     """
     options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
@@ -101,9 +120,11 @@ def install_fused_head(
         old.temperature, old.backend, old.ignore_index = options.temperature, options.backend, options.ignore_index
         old.buffer_budget_bytes = options.buffer_budget_bytes
         return old
-    if type(old) is not ColumnParallelLinear:
+    if not _replaceable_output_layer(old):
         raise TypeError(
-            f"install_fused_head supports Megatron's ColumnParallelLinear output layer, got {type(old).__name__}"
+            "install_fused_head supports Megatron's ColumnParallelLinear output layer (and the dev branch's "
+            f"LinearCrossEntropyModule), got {type(old).__name__}; for TransformerEngine's MXFP8 LM head "
+            "(TELMHeadColumnParallelLinear) set config.fp8_output_proj=False"
         )
     if old.bias is not None:
         raise TypeError("install_fused_head: the output layer has a bias; the fused head has none")
@@ -128,6 +149,7 @@ def install_fused_head(
         grad_output_buffer=old.grad_output_buffer,
         tp_group=old.tp_group,
         disable_grad_reduce=old.disable_grad_reduce,
+        output_dtype=getattr(old, "output_dtype", None),  # megatron-core >= 0.20 (GPTModel's logit_dtype)
     )
     head.skip_bias_add = old.skip_bias_add
     if old.weight is not None:
@@ -135,6 +157,13 @@ def install_fused_head(
     head.train(old.training)
     _take_over_hooks(model, old, head)
     gpt.output_layer = head
+    log_once(
+        logging.INFO,
+        ("install", type(old).__name__, old.weight is None),
+        "mcore_ppo: fused head installed in place of the %s output layer (%s weight)",
+        type(old).__name__,
+        "tied, embedding's" if old.weight is None else "same Parameter",
+    )
     return head
 
 

@@ -33,6 +33,7 @@ How the forward reaches the head (decision recorded in ``docs/megatron.md``):
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from megatron.core.models.gpt import GPTModel
 
 from mcore_ppo.head import VocabParallelFusedPPOHead
 from mcore_ppo.install import install_fused_head, unwrap_gpt_model
+from mcore_ppo.logs import log_once
 from mcore_ppo.validation import check_temperature
 
 __all__ = [
@@ -73,6 +75,7 @@ def build_gpt_model(
     post_process: bool = True,
     seed: int = 1234,
     transformer_layer_spec: Any | Callable[[Any], Any] | None = None,
+    mtp_block_spec: Any | Callable[[Any, Any], Any] | None = None,
     device: torch.device | str | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
@@ -98,12 +101,16 @@ def build_gpt_model(
             ``get_gpt_layer_local_spec()``, or a function of the ``TransformerConfig`` returning
             one (as Megatron's ``get_gpt_decoder_block_spec(config, ...)`` needs the config), for
             example :func:`mcore_ppo_testing.layer_specs.local_gpt_spec`.
+        mtp_block_spec: multi-token prediction (with ``mtp_num_layers=D`` among the overrides):
+            Megatron's MTP block spec, or a function of ``(config, layer spec)`` returning one,
+            e.g. ``lambda config, spec: get_gpt_mtp_block_spec(config, spec, False)``.
         device: where the parameters end up; default CUDA's current device when CUDA is
             available, else the CPU.
         **config_overrides: any other ``TransformerConfig`` field.
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if not parallel_state.model_parallel_is_initialized():
@@ -134,8 +141,12 @@ def build_gpt_model(
     config_kwargs.update(config_overrides)
     config = TransformerConfig(**config_kwargs)
     spec = transformer_layer_spec if transformer_layer_spec is not None else get_gpt_layer_local_spec()
-    if callable(spec):  # a spec factory of the config (specs themselves are dataclasses, not callables)
+    # A spec factory of the config. Specs are dataclasses, but a ModuleSpec is callable too (it
+    # builds its module), so it is told apart by type, not by callable().
+    if callable(spec) and not isinstance(spec, ModuleSpec):
         spec = spec(config)
+    if callable(mtp_block_spec) and not isinstance(mtp_block_spec, ModuleSpec):
+        mtp_block_spec = mtp_block_spec(config, spec)
 
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -154,6 +165,7 @@ def build_gpt_model(
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=tie_embeddings,
+            mtp_block_spec=mtp_block_spec,
         )
     # Plain torch modules inside the local spec (the position table; the norms when Apex is
     # absent) are built in torch's default dtype whatever params_dtype says. Keep one dtype
@@ -195,9 +207,17 @@ def supports_output_processor(model: torch.nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class FusedHeadContext:
-    """``output_processor_context`` of the fused path: the per-call temperature (None = head default)."""
+    """``output_processor_context`` of the fused path.
+
+    Attributes:
+        temperature: the per-call temperature (None: the head's default).
+        labels: the head's labels when the model was given others (multi-token prediction:
+            Megatron's MTP loss gets the labels with ignored tokens replaced and a loss mask,
+            :func:`_mtp_labels_and_mask`); None: the labels Megatron passes.
+    """
 
     temperature: float | None = None
+    labels: torch.Tensor | None = None
 
 
 def fused_output_processor(
@@ -225,6 +245,8 @@ def fused_output_processor(
         raise ValueError("fused_output_processor needs labels; call the model without the processor for logits")
     _check_supported_config(config)
     temperature = None if context is None else context.temperature
+    if context is not None and context.labels is not None:
+        labels = context.labels
     return output_layer(hidden_states, labels, weight=output_weight, temperature=temperature)
 
 
@@ -281,18 +303,54 @@ def gpt_log_probs_and_entropy(
         )
     _check_supported_config(gpt.config)
     if supports_output_processor(gpt):
+        context = FusedHeadContext(temperature)
+        model_labels = labels
+        if getattr(gpt.config, "mtp_num_layers", None):
+            model_labels, forward_kwargs["loss_mask"] = _mtp_labels_and_mask(
+                gpt, head, labels, forward_kwargs.get("loss_mask")
+            )
+            context = FusedHeadContext(temperature, labels)
         return model(
             input_ids,
             position_ids,
             attention_mask,
-            labels=labels,
+            labels=model_labels,
             output_processor=fused_output_processor,
-            output_processor_context=FusedHeadContext(temperature),
+            output_processor_context=context,
             **forward_kwargs,
         )
     return _forward_without_hook(
         gpt, head, input_ids, position_ids, attention_mask, labels, temperature, forward_kwargs
     )
+
+
+def _mtp_labels_and_mask(
+    gpt: torch.nn.Module, head: VocabParallelFusedPPOHead, labels: torch.Tensor, loss_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and loss mask for Megatron's multi-token prediction loss, which runs before the processor.
+
+    Megatron's MTP loss (``process_mtp_loss``, megatron-core >= 0.18) rolls the labels and the loss
+    mask once per depth and multiplies each depth's cross entropy by the mask; its vocab-parallel
+    cross entropy has no ignore index (a label of -100 gives a finite, wrong loss). So the tokens
+    the head ignores get label 0 and mask 0 here (times the caller's ``loss_mask``), and the
+    head gets its own labels through :class:`FusedHeadContext`.
+    """
+    ignored = labels == head.ignore_index
+    keep = (~ignored).to(torch.float32)
+    if loss_mask is not None:
+        keep = keep * loss_mask.to(torch.float32)
+    fused_depths = bool(getattr(gpt, "fuse_linear_cross_entropy", False))
+    log_once(
+        logging.INFO,
+        ("mtp", fused_depths),
+        "mcore_ppo: multi-token prediction: %d depth(s), loss mask carried (ignored tokens masked); %s",
+        gpt.config.mtp_num_layers,
+        "each depth's cross entropy through the fused head (LinearCrossEntropyModule contract, no logits)"
+        if fused_depths
+        else "each depth's cross entropy from Megatron's logits [s, b, V/tp] (its process_mtp_loss has no "
+        "hook for a fused loss; cross_entropy_fusion_impl='linear' on Megatron's dev branch avoids them)",
+    )
+    return labels.masked_fill(ignored, 0), keep
 
 
 def _forward_without_hook(

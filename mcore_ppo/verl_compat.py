@@ -49,6 +49,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     backend: str | Backend = "auto",
     buffer_budget_bytes: int | None = None,
+    reduce_hidden_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's ``linear_cross_entropy``: per-token log-probs and entropy of ``softmax(hidden @ W.T / T)``.
 
@@ -66,6 +67,9 @@ def linear_cross_entropy(
             ``d_hidden`` itself, which verl's contract leaves to the caller.
         buffer_budget_bytes: the ``triton`` backend's probability buffer (keyword-only; not in
             verl); see :class:`mcore_ppo.pipeline.HeadOptions`.
+        reduce_hidden_grad: keyword-only, not in verl: True sums ``d_hidden`` over TP here
+            (for callers that, unlike verl's contract, reduce nothing themselves: the verl
+            plugin without sequence parallelism, :mod:`mcore_ppo.integrations.verl`).
 
     Returns:
         ``(log_probs, entropy)``, fp32: ``[N]`` and ``[N]``, or a 0-d ``log_probs`` for
@@ -81,9 +85,15 @@ def linear_cross_entropy(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
-    # No TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
+    # By default no TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
     log_probs, entropy = run_head(
-        hidden, weight, labels, options, tp_group=dist_process_group, reduce_hidden_grad=False, flat_labels=True
+        hidden,
+        weight,
+        labels,
+        options,
+        tp_group=dist_process_group,
+        reduce_hidden_grad=reduce_hidden_grad,
+        flat_labels=True,
     )
     if reduction == "sum":
         log_probs = log_probs.sum()

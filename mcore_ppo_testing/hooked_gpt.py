@@ -77,6 +77,23 @@ class HookedGPTModel(GPTModel):
             **(extra_block_kwargs or {}),
         )
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if self.mtp_process:  # the MTP block, as GPTModel._postprocess calls it
+            hidden_states = self.mtp(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                hidden_states=hidden_states,
+                attention_mask=attention_mask,
+                inference_params=None,
+                rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                embedding=self.embedding,
+                **(extra_block_kwargs or {}),
+            )
+        if self.config.mtp_num_layers:  # megatron-core >= 0.18 runs the MTP loss before the processor
+            hidden_states = process_mtp_loss(self, hidden_states, labels, loss_mask, output_weight, packed_seq_params)
         type(self).hook_calls += 1
         # The keywords megatron-core >= 0.18 passes (GPTModel._postprocess).
         return output_processor(
@@ -97,6 +114,49 @@ class HookedGPTModel(GPTModel):
             scale_logits=lambda logits: logits,
             config=self.config,
         )
+
+
+def process_mtp_loss(
+    model: GPTModel,
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    output_weight: torch.Tensor | None,
+    packed_seq_params: Any,
+) -> torch.Tensor:
+    """megatron-core >= 0.18's ``process_mtp_loss`` (``multi_token_prediction.py``, main at
+    d98e8a64 and dev at d48bd6be), for labels given: split off each depth's hidden states, roll
+    the labels and the loss mask once per depth, take that depth's cross entropy — from the
+    output layer's logits and ``compute_language_model_loss`` (main), or from the output layer's
+    fused loss (``output_layer(..., output_cross_entropy_loss=True, labels=...)``, dev with
+    ``cross_entropy_fusion_impl="linear"``, emulated by ``model.fuse_linear_cross_entropy``) —
+    mask it, and attach it to the main hidden states with ``MTPLossAutoScaler``. Left out: the
+    loss tracker and acceptance counts (logging only), ``calculate_per_token_loss``, MuP.
+    """
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, roll_tensor
+
+    depths = model.config.mtp_num_layers
+    chunks = torch.chunk(hidden_states, 1 + depths, dim=0)
+    hidden_states = chunks[0]
+    if labels is None:
+        return hidden_states
+    mtp_labels = labels.clone()
+    loss_mask = torch.ones_like(mtp_labels) if loss_mask is None else loss_mask
+    fused = getattr(model, "fuse_linear_cross_entropy", False)
+    for depth in range(depths):
+        roll = dict(shifts=-1, dims=-1, cp_group=model.cp_group, packed_seq_params=packed_seq_params)
+        mtp_labels, _ = roll_tensor(mtp_labels, **roll)
+        loss_mask, num_tokens = roll_tensor(loss_mask, **roll)
+        if fused:
+            mtp_loss = model.output_layer(
+                chunks[depth + 1], weight=output_weight, output_cross_entropy_loss=True, labels=mtp_labels
+            )
+        else:
+            logits, _ = model.output_layer(chunks[depth + 1], weight=output_weight)
+            mtp_loss = model.compute_language_model_loss(mtp_labels, logits)
+        scale = model.config.mtp_loss_scaling_factor / depths
+        hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * loss_mask * mtp_loss / num_tokens.clamp(min=1))
+    return hidden_states
 
 
 def as_hooked(model: GPTModel) -> GPTModel:

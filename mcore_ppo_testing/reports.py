@@ -16,7 +16,8 @@ def _family(output: str) -> str:
 def error_table(errors: Mapping[str, Mapping[str, float]], *, width: int = 100) -> list[str]:
     """One line per (comparison, output) with its largest normwise relative error, per-parameter
     outputs folded into one row (their maximum and count): narrow enough to read in a CI log."""
-    lines = [f"{'comparison':<{width - 40}} {'output':<28} {'max rel err':>10}"]
+    name_width = width - 41  # + " " + 28 (output) + " " + 11 (error) = width
+    lines = [f"{'comparison':<{name_width}} {'output':<28} {'max rel err':>11}"]
     for kind in sorted(errors):
         folded: dict[str, tuple[float, int]] = {}
         for output, err in errors[kind].items():
@@ -24,8 +25,9 @@ def error_table(errors: Mapping[str, Mapping[str, float]], *, width: int = 100) 
             folded[_family(output)] = (max(worst, err), count + 1)
         for output, (worst, count) in sorted(folded.items()):
             label = output if count == 1 else f"{output} ({count})"
-            name = kind if len(kind) <= width - 40 else kind[: width - 43] + "..."
-            lines.append(f"{name:<{width - 40}} {label:<28} {worst:>10.2e}")
+            label = label if len(label) <= 28 else label[:25] + "..."
+            name = kind if len(kind) <= name_width else kind[: name_width - 3] + "..."
+            lines.append(f"{name:<{name_width}} {label:<28} {worst:>11.2e}")
     return lines
 
 

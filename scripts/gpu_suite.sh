@@ -36,7 +36,8 @@ if [ ${#mcore_wheels[@]} -eq 0 ]; then
   echo "gpu_suite: no megatron_core-*.whl in ${wheel_dirs[*]} (carry them with the run)" >&2
   exit 2
 fi
-tests=(tests/test_model_integration.py tests/test_verl_compat.py tests/test_head_*.py)
+tests=(tests/test_model_integration.py tests/test_verl_compat.py tests/test_head_*.py tests/test_mtp.py
+  tests/test_megatron_versions.py tests/test_verl_plugin.py tests/test_nemo_rl_adapter.py tests/test_readme.py)
 logs=${OUT:-/tmp}
 status=0
 for wheel in "${mcore_wheels[@]}"; do

@@ -1,8 +1,26 @@
 #!/usr/bin/env bash
 # Installs mcore_ppo and what its demo and tests need on a CPU machine (Python 3.11).
-# torch is named first with its exact version so nothing floats it to a CUDA build.
+#
+# torch comes first, as a CPU build of exactly 2.13.0, so nothing later floats it to a CUDA build:
+#   - a torch 2.13.0 already installed is kept (any build: a GPU machine keeps its CUDA torch);
+#   - else, when pip's configured sources (a wheel folder, a CPU index set up on the machine) offer
+#     a "+cpu" build of 2.13.0, that one;
+#   - else PyTorch's CPU wheel index (PyPI's Linux torch wheels are CUDA builds, ~GBs):
+#     https://download.pytorch.org/whl/cpu, or MCORE_PPO_TORCH_INDEX if set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q torch==2.13.0
+torch_version=2.13.0
+if python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+  echo "install.sh: keeping torch $(python -c 'import torch; print(torch.__version__)')"
+else
+  report=$(mktemp)
+  if python -m pip install -q --dry-run --no-deps --ignore-installed --report "$report" "torch==$torch_version" 2>/dev/null &&
+    python -c "import json, sys; sys.exit('+cpu' not in json.load(open('$report'))['install'][0]['download_info']['url'])"; then
+    python -m pip install -q "torch==$torch_version"
+  else
+    python -m pip install -q "torch==$torch_version" --index-url "${MCORE_PPO_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+  fi
+  rm -f "$report"
+fi
 python -m pip install -q triton==3.7.1 megatron-core==0.16.1 liger-kernel==0.8.5 pytest ruff import-linter pyyaml
 python -m pip install -q --no-deps -e .

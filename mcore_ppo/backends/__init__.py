@@ -9,12 +9,14 @@ backend.
 from __future__ import annotations
 
 import importlib
+import logging
 from types import ModuleType
 
 import torch
 
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.backends.torch_backend import TorchBackend
+from mcore_ppo.logs import log_once
 
 BACKENDS = ("auto", "torch", "triton", "liger")
 
@@ -98,14 +100,40 @@ def resolve_backend(name: str | Backend, device: torch.device, *, buffer_budget_
         return name
     if name == "auto":
         backend = _triton_backend(buffer_budget_bytes) if device.type == "cuda" else None
-        return backend if backend is not None else TorchBackend()
+        if backend is None:
+            why = "not a CUDA device" if device.type != "cuda" else "triton is not installed or cannot run"
+            log_once(
+                logging.INFO,
+                ("backend", "auto", device.type, "torch"),
+                "mcore_ppo: backend='auto' on %s -> 'torch' (the chunked reference): %s",
+                device.type,
+                why,
+            )
+            return TorchBackend()
+        _log_resolved(name, device, backend)
+        return backend
     backend = _FACTORIES[name](buffer_budget_bytes)
     if backend is None:
         raise RuntimeError(
             f"backend={name!r} is not available here (its package is not installed or it needs "
             "a CUDA device); use backend='torch' or 'auto'"
         )
+    _log_resolved(name, device, backend)
     return backend
+
+
+def _log_resolved(name: str, device: torch.device, backend: Backend) -> None:
+    """One INFO line per (requested name, device type, budget): the backend a configuration runs."""
+    budget = getattr(backend, "buffer_budget_bytes", None)
+    log_once(
+        logging.INFO,
+        ("backend", name, device.type, type(backend).__name__, budget),
+        "mcore_ppo: backend=%r on %s -> %r%s",
+        name,
+        device.type,
+        getattr(backend, "name", type(backend).__name__),
+        "" if budget is None else f" (probability-buffer budget {budget} bytes per call)",
+    )
 
 
 __all__ = [

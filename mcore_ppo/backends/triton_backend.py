@@ -24,6 +24,7 @@ at construction (tests patch the constants, benchmarks pass arguments).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 
@@ -43,6 +44,7 @@ from mcore_ppo.backends.triton_host import (
     gathered_rows,
     interpreting,
     kernel_flags,
+    log_buffer_decision,
     merge_splits,
     operands_by_tma,
     rowmajor,
@@ -50,6 +52,7 @@ from mcore_ppo.backends.triton_host import (
     upstream_gradients,
     with_tma_store,
 )
+from mcore_ppo.logs import log_once
 
 try:  # the package itself is optional; anything else broken in it should raise
     import triton
@@ -129,7 +132,10 @@ class TritonBackend:
 
     def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         # fp64 (gradcheck) and empty problems go to the chunked reference.
-        return hidden.dtype == torch.float64 or hidden.shape[0] == 0 or weight.shape[0] == 0
+        if hidden.dtype == torch.float64:
+            log_once(logging.INFO, ("triton-fallback", "fp64"), "mcore_ppo: triton backend -> torch reference: fp64")
+            return True
+        return hidden.shape[0] == 0 or weight.shape[0] == 0
 
     def shard_statistics(
         self,
@@ -156,7 +162,9 @@ class TritonBackend:
         parts = torch.empty(3, num_splits, n, dtype=torch.float32, device=hidden.device)
         y = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         n_tiles_v = cdiv(v, cfg.block_n)
-        store = grad_needed and n * (v * hidden.element_size() + n_tiles_v * 4) <= self.buffer_budget_bytes
+        buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
+        store = grad_needed and buffer_bytes <= self.buffer_budget_bytes
+        log_buffer_decision(grad_needed, store, buffer_bytes, self.buffer_budget_bytes)
         use_tma = operands_by_tma(hidden, weight, cfg)
         x_rows = gathered_rows(hidden, perm, count) if use_tma else hidden
         x_desc = descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows

@@ -7,10 +7,13 @@ launch with them. Only :data:`ADDMM_PATH` is written (a record for the benchmark
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 
 import torch
+
+from mcore_ppo.logs import log_once
 
 COMPACT_BLOCK = 1024
 ROW_BLOCK = 1024  # columns per step of the row gather / scatter kernels
@@ -240,3 +243,16 @@ def addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str) -
     except (RuntimeError, TypeError):
         out.add_(torch.mm(a, b))
         ADDMM_PATH[what] = "bf16 mm + add"
+
+
+def log_buffer_decision(grad_needed: bool, store: bool, buffer_bytes: int, budget: int) -> None:
+    """One INFO line per kind of buffer decision (not per call): on, or off and why."""
+    if store:
+        key, why = "on", f"{buffer_bytes} bytes fit the budget of {budget}"
+    elif not grad_needed:
+        key, why = "off: no gradient", "no gradient will be needed (no-grad forward)"
+    elif budget == 0:
+        key, why = "off: budget 0", "the budget is 0 (always recompute)"
+    else:
+        key, why = "off: over budget", f"{buffer_bytes} bytes exceed the budget of {budget} (recompute the logits)"
+    log_once(logging.INFO, ("triton-buffer", key, budget), "mcore_ppo: triton probability buffer %s: %s", key, why)

@@ -1,0 +1,110 @@
+"""The NeMo-RL adapter on one rank, against NeMo-RL's logits-path contract
+(``mcore_ppo_testing.nemo_rl_reference``). TP, SP and CP layouts:
+``tests/distributed/test_nemo_rl_adapter_tp_cp.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from mcore_ppo.integrations.nemo_rl import from_parallel_hidden_states_to_logprobs
+from mcore_ppo_testing.nemo_rl_reference import logits_path_logprobs
+
+VOCAB, H = 48, 12
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+@dataclass
+class TrainingSamplingParams:  # nemo_rl/algorithms/logits_sampling_utils.py
+    top_k: int | None = None
+    top_p: float = 1.0
+    temperature: float = 1.0
+
+
+def _tensors(seed: int, tokens: int, batch: int):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, batch, H, dtype=torch.float64, generator=gen)
+    weight = torch.randn(VOCAB, H, dtype=torch.float64, generator=gen)
+    return hidden, weight, gen
+
+
+def _nemo_rl_call(hidden, weight, target, **extra):
+    """The call of NeMo-RL's patched GPT forward (_gpt_forward_with_linear_ce_fusion), positional as there."""
+    return from_parallel_hidden_states_to_logprobs(
+        hidden, weight, None, target, vocab_start_index=0, vocab_end_index=VOCAB, inference_only=False,
+        tp_group=None, cp_group=None, chunk_size=128, **extra,
+    )  # fmt: skip
+
+
+def _check_against_reference(mine, hidden, weight, ref_inputs, ref_kwargs, temperature):
+    (lp, ent), (x, w) = mine
+    rx, rw = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_lp, ref_ent = logits_path_logprobs(rx, rw, *ref_inputs, temperature, **ref_kwargs)
+    assert lp.shape == ref_lp.shape and ent.shape == ref_ent.shape
+    torch.testing.assert_close(lp.double(), ref_lp, **TOL)
+    torch.testing.assert_close(ent.double(), ref_ent, **TOL)
+    gen = torch.Generator().manual_seed(9)
+    g_lp = torch.randn(ref_lp.shape, dtype=torch.float64, generator=gen)
+    g_ent = torch.randn(ref_lp.shape, dtype=torch.float64, generator=gen)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    ref_dx, ref_dw = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), (rx, rw))
+    torch.testing.assert_close(x.grad, ref_dx, **TOL)
+    torch.testing.assert_close(w.grad, ref_dw, **TOL)
+
+
+def test_padded_like_the_logits_path(test_seed):
+    hidden, weight, gen = _tensors(test_seed, 10, 3)
+    target = torch.randint(0, VOCAB, (3, 10), generator=gen)
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    params = TrainingSamplingParams(temperature=0.7)
+    out = _nemo_rl_call(x, w, target, sampling_params=params, return_entropy=True, backend="torch")
+    assert out[0].shape == (3, 9)
+    _check_against_reference((out, (x, w)), hidden, weight, (target,), {}, 0.7)
+
+
+def test_packed_like_the_logits_path(test_seed):
+    bounds = [0, 5, 12, 16]
+    hidden, weight, gen = _tensors(test_seed, 16, 1)
+    target = torch.randint(0, VOCAB, (1, 16), generator=gen)
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = _nemo_rl_call(
+        x, w, target, temperature=1.3, cu_seqlens_padded=torch.tensor(bounds, dtype=torch.int32), unpacked_seqlen=8,
+        return_entropy=True, backend="torch",
+    )  # fmt: skip
+    assert out[0].shape == (3, 7)
+    kwargs = {"cu_seqlens_padded": bounds, "unpacked_seqlen": 8}
+    _check_against_reference((out, (x, w)), hidden, weight, (target,), kwargs, 1.3)
+
+
+def test_log_probs_only_and_inference_only(test_seed):
+    hidden, weight, gen = _tensors(test_seed, 6, 2)
+    target = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    lp = _nemo_rl_call(hidden.requires_grad_(), weight, target)
+    assert isinstance(lp, torch.Tensor) and lp.shape == (2, 5) and lp.requires_grad
+    lp = from_parallel_hidden_states_to_logprobs(hidden, weight, None, target, 0, VOCAB, None, True)
+    assert not lp.requires_grad
+    torch.testing.assert_close(lp.double(), logits_path_logprobs(hidden.detach(), weight, target)[0], **TOL)
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        (TrainingSamplingParams(top_k=50), "top-k/top-p"),
+        (TrainingSamplingParams(top_p=0.9), "top-k/top-p"),
+    ],
+)
+def test_refusals(params, match):
+    hidden, weight, _ = _tensors(0, 4, 1)
+    target = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=match):
+        _nemo_rl_call(hidden, weight, target, sampling_params=params)
+    with pytest.raises(ValueError, match="differs from sampling_params"):
+        _nemo_rl_call(hidden, weight, target, sampling_params=TrainingSamplingParams(), temperature=0.5)
+    with pytest.raises(ValueError, match="shard"):
+        from_parallel_hidden_states_to_logprobs(hidden, weight, None, target, 0, VOCAB - 1, None)
+    with pytest.raises(ValueError, match="target must be"):
+        _nemo_rl_call(hidden, weight, torch.zeros(1, 5, dtype=torch.long))
+    # No filtering asked (top_k None or <= 0, top_p 1): accepted.
+    _nemo_rl_call(hidden, weight, target, sampling_params=TrainingSamplingParams(top_k=-1, temperature=0.9))

@@ -1,0 +1,157 @@
+"""The verl plugin against a stand-in verl tree (``mcore_ppo_testing.fake_verl``: verl's plugin
+loading and its modules' import-time binding of ``linear_cross_entropy``, read from verl's
+source). Its TP behaviour (``d_hidden`` complete with and without SP) is in
+``tests/distributed/test_verl_plugin_tp.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+
+from mcore_ppo.integrations import verl as plugin
+from mcore_ppo.verl_compat import linear_cross_entropy as compat_linear_cross_entropy
+from mcore_ppo_testing.fake_verl import write_fake_verl
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
+FUSED, OVERLAP = plugin.TARGET_MODULES
+KERNEL = "verl.utils.kernel.linear_cross_entropy"
+
+_CHILD = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+import verl
+import verl.models.mcore.model_forward_fused as fused, verl.models.mcore.model_forward_1f1b_overlap as overlap
+from verl.utils.kernel import linear_cross_entropy as kernel
+print(json.dumps({m.__name__: m.linear_cross_entropy.__module__ for m in (fused, overlap)}
+                 | {"kernel": kernel.linear_cross_entropy.__module__}))
+"""
+
+
+def _import_verl_in_child(tmp_path: Path, **env: str) -> tuple[dict, str]:
+    """Import the stand-in verl (then its Megatron modules) in a fresh interpreter with ``env``."""
+    root = write_fake_verl(tmp_path / "site", ENTRY_POINTS)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "MCORE_PPO_VERL"))}
+    environ.update(env, PYTHONPATH=os.pathsep.join([str(root), str(REPO), environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD], env=environ, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_pyproject_declares_the_plugin():
+    assert ENTRY_POINTS == {"mcore_ppo": "mcore_ppo.integrations.verl"}
+
+
+@pytest.mark.parametrize(
+    "env, switched",
+    [
+        ({}, False),  # loaded as an entry point, not asked: verl untouched
+        ({"MCORE_PPO_VERL": "1"}, True),
+        ({"VERL_USE_EXTERNAL_MODULES": "mcore_ppo.integrations.verl"}, True),  # naming it is asking
+        ({"VERL_USE_EXTERNAL_MODULES": "mcore_ppo.integrations.verl", "MCORE_PPO_VERL": "0"}, False),
+        ({"MCORE_PPO_VERL": "1", "VERL_USE_EXTERNAL_PLUGINS": "none"}, False),  # verl loads no plugin
+    ],
+    ids=["entry-point-off", "entry-point-on", "external-modules", "opted-out", "plugins-disabled"],
+)
+def test_switch_through_verls_own_loading(tmp_path, env, switched):
+    bound, log = _import_verl_in_child(tmp_path, **env)
+    expected = "mcore_ppo.integrations.verl" if switched else KERNEL
+    assert bound == {FUSED: expected, OVERLAP: expected, "kernel": KERNEL}  # verl's kernel module itself untouched
+    assert ("mcore_ppo verl plugin: on" in log) == switched
+    if switched:
+        assert f"{FUSED}.linear_cross_entropy -> mcore_ppo.integrations.verl.linear_cross_entropy" in log
+
+
+@pytest.fixture
+def fake_verl(tmp_path, monkeypatch):
+    """The stand-in tree importable in this process; verl's modules and the plugin reset after."""
+    root = write_fake_verl(tmp_path / "site", {})
+    monkeypatch.syspath_prepend(str(root))
+    for name in ("MCORE_PPO_VERL", "MCORE_PPO_VERL_BACKEND", "VERL_USE_EXTERNAL_MODULES"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    plugin.uninstall()
+    for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+        del sys.modules[name]
+
+
+def test_install_rebinds_loaded_modules_and_later_imports_idempotently(fake_verl):
+    import verl.models.mcore.model_forward_fused as fused
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy as verls
+
+    assert fused.linear_cross_entropy is verls
+    plugin.install()
+    plugin.install()  # idempotent
+    assert plugin.is_installed() and fused.linear_cross_entropy is plugin.linear_cross_entropy
+    assert sum(isinstance(f, plugin._RebindAfterImport) for f in sys.meta_path) == 1
+    import verl.models.mcore.model_forward_1f1b_overlap as overlap  # imported after install
+
+    assert overlap.linear_cross_entropy is plugin.linear_cross_entropy
+    plugin.uninstall()
+    assert fused.linear_cross_entropy is verls and overlap.linear_cross_entropy is verls
+    assert not any(isinstance(f, plugin._RebindAfterImport) for f in sys.meta_path)
+
+
+@pytest.mark.usefixtures("megatron_tp1")
+@pytest.mark.parametrize("backend", ["torch", "triton", "liger"])
+def test_verls_fused_output_processor_with_and_without_the_plugin(fake_verl, monkeypatch, backend):
+    """verl's hook route (its own fused_output_processor) gives equal values and gradients either way."""
+    from mcore_ppo.backends import resolve_backend
+
+    try:
+        resolve_backend(backend, torch.device("cpu"))
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    import verl.models.mcore.model_forward_fused as fused
+    from verl.utils.kernel import linear_cross_entropy as kernel
+
+    gen = torch.Generator().manual_seed(11)
+    s, h, vocab = 12, 16, 40
+    hidden = torch.randn(s, 1, h, generator=gen)  # verl's packed THD: [t, 1, h] with labels [1, t]
+    weight = torch.randn(vocab, h, generator=gen)
+    labels = torch.randint(0, vocab, (1, s), generator=gen)
+    config = type("Config", (), {"sequence_parallel": False})()
+    layer = type("Layer", (), {"weight": weight})()
+
+    def run():
+        x = hidden.clone().requires_grad_()
+        out = fused.fused_output_processor(
+            hidden_states=x, output_layer=layer, output_weight=None, labels=labels,
+            context=fused.FusedOutputProcessorContext(temperature=0.7), config=config,
+        )  # fmt: skip
+        (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+        return out.log_probs.detach(), out.entropy.detach(), x.grad
+
+    kernel.CALLS.clear()
+    theirs = run()
+    monkeypatch.setenv("MCORE_PPO_VERL_BACKEND", backend)
+    plugin.install()
+    mine = run()
+    assert kernel.CALLS == ["verl"]  # the second run did not reach verl's kernel
+    tol = {"rtol": 1e-4, "atol": 1e-5}  # fp32 sums in different orders
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+    # The same call as mcore_ppo.verl_compat (one rank: nothing to reduce).
+    direct = compat_linear_cross_entropy(hidden, weight, labels, 0.7, "none", None, backend=backend)
+    torch.testing.assert_close(mine[0], direct[0], **tol)
+
+
+def test_bad_switch_and_backend_values(fake_verl, monkeypatch, caplog):
+    monkeypatch.setenv("MCORE_PPO_VERL", "maybe")
+    assert plugin.activate_from_environment() is False and not plugin.is_installed()
+    assert "is not one of" in caplog.text
+    monkeypatch.setenv("MCORE_PPO_VERL", "1")
+    monkeypatch.setenv("MCORE_PPO_VERL_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        plugin.activate_from_environment()
+    assert not plugin.is_installed()
