@@ -11,13 +11,15 @@ A new framework adapter belongs beside those entry points and calls :func:`run_h
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from mcore_ppo import validation
 from mcore_ppo.backends import Backend, check_backend, is_backend_object, resolve_backend
-from mcore_ppo.function import ShardPlan, shard_head
+from mcore_ppo.function import ShardPlan, outputs_head, shard_head
 from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
 from parallel.ranks import ProcessGroup, group_rank, group_size
 
@@ -106,6 +108,9 @@ def run_head(
         ``options.ignore_index``.
     """
     validation.check_tensors(hidden, weight, labels)
+    validation.check_process_group(tp_group)
+    # int64 from here on: ignore_index and the vocab bounds are compared in it (no wrap-around).
+    labels = labels.long()
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
     if sequence_parallel and not reduce_hidden_grad:
@@ -131,13 +136,16 @@ def run_head(
         if reason is not None:
             raise ValueError(f"backend={impl.name!r} cannot run this case: {reason}")
         tokens_hidden, tokens_labels = _tokens(hidden, labels, flat_labels)
-        log_probs, entropy = impl.log_probs_and_entropy(
+        log_probs, entropy = outputs_head(
             tokens_hidden,
             weight,
-            tokens_labels,
-            temperature=options.temperature,
-            ignore_index=options.ignore_index,
-            tp_group=tp_group,
+            functools.partial(
+                impl.log_probs_and_entropy,
+                labels=tokens_labels,
+                temperature=options.temperature,
+                ignore_index=options.ignore_index,
+                tp_group=tp_group,
+            ),
         )
         return _like_labels(log_probs, labels, flat_labels), _like_labels(entropy, labels, flat_labels)
 
@@ -164,7 +172,7 @@ def run_head(
 def _tokens(hidden: torch.Tensor, labels: torch.Tensor, flat_labels: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [n, h]`` and ``labels [n]`` token by token. Megatron's tokens are sequence-major:
     hidden ``[s, b, h] -> [s·b, h]`` pairs with labels ``[b, s]`` transposed."""
-    tokens_hidden = hidden.reshape(-1, hidden.shape[-1])
+    tokens_hidden = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
     if labels.dim() == 2 and not flat_labels:
         return tokens_hidden, labels.t().reshape(-1)
     return tokens_hidden, labels.reshape(-1)
