@@ -37,7 +37,6 @@ from mcore_ppo.backends.base import Backend, GradientRequest, SavedTokens
 from parallel.combine import combine_shard_statistics
 from parallel.ranks import ProcessGroup
 
-
 NO_DOUBLE_BACKWARD = (
     "mcore_ppo's fused PPO head is differentiable once: backward(create_graph=True) through it "
     "(double backward: Hessian-vector products, gradgradcheck, torch.autograd.functional.hessian) is not "

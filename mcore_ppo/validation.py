@@ -116,7 +116,9 @@ def check_layout(
     if weight.dim() != 2 or weight.shape[0] < 1:
         raise ValueError(f"weight must be this rank's [vocab_shard, hidden] shard, got shape {tuple(weight.shape)}")
     if weight.shape[1] < 1:
-        raise ValueError(f"the hidden size (last dim of hidden and weight) must be >= 1, got weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"the hidden size (last dim of hidden and weight) must be >= 1, got weight {tuple(weight.shape)}"
+        )
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [n, h] or [s, b, h], got shape {tuple(hidden.shape)}")
     if hidden.shape[-1] != weight.shape[1]:
