@@ -26,11 +26,16 @@ def validate_on_device() -> bool:
     return os.environ.get("MCORE_PPO_VALIDATE", "0") not in ("", "0", "false", "False")
 
 
-#: Smallest temperature accepted. The logits ``x·w / T`` are formed in fp32, whose largest value is
-#: 3.4e38: at T = 1e-30 they stay finite for any ``|x·w|`` below 1e8, while at 1e-38 ordinary
-#: inputs already overflow (inf, then NaN). Large temperatures need no bound: 1/T underflows to
-#: 0 and the outputs are the uniform distribution's, which is what exact arithmetic rounds to.
-MIN_TEMPERATURE = 1e-30
+#: Smallest temperature accepted. The tempered logits ``z = x·w / T`` are fp32, so an absolute
+#: error of ~1e-7·|z| comes with them; the log-probs are exact to it, but the ``triton``
+#: backward, which recomputes ``p = exp(z - lse)``, carries a relative gradient error of about
+#: 3e-8·max|z| (3e-3 at |z| = 1e5; docs/design.md §5), and beyond |z| ~ 1e7 its gradients are
+#: garbage and then inf/NaN (1e-38 gave NaN outputs on every backend). At T ≥ 1e-4 logits of
+#: LLM size (|x·w| ≲ 10) keep |z| ≲ 1e5, gradients at bf16-level accuracy. Sampling itself stops
+#: below ~1e-5 (vLLM treats such temperatures as greedy), so nothing a PPO step needs is refused.
+#: Large temperatures need no bound: 1/T underflows to 0 and the outputs are those of the uniform
+#: distribution, the fp32 rounding of the exact answer.
+MIN_TEMPERATURE = 1e-4
 #: Labels are compared with ``ignore_index`` and the vocab range in int64 whatever their dtype
 #: (a comparison in a narrow dtype wraps: -100 is 156 in uint8). These convert to int64 exactly;
 #: uint64 does not (values from 2**63 on would wrap negative, possibly onto ``ignore_index``).
@@ -46,7 +51,10 @@ def check_temperature(temperature: object) -> float:
     """``temperature`` is a Python int or float, finite, in ``[MIN_TEMPERATURE, inf)``; returns it as float."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a python float, got {type(temperature).__name__}")
-    allowed = f"finite and > 0 (at least {MIN_TEMPERATURE:g}: a smaller one overflows the fp32 logits)"
+    allowed = (
+        f"finite and > 0, in [{MIN_TEMPERATURE:g}, inf) (below {MIN_TEMPERATURE:g} the fp32 tempered logits "
+        "x·w/T grow past the precision the gradients need, and overflow)"
+    )
     try:
         value = float(temperature)
     except OverflowError:  # a Python int beyond the float range

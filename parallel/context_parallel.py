@@ -41,8 +41,9 @@ def _check_cp_args(tensor: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: in
     return seq_dim % tensor.dim()
 
 
-def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> list[int]:
-    """``cu_seqlens`` as a validated host list (one copy, at data-preparation time).
+def sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> list[int]:
+    """``cu_seqlens`` as a validated host list (one copy, at data-preparation time): ints from 0
+    to ``total``, non-decreasing (empty sequences allowed).
 
     Only integers are taken: a float would be a length nobody can pad to (and ``int()`` would
     truncate it silently), so it is a TypeError, as a bool is."""
@@ -116,7 +117,7 @@ def split_for_cp(
     seq_dim = _check_cp_args(tensor, cp_size, cp_rank, seq_dim)
     total = tensor.shape[seq_dim]
     # Checked at cp_size 1 too: metadata that is wrong there is wrong at every CP size.
-    bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
+    bounds = [0, total] if cu_seqlens is None else sequence_bounds(cu_seqlens, total)
     if cp_size == 1:
         return tensor
     index = torch.tensor(cp_token_index(bounds, cp_size, cp_rank), dtype=torch.long, device=tensor.device)
@@ -146,7 +147,7 @@ def roll_labels(
             f"{info.max}]), which the labels keep; convert input_ids to torch.int64 first"
         )
     total = input_ids.shape[seq_dim]
-    bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
+    bounds = [0, total] if cu_seqlens is None else sequence_bounds(cu_seqlens, total)
     # Rolled and filled in int64: index_fill_ has no unsigned 16/32/64-bit kernels.
     labels = torch.roll(input_ids.long(), shifts=-1, dims=seq_dim)
     last_positions = [end - 1 for start, end in itertools.pairwise(bounds) if end > start]

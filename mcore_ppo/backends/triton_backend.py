@@ -132,8 +132,13 @@ class TritonBackend:
         self._reference = TorchBackend()
 
     def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-        # fp64 (gradcheck) and empty problems go to the chunked reference.
-        return hidden.dtype == torch.float64 or hidden.shape[0] == 0 or weight.shape[0] == 0
+        # fp64 (gradcheck), empty problems and meta tensors (shape inference) go to the chunked reference.
+        if hidden.device.type not in ("cuda", "meta") and not interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {hidden.device} tensors; "
+                "use backend='torch' or 'auto' for them"
+            )
+        return hidden.dtype == torch.float64 or hidden.numel() == 0 or weight.shape[0] == 0 or hidden.is_meta
 
     def shard_statistics(
         self,
