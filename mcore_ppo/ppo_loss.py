@@ -81,6 +81,12 @@ def _same_shape(names: str, *tensors: torch.Tensor) -> None:
         raise ValueError(f"{names} must have the same shape, got " + ", ".join(str(tuple(t.shape)) for t in tensors))
 
 
+def _values_checked(tensor: torch.Tensor) -> bool:
+    """Whether values of ``tensor`` are read back to raise: always on CPU, on CUDA only with
+    ``MCORE_PPO_VALIDATE=1`` (a host sync)."""
+    return tensor.device.type == "cpu" or validate_on_device()
+
+
 def _sequence_index(seq_index: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index, in_range)``: int64 ids clamped into ``[0, num_seqs)`` and where they were in it.
 
@@ -89,7 +95,7 @@ def _sequence_index(seq_index: torch.Tensor, num_seqs: int) -> tuple[torch.Tenso
     with NaN instead (never an indexing assert on the device, never a plausible number)."""
     index = seq_index.reshape(-1).long()
     in_range = (index >= 0) & (index < num_seqs)
-    if (index.device.type == "cpu" or validate_on_device()) and not bool(in_range.all()):
+    if _values_checked(index) and not bool(in_range.all()):
         bad = index[~in_range][0].item()
         raise ValueError(f"seq_index must hold sequence ids in [0, {num_seqs}), found {bad}")
     return index.clamp(0, max(num_seqs - 1, 0)), in_range
@@ -100,7 +106,7 @@ def _mask_values(mask: torch.Tensor) -> torch.Tensor:
     ``MCORE_PPO_VALIDATE=1``), else poisoned rather than read back (a host sync) or dropped."""
     maskf = mask.to(torch.float64)
     bad = ~(maskf >= 0)
-    if (mask.device.type == "cpu" or validate_on_device()) and bool(bad.any()):
+    if _values_checked(mask) and bool(bad.any()):
         raise ValueError(f"mask must be >= 0 (0/1, or per-token weights), found {maskf[bad][0].item()}")
     return torch.where(bad, torch.nan, maskf)
 
