@@ -112,7 +112,7 @@ def run_head(
     # int64 from here on: ignore_index and the vocab bounds are compared in it (no wrap-around).
     labels = labels.long()
     if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+        raise TypeError(f"sequence_parallel must be a bool, got {validation.type_name(sequence_parallel)}")
     if sequence_parallel and not reduce_hidden_grad:
         raise ValueError("sequence_parallel needs reduce_hidden_grad: the SP gather's backward is the TP reduction")
     tp_size = group_size(tp_group)

@@ -47,10 +47,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def type_name(value: object) -> str:
+    """``value``'s type for an error message, qualified when it is not a builtin: a numpy bool
+    is ``numpy.bool``, not a bare ``bool`` beside "must be a bool"."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def check_temperature(temperature: object) -> float:
     """``temperature`` is a Python int or float, finite, in ``[MIN_TEMPERATURE, inf)``; returns it as float."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a python float, got {type(temperature).__name__}")
+        raise TypeError(f"temperature must be a python float, got {type_name(temperature)}")
     allowed = (
         f"finite and > 0, in [{MIN_TEMPERATURE:g}, inf) (below {MIN_TEMPERATURE:g} the fp32 tempered logits "
         "x·w/T grow past the precision the gradients need, and overflow)"
@@ -69,7 +76,7 @@ def check_buffer_budget_bytes(buffer_budget_bytes: object) -> int | None:
     if buffer_budget_bytes is None:
         return None
     if not _is_int(buffer_budget_bytes):
-        raise TypeError(f"buffer_budget_bytes must be an int (bytes) or None, got {type(buffer_budget_bytes).__name__}")
+        raise TypeError(f"buffer_budget_bytes must be an int (bytes) or None, got {type_name(buffer_budget_bytes)}")
     if buffer_budget_bytes < 0:
         raise ValueError(f"buffer_budget_bytes must be >= 0 (0 = off) or None, got {buffer_budget_bytes}")
     return int(buffer_budget_bytes)
@@ -79,7 +86,7 @@ def check_ignore_index(ignore_index: object) -> int:
     """``ignore_index`` is an int (bool is not accepted) that fits in int64, the dtype labels are
     compared in; returns it."""
     if not _is_int(ignore_index):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+        raise TypeError(f"ignore_index must be an int, got {type_name(ignore_index)}")
     if not _INT64_MIN <= ignore_index <= _INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64 (labels are compared in int64), got {ignore_index}")
     return ignore_index
@@ -88,7 +95,7 @@ def check_ignore_index(ignore_index: object) -> int:
 def check_process_group(group: object, name: str = "tp_group") -> None:
     """``group`` is None (one rank) or a ``torch.distributed.ProcessGroup``."""
     if group is not None and not isinstance(group, ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+        raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {type_name(group)}")
 
 
 def check_tensors(hidden: object, weight: object, labels: object) -> None:
@@ -96,7 +103,7 @@ def check_tensors(hidden: object, weight: object, labels: object) -> None:
     dtype, one device."""
     for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type_name(value)}")
     if not hidden.dtype.is_floating_point:
         raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
     if weight.dtype != hidden.dtype:

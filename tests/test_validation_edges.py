@@ -244,3 +244,12 @@ def test_input_ids_type(input_ids):
 def test_roll_ignore_index_type(value):
     with pytest.raises(TypeError, match=r"^ignore_index must be an int"):
         roll_and_split_labels(IDS, 2, 0, seq_dim=1, ignore_index=value)
+
+
+def test_type_errors_qualify_non_builtin_types():
+    """A numpy bool is not a bool here; the message says which "bool" it got."""
+    hidden, weight, labels, _, _ = make()
+    with pytest.raises(TypeError, match=r"^sequence_parallel must be a bool, got numpy.bool"):
+        head(hidden, weight, labels, sequence_parallel=np.bool_(False))
+    with pytest.raises(TypeError, match=r"^temperature must be a python float, got numpy.float32"):
+        head(hidden, weight, labels, temperature=np.float32(0.7))
