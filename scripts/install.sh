@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0
-python -m pip install -q triton==3.7.1 megatron-core==0.16.1 liger-kernel==0.8.5 pytest ruff import-linter pyyaml
+python -m pip install -q triton==3.7.1 megatron-core==0.16.1 liger-kernel==0.8.5 pytest hypothesis ruff import-linter pyyaml
 python -m pip install -q --no-deps -e .
