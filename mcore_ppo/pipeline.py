@@ -111,8 +111,15 @@ def run_head(
     validation.check_process_group(tp_group)
     # int64 from here on: ignore_index and the vocab bounds are compared in it (no wrap-around).
     labels = labels.long()
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {validation.type_name(sequence_parallel)}")
+    flags = {
+        "sequence_parallel": sequence_parallel,
+        "reduce_hidden_grad": reduce_hidden_grad,
+        "flat_labels": flat_labels,
+        "accumulate_into_main_grad": accumulate_into_main_grad,
+    }
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {validation.type_name(flag)}")
     if sequence_parallel and not reduce_hidden_grad:
         raise ValueError("sequence_parallel needs reduce_hidden_grad: the SP gather's backward is the TP reduction")
     tp_size = group_size(tp_group)
