@@ -29,9 +29,10 @@ class HeadOptions:
     """What the caller chooses about the head, validated once when the object is built.
 
     Attributes:
-        temperature: the logits are divided by it; a finite Python number > 0 (kept as float).
+        temperature: the logits are divided by it; a Python number in ``[MIN_TEMPERATURE, inf)``
+            (1e-4, :data:`mcore_ppo.validation.MIN_TEMPERATURE`), kept as float.
         ignore_index: label value of tokens whose log-prob and entropy are 0 and which get no
-            gradient (prompt tokens, padding).
+            gradient (prompt tokens, padding); an int that fits in int64.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"`` (see
             :func:`mcore_ppo.backends.resolve_backend`), or a backend object built by the
             caller (e.g. a ``TritonBackend`` with its own tile configs), used as it is.
@@ -51,8 +52,9 @@ class HeadOptions:
 
     Raises:
         TypeError: a field of the wrong type (bool is not an int here).
-        ValueError: a temperature that is not finite and > 0, an unknown backend name, a
-            negative budget, or a budget given with a backend object.
+        ValueError: a temperature outside ``[MIN_TEMPERATURE, inf)``, an ``ignore_index``
+            beyond int64, an unknown backend name, a negative budget, or a budget given with a
+            backend object.
     """
 
     temperature: float = 1.0
