@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from mcore_ppo.validation import check_tensor
 from parallel.context_parallel import roll_and_split_labels, sequence_bounds, split_for_cp
 
 
@@ -33,12 +34,6 @@ def _check_count(name: str, value: object, minimum: int) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_tensor(name: str, value: object) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
 
 
@@ -62,11 +57,8 @@ class PackedRollout:
     old_log_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "response_mask"):
-            _check_tensor(name, getattr(self, name))
-        dtype = self.tokens.dtype
-        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            raise TypeError(f"tokens must be an integer tensor, got dtype {dtype}")
+        check_tensor("tokens", self.tokens, "index")
+        check_tensor("response_mask", self.response_mask)
         if self.tokens.dim() != 1:
             raise ValueError(f"tokens must be a 1-D integer tensor, got {tuple(self.tokens.shape)} {self.tokens.dtype}")
         total = self.tokens.shape[0]
@@ -82,9 +74,7 @@ class PackedRollout:
             raise ValueError("response_mask is True at the first token of a sequence, which nothing predicts")
         for name in ("advantages", "old_log_probs"):
             value = getattr(self, name)
-            if value is not None and not _check_tensor(name, value).dtype.is_floating_point:
-                raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
-            if value is not None and value.shape != (total,):
+            if value is not None and check_tensor(name, value, "float").shape != (total,):
                 raise ValueError(f"{name} must be [{total}], got {tuple(value.shape)}")
         self._bounds = bounds
 

@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from mcore_ppo.validation import validate_on_device
+from mcore_ppo.validation import check_tensor, validate_on_device
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -44,25 +44,6 @@ def check_loss_agg_mode(mode: str) -> str:
 
 
 # --- argument checks (types and shapes only: nothing here reads a CUDA tensor's values) -----------
-
-
-def _check_tensor(name: str, value: object, kind: str = "any") -> torch.Tensor:
-    """``value`` is a tensor; ``kind`` "float": floating point, "index": integer, "mask": bool,
-    integer or floating point (a 0/1 mask or per-token weights). TypeError otherwise."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    dtype = value.dtype
-    is_int = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
-    ok = {
-        "any": True,
-        "float": dtype.is_floating_point,
-        "index": is_int,
-        "mask": dtype.is_floating_point or is_int or dtype == torch.bool,
-    }[kind]
-    if not ok:
-        what = {"float": "a floating-point", "index": "an integer", "mask": "a bool, integer or floating-point"}[kind]
-        raise TypeError(f"{name} must be {what} tensor, got dtype {dtype}")
-    return value
 
 
 def _check_number(name: str, value: object, *, allow_none: bool = False) -> float | None:
@@ -162,7 +143,7 @@ def compute_policy_loss(
         :class:`PolicyLossTerms`, unaggregated (aggregate with :func:`aggregate`).
     """
     for name, value in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages)):
-        _check_tensor(name, value, "float")
+        check_tensor(name, value, "float")
     _same_shape("log_prob, old_log_prob and advantages", log_prob, old_log_prob, advantages)
     clip_ratio_low = _check_number("clip_ratio_low", clip_ratio_low)
     clip_ratio_high = _check_number("clip_ratio_high", clip_ratio_high)
@@ -204,8 +185,8 @@ def kl_k3(sample_log_prob: torch.Tensor, other_log_prob: torch.Tensor) -> torch.
         sample_log_prob: ``log q`` of the sampled tokens (the sampling policy).
         other_log_prob: ``log p`` of the same tokens.
     """
-    _check_tensor("sample_log_prob", sample_log_prob, "float")
-    _check_tensor("other_log_prob", other_log_prob, "float")
+    check_tensor("sample_log_prob", sample_log_prob, "float")
+    check_tensor("other_log_prob", other_log_prob, "float")
     _same_shape("sample_log_prob and other_log_prob", sample_log_prob, other_log_prob)  # no silent broadcast
     r = other_log_prob - sample_log_prob
     return torch.expm1(r) - r
@@ -224,8 +205,8 @@ def sequence_token_counts(mask: torch.Tensor, seq_index: torch.Tensor, num_seqs:
         ``[0, num_seqs)`` is a ValueError on CPU; on CUDA (without ``MCORE_PPO_VALIDATE=1``) it
         makes a count NaN.
     """
-    _check_tensor("mask", mask, "mask")
-    _check_tensor("seq_index", seq_index, "index")
+    check_tensor("mask", mask, "mask")
+    check_tensor("seq_index", seq_index, "index")
     _same_shape("mask and seq_index", mask, seq_index)
     if isinstance(num_seqs, bool) or not isinstance(num_seqs, int):
         raise TypeError(f"num_seqs must be an int, got {type(num_seqs).__name__}")
@@ -264,10 +245,10 @@ def loss_weights(
         zero) give zero weights, never NaN.
     """
     check_loss_agg_mode(mode)
-    _check_tensor("mask", mask, "mask")
-    _check_tensor("seq_index", seq_index, "index")
+    check_tensor("mask", mask, "mask")
+    check_tensor("seq_index", seq_index, "index")
     _same_shape("mask and seq_index", mask, seq_index)
-    _check_tensor("seq_token_counts", seq_token_counts)
+    check_tensor("seq_token_counts", seq_token_counts)
     for name, count in (("num_tokens", num_tokens), ("num_seqs", num_seqs)):
         if not isinstance(count, torch.Tensor) and not _check_number(name, count) >= 0:
             raise ValueError(f"{name} must be >= 0, got {count}")
@@ -289,8 +270,8 @@ def loss_weights(
 
 def aggregate(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``Σ values · weights`` (a scalar; the part of the global aggregate this batch holds)."""
-    _check_tensor("values", values, "float")
-    _check_tensor("weights", weights, "float")
+    check_tensor("values", values, "float")
+    check_tensor("weights", weights, "float")
     _same_shape("values and weights", values, weights)
     return (values * weights.to(values.dtype)).sum()
 
@@ -302,8 +283,8 @@ def agg_loss(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tenso
     the masked token sum. ``seq-mean-token-mean``: mean over sequences of the masked token mean.
     Sequences without a masked-in token are left out of the sequence means.
     """
-    _check_tensor("values", values, "float")
-    _check_tensor("mask", mask, "mask")
+    check_tensor("values", values, "float")
+    check_tensor("mask", mask, "mask")
     if values.dim() != 2 or values.shape != mask.shape:
         raise ValueError(f"values and mask must both be [b, s], got {tuple(values.shape)}, {tuple(mask.shape)}")
     b = values.shape[0]

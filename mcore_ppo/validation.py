@@ -92,6 +92,25 @@ def check_ignore_index(ignore_index: object) -> int:
     return ignore_index
 
 
+def check_tensor(name: str, value: object, kind: str = "any") -> torch.Tensor:
+    """``value`` is a tensor; ``kind`` "float": floating point, "index": integer, "mask": bool,
+    integer or floating point (a 0/1 mask or per-token weights). TypeError otherwise."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type_name(value)}")
+    dtype = value.dtype
+    is_int = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    ok = {
+        "any": True,
+        "float": dtype.is_floating_point,
+        "index": is_int,
+        "mask": dtype.is_floating_point or is_int or dtype == torch.bool,
+    }[kind]
+    if not ok:
+        what = {"float": "a floating-point", "index": "an integer", "mask": "a bool, integer or floating-point"}[kind]
+        raise TypeError(f"{name} must be {what} tensor, got dtype {dtype}")
+    return value
+
+
 def check_process_group(group: object, name: str = "tp_group") -> None:
     """``group`` is None (one rank) or a ``torch.distributed.ProcessGroup``."""
     if group is not None and not isinstance(group, ProcessGroup):

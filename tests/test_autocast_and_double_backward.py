@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from head_checks import plain_case
 
 import mcore_ppo
 from mcore_ppo.backends import import_optional
 from mcore_ppo.backends.liger_backend import is_available as liger_available
 from mcore_ppo.function import NO_DOUBLE_BACKWARD
-from mcore_ppo_testing.reference import IGNORE_INDEX
-from mcore_ppo_testing.seeds import generator, next_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
@@ -38,13 +37,7 @@ DOUBLE_BACKWARD = r"fused PPO head is differentiable once: backward\(create_grap
 
 
 def make_inputs(dtype=torch.float32, n=10, h=24, v=37):
-    gen = generator(next_seed())
-    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64).to(dtype)
-    weight = (torch.randn(v, h, generator=gen, dtype=torch.float64) / 2).to(dtype)
-    labels = torch.randint(0, v, (n,), generator=gen)
-    labels[::3] = IGNORE_INDEX
-    g, e = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    return hidden, weight, labels, g, e
+    return plain_case(n, h, v, dtype=dtype, ignore_every=3)
 
 
 def forward_backward(hidden, weight, labels, g, e, *, backend, autocast_forward, autocast_backward, dtype):

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from head_checks import plain_case
 from torch.utils.checkpoint import checkpoint
 
 import mcore_ppo
 from mcore_ppo.backends import import_optional
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference
-from mcore_ppo_testing.seeds import generator, next_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
@@ -30,15 +30,6 @@ PATHS = [
     pytest.param("triton", 0, id="triton-recompute", marks=_NO_TRITON),
     pytest.param("triton", 1 << 30, id="triton-buffer", marks=_NO_TRITON),
 ]
-
-
-def make(n=10, h=12, v=29):
-    gen = generator(next_seed())
-    hidden = torch.randn(n, h, generator=gen)
-    weight = torch.randn(v, h, generator=gen) / h**0.5
-    labels = torch.randint(0, v, (n,), generator=gen)
-    labels[::4] = IGNORE_INDEX
-    return hidden, weight, labels, torch.randn(n, generator=gen), torch.randn(n, generator=gen)
 
 
 def forward_backward(hidden, weight, labels, g, e, backend, budget, wrap=None):
@@ -64,7 +55,7 @@ def check_reference(result, hidden, weight, labels, g, e):
 @pytest.mark.parametrize(("backend", "budget"), PATHS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 def test_non_finite_valid_row_is_nan_and_stays_in_its_row(backend, budget, bad):
-    hidden, weight, labels, g, e = make()
+    hidden, weight, labels, g, e = plain_case()
     clean = forward_backward(hidden, weight, labels, g, e, backend, budget)
     poisoned = hidden.clone()
     poisoned[1, 3] = bad  # row 1 is a valid token (every 4th is ignored)
@@ -78,7 +69,7 @@ def test_non_finite_valid_row_is_nan_and_stays_in_its_row(backend, budget, bad):
 
 @pytest.mark.parametrize(("backend", "budget"), PATHS)
 def test_nan_weight_poisons_every_valid_token(backend, budget):
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     weight = weight.clone()
     weight[5, 0] = float("nan")
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, backend=backend)
@@ -90,7 +81,7 @@ def test_nan_weight_poisons_every_valid_token(backend, budget):
 @pytest.mark.parametrize(("backend", "budget"), PATHS)
 @pytest.mark.parametrize("which", ["hidden", "weight"])
 def test_expanded_zero_stride_inputs(backend, budget, which):
-    hidden, weight, labels, g, e = make()
+    hidden, weight, labels, g, e = plain_case()
     if which == "hidden":
         hidden = hidden[:1].expand_as(hidden)
     else:
@@ -101,7 +92,7 @@ def test_expanded_zero_stride_inputs(backend, budget, which):
 
 @pytest.mark.parametrize(("backend", "budget"), PATHS)
 def test_inference_mode_equals_no_grad(backend, budget):
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     kwargs = {"backend": backend, "buffer_budget_bytes": budget}
     with torch.no_grad():
         expected = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, **kwargs)
@@ -113,7 +104,7 @@ def test_inference_mode_equals_no_grad(backend, budget):
 @pytest.mark.parametrize(("backend", "budget"), PATHS)
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_activation_checkpointing_around_the_head(backend, budget, reentrant):
-    hidden, weight, labels, g, e = make()
+    hidden, weight, labels, g, e = plain_case()
     plain = forward_backward(hidden, weight, labels, g, e, backend, budget)
 
     def wrap(fn, *args):
@@ -126,7 +117,7 @@ def test_activation_checkpointing_around_the_head(backend, budget, reentrant):
 
 @pytest.mark.parametrize(("backend", "budget"), PATHS)
 def test_deterministic_algorithms(backend, budget):
-    hidden, weight, labels, g, e = make()
+    hidden, weight, labels, g, e = plain_case()
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -138,7 +129,7 @@ def test_deterministic_algorithms(backend, budget):
 
 @pytest.mark.parametrize(("backend", "budget"), PATHS)
 def test_second_backward_with_retain_graph(backend, budget):
-    hidden, weight, labels, g, e = make()
+    hidden, weight, labels, g, e = plain_case()
     x = hidden.clone().requires_grad_(True)
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
         x, weight, labels, backend=backend, buffer_budget_bytes=budget

@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from head_checks import plain_case
 
 import mcore_ppo
 from mcore_ppo.backends import import_optional
 from mcore_ppo.validation import MIN_TEMPERATURE
-from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference
-from mcore_ppo_testing.seeds import generator, next_seed
+from mcore_ppo_testing.reference import assert_close, reference
 from parallel import roll_and_split_labels, roll_labels, sequence_bounds, split_for_cp
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
@@ -34,15 +34,6 @@ BACKENDS = [
 ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
 
 
-def make(n=9, h=12, v=37):
-    gen = generator(next_seed())
-    hidden = torch.randn(n, h, generator=gen)
-    weight = torch.randn(v, h, generator=gen) / h**0.5
-    labels = torch.randint(0, v, (n,), generator=gen)
-    labels[::4] = IGNORE_INDEX
-    return hidden, weight, labels, torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-
-
 def head(hidden, weight, labels, **kwargs):
     return mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, **kwargs)
 
@@ -52,7 +43,7 @@ def head(hidden, weight, labels, **kwargs):
 
 @pytest.mark.parametrize("value", [1e-38, 5e-324, MIN_TEMPERATURE / 2, 10**400, -(10**400)])
 def test_temperature_out_of_range(value):
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     with pytest.raises(ValueError, match=r"temperature must be finite and > 0, in \[0.0001, inf\)"):
         head(hidden, weight, labels, temperature=value)
 
@@ -68,7 +59,7 @@ def test_extreme_temperatures_in_range_are_correct(backend, temperature):
     carries an absolute error of ~1e-7 of it); gradients relative to their largest term, with the
     triton backward's recompute error of ~3e-8·max|z| (validation.MIN_TEMPERATURE) on top.
     """
-    hidden, weight, labels, g, e = make()
+    hidden, weight, labels, g, e = plain_case()
     x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     log_prob, entropy = head(x, w, labels, temperature=temperature, backend=backend)
     ((log_prob * g).sum() + (entropy * e).sum()).backward()
@@ -90,13 +81,13 @@ def test_extreme_temperatures_in_range_are_correct(backend, temperature):
 
 @pytest.mark.parametrize("value", [2**70, 2**63, -(2**63) - 1])
 def test_ignore_index_beyond_int64(value):
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     with pytest.raises(ValueError, match=rf"ignore_index must fit in int64 .*got {value}"):
         head(hidden, weight, labels, ignore_index=value)
 
 
 def test_ignore_index_at_the_int64_ends_is_fine():
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     for value in (2**63 - 1, -(2**63)):
         log_prob, _ = head(hidden, weight, torch.where(labels < 0, value, labels), ignore_index=value)
         assert (log_prob[::4] == 0).all() and (log_prob[1::4] < 0).all()
@@ -115,7 +106,7 @@ def test_hidden_size_zero(shapes):
 
 @pytest.mark.parametrize("group", ["tp", 2, object()], ids=["str", "int", "object"])
 def test_process_group_type(group):
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     with pytest.raises(TypeError, match=r"^tp_group must be a torch.distributed.ProcessGroup or None"):
         head(hidden, weight, labels, tp_group=group)
     with pytest.raises(TypeError, match=r"^dist_process_group must be a torch.distributed.ProcessGroup or None"):
@@ -142,7 +133,7 @@ def test_budget_environment_variable_with_units(triton_backend, monkeypatch, tex
 @pytest.mark.parametrize("text", ["lots", "-1", "1e9", "1TiB", "GiB", "1 2"])
 def test_budget_environment_variable_errors_name_it(triton_backend, monkeypatch, text):
     monkeypatch.setenv(ENV, text)
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     with pytest.raises(ValueError, match=rf"^{ENV} must be a number of bytes >= 0, optionally with a unit"):
         head(hidden, weight, labels, backend="triton")
 
@@ -157,7 +148,7 @@ def test_triton_backend_refuses_cpu_tensors_without_the_interpreter(triton_backe
     """On a CUDA machine, CPU tensors with backend='triton' reached a kernel launch error."""
     backend = triton_backend.TritonBackend()
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     with pytest.raises(ValueError, match=r"backend='triton' needs CUDA tensors \(or TRITON_INTERPRET=1\), got cpu"):
         head(hidden, weight, labels, backend=backend)
 
@@ -248,7 +239,7 @@ def test_roll_ignore_index_type(value):
 
 def test_type_errors_qualify_non_builtin_types():
     """A numpy bool is not a bool here; the message says which "bool" it got."""
-    hidden, weight, labels, _, _ = make()
+    hidden, weight, labels, _, _ = plain_case()
     with pytest.raises(TypeError, match=r"^sequence_parallel must be a bool, got numpy.bool"):
         head(hidden, weight, labels, sequence_parallel=np.bool_(False))
     with pytest.raises(TypeError, match=r"^temperature must be a python float, got numpy.float32"):
