@@ -22,15 +22,22 @@ Tolerances, and why (``rtol`` is relative to the tensor's largest reference valu
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 import mcore_ppo
-from mcore_ppo.backends import torch_backend
+from mcore_ppo.backends import import_optional, torch_backend
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants
 from mcore_ppo_testing.seeds import generator, next_seed
 
+# The triton backend on these tests' CPU tensors: only in Triton's interpreter (conftest turns it
+# on where there is no CUDA; on a GPU machine the CPU tensors would be refused, so skip there).
+TRITON_ON_CPU = pytest.mark.skipif(
+    import_optional("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the triton backend runs CPU tensors only in the interpreter (TRITON_INTERPRET=1)",
+)
 OUT_RTOL = 1e-5  # fp32 outputs and fp32 gradients, relative to the tensor's max
 BF16_CAST_RTOL = 2.0**-8  # the final cast of a gradient to bf16 (2^-9 relative, ×2 margin)
 # Probabilities below fp32's smallest normal (~1e-38) flush to 0 in the head but not in the fp64

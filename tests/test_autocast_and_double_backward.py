@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from head_checks import plain_case
+from head_checks import TRITON_ON_CPU, plain_case
 
 import mcore_ppo
-from mcore_ppo.backends import import_optional
 from mcore_ppo.backends.liger_backend import is_available as liger_available
 from mcore_ppo.function import NO_DOUBLE_BACKWARD
 
@@ -29,7 +28,7 @@ BACKENDS = [
     "torch",
     pytest.param(
         "triton",
-        marks=pytest.mark.skipif(import_optional("triton") is None, reason="triton is not installed"),
+        marks=TRITON_ON_CPU,
     ),
     pytest.param("liger", marks=pytest.mark.skipif(not liger_available(), reason="liger-kernel is not installed")),
 ]

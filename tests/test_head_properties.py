@@ -33,9 +33,9 @@ import os
 
 import pytest
 import torch
+from head_checks import TRITON_ON_CPU
 
 import mcore_ppo
-from mcore_ppo.backends import import_optional
 from mcore_ppo.validation import MIN_TEMPERATURE
 from mcore_ppo_testing.reference import assert_close, check_invariants, reference
 from mcore_ppo_testing.seeds import base_seed, generator
@@ -154,7 +154,7 @@ def test_torch_backend_matches_fp64_reference(case):
     check_against_reference(case, "torch")
 
 
-@pytest.mark.skipif(import_optional("triton") is None, reason="triton is not installed")
+@TRITON_ON_CPU
 @seed(base_seed())
 @settings(BOUNDED, max_examples=max(1, MAX_EXAMPLES // 2))  # the interpreter is slow
 @given(case=cases("triton"))

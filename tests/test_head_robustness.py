@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from head_checks import plain_case
+from head_checks import TRITON_ON_CPU, plain_case
 from torch.utils.checkpoint import checkpoint
 
 import mcore_ppo
-from mcore_ppo.backends import import_optional
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
-_NO_TRITON = pytest.mark.skipif(import_optional("triton") is None, reason="triton is not installed")
 # (backend, buffer_budget_bytes): the triton backend's recompute and probability-buffer backwards.
 PATHS = [
     pytest.param("torch", None, id="torch"),
-    pytest.param("triton", 0, id="triton-recompute", marks=_NO_TRITON),
-    pytest.param("triton", 1 << 30, id="triton-buffer", marks=_NO_TRITON),
+    pytest.param("triton", 0, id="triton-recompute", marks=TRITON_ON_CPU),
+    pytest.param("triton", 1 << 30, id="triton-buffer", marks=TRITON_ON_CPU),
 ]
 
 

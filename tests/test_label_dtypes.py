@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from head_checks import TRITON_ON_CPU
 
 import mcore_ppo
-from mcore_ppo.backends import import_optional
 from mcore_ppo.validation import LABEL_DTYPES
 from mcore_ppo_testing.reference import reference
 from mcore_ppo_testing.seeds import generator, next_seed
@@ -24,9 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.
 
 BACKENDS = [
     "torch",
-    pytest.param(
-        "triton", marks=pytest.mark.skipif(import_optional("triton") is None, reason="triton is not installed")
-    ),
+    pytest.param("triton", marks=TRITON_ON_CPU),
 ]
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in LABEL_DTYPES]
 

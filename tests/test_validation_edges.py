@@ -15,10 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from head_checks import plain_case
+from head_checks import TRITON_ON_CPU, plain_case
 
 import mcore_ppo
-from mcore_ppo.backends import import_optional
 from mcore_ppo.validation import MIN_TEMPERATURE
 from mcore_ppo_testing.reference import assert_close, reference
 from parallel import roll_and_split_labels, roll_labels, sequence_bounds, split_for_cp
@@ -27,9 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.
 
 BACKENDS = [
     "torch",
-    pytest.param(
-        "triton", marks=pytest.mark.skipif(import_optional("triton") is None, reason="triton is not installed")
-    ),
+    pytest.param("triton", marks=TRITON_ON_CPU),
 ]
 ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
 
