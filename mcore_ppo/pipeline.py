@@ -5,7 +5,8 @@
 :func:`~mcore_ppo.verl_compat.linear_cross_entropy` each build a :class:`HeadOptions` and call
 :func:`run_head`. It validates the tensors, resolves the backend, places the one TP reduction of
 ``d_hidden`` (or leaves it to the caller, as verl's contract does), and runs either the head's
-autograd Function or a backend that computes whole outputs with its own autograd (Liger).
+autograd Function or a backend that computes whole outputs with its own autograd (Liger),
+through :func:`mcore_ppo.function.outputs_head` (autocast off, no double backward).
 A new framework adapter belongs beside those entry points and calls :func:`run_head` too.
 """
 
