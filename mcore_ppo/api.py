@@ -32,8 +32,10 @@ def fused_log_probs_and_entropy(
         weight: this rank's vocab shard ``[V/tp, h]``, rows ``[rank·V/tp, (rank+1)·V/tp)`` of
             the global vocab (Megatron's ``ColumnParallelLinear`` layout). Same dtype as hidden.
         labels: global vocab ids, ``[b, s]`` for 3-D hidden (``[1, t]`` packed) or ``[n]``,
-            covering the whole (gathered) sequence; ``ignore_index`` marks tokens to skip.
-        temperature: logits are divided by it; finite and > 0.
+            covering the whole (gathered) sequence; ``ignore_index`` marks tokens to skip. Any
+            dtype of :data:`mcore_ppo.validation.LABEL_DTYPES`, compared in int64.
+        temperature: logits are divided by it; a Python number in ``[1e-4, inf)``
+            (:data:`mcore_ppo.validation.MIN_TEMPERATURE` says why the floor).
         tp_group: tensor-parallel group; default Megatron's when initialised, else one rank.
         sequence_parallel: hidden arrives sequence-sharded over TP; the head all-gathers it
             and reduce-scatters ``d_hidden`` back to this rank's shard.

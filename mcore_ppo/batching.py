@@ -24,7 +24,17 @@ from dataclasses import dataclass, field, replace
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from parallel.context_parallel import roll_and_split_labels, split_for_cp
+from mcore_ppo.validation import check_tensor
+from parallel.context_parallel import roll_and_split_labels, sequence_bounds, split_for_cp
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    """An int (not a bool) >= ``minimum``: TypeError / ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 @dataclass
@@ -47,12 +57,12 @@ class PackedRollout:
     old_log_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.tokens.dim() != 1 or self.tokens.dtype.is_floating_point:
+        check_tensor("tokens", self.tokens, "index")
+        check_tensor("response_mask", self.response_mask)
+        if self.tokens.dim() != 1:
             raise ValueError(f"tokens must be a 1-D integer tensor, got {tuple(self.tokens.shape)} {self.tokens.dtype}")
         total = self.tokens.shape[0]
-        bounds = [int(v) for v in torch.as_tensor(self.cu_seqlens).tolist()]
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
-            raise ValueError(f"cu_seqlens must run from 0 to len(tokens)={total}, got {bounds}")
+        bounds = sequence_bounds(self.cu_seqlens, total)  # integers only: a float length is a TypeError
         if any(b <= a for a, b in itertools.pairwise(bounds)):
             raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequence), got {bounds}")
         if self.response_mask.shape != (total,) or self.response_mask.dtype != torch.bool:
@@ -64,7 +74,7 @@ class PackedRollout:
             raise ValueError("response_mask is True at the first token of a sequence, which nothing predicts")
         for name in ("advantages", "old_log_probs"):
             value = getattr(self, name)
-            if value is not None and value.shape != (total,):
+            if value is not None and check_tensor(name, value, "float").shape != (total,):
                 raise ValueError(f"{name} must be [{total}], got {tuple(value.shape)}")
         self._bounds = bounds
 
@@ -114,10 +124,13 @@ def make_micro_batches(
     """
     if (micro_batch_size is None) == (max_tokens is None):
         raise ValueError("give exactly one of micro_batch_size and max_tokens")
-    if micro_batch_size is not None and micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if micro_batch_size is not None:
+        _check_count("micro_batch_size", micro_batch_size, 1)
+    if max_tokens is not None:
+        _check_count("max_tokens", max_tokens, 1)
+    _check_count("align", align, 1)
+    for length in seq_lengths:
+        _check_count("every sequence length in seq_lengths", length, 0)
     batches: list[list[int]] = []
     current: list[int] = []
     used = 0
@@ -225,6 +238,16 @@ def pack_micro_batch(
             micro-batch has the same shape (pipeline schedules with fixed tensor shapes).
         device: where the tensors go (default: the rollout's).
     """
+    _check_count("align", align, 1)
+    if not isinstance(rollout, PackedRollout):
+        raise TypeError(f"rollout must be a PackedRollout, got {type(rollout).__name__}")
+    if not seq_ids:
+        raise ValueError("seq_ids must name at least one sequence of the rollout")
+    for s in seq_ids:
+        if _check_count("every id in seq_ids", s, 0) >= rollout.num_seqs:
+            raise ValueError(f"seq_ids must be ids of the rollout's {rollout.num_seqs} sequences, got {s}")
+    if pad_to is not None:
+        _check_count("pad_to", pad_to, 0)
     if cp_size > 1 and align % (2 * cp_size):
         raise ValueError(f"align={align} must be a multiple of 2*cp_size={2 * cp_size}")
     if model_cp_size not in (1, cp_size):

@@ -12,12 +12,23 @@ Backward: the backend returns this rank's *partial* ``d_hidden`` (fp32, cast onc
 and ``d_weight``. The partial ``d_hidden`` is summed over TP by the mapping that wraps
 ``hidden`` outside this Function (:mod:`parallel.mappings`), or by the caller (verl's
 contract), so it is reduced exactly once, whatever the layout.
+
+Both directions run with autocast off for the inputs' device (:func:`autocast_off`): inside a
+``torch.autocast`` region the head computes exactly as outside it, in its inputs' dtype with
+fp32 statistics (autocast would otherwise run the torch backend's logit GEMMs in bf16). On CPU
+the backward runs on the thread that called ``backward()``, so a backward called inside an
+autocast region would see it too. The backward is first-order only: with
+``create_graph=True`` it raises (:data:`NO_DOUBLE_BACKWARD`) rather than return a graph whose
+second derivatives would be wrong. :func:`outputs_head` gives a backend that computes whole
+outputs with its own autograd (Liger) the same two guarantees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +36,26 @@ import torch
 from mcore_ppo.backends.base import Backend, GradientRequest, SavedTokens
 from parallel.combine import combine_shard_statistics
 from parallel.ranks import ProcessGroup
+
+NO_DOUBLE_BACKWARD = (
+    "mcore_ppo's fused PPO head is differentiable once: backward(create_graph=True) through it "
+    "(double backward: Hessian-vector products, gradgradcheck, torch.autograd.functional.hessian) is not "
+    "supported, since its backward is not itself differentiable; take higher-order derivatives on a "
+    "logits path (log_softmax of the full logits) instead"
+)
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast disabled for ``device``'s type (a no-op where autocast does not exist, e.g. meta)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _refuse_double_backward() -> None:
+    # Autograd runs a backward with grad mode on exactly when create_graph=True.
+    if torch.is_grad_enabled():
+        raise NotImplementedError(NO_DOUBLE_BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -55,7 +86,7 @@ def shard_head(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, plan: ShardPlan
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_prob [n], entropy [n])``, fp32, for ``hidden [n, h]``, this rank's ``weight [v, h]``
-    and global ``labels [n]``; differentiable (this rank's partial ``d_hidden``)."""
+    and global int64 ``labels [n]``; differentiable once (this rank's partial ``d_hidden``)."""
     # Decided here, where grad mode is still visible: a backend keeps backward buffers only
     # when a backward can follow.
     grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -105,8 +136,16 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         grad_needed: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
+        ctx.device = hidden.device
+        with autocast_off(hidden.device):
+            return FusedPPOHeadFunction._forward(ctx, hidden, weight, labels, plan, grad_needed)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, labels, plan: ShardPlan, grad_needed: bool):
+        # Compared in int64: in a narrower dtype ignore_index would wrap (-100 is 156 in uint8).
+        labels = labels.long()
         valid = labels != plan.ignore_index
-        local_labels = labels.long() - plan.vocab_start
+        local_labels = labels - plan.vocab_start
         in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
         local_labels = torch.where(in_shard, local_labels, torch.full_like(local_labels, -1))
 
@@ -134,6 +173,12 @@ class FusedPPOHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_prob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        _refuse_double_backward()
+        with autocast_off(ctx.device):
+            return FusedPPOHeadFunction._backward(ctx, grad_log_prob, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_log_prob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         hidden, weight, local_labels, valid, lse, entropy = ctx.saved_tensors
         plan: ShardPlan = ctx.plan
         # Taken, not read: the buffer is freed with this backward (a second one, with
@@ -164,3 +209,49 @@ class FusedPPOHeadFunction(torch.autograd.Function):
             else:
                 d_weight = d_weight.to(weight.dtype)
         return d_hidden, d_weight, *nones
+
+
+def outputs_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    compute: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compute(hidden, weight)`` (a backend with its own autograd, e.g. Liger's) with this
+    Function's guarantees: autocast off in its forward and backward, and a clear error for a
+    double backward. Under no_grad, or without inputs that need a gradient, it is called as it is."""
+    with autocast_off(hidden.device):
+        if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+            return compute(hidden, weight)
+    return _OutputsFunction.apply(hidden, weight, compute)
+
+
+class _OutputsFunction(torch.autograd.Function):
+    """Runs ``compute``'s own autograd graph inside this node (the pattern of reentrant
+    checkpointing), so that its backward can be run with autocast off and refused under
+    ``create_graph``."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, compute):
+        ctx.set_materialize_grads(False)
+        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in (hidden, weight))
+        with torch.enable_grad(), autocast_off(hidden.device):
+            outputs = compute(*inputs)
+        ctx.graph = (inputs, outputs)
+        return tuple(out.detach() for out in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        _refuse_double_backward()
+        (inputs, outputs), ctx.graph = ctx.graph, None
+        wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+        pairs = [(out, g) for out, g in zip(outputs, grads, strict=True) if g is not None]
+        result: list[torch.Tensor | None] = [None, None, None]
+        if not pairs or not wanted:
+            return tuple(result)
+        with autocast_off(inputs[0].device):
+            got = torch.autograd.grad(
+                [out for out, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs], allow_unused=True
+            )
+        for i, grad in zip(wanted, got, strict=True):
+            result[i] = grad
+        return tuple(result)

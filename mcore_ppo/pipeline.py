@@ -5,19 +5,22 @@
 :func:`~mcore_ppo.verl_compat.linear_cross_entropy` each build a :class:`HeadOptions` and call
 :func:`run_head`. It validates the tensors, resolves the backend, places the one TP reduction of
 ``d_hidden`` (or leaves it to the caller, as verl's contract does), and runs either the head's
-autograd Function or a backend that computes whole outputs with its own autograd (Liger).
+autograd Function or a backend that computes whole outputs with its own autograd (Liger),
+through :func:`mcore_ppo.function.outputs_head` (autocast off, no double backward).
 A new framework adapter belongs beside those entry points and calls :func:`run_head` too.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from mcore_ppo import validation
 from mcore_ppo.backends import Backend, check_backend, is_backend_object, resolve_backend
-from mcore_ppo.function import ShardPlan, shard_head
+from mcore_ppo.function import ShardPlan, outputs_head, shard_head
 from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
 from parallel.ranks import ProcessGroup, group_rank, group_size
 
@@ -27,9 +30,10 @@ class HeadOptions:
     """What the caller chooses about the head, validated once when the object is built.
 
     Attributes:
-        temperature: the logits are divided by it; a finite Python number > 0 (kept as float).
+        temperature: the logits are divided by it; a Python number in ``[MIN_TEMPERATURE, inf)``
+            (1e-4, :data:`mcore_ppo.validation.MIN_TEMPERATURE`), kept as float.
         ignore_index: label value of tokens whose log-prob and entropy are 0 and which get no
-            gradient (prompt tokens, padding).
+            gradient (prompt tokens, padding); an int that fits in int64.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"`` (see
             :func:`mcore_ppo.backends.resolve_backend`), or a backend object built by the
             caller (e.g. a ``TritonBackend`` with its own tile configs), used as it is.
@@ -49,8 +53,9 @@ class HeadOptions:
 
     Raises:
         TypeError: a field of the wrong type (bool is not an int here).
-        ValueError: a temperature that is not finite and > 0, an unknown backend name, a
-            negative budget, or a budget given with a backend object.
+        ValueError: a temperature outside ``[MIN_TEMPERATURE, inf)``, an ``ignore_index``
+            beyond int64, an unknown backend name, a negative budget, or a budget given with a
+            backend object.
     """
 
     temperature: float = 1.0
@@ -106,8 +111,18 @@ def run_head(
         ``options.ignore_index``.
     """
     validation.check_tensors(hidden, weight, labels)
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+    validation.check_process_group(tp_group)
+    # int64 from here on: ignore_index and the vocab bounds are compared in it (no wrap-around).
+    labels = labels.long()
+    flags = {
+        "sequence_parallel": sequence_parallel,
+        "reduce_hidden_grad": reduce_hidden_grad,
+        "flat_labels": flat_labels,
+        "accumulate_into_main_grad": accumulate_into_main_grad,
+    }
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {validation.type_name(flag)}")
     if sequence_parallel and not reduce_hidden_grad:
         raise ValueError("sequence_parallel needs reduce_hidden_grad: the SP gather's backward is the TP reduction")
     tp_size = group_size(tp_group)
@@ -131,13 +146,16 @@ def run_head(
         if reason is not None:
             raise ValueError(f"backend={impl.name!r} cannot run this case: {reason}")
         tokens_hidden, tokens_labels = _tokens(hidden, labels, flat_labels)
-        log_probs, entropy = impl.log_probs_and_entropy(
+        log_probs, entropy = outputs_head(
             tokens_hidden,
             weight,
-            tokens_labels,
-            temperature=options.temperature,
-            ignore_index=options.ignore_index,
-            tp_group=tp_group,
+            functools.partial(
+                impl.log_probs_and_entropy,
+                labels=tokens_labels,
+                temperature=options.temperature,
+                ignore_index=options.ignore_index,
+                tp_group=tp_group,
+            ),
         )
         return _like_labels(log_probs, labels, flat_labels), _like_labels(entropy, labels, flat_labels)
 
@@ -164,7 +182,7 @@ def run_head(
 def _tokens(hidden: torch.Tensor, labels: torch.Tensor, flat_labels: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [n, h]`` and ``labels [n]`` token by token. Megatron's tokens are sequence-major:
     hidden ``[s, b, h] -> [s·b, h]`` pairs with labels ``[b, s]`` transposed."""
-    tokens_hidden = hidden.reshape(-1, hidden.shape[-1])
+    tokens_hidden = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
     if labels.dim() == 2 and not flat_labels:
         return tokens_hidden, labels.t().reshape(-1)
     return tokens_hidden, labels.reshape(-1)

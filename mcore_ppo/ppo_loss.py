@@ -22,20 +22,74 @@ is the factor that undoes both so that the summed gradient is that of the global
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from mcore_ppo.validation import check_tensor, validate_on_device
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
 def check_loss_agg_mode(mode: str) -> str:
-    """``mode`` if it is one of :data:`LOSS_AGG_MODES`, else ValueError."""
+    """``mode`` if it is one of :data:`LOSS_AGG_MODES`; TypeError for a non-str, else ValueError."""
+    if not isinstance(mode, str):
+        raise TypeError(f"loss_agg_mode must be a str, one of {LOSS_AGG_MODES}, got {type(mode).__name__}")
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
     return mode
+
+
+# --- argument checks (types and shapes only: nothing here reads a CUDA tensor's values) -----------
+
+
+def _check_number(name: str, value: object, *, allow_none: bool = False) -> float | None:
+    """A real Python number (int or float, not bool), not NaN; returned as float."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if math.isnan(value):
+        raise ValueError(f"{name} must not be NaN")
+    return float(value)
+
+
+def _same_shape(names: str, *tensors: torch.Tensor) -> None:
+    if any(t.shape != tensors[0].shape for t in tensors[1:]):
+        raise ValueError(f"{names} must have the same shape, got " + ", ".join(str(tuple(t.shape)) for t in tensors))
+
+
+def _values_checked(tensor: torch.Tensor) -> bool:
+    """Whether values of ``tensor`` are read back to raise: always on CPU, on CUDA only with
+    ``MCORE_PPO_VALIDATE=1`` (a host sync)."""
+    return tensor.device.type == "cpu" or validate_on_device()
+
+
+def _sequence_index(seq_index: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, in_range)``: int64 ids clamped into ``[0, num_seqs)`` and where they were in it.
+
+    Ids out of range are a ValueError for CPU tensors (and on CUDA with ``MCORE_PPO_VALIDATE=1``).
+    Otherwise, checking would cost a host sync: the callers poison what such a token touches
+    with NaN instead (never an indexing assert on the device, never a plausible number)."""
+    index = seq_index.reshape(-1).long()
+    in_range = (index >= 0) & (index < num_seqs)
+    if _values_checked(index) and not bool(in_range.all()):
+        bad = index[~in_range][0].item()
+        raise ValueError(f"seq_index must hold sequence ids in [0, {num_seqs}), found {bad}")
+    return index.clamp(0, max(num_seqs - 1, 0)), in_range
+
+
+def _mask_values(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` in fp64, NaN where it is negative or NaN: a ValueError on CPU (and on CUDA with
+    ``MCORE_PPO_VALIDATE=1``), else poisoned rather than read back (a host sync) or dropped."""
+    maskf = mask.to(torch.float64)
+    bad = ~(maskf >= 0)
+    if _values_checked(mask) and bool(bad.any()):
+        raise ValueError(f"mask must be >= 0 (0/1, or per-token weights), found {maskf[bad][0].item()}")
+    return torch.where(bad, torch.nan, maskf)
 
 
 @dataclass(frozen=True)
@@ -88,17 +142,21 @@ def compute_policy_loss(
     Returns:
         :class:`PolicyLossTerms`, unaggregated (aggregate with :func:`aggregate`).
     """
-    if log_prob.shape != old_log_prob.shape or log_prob.shape != advantages.shape:
-        raise ValueError(
-            "log_prob, old_log_prob and advantages must have the same shape, got "
-            f"{tuple(log_prob.shape)}, {tuple(old_log_prob.shape)}, {tuple(advantages.shape)}"
-        )
+    for name, value in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages)):
+        check_tensor(name, value, "float")
+    _same_shape("log_prob, old_log_prob and advantages", log_prob, old_log_prob, advantages)
+    clip_ratio_low = _check_number("clip_ratio_low", clip_ratio_low)
+    clip_ratio_high = _check_number("clip_ratio_high", clip_ratio_high)
+    clip_ratio_c = _check_number("clip_ratio_c", clip_ratio_c, allow_none=True)
+    log_ratio_clamp = _check_number("log_ratio_clamp", log_ratio_clamp)
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
     if clip_ratio_high < 0.0:
-        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+        raise ValueError(f"clip_ratio_high must be >= 0 (inf: no upper clip), got {clip_ratio_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip) must be > 1 or None, got {clip_ratio_c}")
+    if not log_ratio_clamp > 0.0:
+        raise ValueError(f"log_ratio_clamp must be > 0 (a bound on |log_prob - old_log_prob|), got {log_ratio_clamp}")
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-log_ratio_clamp, max=log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
@@ -127,6 +185,9 @@ def kl_k3(sample_log_prob: torch.Tensor, other_log_prob: torch.Tensor) -> torch.
         sample_log_prob: ``log q`` of the sampled tokens (the sampling policy).
         other_log_prob: ``log p`` of the same tokens.
     """
+    check_tensor("sample_log_prob", sample_log_prob, "float")
+    check_tensor("other_log_prob", other_log_prob, "float")
+    _same_shape("sample_log_prob and other_log_prob", sample_log_prob, other_log_prob)  # no silent broadcast
     r = other_log_prob - sample_log_prob
     return torch.expm1(r) - r
 
@@ -140,14 +201,23 @@ def sequence_token_counts(mask: torch.Tensor, seq_index: torch.Tensor, num_seqs:
         num_seqs: number of sequences.
 
     Returns:
-        fp64 ``[num_seqs]`` (fp64 so counts add up exactly across ranks).
+        fp64 ``[num_seqs]`` (fp64 so counts add up exactly across ranks). An id outside
+        ``[0, num_seqs)`` is a ValueError on CPU; on CUDA (without ``MCORE_PPO_VALIDATE=1``) it
+        makes a count NaN.
     """
-    if mask.shape != seq_index.shape:
-        raise ValueError(
-            f"mask and seq_index must have the same shape, got {tuple(mask.shape)}, {tuple(seq_index.shape)}"
-        )
+    check_tensor("mask", mask, "mask")
+    check_tensor("seq_index", seq_index, "index")
+    _same_shape("mask and seq_index", mask, seq_index)
+    if isinstance(num_seqs, bool) or not isinstance(num_seqs, int):
+        raise TypeError(f"num_seqs must be an int, got {type(num_seqs).__name__}")
+    if num_seqs < 0:
+        raise ValueError(f"num_seqs must be >= 0, got {num_seqs}")
     counts = torch.zeros(num_seqs, dtype=torch.float64, device=mask.device)
-    return counts.index_add_(0, seq_index.reshape(-1).long(), mask.reshape(-1).to(torch.float64))
+    index, in_range = _sequence_index(seq_index, num_seqs)
+    if num_seqs == 0:
+        return counts
+    values = torch.where(in_range, _mask_values(mask).reshape(-1), torch.nan)
+    return counts.index_add_(0, index, values)
 
 
 def loss_weights(
@@ -175,7 +245,14 @@ def loss_weights(
         zero) give zero weights, never NaN.
     """
     check_loss_agg_mode(mode)
-    maskf = mask.to(torch.float64)
+    check_tensor("mask", mask, "mask")
+    check_tensor("seq_index", seq_index, "index")
+    _same_shape("mask and seq_index", mask, seq_index)
+    check_tensor("seq_token_counts", seq_token_counts)
+    for name, count in (("num_tokens", num_tokens), ("num_seqs", num_seqs)):
+        if not isinstance(count, torch.Tensor) and not _check_number(name, count) >= 0:
+            raise ValueError(f"{name} must be >= 0, got {count}")
+    maskf = _mask_values(mask)
     if mode == "token-mean":
         denom = torch.as_tensor(num_tokens, dtype=torch.float64, device=mask.device).expand_as(maskf)
     else:
@@ -183,17 +260,19 @@ def loss_weights(
         if mode == "seq-mean-token-sum":
             denom = seqs.expand_as(maskf)
         else:
-            denom = seq_token_counts.to(torch.float64)[seq_index.long()] * seqs
-    weights = torch.where(maskf > 0, maskf / denom.clamp(min=1.0), torch.zeros_like(maskf))
+            index, in_range = _sequence_index(seq_index, seq_token_counts.shape[0])
+            counts = torch.where(in_range, seq_token_counts.to(torch.float64)[index], torch.nan)
+            denom = counts.view(seq_index.shape) * seqs
+    # A NaN (a bad mask value or sequence id, see above) stays NaN: it must not read as "masked out".
+    weights = torch.where(maskf > 0, maskf / denom.clamp(min=1.0), maskf * 0)
     return weights.to(torch.float32)
 
 
 def aggregate(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``Σ values · weights`` (a scalar; the part of the global aggregate this batch holds)."""
-    if values.shape != weights.shape:
-        raise ValueError(
-            f"values and weights must have the same shape, got {tuple(values.shape)}, {tuple(weights.shape)}"
-        )
+    check_tensor("values", values, "float")
+    check_tensor("weights", weights, "float")
+    _same_shape("values and weights", values, weights)
     return (values * weights.to(values.dtype)).sum()
 
 
@@ -204,6 +283,8 @@ def agg_loss(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tenso
     the masked token sum. ``seq-mean-token-mean``: mean over sequences of the masked token mean.
     Sequences without a masked-in token are left out of the sequence means.
     """
+    check_tensor("values", values, "float")
+    check_tensor("mask", mask, "mask")
     if values.dim() != 2 or values.shape != mask.shape:
         raise ValueError(f"values and mask must both be [b, s], got {tuple(values.shape)}, {tuple(mask.shape)}")
     b = values.shape[0]
@@ -226,7 +307,7 @@ def schedule_loss_scale(*, num_microbatches: int, cp_size: int, dp_cp_size: int)
     gradients to add up to ``∇ Σ_parts J_part``.
     """
     for name, value in (("num_microbatches", num_microbatches), ("cp_size", cp_size), ("dp_cp_size", dp_cp_size)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if dp_cp_size % cp_size:
         raise ValueError(f"dp_cp_size={dp_cp_size} must be a multiple of cp_size={cp_size}")

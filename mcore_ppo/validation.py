@@ -26,49 +26,121 @@ def validate_on_device() -> bool:
     return os.environ.get("MCORE_PPO_VALIDATE", "0") not in ("", "0", "false", "False")
 
 
+#: Smallest temperature accepted. The tempered logits ``z = x·w / T`` are fp32, so an absolute
+#: error of ~1e-7·|z| comes with them; the log-probs are exact to it, but the ``triton``
+#: backward, which recomputes ``p = exp(z - lse)``, carries a relative gradient error of about
+#: 3e-8·max|z| (3e-3 at |z| = 1e5; docs/design.md §5), and beyond |z| ~ 1e7 its gradients are
+#: garbage and then inf/NaN (1e-38 gave NaN outputs on every backend). At T ≥ 1e-4 logits of
+#: LLM size (|x·w| ≲ 10) keep |z| ≲ 1e5, gradients at bf16-level accuracy. Sampling itself stops
+#: below ~1e-5 (vLLM treats such temperatures as greedy), so nothing a PPO step needs is refused.
+#: Large temperatures need no bound: 1/T underflows to 0 and the outputs are those of the uniform
+#: distribution, the fp32 rounding of the exact answer.
+MIN_TEMPERATURE = 1e-4
+#: Labels are compared with ``ignore_index`` and the vocab range in int64 whatever their dtype
+#: (a comparison in a narrow dtype wraps: -100 is 156 in uint8). These convert to int64 exactly;
+#: uint64 does not (values from 2**63 on would wrap negative, possibly onto ``ignore_index``).
+LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def type_name(value: object) -> str:
+    """``value``'s type for an error message, qualified when it is not a builtin: a numpy bool
+    is ``numpy.bool``, not a bare ``bool`` beside "must be a bool"."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def check_temperature(temperature: object) -> float:
+    """``temperature`` is a Python int or float, finite, in ``[MIN_TEMPERATURE, inf)``; returns it as float."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a python float, got {type(temperature).__name__}")
-    temperature = float(temperature)
-    if not math.isfinite(temperature) or temperature <= 0.0:
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    return temperature
+        raise TypeError(f"temperature must be a python float, got {type_name(temperature)}")
+    allowed = (
+        f"finite and > 0, in [{MIN_TEMPERATURE:g}, inf) (below {MIN_TEMPERATURE:g} the fp32 tempered logits "
+        "x·w/T grow past the precision the gradients need, and overflow)"
+    )
+    try:
+        value = float(temperature)
+    except OverflowError:  # a Python int beyond the float range
+        raise ValueError(f"temperature must be {allowed}, got an int too large for a float") from None
+    if not math.isfinite(value) or value < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be {allowed}, got {value}")
+    return value
 
 
 def check_buffer_budget_bytes(buffer_budget_bytes: object) -> int | None:
     """``buffer_budget_bytes`` is None or an int >= 0 (bool is not accepted); returns it."""
     if buffer_budget_bytes is None:
         return None
-    if isinstance(buffer_budget_bytes, bool) or not isinstance(buffer_budget_bytes, int):
-        raise TypeError(f"buffer_budget_bytes must be an int (bytes) or None, got {type(buffer_budget_bytes).__name__}")
+    if not _is_int(buffer_budget_bytes):
+        raise TypeError(f"buffer_budget_bytes must be an int (bytes) or None, got {type_name(buffer_budget_bytes)}")
     if buffer_budget_bytes < 0:
         raise ValueError(f"buffer_budget_bytes must be >= 0 (0 = off) or None, got {buffer_budget_bytes}")
     return int(buffer_budget_bytes)
 
 
 def check_ignore_index(ignore_index: object) -> int:
-    """``ignore_index`` is an int (bool is not accepted); returns it."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    """``ignore_index`` is an int (bool is not accepted) that fits in int64, the dtype labels are
+    compared in; returns it."""
+    if not _is_int(ignore_index):
+        raise TypeError(f"ignore_index must be an int, got {type_name(ignore_index)}")
+    if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64 (labels are compared in int64), got {ignore_index}")
     return ignore_index
 
 
+def check_tensor(name: str, value: object, kind: str = "any") -> torch.Tensor:
+    """``value`` is a tensor; ``kind`` "float": floating point, "index": integer, "mask": bool,
+    integer or floating point (a 0/1 mask or per-token weights). TypeError otherwise."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type_name(value)}")
+    dtype = value.dtype
+    is_int = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    ok = {
+        "any": True,
+        "float": dtype.is_floating_point,
+        "index": is_int,
+        "mask": dtype.is_floating_point or is_int or dtype == torch.bool,
+    }[kind]
+    if not ok:
+        what = {"float": "a floating-point", "index": "an integer", "mask": "a bool, integer or floating-point"}[kind]
+        raise TypeError(f"{name} must be {what} tensor, got dtype {dtype}")
+    return value
+
+
+def check_process_group(group: object, name: str = "tp_group") -> None:
+    """``group`` is None (one rank) or a ``torch.distributed.ProcessGroup``."""
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {type_name(group)}")
+
+
 def check_tensors(hidden: object, weight: object, labels: object) -> None:
-    """Tensors, floating ``hidden`` and ``weight`` of one dtype, integer ``labels``, one device."""
+    """Tensors, floating ``hidden`` and ``weight`` of one dtype, ``labels`` of a :data:`LABEL_DTYPES`
+    dtype, one device."""
     for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type_name(value)}")
     if not hidden.dtype.is_floating_point:
         raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
     if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
-    if labels.dtype.is_floating_point or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor (int64 or int32), got dtype {labels.dtype}")
+        # The head computes in its inputs' dtype inside autocast regions too (function.py).
+        hint = " (the head does not follow torch.autocast: cast one of them)" if _autocast_on(hidden.device) else ""
+        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}{hint}")
+    if labels.dtype not in LABEL_DTYPES:
+        accepted = ", ".join(str(dtype).removeprefix("torch.") for dtype in LABEL_DTYPES)
+        raise TypeError(f"labels must be an integer tensor ({accepted}), got dtype {labels.dtype}")
     if not (hidden.device == weight.device == labels.device):
         raise ValueError(
             f"hidden, weight and labels must be on one device, got hidden on {hidden.device}, "
             f"weight on {weight.device}, labels on {labels.device}"
         )
+
+
+def _autocast_on(device: torch.device) -> bool:
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
 
 
 def check_layout(
@@ -77,6 +149,10 @@ def check_layout(
     """Shapes of DESIGN §3: [s,b,h]+[b,s], [t,1,h]+[1,t], [n,h]+[n]; SP shards dim 0 of hidden."""
     if weight.dim() != 2 or weight.shape[0] < 1:
         raise ValueError(f"weight must be this rank's [vocab_shard, hidden] shard, got shape {tuple(weight.shape)}")
+    if weight.shape[1] < 1:
+        raise ValueError(
+            f"the hidden size (last dim of hidden and weight) must be >= 1, got weight {tuple(weight.shape)}"
+        )
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [n, h] or [s, b, h], got shape {tuple(hidden.shape)}")
     if hidden.shape[-1] != weight.shape[1]:
@@ -115,7 +191,10 @@ def check_flat_layout(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 
 
 def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Labels must lie in ``[0, vocab_size)`` or equal ``ignore_index`` (host sync on CUDA)."""
+    """Labels must lie in ``[0, vocab_size)`` or equal ``ignore_index`` (host sync on CUDA).
+
+    ``labels`` are int64 here (:func:`mcore_ppo.pipeline.run_head` converts them first), so
+    neither bound wraps."""
     if labels.device.type != "cpu" and not validate_on_device():
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.pipeline import HeadOptions, run_head
 
@@ -85,6 +86,7 @@ def linear_cross_entropy(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
+    validation.check_process_group(dist_process_group, "dist_process_group")
     # By default no TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
     log_probs, entropy = run_head(
         hidden,

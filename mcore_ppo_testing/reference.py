@@ -38,6 +38,7 @@ def outputs_from_logits(
     log_p = torch.log_softmax(logits.to(torch.float64) / temperature, dim=-1)
     # p·log p with p = 0 is 0 (xlogy would also do); log_p is finite for finite logits.
     entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    labels = labels.long()  # compared in int64, as the head does (a narrow dtype would wrap ignore_index)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
     picked = log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -164,6 +165,7 @@ def _gradient_term_magnitudes(
     zero = torch.zeros(labels.shape, dtype=torch.float64, device=hidden.device)
     g = zero if grad_log_prob is None else grad_log_prob.abs()
     e = zero if grad_entropy is None else grad_entropy.abs()
+    labels = labels.long()
     valid = labels != ignore_index
     g, e = torch.where(valid, g, zero)[:, None], torch.where(valid, e, zero)[:, None]
     terms = p * (g + e * ((log_p + entropy).abs() + 1))
@@ -273,5 +275,5 @@ def check_invariants(
     log_v = math.log(vocab_size)
     excess = (entropy.double() - log_v).max().item() if entropy.numel() else 0.0
     assert excess <= 0, f"entropy > log V={log_v!r} by {excess:.3g}"
-    ignored = labels == ignore_index
+    ignored = labels.long() == ignore_index
     assert (log_prob[ignored] == 0).all() and (entropy[ignored] == 0).all(), "ignored tokens must give exact zeros"

@@ -4,7 +4,7 @@ of PPO, and imports with torch alone: Megatron's ``parallel_state`` is consulted
 :func:`resolve_tp_group` / :func:`resolve_cp_group`, when ``torch.distributed`` is initialised."""
 
 from parallel.combine import combine_shard_statistics, merge_statistics, rescale_statistics
-from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp
+from parallel.context_parallel import roll_and_split_labels, roll_labels, sequence_bounds, split_for_cp
 from parallel.groups import group_rank, group_size, resolve_cp_group, resolve_tp_group
 from parallel.mappings import (
     all_gather_first_dim,
@@ -27,5 +27,6 @@ __all__ = [
     "resolve_tp_group",
     "roll_and_split_labels",
     "roll_labels",
+    "sequence_bounds",
     "split_for_cp",
 ]

@@ -15,34 +15,57 @@ Packed batches (THD, all sequences concatenated along ``seq_dim``, boundaries in
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 
 import torch
 
 
-def _check_cp_args(tensor: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int) -> int:
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_cp_args(tensor: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int, name: str = "tensor") -> int:
+    """Checks the arguments every helper here takes (``name``: what the caller calls ``tensor``);
+    returns ``seq_dim`` as a non-negative index."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not _is_int(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if not isinstance(cp_rank, int) or isinstance(cp_rank, bool) or not 0 <= cp_rank < cp_size:
+    if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+    if not _is_int(seq_dim):
+        raise TypeError(f"seq_dim must be an int (the sequence dimension of {name}), got {type(seq_dim).__name__}")
     if not -tensor.dim() <= seq_dim < tensor.dim():
         raise ValueError(f"seq_dim={seq_dim} is out of range for a {tensor.dim()}-D tensor")
     return seq_dim % tensor.dim()
 
 
-def _sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> list[int]:
-    """``cu_seqlens`` as a validated host list (one copy, at data-preparation time)."""
+def sequence_bounds(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> list[int]:
+    """``cu_seqlens`` as a validated host list (one copy, at data-preparation time): ints from 0
+    to ``total``, non-decreasing (empty sequences allowed).
+
+    Only integers are taken: a float would be a length nobody can pad to (and ``int()`` would
+    truncate it silently), so it is a TypeError, as a bool is."""
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.is_complex():
-            raise ValueError(
-                f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
-                f"and dtype {cu_seqlens.dtype}"
-            )
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got dtype {cu_seqlens.dtype}")
         bounds = [int(v) for v in cu_seqlens.tolist()]
+    elif isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Iterable):
+        raise TypeError(
+            f"cu_seqlens must be a 1-D integer tensor or a sequence of ints, got {type(cu_seqlens).__name__}"
+        )
     else:
-        bounds = [int(v) for v in cu_seqlens]
+        bounds = []
+        for value in cu_seqlens:
+            try:  # ints, numpy ints, 0-d integer tensors; not floats or bools
+                if isinstance(value, bool):
+                    raise TypeError
+                bounds.append(operator.index(value))
+            except TypeError:
+                raise TypeError(f"cu_seqlens must hold ints, got {type(value).__name__} {value!r}") from None
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(f"cu_seqlens must start at 0 and end at the packed length {total}, got {bounds}")
     if any(b < a for a, b in itertools.pairwise(bounds)):
@@ -92,10 +115,11 @@ def split_for_cp(
         ``tensor`` with ``seq_dim`` shrunk by ``cp_size`` (chunks ``r`` and ``2cp-1-r``).
     """
     seq_dim = _check_cp_args(tensor, cp_size, cp_rank, seq_dim)
+    total = tensor.shape[seq_dim]
+    # Checked at cp_size 1 too: metadata that is wrong there is wrong at every CP size.
+    bounds = [0, total] if cu_seqlens is None else sequence_bounds(cu_seqlens, total)
     if cp_size == 1:
         return tensor
-    total = tensor.shape[seq_dim]
-    bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
     index = torch.tensor(cp_token_index(bounds, cp_size, cp_rank), dtype=torch.long, device=tensor.device)
     return tensor.index_select(seq_dim, index)
 
@@ -107,18 +131,30 @@ def roll_labels(
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Next-token labels: ``labels[i] = input_ids[i+1]`` within each sequence, last = ignore_index."""
+    """Next-token labels: ``labels[i] = input_ids[i+1]`` within each sequence, last = ignore_index.
+
+    The labels keep ``input_ids``' dtype, so ``ignore_index`` must be representable in it
+    (ValueError otherwise: -100 would wrap to 156 in uint8 and be taken for a token)."""
+    seq_dim = _check_cp_args(input_ids, 1, 0, seq_dim, "input_ids")
     if input_ids.dtype.is_floating_point or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
-    seq_dim = _check_cp_args(input_ids, 1, 0, seq_dim)
+    if not _is_int(ignore_index):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    info = torch.iinfo(input_ids.dtype)
+    if not info.min <= ignore_index <= info.max:
+        raise ValueError(
+            f"ignore_index={ignore_index} does not fit input_ids' dtype {input_ids.dtype} (range [{info.min}, "
+            f"{info.max}]), which the labels keep; convert input_ids to torch.int64 first"
+        )
     total = input_ids.shape[seq_dim]
-    labels = torch.roll(input_ids, shifts=-1, dims=seq_dim).clone()
-    bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
+    bounds = [0, total] if cu_seqlens is None else sequence_bounds(cu_seqlens, total)
+    # Rolled and filled in int64: index_fill_ has no unsigned 16/32/64-bit kernels.
+    labels = torch.roll(input_ids.long(), shifts=-1, dims=seq_dim)
     last_positions = [end - 1 for start, end in itertools.pairwise(bounds) if end > start]
     if last_positions:
         index = torch.tensor(last_positions, dtype=torch.long, device=input_ids.device)
         labels.index_fill_(seq_dim, index, ignore_index)
-    return labels
+    return labels.to(input_ids.dtype)
 
 
 def roll_and_split_labels(

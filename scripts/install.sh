@@ -22,5 +22,5 @@ else
   fi
   rm -f "$report"
 fi
-python -m pip install -q triton==3.7.1 megatron-core==0.16.1 liger-kernel==0.8.5 pytest ruff import-linter pyyaml
+python -m pip install -q triton==3.7.1 megatron-core==0.16.1 liger-kernel==0.8.5 pytest hypothesis ruff import-linter pyyaml
 python -m pip install -q --no-deps -e .

@@ -22,14 +22,22 @@ Tolerances, and why (``rtol`` is relative to the tensor's largest reference valu
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 import mcore_ppo
-from mcore_ppo.backends import torch_backend
+from mcore_ppo.backends import import_optional, torch_backend
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants
+from mcore_ppo_testing.seeds import generator, next_seed
 
+# The triton backend on these tests' CPU tensors: only in Triton's interpreter (conftest turns it
+# on where there is no CUDA; on a GPU machine the CPU tensors would be refused, so skip there).
+TRITON_ON_CPU = pytest.mark.skipif(
+    import_optional("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the triton backend runs CPU tensors only in the interpreter (TRITON_INTERPRET=1)",
+)
 OUT_RTOL = 1e-5  # fp32 outputs and fp32 gradients, relative to the tensor's max
 BF16_CAST_RTOL = 2.0**-8  # the final cast of a gradient to bf16 (2^-9 relative, ×2 margin)
 # Probabilities below fp32's smallest normal (~1e-38) flush to 0 in the head but not in the fp64
@@ -80,6 +88,20 @@ def make_case(
     g.view(-1)[0], g.view(-1)[-1] = g.view(-1)[0].abs() + 0.1, -g.view(-1)[-1].abs() - 0.1
     e.view(-1)[0], e.view(-1)[-1] = -e.view(-1)[0].abs() - 0.1, e.view(-1)[-1].abs() + 0.1
     return {"hidden": hidden.to(dtype), "weight": weight.to(dtype), "labels": labels, "g": g, "e": e}
+
+
+def plain_case(
+    n: int = 10, h: int = 12, v: int = 29, *, dtype: torch.dtype = torch.float32, ignore_every: int = 4
+) -> tuple[torch.Tensor, ...]:
+    """``(hidden [n, h], weight [v, h], labels [n], g [n], e [n])`` from the test's next seed, for
+    the edge-case tests: weight scaled to unit logits, every ``ignore_every``-th label ignored
+    (positions 0, k, 2k, ...; the others valid), fp32 upstream gradients."""
+    gen = generator(next_seed())
+    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(v, h, generator=gen, dtype=torch.float64) / h**0.5).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[::ignore_every] = IGNORE_INDEX
+    return hidden, weight, labels, torch.randn(n, generator=gen), torch.randn(n, generator=gen)
 
 
 def run_head(

@@ -37,6 +37,7 @@ from mcore_ppo.backends.triton_host import (
     GemmConfig,
     ProbabilityBuffer,
     addmm_fp32,
+    budget_bytes,
     cdiv,
     compact_rows,
     descriptor,
@@ -80,6 +81,8 @@ WORKSPACE_BYTES = 240 * 2**20
 # it buys the buffer where it costs at most 1 GiB (e.g. 16384 tokens × V/tp ≤ 32k in bf16, TP 8
 # for a 152k vocab); docs/kernels.md has the measurements behind it.
 BUFFER_BUDGET_BYTES = 1 << 30
+# Read when a backend is built without a budget: bytes, or with a unit ("1GiB", "512MB").
+BUFFER_BUDGET_ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
 # Copy-engine (TMA) stores of the forward's buffer tiles and the backward's dz tiles: both are
 # written in compacted row order, so a program's tile is one contiguous block.
 BUFFER_STORE_TMA = True
@@ -112,7 +115,8 @@ class TritonBackend:
     ):
         """Settings fixed for the backend's life; None takes this module's default (read now).
 
-        ``buffer_budget_bytes`` None: the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``,
+        ``buffer_budget_bytes`` None: the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``
+        (bytes, or with a unit: ``1GiB``, ``512MB``; see :func:`triton_host.budget_bytes`),
         else :data:`BUFFER_BUDGET_BYTES`. ``buffer_store_tma`` / ``dz_store_tma``: copy-engine
         stores of the buffer / dz tiles where the device allows them. ``buffer_dz_config``:
         tiling of the buffer-mode ``dz`` kernel.
@@ -122,20 +126,25 @@ class TritonBackend:
         self.backward_config = backward_config or (small and replace(small, tiles_per_split=1)) or BACKWARD_CONFIG
         self.workspace_bytes = workspace_bytes or WORKSPACE_BYTES
         if buffer_budget_bytes is None:
-            env = os.environ.get("MCORE_PPO_BUFFER_BUDGET_BYTES")
-            buffer_budget_bytes = int(env) if env else BUFFER_BUDGET_BYTES
-        self.buffer_budget_bytes = buffer_budget_bytes
+            env = os.environ.get(BUFFER_BUDGET_ENV, "").strip()
+            buffer_budget_bytes = budget_bytes(env, BUFFER_BUDGET_ENV) if env else BUFFER_BUDGET_BYTES
+        self.buffer_budget_bytes = budget_bytes(buffer_budget_bytes, "buffer_budget_bytes")
         self.buffer_store_tma = BUFFER_STORE_TMA if buffer_store_tma is None else buffer_store_tma
         self.dz_store_tma = DZ_STORE_TMA if dz_store_tma is None else dz_store_tma
         self.buffer_dz_config = buffer_dz_config or BUFFER_DZ_CONFIG
         self._reference = TorchBackend()
 
     def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-        # fp64 (gradcheck) and empty problems go to the chunked reference.
+        # fp64 (gradcheck), empty problems and meta tensors (shape inference) go to the chunked reference.
+        if hidden.device.type not in ("cuda", "meta") and not interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {hidden.device} tensors; "
+                "use backend='torch' or 'auto' for them"
+            )
         if hidden.dtype == torch.float64:
             log_once(logging.INFO, ("triton-fallback", "fp64"), "mcore_ppo: triton backend -> torch reference: fp64")
             return True
-        return hidden.shape[0] == 0 or weight.shape[0] == 0
+        return hidden.numel() == 0 or weight.shape[0] == 0 or hidden.is_meta
 
     def shard_statistics(
         self,

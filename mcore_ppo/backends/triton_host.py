@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,6 +20,30 @@ COMPACT_BLOCK = 1024
 ROW_BLOCK = 1024  # columns per step of the row gather / scatter kernels
 MERGE_BLOCK_T = 64
 MERGE_BLOCK_S = 32
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def budget_bytes(value: object, name: str) -> int:
+    """A byte budget as an int ``>= 0``: an int (not a bool), or text such as ``"1073741824"``,
+    ``"1GiB"``, ``"512 MiB"``, ``"1.5GB"`` (units KB/MB/GB = 10^3.., KiB/MiB/GiB = 2^10.., any
+    case). ``name`` (the argument or environment variable) is named in the ValueError/TypeError."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
+        unit = match and _BYTE_UNITS.get(match.group(2).lower())
+        if unit is None:
+            raise ValueError(
+                f"{name} must be a number of bytes >= 0, optionally with a unit (KB, MB, GB, KiB, MiB, GiB), "
+                f"got {value!r}"
+            )
+        number = match.group(1)
+        return int(number) * unit if number.isdigit() else int(float(number) * unit)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (bytes), got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (0 = off), got {value}")
+    return value
 
 
 def interpreting() -> bool:

@@ -217,7 +217,8 @@ def dz_from_buffer_kernel(
         q = e_t[:, None] * (log_p + ent[:, None]) + g_t[:, None]
     else:
         q = g_t[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    dz = tl.where(mask & (b > 0), -p * q, 0.0)
+    # b != 0, not b > 0: a NaN (from a NaN input row) must reach dz, not be masked to 0 with the underflows.
+    dz = tl.where(mask & (b != 0), -p * q, 0.0)
     if HAS_G:
         labels = tl.load(labels_ptr + rows, mask=ok, other=-1).to(tl.int32)
         dz += tl.where(cols[None, :] == labels[:, None], g_t[:, None], 0.0)

@@ -172,6 +172,7 @@ def run_head(
     backend: str = BACKEND,
     device: torch.device = DEVICE,
     small_chunks: bool = True,
+    ignore_index: int = IGNORE,
 ) -> HeadResult:
     """Forward and backward of the public API on copies of the inputs (leaves on ``device``).
 
@@ -187,7 +188,7 @@ def run_head(
             temperature=TEMPERATURE,
             tp_group=tp_group,
             sequence_parallel=sequence_parallel,
-            ignore_index=IGNORE,
+            ignore_index=ignore_index,
             backend=backend,
         )
         outputs, grads = [], []
