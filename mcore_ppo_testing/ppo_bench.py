@@ -15,12 +15,12 @@ How the timing is kept fair (issue: whichever variant met a sequence length firs
   seen (its own, so neither inherits the other's warm-up): the new-shape step time over the
   seen-shape median says what a real RL run, which meets new lengths every step, pays.
 
+Memory measurements (long sequences, the largest micro-batch) are in
+:mod:`mcore_ppo_testing.ppo_bench_memory`, the kernel-time profile in :mod:`mcore_ppo_testing.ppo_profile`.
+
 One PPO step = a no-grad log-prob pass with entropy (the old policy) + ``ppo_epochs`` policy
 updates on the same rollout; times are the slowest rank's. Peak memory is
-``torch.cuda.max_memory_allocated``, reset before each pass. Two more measurements:
-:func:`long_context` (one sequence per micro-batch, growing lengths; CP splits each sequence
-over the CP ranks inside the model) and :func:`max_micro_batch` (the largest micro-batch each
-variant runs on one GPU before running out of memory, and its step time).
+``torch.cuda.max_memory_allocated``, reset before each pass.
 """
 
 from __future__ import annotations
@@ -245,113 +245,6 @@ def new_shape_timing(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Memory: long sequences, and the largest micro-batch
-
-
-def fixed_length_rollout(
-    *, num_seqs: int, length: int, vocab: int, seed: int, device: torch.device, prompt: int | None = None
-) -> PackedRollout:
-    """``num_seqs`` sequences of exactly ``length`` tokens (a quarter prompt, unless given)."""
-    prompt = max(1, length // 4) if prompt is None else prompt
-    return synthetic_rollout(
-        num_seqs=num_seqs,
-        vocab_size=vocab,
-        prompt_len=(prompt, prompt),
-        response_len=(length - prompt, length - prompt),
-        seed=seed,
-        device=device,
-    )
-
-
-def long_context(
-    bench: Bench, lengths: Sequence[int], variants: Sequence[str], seed: int, say: Callable[[str], None]
-) -> list[dict[str, Any]]:
-    """Per sequence length: one sequence per micro-batch, two sequences per rollout; a warm step,
-    then a timed step with peak memory, per variant (variants alternate in order per length)."""
-    rows = []
-    for j, length in enumerate(lengths):
-        rollout = fixed_length_rollout(num_seqs=2, length=length, vocab=bench.vocab, seed=seed + j, device=bench.device)
-        row: dict[str, Any] = {"seq_len": length}
-        for variant in variants if j % 2 == 0 else list(reversed(variants)):
-            bench.start_pass()
-            try:
-                actor = bench.actor(variant, max_tokens_per_micro_batch=length + 64, micro_batch_size=None)
-                bench.step(actor, rollout, epochs=1)
-                if bench.cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                s = bench.step(actor, rollout, epochs=1)
-            except torch.OutOfMemoryError:
-                # Every rank holds the same shapes, so all run out at the same allocation and
-                # none is left waiting in a collective (a lopsided failure would hit the timeout).
-                row[variant] = {"oom": True}
-                say(f"  long context {length} tokens {variant:>6}: out of memory")
-                continue
-            finally:
-                actor = None
-                bench.reset()
-            row[variant] = {"step_s": s["step_s"], "peak_gib": gib(bench.peak_over_ranks(bench.memory()[1]))}
-            peak = row[variant]["peak_gib"]
-            say(
-                f"  long context {length} tokens {variant:>6}: step (log-prob + 1 update) {s['step_s']:.3f} s"
-                + (f", peak {peak:.2f} GiB" if peak is not None else "")
-            )
-        rows.append(row)
-    return rows
-
-
-def max_micro_batch(
-    bench: Bench, sizes: Sequence[int], variants: Sequence[str], seq_len: int, seed: int, say: Callable[[str], None]
-) -> dict[str, dict[str, Any]]:
-    """The largest micro-batch (tokens) each variant runs (log-prob pass + one update) before CUDA
-    runs out of memory, with the step time and throughput at each size that fits.
-
-    Needs a world of one rank (an out-of-memory error on one of several ranks would leave the
-    others waiting in a collective); sequences of ``seq_len`` tokens fill each micro-batch.
-    """
-    if dist.get_world_size() != 1:
-        raise ValueError("max_micro_batch runs on one rank (torchrun --nproc_per_node 1)")
-    out: dict[str, dict[str, Any]] = {}
-    for variant in variants:
-        rows = []
-        for size in sorted(sizes):
-            num_seqs = max(1, size // seq_len)
-            rollout = fixed_length_rollout(
-                num_seqs=num_seqs, length=seq_len, vocab=bench.vocab, seed=seed + size, device=bench.device
-            )
-            bench.start_pass()
-            try:
-                actor = bench.actor(variant, max_tokens_per_micro_batch=size, micro_batch_size=None)
-                bench.step(actor, rollout, epochs=1)
-                if bench.cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                s = bench.step(actor, rollout, epochs=1)
-            except torch.OutOfMemoryError:
-                rows.append({"micro_batch_tokens": num_seqs * seq_len, "oom": True})
-                say(f"  max micro-batch {variant:>6}: {num_seqs * seq_len} tokens: out of memory")
-                break
-            finally:
-                actor = None
-                bench.reset()
-            peak = gib(bench.memory()[1])
-            rows.append(
-                {
-                    "micro_batch_tokens": num_seqs * seq_len,
-                    "oom": False,
-                    "step_s": s["step_s"],
-                    "tokens_per_s": s["tokens"] / s["step_s"],
-                    "peak_gib": peak,
-                }
-            )
-            say(
-                f"  max micro-batch {variant:>6}: {num_seqs * seq_len} tokens: step {s['step_s']:.3f} s, "
-                f"{s['tokens'] / s['step_s']:,.0f} tokens/s" + (f", peak {peak:.2f} GiB" if peak is not None else "")
-            )
-        fits = [r for r in rows if not r["oom"]]
-        out[variant] = {"sizes": rows, "largest": fits[-1] if fits else None}
-    return out
-
-
 def rollouts_for(
     *, count: int, seed: int, num_seqs: int, vocab: int, prompt_len: Sequence[int], response_len: Sequence[int], device
 ) -> list[PackedRollout]:
@@ -414,73 +307,3 @@ class Report:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "w") as f:
                 json.dump(self.data, f, indent=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Where a step's GPU time goes
-
-
-def _kernel_category(name: str, head_kernels: frozenset[str]) -> str:
-    lowered = name.lower()
-    if any(k in name for k in head_kernels):
-        return "fused head (Triton)"
-    if "nccl" in lowered:
-        return "collectives (NCCL)"
-    if "flash" in lowered or "fmha" in lowered or "attention" in lowered:
-        return "attention"
-    if any(k in lowered for k in ("gemm", "xmma", "nvjet", "cutlass", "sm90_", "cublas")):
-        return "GEMMs (cuBLAS)"
-    return "elementwise and other"
-
-
-def profile_step(
-    bench: Bench, rollout: PackedRollout, variants: Sequence[str], say: Callable[[str], None]
-) -> dict[str, dict[str, float]]:
-    """GPU kernel time of one PPO step (log-prob pass + one update) per variant, by category
-    (after a warm step on the same rollout), from ``torch.profiler``; rank 0's view."""
-    from mcore_ppo import kernels
-
-    head_kernels = frozenset(kernels.__all__)
-    out: dict[str, dict[str, float]] = {}
-    for variant in variants:
-        bench.start_pass()
-        actor = bench.actor(variant)
-        bench.step(actor, rollout, epochs=1)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if bench.cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            s = bench.step(actor, rollout, epochs=1)
-        del actor
-        by_category: dict[str, float] = {}
-        # Kernel events only: CPU ops (aten::mm, record_param_comms) carry their kernels' time too.
-        # "nccl:..." are c10d's annotations of the NCCL kernels listed beside them: not counted twice.
-        events = [
-            e
-            for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("nccl:")
-        ]
-        kernels_ms = sorted(((getattr(e, "self_device_time_total", 0.0) or 0.0) / 1e3, e.key) for e in events)[::-1]
-        say(
-            f"top kernels of one {variant} step (ms): "
-            + "; ".join(f"{ms:,.1f} {name[:60]}" for ms, name in kernels_ms[:14])
-        )
-        for event in events:
-            device_us = getattr(event, "self_device_time_total", 0.0) or 0.0
-            if device_us > 0:
-                category = _kernel_category(event.key, head_kernels)
-                by_category[category] = by_category.get(category, 0.0) + device_us / 1e3
-        by_category["step wall (s)"] = s["step_s"]
-        out[variant] = by_category
-    categories = sorted({c for v in out.values() for c in v if c != "step wall (s)"})
-    say("GPU kernel time of one step (log-prob pass + 1 update), ms, rank 0:")
-    say("| category | " + " | ".join(out) + " |")
-    say("|---|" + "---|" * len(out))
-    for c in categories:
-        say(f"| {c} | " + " | ".join(f"{out[v].get(c, 0.0):,.1f}" for v in out) + " |")
-    say(
-        "| **all kernels** | "
-        + " | ".join(f"{sum(x for k, x in out[v].items() if k != 'step wall (s)'):,.1f}" for v in out)
-        + " |"
-    )
-    return out

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcore_ppo.actor import PPOActorConfig
     from mcore_ppo.batching import padded_length
-    from mcore_ppo_testing import ppo_bench
+    from mcore_ppo_testing import ppo_bench, ppo_bench_memory, ppo_profile
     from mcore_ppo_testing.ppo_harness import build_actor_model, destroy_layout, init_layout, te_available
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -228,14 +228,14 @@ def main(argv: list[str] | None = None) -> int:
             count=1, seed=args.seed + 1, num_seqs=args.num_seqs, vocab=args.vocab, prompt_len=args.prompt_len,
             response_len=args.response_len, device=device,
         )[0]  # fmt: skip
-        report.add("profile", ppo_bench.profile_step(bench, rollout, args.variants, say))
+        report.add("profile", ppo_profile.profile_step(bench, rollout, args.variants, say))
     if args.long_context:
         say(f"long context ({name}): one sequence per micro-batch, a warm step then a timed one")
-        rows = ppo_bench.long_context(bench, args.long_context, args.variants, args.seed + 1000, say)
+        rows = ppo_bench_memory.long_context(bench, args.long_context, args.variants, args.seed + 1000, say)
         report.add("long_context", rows)
     if args.max_micro_batch:
         say(f"largest micro-batch on one GPU: sequences of {args.probe_seq_len} tokens, log-prob pass + 1 update")
-        largest = ppo_bench.max_micro_batch(
+        largest = ppo_bench_memory.max_micro_batch(
             bench, args.max_micro_batch, args.variants, args.probe_seq_len, args.seed + 2000, say
         )
         report.add("max_micro_batch", largest)
