@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from parallel.context_parallel import _sequence_bounds, cp_token_index
+from parallel.context_parallel import cp_token_index, sequence_bounds
 from parallel.mappings import all_gather_first_dim
 from parallel.ranks import ProcessGroup, group_rank, group_size
 
@@ -67,5 +67,5 @@ def gather_from_cp(
         return local
     seq_dim %= local.dim()
     total = local.shape[seq_dim] * cp_size
-    bounds = [0, total] if cu_seqlens is None else _sequence_bounds(cu_seqlens, total)
+    bounds = [0, total] if cu_seqlens is None else sequence_bounds(cu_seqlens, total)
     return _GatherFromCP.apply(local, group, seq_dim, bounds)
