@@ -113,7 +113,7 @@ def _full_grads(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, to
     params = dict(model.named_parameters())
     sharded = [n for n in grads if getattr(params[n], "tensor_model_parallel", False)]
     partial = [n for n in grads if n not in sharded and sp and getattr(params[n], "sequence_parallel", False)]
-    full = {n: g for n, g in grads.items() if n not in sharded and n not in partial}
+    full = {n: g for n, g in _summed(grads, partial, group).items() if n not in sharded}
     if sharded:
         flat = torch.cat([grads[n].reshape(-1) for n in sharded])
         parts = [torch.empty_like(flat) for _ in range(world)]
@@ -122,11 +122,6 @@ def _full_grads(model, grads: dict[str, torch.Tensor], sp: bool) -> dict[str, to
         for i, name in enumerate(sharded):
             shards = [p[i].view_as(grads[name]) for p in pieces]
             full[name] = torch.cat(shards, dim=params[name].partition_dim)
-    if partial:
-        flat = torch.cat([grads[n].reshape(-1) for n in partial])
-        dist.all_reduce(flat, group=group)
-        for name, piece in zip(partial, flat.split([grads[n].numel() for n in partial]), strict=True):
-            full[name] = piece.view_as(grads[name])
     return full
 
 
