@@ -4,7 +4,7 @@
 # torch comes first, as a CPU build of exactly 2.13.0, so nothing later floats it to a CUDA build:
 #   - a torch 2.13.0 already installed is kept (any build: a GPU machine keeps its CUDA torch);
 #   - else, when pip's configured sources (a wheel folder, a CPU index set up on the machine) offer
-#     a "+cpu" build of 2.13.0, that one;
+#     a CPU build of 2.13.0 ("+cpu", or no nvidia-* requirements), that one;
 #   - else PyTorch's CPU wheel index (PyPI's Linux torch wheels are CUDA builds, ~GBs):
 #     https://download.pytorch.org/whl/cpu, or MCORE_PPO_TORCH_INDEX if set.
 set -euo pipefail
@@ -14,8 +14,15 @@ if python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$t
   echo "install.sh: keeping torch $(python -c 'import torch; print(torch.__version__)')"
 else
   report=$(mktemp)
+  # A CPU build: "+cpu" in its file name (URL-quoted in the report), or no nvidia-* requirement.
   if python -m pip install -q --dry-run --no-deps --ignore-installed --report "$report" "torch==$torch_version" 2>/dev/null &&
-    python -c "import json, sys; sys.exit('+cpu' not in json.load(open('$report'))['install'][0]['download_info']['url'])"; then
+    python -c "
+import json, sys, urllib.parse
+item = json.load(open(sys.argv[1]))['install'][0]
+cpu_name = '+cpu' in urllib.parse.unquote(item['download_info']['url'])
+cuda_deps = any(r.startswith('nvidia-') for r in item['metadata'].get('requires_dist', []))
+sys.exit(0 if cpu_name or not cuda_deps else 1)
+" "$report"; then
     python -m pip install -q "torch==$torch_version"
   else
     python -m pip install -q "torch==$torch_version" --index-url "${MCORE_PPO_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
