@@ -108,12 +108,14 @@ class _Plan:
     # device -> (key_rows, q_cu, k_cu) as tensors, made once per device (every layer reuses them)
     _on_device: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
-    @property
+    @functools.cached_property
     def max_q(self) -> int:
+        """The longest query segment (computed once; every layer asks)."""
         return max((b - a for a, b in itertools.pairwise(self.q_cu)), default=0)
 
-    @property
+    @functools.cached_property
     def max_k(self) -> int:
+        """The longest key segment."""
         return max((b - a for a, b in itertools.pairwise(self.k_cu)), default=0)
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:

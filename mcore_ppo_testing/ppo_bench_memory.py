@@ -34,6 +34,23 @@ def fixed_length_rollout(
     )
 
 
+def _measured_step(bench: Bench, variant: str, rollout: PackedRollout, max_tokens: int) -> dict[str, Any] | None:
+    """A warm step, then a timed one with peak memory reset before it (log-prob pass + 1 update),
+    from the initial parameters; None when CUDA runs out of memory (the actor is dropped and the
+    next :meth:`Bench.start_pass` frees and restores what the failed step left)."""
+    bench.start_pass()
+    actor = bench.actor(variant, max_tokens_per_micro_batch=max_tokens, micro_batch_size=None)
+    try:
+        bench.step(actor, rollout, epochs=1)
+        if bench.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        return bench.step(actor, rollout, epochs=1)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del actor
+
+
 def long_context(
     bench: Bench, lengths: Sequence[int], variants: Sequence[str], seed: int, say: Callable[[str], None]
 ) -> list[dict[str, Any]]:
@@ -44,22 +61,13 @@ def long_context(
         rollout = fixed_length_rollout(num_seqs=2, length=length, vocab=bench.vocab, seed=seed + j, device=bench.device)
         row: dict[str, Any] = {"seq_len": length}
         for variant in variants if j % 2 == 0 else list(reversed(variants)):
-            bench.start_pass()
-            try:
-                actor = bench.actor(variant, max_tokens_per_micro_batch=length + 64, micro_batch_size=None)
-                bench.step(actor, rollout, epochs=1)
-                if bench.cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                s = bench.step(actor, rollout, epochs=1)
-            except torch.OutOfMemoryError:
+            s = _measured_step(bench, variant, rollout, length + 64)
+            if s is None:
                 # Every rank holds the same shapes, so all run out at the same allocation and
                 # none is left waiting in a collective (a lopsided failure would hit the timeout).
                 row[variant] = {"oom": True}
                 say(f"  long context {length} tokens {variant:>6}: out of memory")
                 continue
-            finally:
-                actor = None
-                bench.reset()
             row[variant] = {"step_s": s["step_s"], "peak_gib": gib(bench.peak_over_ranks(bench.memory()[1]))}
             peak = row[variant]["peak_gib"]
             say(
@@ -89,20 +97,11 @@ def max_micro_batch(
             rollout = fixed_length_rollout(
                 num_seqs=num_seqs, length=seq_len, vocab=bench.vocab, seed=seed + size, device=bench.device
             )
-            bench.start_pass()
-            try:
-                actor = bench.actor(variant, max_tokens_per_micro_batch=size, micro_batch_size=None)
-                bench.step(actor, rollout, epochs=1)
-                if bench.cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                s = bench.step(actor, rollout, epochs=1)
-            except torch.OutOfMemoryError:
+            s = _measured_step(bench, variant, rollout, size)
+            if s is None:
                 rows.append({"micro_batch_tokens": num_seqs * seq_len, "oom": True})
                 say(f"  max micro-batch {variant:>6}: {num_seqs * seq_len} tokens: out of memory")
                 break
-            finally:
-                actor = None
-                bench.reset()
             peak = gib(bench.memory()[1])
             rows.append(
                 {

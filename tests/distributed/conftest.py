@@ -55,11 +55,6 @@ DIST_BACKEND = os.environ.get("MCORE_PPO_TEST_DIST_BACKEND", "gloo")
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if DIST_BACKEND == "nccl" else torch.device("cpu")
 
 
-def comm_device() -> torch.device:
-    """Where the harness's own small collectives (seed, verdicts) put their tensors."""
-    return DEVICE
-
-
 def test_timeout_s() -> int:
     """The per-test watchdog (``MCORE_PPO_TEST_TIMEOUT`` s, default 300)."""
     return int(os.environ.get("MCORE_PPO_TEST_TIMEOUT", "300"))
@@ -351,7 +346,7 @@ class Checks:
     def done(self) -> None:
         """Collective over the world: raise on every rank if any rank recorded a failure."""
         self.finished = True
-        failed = torch.tensor([len(self.failures)], dtype=torch.int64, device=comm_device())
+        failed = torch.tensor([len(self.failures)], dtype=torch.int64, device=DEVICE)
         dist.all_reduce(failed)
         if failed.item():
             local = "\n".join(self.failures) or "(no failure on this rank)"
