@@ -77,6 +77,7 @@ def build_gpt_model(
     transformer_layer_spec: Any | Callable[[Any], Any] | None = None,
     mtp_block_spec: Any | Callable[[Any, Any], Any] | None = None,
     device: torch.device | str | None = None,
+    position_embedding_type: str = "learned_absolute",
     **config_overrides: Any,
 ) -> GPTModel:
     """A ``GPTModel`` with Megatron's local layer spec on the current ``parallel_state``.
@@ -106,6 +107,9 @@ def build_gpt_model(
             e.g. ``lambda config, spec: get_gpt_mtp_block_spec(config, spec, False)``.
         device: where the parameters end up; default CUDA's current device when CUDA is
             available, else the CPU.
+        position_embedding_type: GPTModel's ``"learned_absolute"`` (a table of
+            ``max_sequence_length`` positions, read from ``position_ids``) or ``"rope"`` (rotary,
+            positions from the sequence or the packed ``cu_seqlens``, as Llama/Qwen models).
         **config_overrides: any other ``TransformerConfig`` field.
     """
     from megatron.core import parallel_state, tensor_parallel
@@ -166,6 +170,7 @@ def build_gpt_model(
             post_process=post_process,
             share_embeddings_and_output_weights=tie_embeddings,
             mtp_block_spec=mtp_block_spec,
+            position_embedding_type=position_embedding_type,
         )
     # Plain torch modules inside the local spec (the position table; the norms when Apex is
     # absent) are built in torch's default dtype whatever params_dtype says. Keep one dtype

@@ -336,9 +336,7 @@ class SdpaAttention(MegatronModule):
             bounds = tuple(range(0, batch * seq * cp + 1, seq * cp))
         total = q.shape[0]
         if bounds[0] != 0 or bounds[-1] != total * cp:
-            raise ValueError(
-                f"SdpaAttention: cu_seqlens {list(bounds)} do not cover {total} local tokens × cp {cp}"
-            )
+            raise ValueError(f"SdpaAttention: cu_seqlens {list(bounds)} do not cover {total} local tokens × cp {cp}")
         plan = _plan(bounds, cp, cp_rank)
         if cp > 1:
             # Every rank's keys and values, rank by rank; the backward sums each rank's

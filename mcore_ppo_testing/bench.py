@@ -26,7 +26,7 @@ import torch
 from mcore_ppo_testing.reference import normwise_relative_error, reference
 
 #: hidden size and vocab of the benchmarked models
-SHAPES = {"qwen7b": (3584, 152064), "llama3-8b": (4096, 128256)}
+SHAPES = {"qwen7b": (3584, 152064), "llama3-8b": (4096, 128256), "v262k": (4096, 262144)}
 GIB = 2**30
 
 # Inside a model the head's host work (Python, launches) overlaps the GPU work queued before
@@ -259,10 +259,20 @@ def build_impls(triton_settings: dict[str, Any] | None = None) -> dict[str, tupl
     # buffer with a budget that always fits here.
     impls["ours_triton_recompute"] = (ours(TritonBackend(**settings, buffer_budget_bytes=0)), None, {"buffer": False})
     impls["ours_triton_buffer"] = (ours(TritonBackend(**settings, buffer_budget_bytes=1 << 40)), None, {"buffer": True})
+    # Promoted accumulation (kernels.common.tile_dot's PROMOTE_K): the tensor-core accumulator
+    # restarted every k slices and added into an fp32 tile, forward and backward alike.
+    for k in (2, 4):
+        promoted = {name: replace(getattr(triton, name), promote_k=k) for name in ("forward_config", "backward_config")}
+        impls[f"ours_triton_promote{k}"] = (
+            ours(TritonBackend(**{**settings, **promoted}, buffer_budget_bytes=0)),
+            None,
+            {"buffer": False, "promote_k": k},
+        )
     impls["ours_torch"] = (ours("torch"), None, {"time_host_exposed": False})
     # Ours first, right after the floor is measured: clocks drift as the card heats up, and the
     # floor is measured again after the last implementation (floor_after) to show by how much.
-    order = ["ours_triton", "ours_triton_recompute", "ours_triton_buffer", "ours_torch"]
+    order = ["ours_triton", "ours_triton_recompute", "ours_triton_promote2", "ours_triton_promote4"]
+    order += ["ours_triton_buffer", "ours_torch"]
     return {k: impls[k] for k in order + [k for k in impls if k not in order]}
 
 

@@ -5,10 +5,14 @@
 # fallback path on it too) and an older one runs the fallback path (and the emulated hook).
 #
 # Wheels (Python 3.12, x86-64), both folders git-ignored:
-#   .whl/   verl, liger-kernel, ... : installed in every round (megatron_core wheels here too)
+#   .whl/   verl 0.9.1 and what `import verl` needs (transformers<5.11, huggingface_hub, tokenizers,
+#           tensordict, pyvers, omegaconf, antlr4-python3-runtime, codetiming; Ray stays behind:
+#           tests/test_verl_real.py says why), liger-kernel: installed in every round
 #   .carry/ megatron_core-*.whl      : e.g. 0.19.0, fetched with
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .carry megatron-core==0.19.0
+#           and 0.20.0 (not on PyPI yet): built from Megatron-LM main (d98e8a64) without its optional
+#           C++ dataset helper, as a pure wheel: `pip wheel --no-deps --no-build-isolation .`
 # One command through the device tool:
 #   run(command="bash scripts/gpu_suite.sh", carry=[".whl", ".carry"])
 # Extra arguments go to pytest. Each round's log is written to $OUT (or /tmp) as gpu_suite_<version>.log.
@@ -37,7 +41,9 @@ if [ ${#mcore_wheels[@]} -eq 0 ]; then
   exit 2
 fi
 tests=(tests/test_model_integration.py tests/test_verl_compat.py tests/test_head_*.py tests/test_mtp.py
-  tests/test_megatron_versions.py tests/test_verl_plugin.py tests/test_nemo_rl_adapter.py tests/test_readme.py)
+  tests/test_megatron_versions.py tests/test_verl_plugin.py tests/test_verl_real.py tests/test_nemo_rl_adapter.py
+  tests/test_readme.py tests/test_triton_backend.py tests/test_kernel_specialization.py tests/test_liger_backend.py
+  tests/test_buffer_budget_option.py tests/test_autocast_and_double_backward.py tests/test_label_dtypes.py tests/gpu)
 logs=${OUT:-/tmp}
 status=0
 for wheel in "${mcore_wheels[@]}"; do
@@ -60,6 +66,12 @@ from megatron.core.models.gpt import GPTModel
 hook = "output_processor" in inspect.signature(GPTModel.forward).parameters
 print(f"megatron-core {megatron.core.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}; "
       f"GPTModel.forward has output_processor: {hook} -> default path: {'hook' if hook else 'fallback'}")
+import importlib.metadata as md
+for name in ("triton", "verl", "transformers", "tensordict", "liger-kernel"):
+    try:
+        print(f"  {name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name}: not installed")
 EOF
   PYTHONPATH="$site:$PWD" python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@" \
     2>&1 | tee "$logs/gpu_suite_$version.log"

@@ -119,6 +119,15 @@ def forward_variants() -> dict[str, dict]:
         "GROUP_M 32": replace(base, group_m=32),
         "4 stages": replace(base, num_stages=4),
         "4 stages, 4 tiles/split": replace(base, num_stages=4, tiles_per_split=4),
+        "1 tile/split": replace(base, tiles_per_split=1),
+        "4 tiles/split": replace(base, tiles_per_split=4),
+        "BLOCK_N 128": replace(base, block_n=128),
+        "BLOCK_N 128, 4 tiles/split": replace(base, block_n=128, tiles_per_split=4),
+        "BLOCK_M 64": replace(base, block_m=64),
+        "BLOCK_M 64, 4 warps": replace(base, block_m=64, num_warps=4),
+        "BLOCK_K 128, 2 stages": replace(base, block_k=128, num_stages=2),
+        "promote 2": replace(base, promote_k=2),
+        "promote 4": replace(base, promote_k=4),
     }
     return {name: {"forward_config": cfg} for name, cfg in configs.items()}
 

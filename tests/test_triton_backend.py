@@ -312,6 +312,18 @@ def test_tma_operands(monkeypatch):
     check_against_reference(hidden, weight, labels, 0.7, g, e)
 
 
+@pytest.mark.parametrize("use_tma", [False, True])
+@pytest.mark.parametrize("h", [64, 56, 40])  # K slices of 16: 4 (two promoted pairs), 4 ragged, 3 (pair + tail)
+def test_promoted_accumulation(monkeypatch, use_tma, h):
+    """``promote_k``: K slices summed in pairs, then added into the tile; exact on every path."""
+    config = triton_backend.replace(triton_backend.INTERPRETER_CONFIG, use_tma=use_tma, promote_k=2)
+    monkeypatch.setattr(triton_backend, "INTERPRETER_CONFIG", config)
+    backend = triton_backend.TritonBackend()
+    assert backend.forward_config.promote_k == backend.backward_config.promote_k == 2
+    hidden, weight, labels, g, e = make_case(37, h, 151, seed=next_seed())
+    check_against_reference(hidden, weight, labels, 0.7, g, e)
+
+
 @pytest.mark.parametrize("which", ["both", "log_prob"])
 def test_buffer_mode(monkeypatch, buffer_backwards, which):
     """Issue 6: with a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""
