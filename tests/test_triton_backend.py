@@ -242,6 +242,8 @@ def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", (1 << 30) if buffer else 0)
     if chunk_tiles is not None:
         block_n = triton_backend.TritonBackend().backward_config.block_n
+        if v <= 2 * chunk_tiles * block_n:  # CUDA's 256-column tiles: widen V past two chunks, still ragged
+            v += 2 * chunk_tiles * block_n
         monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", n * 2 * chunk_tiles * block_n)
         assert v > 2 * chunk_tiles * block_n and v % (chunk_tiles * block_n) != 0  # >2 chunks, ragged
     hidden, weight, labels, g, e = make_case(n, 32, v, seed=next_seed(), dtype=dtype, ignored=ignored)
@@ -316,10 +318,15 @@ def test_tma_operands(monkeypatch):
 @pytest.mark.parametrize("h", [64, 56, 40])  # K slices of 16: 4 (two promoted pairs), 4 ragged, 3 (pair + tail)
 def test_promoted_accumulation(monkeypatch, use_tma, h):
     """``promote_k``: K slices summed in pairs, then added into the tile; exact on every path."""
-    config = triton_backend.replace(triton_backend.INTERPRETER_CONFIG, use_tma=use_tma, promote_k=2)
-    monkeypatch.setattr(triton_backend, "INTERPRETER_CONFIG", config)
-    backend = triton_backend.TritonBackend()
-    assert backend.forward_config.promote_k == backend.backward_config.promote_k == 2
+    # The interpreter's configs (forward and backward), or CUDA's forward: on the GPU each unrolled
+    # slice gets its own pipeline buffers, which the backward's stages and staging tile overflow.
+    promoted = ["INTERPRETER_CONFIG"] if DEVICE.type == "cpu" else ["FORWARD_CONFIG"]
+    for name in ("INTERPRETER_CONFIG", "FORWARD_CONFIG", "BACKWARD_CONFIG"):
+        config = triton_backend.replace(getattr(triton_backend, name), use_tma=use_tma)
+        monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, promote_k=2 * (name in promoted)))
+    assert triton_backend.TritonBackend().forward_config.promote_k == 2
+    if DEVICE.type == "cuda":
+        h *= 4  # wider K for CUDA's K tiles (32 for fp32): promoted pairs, with and without a tail
     hidden, weight, labels, g, e = make_case(37, h, 151, seed=next_seed())
     check_against_reference(hidden, weight, labels, 0.7, g, e)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mcore_ppo import fused_log_probs_and_entropy, linear_cross_entropy
+from mcore_ppo_testing.real_verl import use_ray_standin
 from mcore_ppo_testing.reference import reference_outputs
 
 VOCAB, HIDDEN = 128, 32
@@ -91,6 +92,7 @@ def _verl_linear_cross_entropy():
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("verl is not installed (pip install verl --no-deps)")
     root = next(iter(spec.submodule_search_locations))
+    use_ray_standin()  # the kernel's first call imports verl.utils.device, hence verl and Ray
     saved = {name: sys.modules.get(name) for name in ("verl", "verl.utils")}
     try:
         for name, sub in (("verl", ""), ("verl.utils", "/utils")):

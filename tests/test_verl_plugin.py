@@ -107,8 +107,9 @@ def test_verls_fused_output_processor_with_and_without_the_plugin(fake_verl, mon
     """verl's hook route (its own fused_output_processor) gives equal values and gradients either way."""
     from mcore_ppo.backends import resolve_backend
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # triton: the interpreter, or CUDA
     try:
-        resolve_backend(backend, torch.device("cpu"))
+        resolve_backend(backend, device)
     except RuntimeError as err:
         pytest.skip(str(err))
     import verl.models.mcore.model_forward_fused as fused
@@ -116,9 +117,9 @@ def test_verls_fused_output_processor_with_and_without_the_plugin(fake_verl, mon
 
     gen = torch.Generator().manual_seed(11)
     s, h, vocab = 12, 16, 40
-    hidden = torch.randn(s, 1, h, generator=gen)  # verl's packed THD: [t, 1, h] with labels [1, t]
-    weight = torch.randn(vocab, h, generator=gen)
-    labels = torch.randint(0, vocab, (1, s), generator=gen)
+    hidden = torch.randn(s, 1, h, generator=gen).to(device)  # verl's packed THD: [t, 1, h] with labels [1, t]
+    weight = torch.randn(vocab, h, generator=gen).to(device)
+    labels = torch.randint(0, vocab, (1, s), generator=gen).to(device)
     config = type("Config", (), {"sequence_parallel": False})()
     layer = type("Layer", (), {"weight": weight})()
 

@@ -13,9 +13,9 @@ codetiming; ``scripts/gpu_suite.sh`` carries them to the GPU) and skips elsewher
   parameter's gradient with the plugin equal those of the same verl code with an fp64 full-logits
   kernel swapped in, and, on CUDA, those of verl's own Triton kernel.
 
-Where Ray is not installed (its 79 MB wheel does not travel to the GPU box),
-``mcore_ppo_testing/ray_standin`` answers ``import ray``: verl imports Ray at module level but
-this path never calls it (a call would raise).
+Where Ray is not installed (its 79 MB wheel does not travel to the GPU box), a stand-in answers
+``import ray`` (``mcore_ppo_testing.real_verl``): verl imports Ray at module level but this path
+never calls it (a call would raise).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import torch
 from mcore_ppo import build_gpt_model
 from mcore_ppo.integrations import verl as plugin
 from mcore_ppo_testing.layer_specs import local_gpt_spec
+from mcore_ppo_testing.real_verl import RAY_STANDIN, ray_missing, use_ray_standin
 from mcore_ppo_testing.reference import reference_outputs
 from mcore_ppo_testing.seeds import next_seed
 
 REPO = Path(__file__).resolve().parents[1]
-RAY_STANDIN = REPO / "mcore_ppo_testing" / "ray_standin"
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 # verl's kernel needs hidden % 128 == 0 and runs bf16 on CUDA; fp64 on the CPU keeps the
 # plugin-vs-reference comparison at rounding level.
@@ -57,7 +57,7 @@ if importlib.util.find_spec("verl") is None:
 def _child_env(**env: str) -> dict[str, str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "MCORE_PPO_VERL"))}
     paths = [str(REPO), environ.get("PYTHONPATH", "")]
-    if importlib.util.find_spec("ray") is None:
+    if ray_missing():
         paths.append(str(RAY_STANDIN))
     environ.update(env, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     return environ
@@ -102,9 +102,7 @@ def test_real_verl_entry_point_switch():
 @pytest.fixture(scope="module")
 def verl_fused():
     """verl's ``model_forward_fused`` module (real ``import verl``), cleaned out of the process after."""
-    added = importlib.util.find_spec("ray") is None
-    if added:
-        sys.path.append(str(RAY_STANDIN))
+    added = use_ray_standin()
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(("VERL_", "MCORE_PPO_VERL"))}
     try:
         import verl.models.mcore.model_forward_fused as fused
