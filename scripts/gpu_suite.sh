@@ -48,6 +48,10 @@ logs=${OUT:-/tmp}
 status=0
 for wheel in "${mcore_wheels[@]}"; do
   version=$(basename "$wheel" | cut -d- -f2)
+  # GPU_SUITE_MCORE_VERSIONS="0.20.0 ...": only these rounds (default: every carried wheel).
+  if [ -n "${GPU_SUITE_MCORE_VERSIONS:-}" ] && [[ " $GPU_SUITE_MCORE_VERSIONS " != *" $version "* ]]; then
+    continue
+  fi
   site=/tmp/gpu_suite_site_$version
   echo "== megatron-core $version ($wheel) + ${other_wheels[*]:-no other wheels}"
   if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -73,7 +77,7 @@ for name in ("triton", "verl", "transformers", "tensordict", "liger-kernel"):
     except md.PackageNotFoundError:
         print(f"  {name}: not installed")
 EOF
-  PYTHONPATH="$site:$PWD" python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@" \
+  PYTHONPATH="$site:$PWD" python3 -m pytest -q -p no:cacheprovider -rs --durations=10 "${tests[@]}" "$@" \
     2>&1 | tee "$logs/gpu_suite_$version.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
