@@ -259,21 +259,10 @@ def build_impls(triton_settings: dict[str, Any] | None = None) -> dict[str, tupl
     # buffer with a budget that always fits here.
     impls["ours_triton_recompute"] = (ours(TritonBackend(**settings, buffer_budget_bytes=0)), None, {"buffer": False})
     impls["ours_triton_buffer"] = (ours(TritonBackend(**settings, buffer_budget_bytes=1 << 40)), None, {"buffer": True})
-    # Promoted accumulation in the forward (kernels.common.tile_dot's PROMOTE_K): the tensor-core
-    # accumulator restarted every k slices and added into an fp32 tile. The forward's statistics
-    # are the outputs; the backward's recomputed logits only weight the gradients.
-    for k in (2, 4):
-        promoted = {"forward_config": replace(triton.forward_config, promote_k=k)}
-        impls[f"ours_triton_promote{k}"] = (
-            ours(TritonBackend(**{**settings, **promoted}, buffer_budget_bytes=0)),
-            None,
-            {"buffer": False, "promote_k": k},
-        )
     impls["ours_torch"] = (ours("torch"), None, {"time_host_exposed": False})
     # Ours first, right after the floor is measured: clocks drift as the card heats up, and the
     # floor is measured again after the last implementation (floor_after) to show by how much.
-    order = ["ours_triton", "ours_triton_recompute", "ours_triton_promote2", "ours_triton_promote4"]
-    order += ["ours_triton_buffer", "ours_torch"]
+    order = ["ours_triton", "ours_triton_recompute", "ours_triton_buffer", "ours_torch"]
     return {k: impls[k] for k in order + [k for k in impls if k not in order]}
 
 

@@ -126,8 +126,6 @@ def forward_variants() -> dict[str, dict]:
         "BLOCK_M 64": replace(base, block_m=64),
         "BLOCK_M 64, 4 warps": replace(base, block_m=64, num_warps=4),
         "BLOCK_K 128, 2 stages": replace(base, block_k=128, num_stages=2),
-        "promote 2": replace(base, promote_k=2),
-        "promote 4": replace(base, promote_k=4),
     }
     return {name: {"forward_config": cfg} for name, cfg in configs.items()}
 

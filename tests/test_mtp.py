@@ -33,6 +33,20 @@ pytestmark = pytest.mark.usefixtures("megatron_tp1")
 
 
 def _mtp_model(tied: bool):
+    try:
+        return _build_mtp_model(tied)
+    except TypeError as err:
+        if "isinstance() arg 2" not in str(err):
+            raise
+        import megatron.core
+
+        pytest.skip(
+            f"megatron-core {megatron.core.__version__} cannot build an MTP layer without TransformerEngine: "
+            f"its is_inference_column_parallel_linear checks isinstance against TE placeholders ({err})"
+        )
+
+
+def _build_mtp_model(tied: bool):
     return build_gpt_model(
         num_layers=2,
         hidden_size=HIDDEN,

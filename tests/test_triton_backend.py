@@ -314,23 +314,6 @@ def test_tma_operands(monkeypatch):
     check_against_reference(hidden, weight, labels, 0.7, g, e)
 
 
-@pytest.mark.parametrize("use_tma", [False, True])
-@pytest.mark.parametrize("h", [64, 56, 40])  # K slices of 16: 4 (two promoted pairs), 4 ragged, 3 (pair + tail)
-def test_promoted_accumulation(monkeypatch, use_tma, h):
-    """``promote_k``: K slices summed in pairs, then added into the tile; exact on every path."""
-    # The interpreter's configs (forward and backward), or CUDA's forward: on the GPU each unrolled
-    # slice gets its own pipeline buffers, which the backward's stages and staging tile overflow.
-    promoted = ["INTERPRETER_CONFIG"] if DEVICE.type == "cpu" else ["FORWARD_CONFIG"]
-    for name in ("INTERPRETER_CONFIG", "FORWARD_CONFIG", "BACKWARD_CONFIG"):
-        config = triton_backend.replace(getattr(triton_backend, name), use_tma=use_tma)
-        monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, promote_k=2 * (name in promoted)))
-    assert triton_backend.TritonBackend().forward_config.promote_k == 2
-    if DEVICE.type == "cuda":
-        h *= 4  # wider K for CUDA's K tiles (32 for fp32): promoted pairs, with and without a tail
-    hidden, weight, labels, g, e = make_case(37, h, 151, seed=next_seed())
-    check_against_reference(hidden, weight, labels, 0.7, g, e)
-
-
 @pytest.mark.parametrize("which", ["both", "log_prob"])
 def test_buffer_mode(monkeypatch, buffer_backwards, which):
     """Issue 6: with a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""

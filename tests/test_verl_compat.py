@@ -127,5 +127,8 @@ def test_same_contract_as_verls_kernel(reduction: str):
     g = torch.randn(ours[0].shape, generator=gen).cuda()
     e = torch.randn(ours[1].shape, generator=gen).cuda()
     grads = [torch.autograd.grad((lp * g).sum() + (ent * e).sum(), (hidden, weight)) for lp, ent in (ours, theirs)]
+    # verl's tl.dot takes these fp32 operands as TF32 (Triton's default; 10-bit mantissa), and its
+    # backward rounds d_logits to the weight dtype: ~1e-3 absolute noise at these magnitudes (one
+    # element in 32768 reached 3.0e-3 on an H200).
     for mine, verls in zip(*grads, strict=True):
-        torch.testing.assert_close(mine, verls, rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(mine, verls, rtol=2e-2, atol=5e-3)

@@ -109,9 +109,13 @@ def test_verls_fused_output_processor_with_and_without_the_plugin(fake_verl, mon
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # triton: the interpreter, or CUDA
     try:
-        resolve_backend(backend, device)
+        impl = resolve_backend(backend, device)
     except RuntimeError as err:
         pytest.skip(str(err))
+    unsupported = getattr(impl, "unsupported", None)
+    reason = unsupported and unsupported(1, False, torch.empty(0, device=device))
+    if reason:
+        pytest.skip(reason)
     import verl.models.mcore.model_forward_fused as fused
     from verl.utils.kernel import linear_cross_entropy as kernel
 

@@ -35,7 +35,7 @@ from mcore_ppo import build_gpt_model
 from mcore_ppo.integrations import verl as plugin
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.real_verl import RAY_STANDIN, ray_missing, use_ray_standin
-from mcore_ppo_testing.reference import reference_outputs
+from mcore_ppo_testing.reference import normwise_relative_error, reference_outputs
 from mcore_ppo_testing.seeds import next_seed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,6 +117,20 @@ def verl_fused():
         os.environ.update(saved)
 
 
+def _unwrap_with_classes_only(fused) -> None:
+    """verl 0.9.1's ``unwrap_model`` checks ``isinstance`` against Megatron-FSDP's adapter too,
+    which megatron-core 0.20 without TransformerEngine replaces by a placeholder *function*
+    (TypeError). There, hand verl's own ``unwrap_model`` the wrapper classes that exist."""
+    from verl.utils import megatron_utils
+
+    wrappers = megatron_utils.ALL_MODULE_WRAPPER_CLASSNAMES
+    if all(isinstance(cls, type) for cls in wrappers):
+        return
+    classes = tuple(cls for cls in wrappers if isinstance(cls, type))
+    print(f"verl's wrapper classes without the placeholders: {[cls.__name__ for cls in classes]}")
+    fused.unwrap_model = lambda model: megatron_utils.unwrap_model(model, classes)
+
+
 def _fp64_kernel(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
     """verl's kernel contract on full fp64 logits: hidden flattened to ``[n, h]`` and labels to
     ``[n]`` by ``view`` (as verl's kernel does) -> fp32 ``([n], [n])``."""
@@ -182,6 +196,7 @@ def test_real_verl_fused_forward_with_and_without_the_plugin(verl_fused, route):
     if route == "hook" and not hook_available:
         pytest.skip("this megatron-core's GPTModel.forward has no output_processor hook (< 0.18)")
     setattr(model, fused._FUSED_FORWARD_MODE_ATTR, fused._HOOK_MODE if route == "hook" else fused._LEGACY_MODE)
+    _unwrap_with_classes_only(fused)
     fused.patch_fused_forward(model)
     batch = _batch(next_seed())
     from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy as verls_kernel
@@ -202,7 +217,10 @@ def test_real_verl_fused_forward_with_and_without_the_plugin(verl_fused, route):
     # kernel on the same bf16 hidden states is ~1e-6; the bf16 backward through the layers adds
     # bf16 rounding of the gradients (2^-8 relative).
     out_tol = {"rtol": 1e-9, "atol": 1e-9} if DTYPE == torch.float64 else {"rtol": 1e-5, "atol": 2e-5}
-    grad_tol = {"rtol": 1e-6, "atol": 1e-8} if DTYPE == torch.float64 else {"rtol": 2e-2, "atol": 2e-3}
+    # bf16: gradients accumulate in bf16 through the layers (the embedding's over every token), so
+    # they are compared normwise, ‖a − b‖ / ‖b‖ per parameter; a d_hidden off by a TP factor or a
+    # wrong token pairing gives O(1) there.
+    grad_tol = {"rtol": 1e-6, "atol": 1e-8} if DTYPE == torch.float64 else {"normwise": 1e-2}
     _assert_same(mine, reference, out_tol, grad_tol, "plugin vs fp64")
     if DEVICE.type == "cuda":
         verls = _run(fused, model, batch, verls_kernel)
@@ -222,4 +240,9 @@ def _assert_same(mine, theirs, out_tol, grad_tol, what):
         torch.testing.assert_close(a, b, **out_tol, msg=lambda m, n=name: f"{what}: {n}: {m}")
     assert mine[2].keys() == theirs[2].keys()
     for name, grad in mine[2].items():
-        torch.testing.assert_close(grad, theirs[2][name], **grad_tol, msg=lambda m, n=name: f"{what}: grad {n}: {m}")
+        if "normwise" in grad_tol:
+            error = normwise_relative_error(grad, theirs[2][name])
+            assert error <= grad_tol["normwise"], f"{what}: grad {name}: normwise relative error {error:.2e}"
+        else:
+            message = lambda m, n=name: f"{what}: grad {n}: {m}"
+            torch.testing.assert_close(grad, theirs[2][name], **grad_tol, msg=message)

@@ -27,6 +27,7 @@ syncs the host, ignored tokens still cost GEMM work, and ``main_grad`` fusion is
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -39,6 +40,28 @@ LIGER_MODULE = "liger_kernel.ops.fused_linear_scaled_cross_entropy"
 
 def _liger() -> ModuleType | None:
     return import_optional(LIGER_MODULE)
+
+
+@functools.cache
+def _device_path_missing(device: torch.device) -> str | None:
+    """Why Liger's one-rank function cannot load its kernels for ``device``, or None.
+
+    On Hopper (sm90) liger-kernel >= 0.8.5 dispatches to a CuTe DSL kernel that imports
+    ``cutlass`` on first use; without ``nvidia-cutlass-dsl`` that first call raises
+    ModuleNotFoundError from deep inside Liger. Asked here once per device, through Liger's own
+    dispatcher where this version has one.
+    """
+    resolve = getattr(_liger(), "_resolve_implementation", None)
+    if resolve is None:
+        return None
+    try:
+        resolve(device)
+    except ImportError as err:
+        return (
+            f"liger-kernel runs {torch.cuda.get_device_name(device)} through its CuTe DSL kernels, which need "
+            f"nvidia-cutlass-dsl (pip install 'liger-kernel[cutedsl]'): {err}"
+        )
+    return None
 
 
 def is_available() -> bool:
@@ -59,6 +82,10 @@ class LigerBackend:
         """Why Liger cannot run this case, or None when it can."""
         if sequence_parallel and tp_size > 1:
             return "sequence parallelism is not supported by Liger's fused linear scaled CE"
+        if hidden.is_cuda and tp_size == 1:
+            missing = _device_path_missing(hidden.device)
+            if missing is not None:
+                return missing
         if tp_size > 1 and not reduce_hidden_grad:
             return "Liger's tensor-parallel function reduces d_hidden itself; this entry must return the partial one"
         if tp_size > 1:

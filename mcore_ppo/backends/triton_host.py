@@ -62,7 +62,6 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     tiles_per_split: int = 4  # forward only: vocab tiles folded per program before a partial is written
-    promote_k: int = 0  # K slices per tensor-core accumulator before an fp32 add (0: one; kernels.common.tile_dot)
     use_tma: bool = False  # operands through the copy engine (host descriptors; rows gathered first)
 
 
@@ -140,13 +139,11 @@ def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
     return config
 
 
-def kernel_flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool | int]:
-    """Compile-time flags of the kernels that call ``tile_dot``."""
+def kernel_flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
     return {
         "EVEN_K": hidden.shape[1] % config.block_k == 0,
         "UPCAST": interpreting() and hidden.dtype != torch.float32,
         "DOT_IEEE": hidden.dtype == torch.float32,
-        "PROMOTE_K": config.promote_k,
     }
 
 

@@ -59,7 +59,6 @@ def dz_kernel(
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
-    PROMOTE_K: tl.constexpr,
     DZ_TMA: tl.constexpr,
 ):
     """``dz[:, j - v0] / T`` for columns ``j`` in ``[v0, v0 + VC)`` of the shard; see the module doc."""
@@ -101,7 +100,6 @@ def dz_kernel(
         UPCAST,
         DOT_IEEE,
         USE_TMA,
-        PROMOTE_K,
     )
     lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * LOG2E
     if HAS_G:

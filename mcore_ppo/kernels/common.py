@@ -32,35 +32,6 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _operands(
-    x_desc, w_desc, a_ptrs, b_ptrs, row0, col0, k, H, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """The ``k``-th ``BLOCK_K`` slice of both operands (``a_ptrs``/``b_ptrs`` point at slice 0)."""
-    if USE_TMA:
-        a = x_desc.load([row0, k * BLOCK_K])
-        b = w_desc.load([col0, k * BLOCK_K])
-    elif EVEN_K:
-        a = tl.load(a_ptrs + k * BLOCK_K)
-        b = tl.load(b_ptrs + k * BLOCK_K)
-    else:
-        k_ok = tl.arange(0, BLOCK_K) < H - k * BLOCK_K
-        a = tl.load(a_ptrs + k * BLOCK_K, mask=k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs + k * BLOCK_K, mask=k_ok[None, :], other=0.0)
-    if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return a, b
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_IEEE: tl.constexpr):
-    if DOT_IEEE:  # fp32 inputs: true fp32 products, not tf32
-        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(b), acc)
-
-
-@triton.jit
 def tile_dot(
     x_ptr,
     w_ptr,
@@ -80,7 +51,6 @@ def tile_dot(
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
-    PROMOTE_K: tl.constexpr = 0,
 ):
     """fp32 ``x[rows] @ w[cols].T`` for one ``[BLOCK_M, BLOCK_N]`` tile.
 
@@ -89,37 +59,38 @@ def tile_dot(
     size masks ``k``. TMA path (``USE_TMA``): the tile is the contiguous block at
     ``(row0, col0)`` of the descriptors (rows already compacted by the host); the copy engine
     zero-fills out-of-bounds rows, columns and ``k``.
-
-    ``PROMOTE_K > 0``: the tensor cores accumulate ``PROMOTE_K`` slices of ``BLOCK_K`` into a
-    fresh accumulator, which is then added into ``acc`` by an ordinary (round-to-nearest) fp32
-    add. Hopper's bf16 MMA adds its products into the accumulator with truncation, a bias
-    that grows with the number of slices summed in one accumulator; promoting every few
-    slices (as DeepSeek-V3 does for FP8) bounds it. At least 2, so that the add is not folded
-    back into the MMA (Triton rewrites ``dot(a, b, 0) + c`` as ``dot(a, b, c)``).
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
-        a_ptrs = x_ptr  # unused: the descriptors address the tiles
-        b_ptrs = w_ptr
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            a = x_desc.load([row0, k * BLOCK_K])
+            b = w_desc.load([col0, k * BLOCK_K])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if DOT_IEEE:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
         b_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
-    n_k = tl.cdiv(H, BLOCK_K)
-    k_done = 0
-    if PROMOTE_K > 0:
-        tl.static_assert(PROMOTE_K >= 2, "PROMOTE_K: 0 (off) or at least 2")
-        for ko in range(0, n_k // PROMOTE_K):
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in tl.static_range(PROMOTE_K):
-                a, b = _operands(
-                    x_desc, w_desc, a_ptrs, b_ptrs, row0, col0, ko * PROMOTE_K + kk, H, BLOCK_K, EVEN_K, UPCAST,
-                    USE_TMA,
-                )  # fmt: skip
-                part = _mma(a, b, part, DOT_IEEE)
-            acc += part
-        k_done = (n_k // PROMOTE_K) * PROMOTE_K
-    for k in range(k_done, n_k):
-        a, b = _operands(x_desc, w_desc, a_ptrs, b_ptrs, row0, col0, k, H, BLOCK_K, EVEN_K, UPCAST, USE_TMA)
-        acc = _mma(a, b, acc, DOT_IEEE)
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < H - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+            if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if DOT_IEEE:  # fp32 inputs: true fp32 products, not tf32
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     return acc

@@ -73,7 +73,6 @@ def stats_kernel(
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
-    PROMOTE_K: tl.constexpr,
     STORE_P: tl.constexpr,
     BUF_TMA: tl.constexpr,
 ):
