@@ -78,10 +78,13 @@ def fake_verl(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(root))
     for name in ("MCORE_PPO_VERL", "MCORE_PPO_VERL_BACKEND", "VERL_USE_EXTERNAL_MODULES"):
         monkeypatch.delenv(name, raising=False)
+    # Where the real verl is installed, other tests may have imported parts of it: set them aside.
+    real = {n: sys.modules.pop(n) for n in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]}
     yield
     plugin.uninstall()
     for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
         del sys.modules[name]
+    sys.modules.update(real)
 
 
 def test_install_rebinds_loaded_modules_and_later_imports_idempotently(fake_verl):
