@@ -177,3 +177,28 @@ def test_real_liger_cpu_fallback():
         terms=ref["d_hidden_terms"],
         track=False,
     )
+
+
+def test_hopper_path_without_cutlass_dsl_is_named(monkeypatch):
+    """Liger's sm90 kernels import ``cutlass`` on first use; the backend names the missing
+    package (and the pipeline refuses with it) instead of Liger failing mid-forward."""
+    module = types.ModuleType(liger_backend.LIGER_MODULE)
+
+    def resolve(device):
+        if device.type == "cuda":
+            raise ModuleNotFoundError("No module named 'cutlass'", name="cutlass")
+        return object
+
+    module._resolve_implementation = resolve
+    monkeypatch.setattr(liger_backend, "_liger", lambda: module)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    liger_backend._device_path_missing.cache_clear()
+    try:
+        reason = liger_backend._device_path_missing(torch.device("cuda", 0))
+        assert "nvidia-cutlass-dsl" in reason and "NVIDIA H200" in reason and "cutlass" in reason
+        assert liger_backend._device_path_missing(torch.device("cpu")) is None
+        del module._resolve_implementation  # a Liger without the dispatcher: nothing to ask
+        liger_backend._device_path_missing.cache_clear()
+        assert liger_backend._device_path_missing(torch.device("cuda", 0)) is None
+    finally:
+        liger_backend._device_path_missing.cache_clear()
