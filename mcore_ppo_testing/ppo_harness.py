@@ -52,7 +52,13 @@ def init_distributed() -> torch.device:
     """
     timeout = datetime.timedelta(seconds=int(os.environ.get("MCORE_PPO_DIST_TIMEOUT", "300")))
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but {torch.cuda.device_count()} are visible: "
+                "start at most one rank per GPU, or run on the CPUs (gloo) with CUDA_VISIBLE_DEVICES=''"
+            )
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # torchrun launcher of the PPO demo (scripts/ppo_step.py). With no arguments it is the README's
 # main command: TP 2 with sequence parallelism and CP 2 inside the model,
-# 4 ranks, gloo on CPU (NCCL on GPUs, one per rank).
+# 4 ranks, gloo on CPU (NCCL on GPUs, one per rank; with fewer GPUs than ranks, on the CPUs).
 #
 #   scripts/launch.sh [--tp N] [--cp N] [--pp N] [--nproc N] [--config FILE] [--timeout SECONDS]
 #                     [any ppo_step.py option: --sp | --no-sp, --cp-mode model|head, --steps N, --backend B]
@@ -55,6 +55,14 @@ nproc=${nproc:-$((tp * cp * pp))}
 if [ $((nproc % (tp * cp * pp))) -ne 0 ]; then
   echo "launch.sh: --nproc $nproc is not a multiple of tp*cp*pp = $((tp * cp * pp))" >&2
   exit 2
+fi
+
+# One GPU per rank on CUDA: with fewer visible GPUs than ranks, run on the CPUs (gloo) instead
+# of failing on a missing device, and say so.
+gpus=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+if [ "$gpus" -gt 0 ] && [ "$gpus" -lt "$nproc" ]; then
+  echo "launch: $nproc ranks need $nproc GPUs, $gpus visible: running on the CPUs with gloo (CUDA_VISIBLE_DEVICES='')"
+  export CUDA_VISIBLE_DEVICES=""
 fi
 
 # Megatron/TE-absence UserWarnings and torchrun's OMP notice are noise here.

@@ -25,6 +25,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     )
     env.pop("WORLD_SIZE", None)  # never inherit an enclosing torchrun's rendezvous
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the README's main job: the CPUs, gloo, whatever GPUs are here
     return subprocess.run(
         ["bash", str(LAUNCH), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT
     )
@@ -93,3 +94,35 @@ def test_launch_rejects_a_bad_config_before_torchrun(tmp_path, section, key, val
     assert proc.returncode == 2, proc.stderr
     assert "launch.sh:" in proc.stderr and f"{section}.{key}" in proc.stderr, proc.stderr
     assert "torchrun" not in proc.stdout, proc.stdout
+
+
+def test_fewer_gpus_than_ranks_runs_on_the_cpus(tmp_path):
+    """A machine showing 1 GPU for the 4-rank demo: launch.sh says so and runs it on the CPUs
+    (gloo) instead of failing on a missing device. The GPU count is faked by a ``python`` shim
+    that answers launch.sh's device query and passes everything else to the real interpreter."""
+    shim = tmp_path / "bin" / "python"
+    shim.parent.mkdir()
+    shim.write_text(
+        f'#!/usr/bin/env bash\ncase "$*" in *device_count*) echo 1 ;; *) exec "{sys.executable}" "$@" ;; esac\n'
+    )
+    shim.chmod(0o755)
+    env = dict(os.environ, MCORE_PPO_LAUNCH_TIMEOUT=str(TIMEOUT - 30), PATH=f"{shim.parent}:{os.environ['PATH']}")
+    env.pop("WORLD_SIZE", None)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(
+        ["bash", str(LAUNCH), "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "4 ranks need 4 GPUs, 1 visible: running on the CPUs with gloo" in proc.stdout, proc.stdout
+    assert "(CPU, gloo)" in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("PASS"), proc.stdout
+
+
+def test_a_rank_without_its_gpu_is_refused_by_name(monkeypatch):
+    """Started under torchrun by hand with more ranks than GPUs, a rank says which GPU it lacks."""
+    from mcore_ppo_testing import ppo_harness
+
+    monkeypatch.setattr(ppo_harness.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ppo_harness.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK 3 needs GPU 3, but 1 are visible"):
+        ppo_harness.init_distributed()
