@@ -1,9 +1,8 @@
 """verl's *real* source (the verl 0.9.1 wheel) with and without the plugin.
 
 ``tests/test_verl_plugin.py`` covers the plugin against a stand-in verl tree, on every CI run.
-This file runs where verl itself is installed (``pip install --no-deps verl==0.9.1`` plus what
-``import verl`` needs: transformers, tensordict, pyvers, omegaconf, antlr4-python3-runtime,
-codetiming; ``scripts/gpu_suite.sh`` carries them to the GPU) and skips elsewhere, saying so:
+This file runs where verl itself is installed (``scripts/install_verl_for_tests.sh``, which CI
+runs; ``scripts/gpu_suite.sh`` carries the same wheels to the GPU) and skips elsewhere, saying so:
 
 - ``import verl`` itself loads the plugin through ``VERL_USE_EXTERNAL_MODULES`` (and through its
   ``verl.plugins`` entry point where mcore_ppo is pip-installed), in a fresh interpreter;
@@ -48,8 +47,8 @@ TEMPERATURE = 0.7
 
 if importlib.util.find_spec("verl") is None:
     pytest.skip(
-        "verl is not installed (pip install --no-deps verl==0.9.1 transformers tensordict pyvers omegaconf "
-        "antlr4-python3-runtime codetiming); the stand-in tree covers the plugin in tests/test_verl_plugin.py",
+        "verl is not installed (bash scripts/install_verl_for_tests.sh); the stand-in tree covers the plugin "
+        "in tests/test_verl_plugin.py",
         allow_module_level=True,
     )
 
