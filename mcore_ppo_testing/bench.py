@@ -163,14 +163,29 @@ def naive(x, w, labels, temperature):
 
 
 def load_verl():
-    """verl's ``linear_cross_entropy`` without importing verl's package (its deps are absent).
-
-    verl is installed with ``--no-deps``; its ``__init__`` pulls ray, tensordict, ... so the
-    two kernel modules are loaded from their files under stub parent packages.
+    """verl's ``linear_cross_entropy``: through ``import verl`` where that works (Ray may be the
+    stand-in of :mod:`mcore_ppo_testing.real_verl`), else its two kernel modules loaded from
+    their files under stub parent packages (verl installed with ``--no-deps`` and nothing else:
+    its ``__init__`` pulls tensordict, transformers, ...). The stubs stay in ``sys.modules`` for
+    the kernel's lazy imports, so they are used only where the real package cannot load.
     """
+    from mcore_ppo_testing.real_verl import use_ray_standin
+
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
         return None, "verl not installed"
+    if "verl" not in sys.modules:
+        use_ray_standin()
+        try:
+            from importlib.metadata import version as _v
+
+            from verl.utils.kernel import kernels  # noqa: F401  (what its first call imports)
+            from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+            return linear_cross_entropy, _v("verl")
+        except ImportError:
+            for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+                del sys.modules[name]
     root = Path(next(iter(spec.submodule_search_locations)))
     for name, path in (("verl", root), ("verl.utils", root / "utils"), ("verl.utils.kernel", root / "utils/kernel")):
         if name not in sys.modules or not hasattr(sys.modules[name], "__path__"):
