@@ -60,6 +60,10 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 
+# GPTModel's position embeddings that need nothing beyond the config (mrope needs a multimodal section).
+_POSITION_EMBEDDINGS = frozenset({"learned_absolute", "rope", "none"})
+
+
 def build_gpt_model(
     *,
     num_layers: int,
@@ -123,6 +127,12 @@ def build_gpt_model(
         )
     if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
         raise TypeError(f"params_dtype must be a floating torch.dtype, got {params_dtype!r}")
+    if not isinstance(position_embedding_type, str):
+        raise TypeError(f"position_embedding_type must be a str, got {type(position_embedding_type).__name__}")
+    if position_embedding_type not in _POSITION_EMBEDDINGS:
+        raise ValueError(
+            f"position_embedding_type must be one of {sorted(_POSITION_EMBEDDINGS)}, got {position_embedding_type!r}"
+        )
     config_kwargs: dict[str, Any] = {
         "num_layers": num_layers,
         "hidden_size": hidden_size,

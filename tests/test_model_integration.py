@@ -410,6 +410,40 @@ def test_build_is_deterministic_and_leaves_the_global_rng_alone():
     assert isinstance(a, GPTModel)
 
 
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_rotary_model_head_matches_logits_path(kind: str, test_seed: int):
+    """``position_embedding_type="rope"`` (as verl's Llama/Qwen models): positions from the
+    sequence or the packed ``cu_seqlens``; the fused head equals the logits path there too."""
+    model = build_gpt_model(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+        max_sequence_length=SEQ, params_dtype=torch.float64, seed=test_seed,
+        transformer_layer_spec=local_gpt_spec(), device=DEVICE, position_embedding_type="rope",
+    )  # fmt: skip
+    assert model.position_embedding_type == "rope" and not hasattr(model.embedding, "position_embeddings")
+    batch = _batch(kind, test_seed)
+    ref_lp, ref_ent = logits_log_probs_and_entropy(
+        model, labels=batch.labels, temperature=TEMPERATURE, **batch.model_inputs()
+    )
+    weighted_backward(ref_lp, ref_ent, torch.ones_like(ref_lp), torch.ones_like(ref_ent))
+    ref_grads = pop_parameter_grads(model)
+    install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+    lp, ent = gpt_log_probs_and_entropy(model, labels=batch.labels, **batch.model_inputs())
+    torch.testing.assert_close(lp, ref_lp, **TOL)
+    torch.testing.assert_close(ent, ref_ent, **TOL)
+    weighted_backward(lp, ent, torch.ones_like(lp), torch.ones_like(ent))
+    for name, grad in pop_parameter_grads(model).items():
+        torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(("value", "error"), [("rotary", ValueError), ("mrope", ValueError), (None, TypeError)])
+def test_build_rejects_bad_position_embedding_type(value, error):
+    with pytest.raises(error, match="position_embedding_type"):
+        build_gpt_model(
+            num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+            max_sequence_length=SEQ, position_embedding_type=value,
+        )  # fmt: skip
+
+
 def test_build_needs_parallel_state(monkeypatch):
     monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
