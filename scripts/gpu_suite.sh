@@ -6,7 +6,7 @@
 #
 # Wheels (Python 3.12, x86-64), both folders git-ignored:
 #   .whl/   verl 0.9.1 and what `import verl` needs (transformers<5.11, huggingface_hub, tokenizers,
-#           tensordict, pyvers, omegaconf, antlr4-python3-runtime, codetiming; Ray stays behind:
+#           tensordict, pyvers, omegaconf, antlr4-python3-runtime, codetiming, orjson; Ray stays behind:
 #           tests/test_verl_real.py says why), liger-kernel: installed in every round
 #   .carry/ megatron_core-*.whl      : e.g. 0.19.0, fetched with
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
