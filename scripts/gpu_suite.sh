@@ -4,15 +4,13 @@
 # so megatron-core >= 0.18 runs the real `output_processor` hook path (and the tests force the
 # fallback path on it too) and an older one runs the fallback path (and the emulated hook).
 #
-# Wheels (Python 3.12, x86-64), both folders git-ignored:
+# Wheels (Python 3.12, x86-64), both folders git-ignored, filled by
+# `scripts/fetch_gpu_wheels.sh [MEGATRON_LM_DIR]`:
 #   .whl/   verl 0.9.1 and what `import verl` needs (transformers<5.11, huggingface_hub, tokenizers,
 #           tensordict, pyvers, omegaconf, antlr4-python3-runtime, codetiming, orjson; Ray stays behind:
 #           tests/test_verl_real.py says why), liger-kernel: installed in every round
-#   .carry/ megatron_core-*.whl      : e.g. 0.19.0, fetched with
-#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d .carry megatron-core==0.19.0
-#           and 0.20.0 (not on PyPI yet): built from Megatron-LM main (d98e8a64) without its optional
-#           C++ dataset helper, as a pure wheel: `pip wheel --no-deps --no-build-isolation .`
+#   .carry/ megatron_core-*.whl: 0.19.0 from PyPI, and 0.20.0 (not on PyPI yet) built from a
+#           Megatron-LM main checkout (d98e8a64 here) as a pure wheel, one round each
 # One command through the device tool:
 #   run(command="bash scripts/gpu_suite.sh", carry=[".whl", ".carry"])
 # Extra arguments go to pytest. Each round's log is written to $OUT (or /tmp) as gpu_suite_<version>.log.
