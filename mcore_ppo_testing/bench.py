@@ -8,7 +8,6 @@ objects (``TritonBackend(forward_config=...)``) and timing options as arguments.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -169,29 +168,36 @@ def load_verl():
     its ``__init__`` pulls tensordict, transformers, ...). The stubs stay in ``sys.modules`` for
     the kernel's lazy imports, so they are used only where the real package cannot load.
     """
-    from mcore_ppo_testing.real_verl import use_ray_standin
+    from importlib.metadata import PackageNotFoundError, version
 
+    from mcore_ppo_testing.real_verl import loaded_modules, use_ray_standin
+
+    def verl_version() -> str:  # "?" for a source tree on the path, without package metadata
+        try:
+            return version("verl")
+        except PackageNotFoundError:
+            return "?"
+
+    # (find_spec cannot be asked while the stubs of an earlier call are in sys.modules.)
+    if "verl" not in sys.modules and importlib.util.find_spec("verl") is None:
+        return None, "verl not installed"
+    use_ray_standin()
+    try:  # the real package, or the stubs of an earlier call, already in sys.modules
+        from verl.utils.kernel import kernels  # noqa: F401  (what its first call imports)
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+        return linear_cross_entropy, verl_version()
+    except ImportError:
+        for name in loaded_modules("verl"):
+            del sys.modules[name]
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
         return None, "verl not installed"
-    if "verl" not in sys.modules:
-        use_ray_standin()
-        try:
-            from importlib.metadata import version as _v
-
-            from verl.utils.kernel import kernels  # noqa: F401  (what its first call imports)
-            from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
-
-            return linear_cross_entropy, _v("verl")
-        except ImportError:
-            for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
-                del sys.modules[name]
     root = Path(next(iter(spec.submodule_search_locations)))
     for name, path in (("verl", root), ("verl.utils", root / "utils"), ("verl.utils.kernel", root / "utils/kernel")):
-        if name not in sys.modules or not hasattr(sys.modules[name], "__path__"):
-            module = types.ModuleType(name)
-            module.__path__ = [str(path)]
-            sys.modules[name] = module
+        module = types.ModuleType(name)
+        module.__path__ = [str(path)]
+        sys.modules[name] = module
     device = types.ModuleType("verl.utils.device")
     device.is_cuda_available = torch.cuda.is_available()
     device.get_device_capability = lambda: torch.cuda.get_device_capability()
@@ -199,12 +205,7 @@ def load_verl():
     device.get_torch_device = lambda: torch.cuda
     sys.modules["verl.utils.device"] = device
     module = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
-    version = "?"
-    with contextlib.suppress(Exception):
-        from importlib.metadata import version as _v
-
-        version = _v("verl")
-    return module.linear_cross_entropy, version
+    return module.linear_cross_entropy, verl_version()
 
 
 def peer_versions() -> dict[str, str | None]:

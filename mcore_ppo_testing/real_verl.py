@@ -15,6 +15,12 @@ from pathlib import Path
 RAY_STANDIN = Path(__file__).resolve().parent / "ray_standin"
 
 
+def loaded_modules(*packages: str) -> list[str]:
+    """Names in ``sys.modules`` of ``packages`` and their submodules (to set aside or drop)."""
+    prefixes = tuple(f"{package}." for package in packages)
+    return [name for name in sys.modules if name in packages or name.startswith(prefixes)]
+
+
 def ray_missing() -> bool:
     """Ray is not importable here (the stand-in, if already on ``sys.path``, does not count)."""
     spec = importlib.util.find_spec("ray")

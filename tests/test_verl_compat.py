@@ -5,15 +5,11 @@ is in ``tests/distributed/test_model_verl_compat.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-
 import pytest
 import torch
 
 from mcore_ppo import fused_log_probs_and_entropy, linear_cross_entropy
-from mcore_ppo_testing.real_verl import use_ray_standin
+from mcore_ppo_testing.bench import load_verl
 from mcore_ppo_testing.reference import reference_outputs
 
 VOCAB, HIDDEN = 128, 32
@@ -86,27 +82,14 @@ def test_verl_linear_cross_entropy_defaults_and_errors():
 
 
 def _verl_linear_cross_entropy():
-    """verl's ``linear_cross_entropy`` without running ``verl/__init__`` (which needs ray and the
-    rest of verl's dependencies): stub the two parent packages, import the kernel module."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("verl is not installed (pip install verl --no-deps)")
-    root = next(iter(spec.submodule_search_locations))
-    use_ray_standin()  # the kernel's first call imports verl.utils.device, hence verl and Ray
-    saved = {name: sys.modules.get(name) for name in ("verl", "verl.utils")}
+    """verl's ``linear_cross_entropy`` (the benchmark's loader: real ``import verl`` where it
+    loads, else the kernel modules under stub parents); skips where verl is not installed."""
     try:
-        for name, sub in (("verl", ""), ("verl.utils", "/utils")):
-            if name not in sys.modules:
-                package = types.ModuleType(name)
-                package.__path__ = [root + sub]
-                sys.modules[name] = package
-        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy as verl_lce
+        verl_lce, info = load_verl()
     except ImportError as error:
         pytest.skip(f"verl's kernel module does not import here: {error}")
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
+    if verl_lce is None:
+        pytest.skip(f"{info} (bash scripts/install_verl_for_tests.sh)")
     return verl_lce
 
 

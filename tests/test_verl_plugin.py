@@ -18,6 +18,7 @@ import torch
 from mcore_ppo.integrations import verl as plugin
 from mcore_ppo.verl_compat import linear_cross_entropy as compat_linear_cross_entropy
 from mcore_ppo_testing.fake_verl import write_fake_verl
+from mcore_ppo_testing.real_verl import loaded_modules
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
@@ -79,10 +80,10 @@ def fake_verl(tmp_path, monkeypatch):
     for name in ("MCORE_PPO_VERL", "MCORE_PPO_VERL_BACKEND", "VERL_USE_EXTERNAL_MODULES"):
         monkeypatch.delenv(name, raising=False)
     # Where the real verl is installed, other tests may have imported parts of it: set them aside.
-    real = {n: sys.modules.pop(n) for n in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]}
+    real = {name: sys.modules.pop(name) for name in loaded_modules("verl")}
     yield
     plugin.uninstall()
-    for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+    for name in loaded_modules("verl"):
         del sys.modules[name]
     sys.modules.update(real)
 

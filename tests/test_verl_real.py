@@ -32,8 +32,9 @@ import torch
 
 from mcore_ppo import build_gpt_model
 from mcore_ppo.integrations import verl as plugin
+from mcore_ppo_testing.gpt_reference import pop_parameter_grads
 from mcore_ppo_testing.layer_specs import local_gpt_spec
-from mcore_ppo_testing.real_verl import RAY_STANDIN, ray_missing, use_ray_standin
+from mcore_ppo_testing.real_verl import RAY_STANDIN, loaded_modules, ray_missing, use_ray_standin
 from mcore_ppo_testing.reference import normwise_relative_error, reference_outputs
 from mcore_ppo_testing.seeds import next_seed
 
@@ -109,7 +110,7 @@ def verl_fused():
         yield fused
     finally:
         plugin.uninstall()
-        for name in [n for n in sys.modules if n in ("verl", "ray") or n.startswith(("verl.", "ray."))]:
+        for name in loaded_modules("verl", "ray"):
             del sys.modules[name]
         if added:
             sys.path.remove(str(RAY_STANDIN))
@@ -159,20 +160,16 @@ def _run(fused, model, batch, kernel):
     """verl's fused forward with ``kernel`` bound where verl binds its own, then a backward."""
     saved = fused.linear_cross_entropy
     fused.linear_cross_entropy = kernel
+    labels_mask = batch[-1]
     try:
         out = fused.fused_forward_model_gen()(model, *batch, TEMPERATURE, {})
-        labels_mask = batch[-1]
         loss = (out["log_probs"] * labels_mask).sum() + 0.3 * (out["entropy"] * labels_mask).sum()
         loss.backward()
     finally:
         fused.linear_cross_entropy = saved
-    grads = {}
-    for name, param in model.named_parameters():
-        assert param.grad is not None, name
-        grads[name] = param.grad.detach().clone()  # kept in its dtype: a cast would round apart equal values
-        param.grad = None
-    mask = batch[-1]
-    return out["log_probs"].detach().float() * mask, out["entropy"].detach().float() * mask, grads
+    # Gradients kept in their dtype: a cast would round apart equal values.
+    grads = pop_parameter_grads(model)
+    return out["log_probs"].detach().float() * labels_mask, out["entropy"].detach().float() * labels_mask, grads
 
 
 @pytest.mark.usefixtures("megatron_tp1")
