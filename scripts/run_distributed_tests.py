@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 
 from mcore_ppo_testing.reports import error_table, merge_errors
 
-_OUTCOME = re.compile(r"^(PASSED|FAILED|SKIPPED|ERROR|XFAILED|XPASSED) (setup|call|teardown) (\S+)$")
-_WORST = {"PASSED": 0, "XFAILED": 0, "SKIPPED": 1, "XPASSED": 2, "FAILED": 3, "ERROR": 3}
+_OUTCOME = re.compile(r"^(PASSED|FAILED|SKIPPED|ERROR|XFAILED|XPASSED|PEERLOST) (setup|call|teardown) (\S+)$")
+# PEERLOST: the rank failed only because another rank's process went away inside a collective
+# (tests/distributed/conftest.py). It never decides a test on its own while another rank hung.
+_WORST = {"PASSED": 0, "XFAILED": 0, "SKIPPED": 1, "XPASSED": 2, "PEERLOST": 3, "FAILED": 4, "ERROR": 4}
 
 
 @dataclass
@@ -168,11 +170,13 @@ def run_file(path: str, args: argparse.Namespace, workdir: str) -> dict:
         for nodeid in started_anywhere:
             seen = [log.outcome[nodeid] for log in ranks if nodeid in log.outcome]
             if any(s == "FAILED" for s in seen) or len(seen) == args.nproc:
-                finished[nodeid] = max(seen, key=_WORST.__getitem__)
+                worst = max(seen, key=_WORST.__getitem__)
+                finished[nodeid] = "FAILED" if worst == "PEERLOST" else worst
         outcomes.update(finished)
         if status == 0 or (not started_anywhere and _all_deselected(rank0_out)):
             break
-        # Started on every rank, finished on none: a hang (or a crash inside it). Not re-run.
+        # Started on every rank, finished on fewer than all (and failed on none by itself): a hang, or a
+        # crash inside it. Not re-run.
         stuck = [n for n in started_anywhere - finished.keys() if all(n in log.started for log in ranks)]
         for nodeid in stuck:
             outcomes[nodeid] = "HUNG" if status == 124 or any(log.other for log in ranks) else "CRASHED"

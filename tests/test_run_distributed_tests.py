@@ -1,8 +1,9 @@
 """The multi-rank runner's isolation (scripts/run_distributed_tests.py), on 2 gloo ranks.
 
 A throwaway test folder with the suite's own conftest holds a test that fails on one rank only
-(its peer then waits in a collective), one that hangs on every rank, and one that passes. The
-runner must report exactly that (1 failed, 1 hung, 1 passed; exit 1), print the failing rank's
+(its peer then waits in a collective), one that hangs on every rank, one that hangs on one rank
+whose peer then fails with the connection gone, and one that passes. The runner must report
+exactly that (1 failed, 2 hung, 1 passed; exit 1), print the failing rank's
 traceback and the hung ranks' stacks, and still run the passing test after them.
 """
 
@@ -17,6 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = """
+import faulthandler
+import signal
+
 import torch
 import torch.distributed as dist
 
@@ -32,6 +36,18 @@ def test_b_hangs_on_every_rank():
         dist.all_reduce(torch.ones(1))
     else:
         dist.barrier()  # a different collective: neither returns
+
+
+def test_b2_hangs_and_the_peer_sees_it_go():
+    # Rank 1 hangs; rank 0 outlives rank 1's watchdog (and torchrun's SIGTERM once rank 1 is gone),
+    # so its collective fails with the peer gone. On a slow machine that happens without the help;
+    # here it happens every time. The failure is the hang's consequence: still a hang, not a failure.
+    if dist.get_rank() == 0:
+        faulthandler.dump_traceback_later(60, exit=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        dist.all_reduce(torch.ones(1))
+    else:
+        dist.barrier()
 
 
 def test_c_passes():
@@ -65,8 +81,9 @@ def test_runner_isolates_failures_and_hangs(tmp_path):
     )
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
-    assert out.strip().splitlines()[-1].startswith("1 failed, 1 hung, 1 passed (2 ranks, gloo)"), out
+    assert out.strip().splitlines()[-1].startswith("1 failed, 2 hung, 1 passed (2 ranks, gloo)"), out
     assert "FAILED: " in out and "test_a_fails_on_rank1_only" in out, out
     assert "HUNG: " in out and "test_b_hangs_on_every_rank" in out, out
+    assert "test_b2_hangs_and_the_peer_sees_it_go" in out.split("HUNG: ", 1)[1], out
     assert "rank 1 alone fails here" in out and "--- rank(s) 1:" in out, out
     assert "Timeout (0:00:10)!" in out, out  # the watchdog's stack dump of the hung ranks

@@ -119,13 +119,23 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
 
 _FAILED_HERE = False  # a test failed on this rank (see process_group's teardown)
 
+# What a collective raises on this rank when another rank's process is gone (its watchdog ended
+# it, or it crashed). Such a failure is the other rank's story: the runner then reports the test
+# by what that rank did (a hang, a failure), not as this rank's failure.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _peer_gone(failure_text: str) -> bool:
+    return any(marker in failure_text for marker in _PEER_GONE)
+
 
 def pytest_runtest_logreport(report) -> None:
     """Each phase's outcome at once; a failure's full report with it."""
     global _FAILED_HERE
     _FAILED_HERE = _FAILED_HERE or report.failed
     if report.when == "call" or report.outcome != "passed":
-        _record(f"{report.outcome.upper()} {report.when} {report.nodeid}")
+        outcome = "PEERLOST" if report.failed and _peer_gone(report.longreprtext) else report.outcome.upper()
+        _record(f"{outcome} {report.when} {report.nodeid}")
     if report.failed:
         _record(f"--- rank {os.environ.get('RANK', '0')} {report.nodeid} ({report.when})\n{report.longreprtext}\n---")
 
