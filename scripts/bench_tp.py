@@ -105,7 +105,7 @@ def main() -> None:
     dist.all_gather_object(results, result)
     if rank == 0:
         print(json.dumps(results, indent=1))
-        with open(os.path.join(args.out, f"bench_tp{tp}.json"), "w") as f:
+        with open(os.path.join(args.out, f"bench_tp{tp}_h{h}_v{vocab}.json"), "w") as f:
             json.dump(results, f, indent=1)
     dist.destroy_process_group()
 

@@ -11,6 +11,9 @@
 #   ppo_half  scripts/bench_ppo.py --tp N/2 (SP) × DP 2 (N >= 4)
 #   ppo_cp    scripts/bench_ppo.py --tp N/2 --cp 2 (SP where TP > 1), CP inside the model, plus
 #             --long-context MGPU_LONG_CONTEXT (default 16384,32768,65536)
+#   tp        scripts/bench_tp.py at TP N: the head alone on real vocab shards, per rank, with its
+#             collectives' share and the scaling against rank 0's TP 1 (MGPU_TP_SHAPES, default
+#             "3584x152064 8192x128256": hidden x vocab, Qwen-7B and Llama-70B)
 #   ppo_tp1   scripts/bench_ppo.py on one GPU (TP 1)
 #   maxmb     scripts/bench_ppo.py --max-micro-batch MGPU_MAX_MB on one GPU: the largest
 #             micro-batch each variant runs before running out of memory
@@ -45,8 +48,8 @@ failed=0
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(gpu1 attn tests ppo ppo_cp)
 for s in "${steps[@]}"; do
-  case "$s" in gpu1|attn|tests|ppo|ppo_half|ppo_cp|ppo_tp1|maxmb) ;;
-    *) echo "multi_gpu_suite: unknown step '$s' (gpu1 attn tests ppo ppo_half ppo_cp ppo_tp1 maxmb)" >&2; exit 2 ;;
+  case "$s" in gpu1|attn|tests|ppo|ppo_half|ppo_cp|tp|ppo_tp1|maxmb) ;;
+    *) echo "multi_gpu_suite: unknown step '$s' (gpu1 attn tests ppo ppo_half ppo_cp tp ppo_tp1 maxmb)" >&2; exit 2 ;;
   esac
 done
 
@@ -159,6 +162,13 @@ for step in "${steps[@]}"; do
       run_step ppo_cp "${MGPU_TIMEOUT_PPO_CP:-300}" "$work/bench_ppo_tp${half}_cp2.log" \
         env PYTHONWARNINGS=ignore "${torchrun[@]}" --nproc_per_node "$ranks" scripts/bench_ppo.py --tp "$half" --cp 2 \
         --long-context "${MGPU_LONG_CONTEXT:-16384,32768,65536}" --out "$work" ${MGPU_PPO_ARGS:-}
+      ;;
+    tp)
+      for shape in ${MGPU_TP_SHAPES:-3584x152064 8192x128256}; do
+        run_step "tp${ranks}_h${shape%x*}" "${MGPU_TIMEOUT_TP:-150}" "$work/bench_tp${ranks}_${shape}.log" \
+          env PYTHONWARNINGS=ignore "${torchrun[@]}" --nproc_per_node "$ranks" scripts/bench_tp.py \
+          --hidden "${shape%x*}" --vocab "${shape#*x}" --out "$work"
+      done
       ;;
     ppo_tp1)
       run_step ppo_tp1 "${MGPU_TIMEOUT_PPO:-240}" "$work/bench_ppo_tp1.log" \

@@ -4,7 +4,7 @@ Every rank draws the same global data from the same seed (``shared_seed``), comp
 single-rank reference locally (full weight, ``tp_group=None``, the ``torch`` backend: the
 oracle), then runs the head on its own part (vocab shard, SP sequence shard, CP chunks) and
 compares. Global sizes are small (DESIGN: 2 busy cores) but chosen so every split is uneven
-in the interesting way: several tokens per shard, vocab shards of 24/48 rows over a backend
+in the interesting way: several tokens per shard, vocab shards of 12/24/48 rows over a backend
 vocab chunk of 16, token chunks that cut through sequences.
 
 ``MCORE_PPO_TEST_BACKEND`` (default ``torch``) picks the backend of the distributed side; its
@@ -31,7 +31,7 @@ VOCAB = 96
 HIDDEN = 16
 TEMPERATURE = 0.7
 IGNORE = -100
-TP_SIZES = (2, 4)
+TP_SIZES = (2, 4, 8)  # TP 8 runs where the world has 8 ranks (skipped, with the reason, elsewhere)
 DTYPES = (torch.float64, torch.float32)
 # Normwise relative tolerance of a distributed result against the single-rank one of the same
 # dtype, and of an fp32 result against the fp64 single-rank result on the same (fp32) data.
@@ -39,12 +39,12 @@ TOL_SAME_DTYPE = {torch.float64: 1e-13, torch.float32: 1e-5}
 TOL_FP32_VS_FP64 = 1e-5
 
 # Global (unsharded) shapes of the three layouts of DESIGN §3; every sequence length divides
-# by 4 (TP 4 with SP), and the three token counts differ so a reshape bug cannot hide.
+# by 8 (TP 8 with SP), and the three token counts differ so a reshape bug cannot hide.
 SBH = "sbh"  # hidden [s, b, h], labels [b, s]
 THD = "thd"  # packed: hidden [t, 1, h], labels [1, t]
 NH = "nh"  # hidden [n, h], labels [n]
-LAYOUT_SHAPES = {SBH: (12, 3), THD: (20, 1), NH: (28, None)}
-# The distributed side runs the torch backend with small chunks (vocab shards of 24/48 rows cut
+LAYOUT_SHAPES = {SBH: (16, 3), THD: (24, 1), NH: (40, None)}
+# The distributed side runs the torch backend with small chunks (vocab shards of 12/24/48 rows cut
 # into 16-row chunks, token chunks of 10 across sequences); the reference keeps the defaults
 # (one chunk), so chunking and sharding are checked together.
 SMALL_TOKEN_CHUNK = 10

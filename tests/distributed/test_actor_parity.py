@@ -1,4 +1,5 @@
-"""The PPO actor gives the same numbers under every layout (4 gloo ranks, fp64 model).
+"""The PPO actor gives the same numbers under every layout (4 gloo ranks in CI; 8 add TP 8, TP 4 ×
+CP 2 and TP 2 × CP 4), fp64 model.
 
 One world, many layouts carved out of it with Megatron's ``parallel_state`` (initialised and
 destroyed per layout): TP 1/2/4 with SP on/off, CP 2 inside the model (SDPA core attention,
@@ -59,6 +60,10 @@ LAYOUTS = [
     (2, 1, 2, True, {"micro_batch_size": 2}),
     # Megatron's plain local attention (no THD): packed batches go in with a block-causal mask.
     (2, 2, 1, True, {"micro_batch_size": 2, "packed_attention": False}),
+    # A world of 8 (skipped, with the reason, on fewer ranks): the layouts of 70B-class runs.
+    (8, 1, 1, True, {"micro_batch_size": 2}),
+    (4, 2, 1, True, {"micro_batch_size": 3, "cp_in_model": True}),
+    (2, 4, 1, True, {"max_tokens_per_micro_batch": 64, "cp_in_model": True}),
 ]
 
 

@@ -1,6 +1,7 @@
 """``tp_group=None`` resolves to Megatron's ``parallel_state`` when it is initialised.
 
-Megatron's model parallelism is initialised on the 4 gloo ranks (TP 4, and TP 2 × CP 2), and
+Megatron's model parallelism is initialised on the whole world (4 gloo ranks: TP 4, TP 2 × CP 2;
+8 ranks: TP 8, TP 4 × CP 2; 2 ranks: TP 2), and
 the head called with ``tp_group=None`` must give bitwise the same outputs and gradients as with
 the explicit group of the same ranks, and match the single-rank result computed before the
 initialisation. ``destroy_model_parallel`` runs in a ``finally`` so no later test inherits it.
@@ -18,7 +19,13 @@ from parallel import resolve_cp_group, resolve_tp_group
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 
 
-@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "tp2xcp2"])
+# A world of 4 runs the first three, a world of 8 the last two (and 2: tp2).
+MEGATRON_LAYOUTS = [(2, 1), (4, 1), (2, 2), (8, 1), (4, 2)]
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp"), MEGATRON_LAYOUTS, ids=[f"tp{t}xcp{c}" if c > 1 else f"tp{t}" for t, c in MEGATRON_LAYOUTS]
+)
 def test_tp_group_none_resolves_to_megatron(tp, cp, check):
     if dist.get_world_size() != tp * cp:
         # Megatron's groups tile the whole world; the harness's cover its first tp·cp ranks only.

@@ -1,7 +1,7 @@
 """The fused head inside a Megatron GPTModel equals the model's own logits path, in every TP layout.
 
-For a small GPT (2 layers, h 32, 4 heads, vocab 128, 16 tokens, float64) and each of TP 1/2/4,
-SP on/off, tied/untied embeddings, padded and packed (THD) batches:
+For a small GPT (2 layers, h 32, 8 heads, vocab 128, 16 tokens, float64) and each of TP 1/2/4/8
+(TP 8 where the world has 8 ranks), SP on/off, tied/untied embeddings, padded and packed (THD) batches:
 
 - the head's ``(log_probs, entropy)`` equal those from the model's full logits (gathered over
   TP, float64 log-softmax), through the ``output_processor`` hook path and the fallback path;
@@ -10,10 +10,10 @@ SP on/off, tied/untied embeddings, padded and packed (THD) batches:
 - every TP layout equals TP 1 (the same global weights from the CPU init; shard gradients
   gathered along their partition dim, SP-partial gradients summed over TP).
 
-CP: ``GPTModel`` runs CP > 1 only with TransformerEngine attention; the CP contract is tested at
-the output boundary (final hidden states of a cp=1 run, split as Megatron splits them, through
-the installed head under CP 2 and TP 2 × CP 2), and the full-model CP test runs only where
-TransformerEngine is installed.
+CP (CP 2, TP 2 × CP 2; on 8 ranks also TP 4 × CP 2 and TP 2 × CP 4, with SP): at the output
+boundary (final hidden states of a cp=1 run, split as Megatron splits them, through the installed
+head), and inside the whole model (the harness's CP attention, ``SdpaAttention``: K/V
+all-gathered over CP, Megatron's load-balanced chunks) against the cp=1 model.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from mcore_ppo_testing.hooked_gpt import forward_path
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp
 
-VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 4, 2, 16
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 8, 2, 16
 TEMPERATURE = 0.7
 # float64 model and reference: any real bug is many orders of magnitude above these.
 TOL = {"rtol": 1e-9, "atol": 1e-11}
-LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True), (8, False), (8, True)]
 
 MAX_DIFF: dict[str, float] = {}
 
@@ -188,12 +188,18 @@ def test_head_matches_logits_path_every_layout():
     dist.barrier()
 
 
-CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True)]
+CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True), (4, 2, True), (2, 4, True)]
+
+
+def _cp_batch(kind: str, cp: int):
+    """A batch CP ``cp`` can split: packed sequences of 2·cp, 4·cp and 2·cp tokens (CP 2: the
+    default 4, 8, 4); padded rows of SEQ = 16 tokens divide by 2·cp up to CP 4."""
+    return synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ, seq_lengths=(2 * cp, 4 * cp, 2 * cp), device=DEVICE)
 
 
 def _check_cp_boundary(kind: str, tp: int, cp: int, sp: bool) -> None:
     where = f"tp{tp} cp{cp}{' sp' if sp else ''} {kind}"
-    batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ, device=DEVICE)
+    batch = _cp_batch(kind, cp)
     cu = batch.cu_seqlens
     labels_full = roll_labels(batch.input_ids, seq_dim=1, cu_seqlens=cu)
     g_lp = torch.randn(labels_full.shape, dtype=torch.float64).to(DEVICE)
@@ -280,7 +286,7 @@ def test_cp_at_output_boundary(tp: int, cp: int, sp: bool):
     dist.barrier()
 
 
-FULL_CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True)]
+FULL_CP_LAYOUTS = [(1, 2, False), (2, 2, False), (2, 2, True), (4, 2, True), (2, 4, True)]
 
 
 def _summed(grads: dict[str, torch.Tensor], names: list[str], group) -> dict[str, torch.Tensor]:
@@ -335,7 +341,7 @@ def test_full_model_context_parallel(tp: int, cp: int, sp: bool, check):
     require_ranks(tp * cp, f"TP{tp} × CP{cp}")
     torch.manual_seed(shared_seed())
     for kind in ("padded", "packed"):
-        batch = synthetic_batch(kind, vocab_size=VOCAB, seq_length=SEQ, device=DEVICE)
+        batch = _cp_batch(kind, cp)
         labels_full = roll_labels(batch.input_ids, seq_dim=1, cu_seqlens=batch.cu_seqlens)
         g_lp = torch.randn(labels_full.shape, dtype=torch.float64).to(DEVICE)
         g_ent = torch.randn(labels_full.shape, dtype=torch.float64).to(DEVICE)
@@ -365,7 +371,7 @@ def _megatron_sp_grad_reduction():
     return reduce
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 4, 8])
 def test_sp_norm_gradients_reduced_as_megatron_reduces_te_norms(tp: int, check):
     """The SP torch norms (SequenceParallelTorchNorm) under SP: their gradients are partial sums over
     each rank's sequence shard until Megatron's own TP all-reduce of ``sequence_parallel``

@@ -31,7 +31,7 @@ def test_verl_compat_tp_values_and_partial_d_hidden(check):
     ref_dh, ref_dw = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), (ref_h, ref_w))
     hidden, weight, labels, g_lp, g_ent = (t.to(DEVICE) for t in (hidden, weight, labels, g_lp, g_ent))
     kind = "verl linear_cross_entropy vs fp64"
-    for tp in fitting((2, 4), lambda tp: tp, lambda tp: f"TP{tp}"):
+    for tp in fitting((2, 4, 8), lambda tp: tp, lambda tp: f"TP{tp}"):
         layout = tp_cp_groups(tp)
         if layout.tp_group is None:
             continue

@@ -21,7 +21,10 @@ from mcore_ppo_testing.nemo_rl_reference import logits_path_logprobs
 from parallel import split_for_cp
 
 VOCAB, H, TEMPERATURE = 64, 16, 0.8
-LAYOUTS = ((2, 1, True), (2, 1, False), (1, 2, False), (2, 2, True), (4, 1, True))
+# (tp, cp, sp); the last three need a world of 8.
+LAYOUTS = (
+    (2, 1, True), (2, 1, False), (1, 2, False), (2, 2, True), (4, 1, True), (8, 1, True), (4, 2, True), (2, 4, True),
+)  # fmt: skip
 
 
 def _cases():

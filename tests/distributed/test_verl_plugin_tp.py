@@ -43,7 +43,7 @@ def test_verl_plugin_d_hidden_complete_with_and_without_sp(check):
     # Megatron's SP gather allocates on torch.cuda.current_device(): the CPU shims map it to the CPU.
     shims = cpu_shims() if DEVICE.type == "cpu" else contextlib.nullcontext()
     with shims:
-        for tp in fitting((2, 4), lambda tp: tp, lambda tp: f"TP{tp}"):
+        for tp in fitting((2, 4, 8), lambda tp: tp, lambda tp: f"TP{tp}"):
             layout = tp_cp_groups(tp)
             if layout.tp_group is None:
                 continue
