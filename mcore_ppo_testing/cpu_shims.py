@@ -21,6 +21,9 @@ What is replaced (all process-global, idempotent, undone by :func:`uninstall_cpu
   grad norm's accumulator) and ``megatron.core.utils`` (the result of the grad-norm fallback
   used without Apex). Only those modules' global name ``torch`` is
   replaced, by a proxy whose tensor factories map a CUDA ``device`` to the CPU.
+- ``torch.cuda.current_stream()`` inside ``megatron.core.distributed.param_and_grad_buffer``
+  (megatron-core >= 0.20 waits there on CUDA-graph events before every gradient reduction)
+  returns a stream whose waits do nothing: the CPU runs one stream, in order.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
 )
 _FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint"})
 
@@ -52,11 +56,38 @@ def _cpu_if_cuda(device: object) -> object:
     return device
 
 
-class _CudaLiteralsOnCpu:
-    """Stands for the ``torch`` module inside one Megatron module: factories given a CUDA device
-    build on the CPU; every other attribute is torch's own."""
+class _InOrderStream:
+    """The CPU's one stream: everything before a wait has already happened."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CudaOnCpu:
+    """Stands for ``torch.cuda`` inside a shimmed module: ``current_stream`` is the CPU's one
+    stream; every other attribute is ``torch.cuda``'s own."""
+
+    def current_stream(self, device: object = None) -> _InOrderStream:
+        return _InOrderStream()
 
     def __getattr__(self, name: str) -> object:
+        return getattr(torch.cuda, name)
+
+
+class _CudaLiteralsOnCpu:
+    """Stands for the ``torch`` module inside one Megatron module: factories given a CUDA device
+    build on the CPU, ``torch.cuda.current_stream()`` is an in-order stream; every other
+    attribute is torch's own."""
+
+    def __getattr__(self, name: str) -> object:
+        if name == "cuda":
+            return _CudaOnCpu()
         attr = getattr(torch, name)
         if name not in _FACTORIES:
             return attr
