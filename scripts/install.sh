@@ -2,7 +2,10 @@
 # Installs mcore_ppo and what its demo and tests need on a CPU machine (Python 3.11).
 #
 # torch comes first, as a CPU build of exactly 2.13.0, so nothing later floats it to a CUDA build:
-#   - a torch 2.13.0 already installed is kept (any build: a GPU machine keeps its CUDA torch);
+#   - a GPU build of torch already installed (CUDA or ROCm, any version) is kept, with the triton
+#     it came with, and so is an installed megatron-core the package supports (0.16.1 – 0.20.x):
+#     a GPU machine keeps its stack (README, "On GPUs"); only what is missing is added;
+#   - a torch 2.13.0 already installed is kept;
 #   - else, when pip's configured sources (a wheel folder, a CPU index set up on the machine) offer
 #     a CPU build of 2.13.0 ("+cpu", or no nvidia-* requirements), that one;
 #   - else PyTorch's CPU wheel index (PyPI's Linux torch wheels are CUDA builds, ~GBs):
@@ -10,7 +13,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch_version=2.13.0
-if python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+# The CPU pins (CI reproducibility); a GPU machine's own stack replaces them below.
+stack=(triton==3.7.1 megatron-core==0.16.1)
+if python -c "import sys, torch; sys.exit(not (torch.version.cuda or torch.version.hip))" 2>/dev/null; then
+  echo "install.sh: keeping the GPU build torch $(python -c 'import torch; print(torch.__version__)') and its triton"
+  # triton 3.7.1 is the CPU torch 2.13.0's; a GPU torch requires its own (kept, or added unpinned).
+  stack=("megatron-core>=0.16.1,<0.21")
+  python -c "import triton" 2>/dev/null || stack+=(triton)
+elif python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
   echo "install.sh: keeping torch $(python -c 'import torch; print(torch.__version__)')"
 else
   report=$(mktemp)
@@ -29,5 +39,5 @@ sys.exit(0 if cpu_name or not cuda_deps else 1)
   fi
   rm -f "$report"
 fi
-python -m pip install -q triton==3.7.1 megatron-core==0.16.1 liger-kernel==0.8.5 pytest hypothesis ruff import-linter pyyaml
+python -m pip install -q "${stack[@]}" liger-kernel==0.8.5 pytest hypothesis ruff import-linter pyyaml
 python -m pip install -q --no-deps -e .

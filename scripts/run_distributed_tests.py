@@ -13,10 +13,11 @@ kept from running are run again in a fresh torchrun, with the finished ones dese
 every test of the file has an outcome. So one failing test never makes later tests fail or hang,
 and never hides them. A test that hangs is reported as HUNG with every rank's stack.
 
-Environment: ``MCORE_PPO_TEST_DIST_BACKEND`` (gloo | nccl), ``MCORE_PPO_TEST_BACKEND`` (head
-backend), ``MCORE_PPO_TEST_TIMEOUT`` (per-test watchdog, s), ``MCORE_PPO_TEST_SEED``. Exit status
-0 only when no test failed or hung. ``--out`` keeps every rank's log, the results files and a
-JSON summary; the final error table merges every file's largest relative errors.
+Environment: ``MCORE_PPO_TEST_DIST_BACKEND`` (gloo: the CPUs, GPUs hidden | nccl: one GPU per
+rank), ``MCORE_PPO_TEST_BACKEND`` (head backend), ``MCORE_PPO_TEST_TIMEOUT`` (per-test watchdog,
+s), ``MCORE_PPO_TEST_SEED``. Exit status 0 only when no test failed or hung. ``--out`` keeps
+every rank's log, the results files and a JSON summary; the final error table merges every
+file's largest relative errors.
 """
 
 from __future__ import annotations
@@ -144,6 +145,11 @@ def run_file(path: str, args: argparse.Namespace, workdir: str) -> dict:
         env["MCORE_PPO_TEST_RESULTS_DIR"] = round_dir
         env["MCORE_PPO_ERROR_REPORT"] = os.path.join(round_dir, "errors.json")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if os.environ.get("MCORE_PPO_TEST_DIST_BACKEND", "gloo") != "nccl":
+            # gloo: the suite runs on the CPUs (conftest.DEVICE) and Megatron through the CPU
+            # shims, which are for processes that see no GPU. So on a GPU machine the gloo suite
+            # (the README's test command) hides the GPUs, and runs exactly as the CPU CI does.
+            env["CUDA_VISIBLE_DEVICES"] = ""
         deselect = [f"--deselect={nodeid}" for nodeid in outcomes]
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),

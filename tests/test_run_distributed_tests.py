@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CASES = """
 import faulthandler
+import os
 import signal
 
 import torch
@@ -51,6 +52,7 @@ def test_b2_hangs_and_the_peer_sees_it_go():
 
 
 def test_c_passes():
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # gloo runs on the CPUs, even on a GPU machine
     total = torch.ones(1)
     dist.all_reduce(total)
     assert total.item() == dist.get_world_size()
