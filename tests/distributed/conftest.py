@@ -122,7 +122,12 @@ _FAILED_HERE = False  # a test failed on this rank (see process_group's teardown
 # What a collective raises on this rank when another rank's process is gone (its watchdog ended
 # it, or it crashed). Such a failure is the other rank's story: the runner then reports the test
 # by what that rank did (a hang, a failure), not as this rank's failure.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_PEER_GONE = (
+    "Connection closed by peer",  # gloo
+    "Connection reset by peer",  # gloo, the TCP store
+    "Broken pipe",
+    "remote process exited",  # NCCL's ncclRemoteError
+)
 
 
 def _peer_gone(failure_text: str) -> bool:
