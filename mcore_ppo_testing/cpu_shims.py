@@ -74,10 +74,14 @@ class _CudaOnCpu:
     stream; every other attribute is ``torch.cuda``'s own."""
 
     def current_stream(self, device: object = None) -> _InOrderStream:
-        return _InOrderStream()
+        return _IN_ORDER_STREAM
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch.cuda, name)
+
+
+_IN_ORDER_STREAM = _InOrderStream()
+_CUDA_ON_CPU = _CudaOnCpu()
 
 
 class _CudaLiteralsOnCpu:
@@ -87,7 +91,7 @@ class _CudaLiteralsOnCpu:
 
     def __getattr__(self, name: str) -> object:
         if name == "cuda":
-            return _CudaOnCpu()
+            return _CUDA_ON_CPU
         attr = getattr(torch, name)
         if name not in _FACTORIES:
             return attr

@@ -145,7 +145,7 @@ def run_file(path: str, args: argparse.Namespace, workdir: str) -> dict:
         env["MCORE_PPO_TEST_RESULTS_DIR"] = round_dir
         env["MCORE_PPO_ERROR_REPORT"] = os.path.join(round_dir, "errors.json")
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if os.environ.get("MCORE_PPO_TEST_DIST_BACKEND", "gloo") != "nccl":
+        if args.backend != "nccl":
             # gloo: the suite runs on the CPUs (conftest.DEVICE) and Megatron through the CPU
             # shims, which are for processes that see no GPU. So on a GPU machine the gloo suite
             # (the README's test command) hides the GPUs, and runs exactly as the CPU CI does.
@@ -223,22 +223,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.pytest_args = pytest_args
     args.files = args.files or sorted(glob.glob("tests/distributed/test_*.py"))
+    args.backend = os.environ.get("MCORE_PPO_TEST_DIST_BACKEND", "gloo")  # what conftest.py reads
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    backend = os.environ.get("MCORE_PPO_TEST_DIST_BACKEND", "gloo")
     with contextlib.ExitStack() as stack:
         workdir = args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="mcore_ppo_dist_"))
         os.makedirs(workdir, exist_ok=True)
         start = time.monotonic()
         results = []
         for path in args.files:
-            print(f"== {path}: torchrun, {args.nproc} ranks ({backend})", flush=True)
+            print(f"== {path}: torchrun, {args.nproc} ranks ({args.backend})", flush=True)
             results.append(run_file(path, args, workdir))
         total: dict[str, int] = {}
-        print(f"\n== distributed suite summary: {args.nproc} ranks ({backend}), {time.monotonic() - start:.0f} s")
+        print(f"\n== distributed suite summary: {args.nproc} ranks ({args.backend}), {time.monotonic() - start:.0f} s")
         for r in results:
             for outcome, n in r["counts"].items():
                 total[outcome] = total.get(outcome, 0) + n
@@ -255,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\nlargest normwise relative error, max over ranks and files:")
             print("\n".join(error_table(errors)))
         line = ", ".join(f"{n} {o.lower()}" for o, n in sorted(total.items()))
-        print(f"\n{line} ({args.nproc} ranks, {backend})")
+        print(f"\n{line} ({args.nproc} ranks, {args.backend})")
         if args.out:
             with open(os.path.join(workdir, "summary.json"), "w") as f:
-                json.dump({"ranks": args.nproc, "backend": backend, "files": results, "total": total}, f, indent=1)
+                json.dump({"ranks": args.nproc, "backend": args.backend, "files": results, "total": total}, f, indent=1)
     bad = sum(n for o, n in total.items() if o not in ("PASSED", "SKIPPED", "XFAILED"))
     return 1 if bad or not total else 0
 

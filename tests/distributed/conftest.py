@@ -217,6 +217,11 @@ class Layout:
 _LAYOUTS: dict[tuple[int, int], Layout] = {}
 
 
+def layout_id(tp: int, cp: int = 1) -> str:
+    """A test id for a TP × CP layout: ``tp2``, ``cp2``, ``tp2xcp2`` (sizes of 1 left out)."""
+    return "x".join(part for part in (f"tp{tp}" * (tp > 1), f"cp{cp}" * (cp > 1)) if part) or "tp1"
+
+
 def tp_cp_groups(tp_size: int, cp_size: int = 1) -> Layout:
     """Groups for ``tp_size × cp_size`` ranks (the first tp·cp ranks of the world; the rest
     get a Layout whose groups are None and must skip the collective part of the test).

@@ -10,7 +10,7 @@ initialisation. ``destroy_model_parallel`` runs in a ``finally`` so no later tes
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import megatron_timeout_minutes, shared_seed, tp_cp_groups
+from conftest import layout_id, megatron_timeout_minutes, shared_seed, tp_cp_groups
 from head_cases import DTYPES, LAYOUT_SHAPES, compare, make_case, reference, run_head, tp_part
 from megatron.core import parallel_state
 
@@ -23,9 +23,7 @@ pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 MEGATRON_LAYOUTS = [(2, 1), (4, 1), (2, 2), (8, 1), (4, 2)]
 
 
-@pytest.mark.parametrize(
-    ("tp", "cp"), MEGATRON_LAYOUTS, ids=[f"tp{t}xcp{c}" if c > 1 else f"tp{t}" for t, c in MEGATRON_LAYOUTS]
-)
+@pytest.mark.parametrize(("tp", "cp"), MEGATRON_LAYOUTS, ids=[layout_id(*layout) for layout in MEGATRON_LAYOUTS])
 def test_tp_group_none_resolves_to_megatron(tp, cp, check):
     if dist.get_world_size() != tp * cp:
         # Megatron's groups tile the whole world; the harness's cover its first tp·cp ranks only.
