@@ -3,7 +3,7 @@
 
 Per shape (per-rank shard, bf16, N tokens, T, a fraction of ignored labels): the no-grad
 statistics of the triton backend with its portable ``stats_kernel`` and with each
-warp-specialised configuration (``--ws split_tiles,group_m,a_stages,b_stages,lag;...``), and
+warp-specialised configuration (``--ws split_tiles,group_m,a_stages,b_stages,lag[,block_k];...``), and
 one ``x @ W.T`` GEMM, timed in rounds whose order rotates (no variant always first or warmest);
 medians over rounds of per-round medians. Every variant's log-prob and entropy are checked
 against a float64 reference of all tokens (normwise relative error) before it is timed.
@@ -32,7 +32,7 @@ from mcore_ppo.backends.triton_backend import TritonBackend
 from mcore_ppo_testing.bench import SHAPES, fp64_reference, make_inputs, rel_err, time_ms
 from parallel.combine import combine_shard_statistics
 
-DEFAULT_WS = "1,8,3,8,3;1,8,3,8,0;1,8,3,8,5;2,8,3,8,3;1,16,3,8,3;1,8,4,6,3"
+DEFAULT_WS = "1,8,3,8,3;1,8,3,8,0;1,8,3,8,5;2,8,4,6,3;1,8,2,3,1,128;2,8,2,3,2,128"
 SMOKE_SHAPES = [(300, 200, 1000), (513, 264, 4093), (128, 4096, 777), (1024, 3584, 2376)]
 ERROR_BOUND = 2e-5  # log-prob and entropy, normwise relative, against fp64 (the kernel's is ~4e-6)
 
@@ -40,8 +40,10 @@ ERROR_BOUND = 2e-5  # log-prob and entropy, normwise relative, against fp64 (the
 def parse_ws(spec: str) -> dict[str, WsConfig]:
     configs = {}
     for item in filter(None, spec.split(";")):
-        split, group, a, b, lag = (int(v) for v in item.split(","))
-        configs[f"ws[{item}]"] = WsConfig(split_tiles=split, group_m=group, a_stages=a, b_stages=b, lag=lag)
+        split, group, a, b, lag, *bk = (int(v) for v in item.split(","))
+        configs[f"ws[{item}]"] = WsConfig(
+            split_tiles=split, group_m=group, a_stages=a, b_stages=b, lag=lag, block_k=bk[0] if bk else 64
+        )
     return configs
 
 

@@ -17,7 +17,6 @@ from mcore_ppo.backends.triton_host import cdiv, descriptor_ok
 
 ROWS_PER_CTA = 256  # two consumer warpgroups of 128 rows
 COLS = 128
-BLOCK_K = 64
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,8 @@ class WsConfig:
     group_m: int = 8  # row blocks per swizzle group
     a_stages: int = 3  # ring depth of each warpgroup's hidden rows
     b_stages: int = 8  # ring depth of the shared weight slices: holds the lag
-    lag: int = 3  # K-steps warpgroup 1 starts behind warpgroup 0 (0: lockstep)
+    lag: int = 3  # K-steps warpgroup 1 starts each tile after warpgroup 0 (0: lockstep)
+    block_k: int = 64
     consumer_regs: int = 232
     producer_regs: int = 40
 
@@ -89,8 +89,8 @@ def ws_partial_statistics(
     units = cdiv(n, ROWS_PER_CTA) * num_splits
     sms = torch.cuda.get_device_properties(x_rows.device).multi_processor_count
     ws_stats_kernel[(min(sms, units),)](
-        _descriptor(x_rows, [ROWS_PER_CTA // 2, BLOCK_K]),
-        _descriptor(weight, [COLS, BLOCK_K]),
+        _descriptor(x_rows, [ROWS_PER_CTA // 2, config.block_k]),
+        _descriptor(weight, [COLS, config.block_k]),
         perm,
         count,
         labels,

@@ -8,8 +8,8 @@ per warpgroup starve on L2 bandwidth (measured: ``128 × 128`` tiles 35-60 % slo
 
 So each CTA computes a ``256 × 128`` tile as two ``128 × 128`` halves, one per consumer
 warpgroup, that share the weight tile (the same L2 traffic per FLOP as ``128 × 256``) but run
-*out of phase*: warpgroup 1 starts ``LAG`` K-steps behind warpgroup 0, so while one folds its
-tile into the statistics the other still has MMAs to issue. Three one-warp producers feed three
+*out of phase*: warpgroup 1 starts each tile ``LAG`` K-steps after warpgroup 0, so while one
+folds its tile into the statistics the other still has MMAs to issue. Three one-warp producers feed three
 rings through the copy engine (TMA): the weight tile (freed when both warpgroups are done with
 it, so it is deep enough to hold the lag) and each warpgroup's hidden rows.
 
@@ -121,9 +121,10 @@ def _consume(
     num_row_blocks = gl.cdiv(N, 2 * ROWS)
     k_steps = gl.cdiv(H, BK)
     scale2 = inv_temp * LOG2E
-    if (not LEADER) and LAG > 0:
-        mbarrier.wait(go, 0)  # start LAG K-steps behind the leader: the two epilogues alternate
+    go_depth: gl.constexpr = go.shape[0]
+    lag_steps = gl.minimum(LAG, k_steps)
     it = 0
+    tile = 0
     for u in range(gl.program_id(0), num_row_blocks * num_splits, gl.num_programs(0)):
         rb, sp = _unit(u, num_row_blocks, num_splits, GROUP_M)
         if rb * 2 * ROWS < count:
@@ -138,6 +139,10 @@ def _consume(
             split_lo = sp * SPLIT_TILES * COLS
             n_tiles = gl.minimum(SPLIT_TILES, gl.cdiv(V - split_lo, COLS))
             for t in range(n_tiles):
+                if (not LEADER) and LAG > 0:
+                    # Each tile starts LAG K-steps behind the leader's, so that the two epilogues
+                    # alternate (left free-running, the two fall into lockstep: measured).
+                    mbarrier.wait(go.index(tile % go_depth), (tile // go_depth) & 1)
                 acc = gl.zeros([ROWS, COLS], gl.float32, layout=acc_layout)
                 for kk in range(k_steps):
                     a_slot = it % a_stages
@@ -152,12 +157,13 @@ def _consume(
                     mbarrier.arrive(a_empty.index((a_slot + a_stages - 1) % a_stages), pred=kk > 0)
                     mbarrier.arrive(b_empty.index((b_slot + b_stages - 1) % b_stages), pred=kk > 0)
                     if LEADER and LAG > 0:
-                        mbarrier.arrive(go, pred=it == LAG - 1)
+                        mbarrier.arrive(go.index(tile % go_depth), pred=kk == lag_steps - 1)
                     it += 1
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 last = it - 1
                 mbarrier.arrive(a_empty.index(last % a_stages))
                 mbarrier.arrive(b_empty.index(last % b_stages))
+                tile += 1
 
                 n0 = split_lo + t * COLS
                 offs_n = n0 + gl.arange(0, COLS, layout=col_layout)
@@ -182,8 +188,6 @@ def _consume(
             gl.store(part_u_ptr + part, u_i * LN2, mask=row_ok)
             mine = row_ok & (labels >= split_lo) & (labels < split_lo + SPLIT_TILES * COLS)
             gl.store(y_ptr + rows, y_i * inv_temp, mask=mine)
-    if LEADER and LAG > 0:
-        mbarrier.arrive(go, pred=it < LAG)  # fewer than LAG steps in all: release the follower anyway
 
 
 @gluon.jit(do_not_specialize=["N"])
@@ -222,7 +226,8 @@ def ws_stats_kernel(
     a1_empty = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [B_STAGES, 1], mbarrier.MBarrierLayout())
     b_empty = gl.allocate_shared_memory(gl.int64, [B_STAGES, 1], mbarrier.MBarrierLayout())
-    go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    # The leader is at most B_STAGES K-steps (so tiles) ahead: one barrier per tile it may lead by.
+    go = gl.allocate_shared_memory(gl.int64, [B_STAGES + 1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(A_STAGES):
         mbarrier.init(a0_ready.index(i), count=1)
         mbarrier.init(a0_empty.index(i), count=1)
@@ -231,7 +236,8 @@ def ws_stats_kernel(
     for i in gl.static_range(B_STAGES):
         mbarrier.init(b_ready.index(i), count=1)
         mbarrier.init(b_empty.index(i), count=2)  # both consumer warpgroups read each weight slice
-    mbarrier.init(go.index(0), count=1)
+    for i in gl.static_range(B_STAGES + 1):
+        mbarrier.init(go.index(i), count=1)
 
     gl.warp_specialize(
         [
@@ -244,7 +250,7 @@ def ws_stats_kernel(
                     a0_empty,
                     b_ready,
                     b_empty,
-                    go.index(0),
+                    go,
                     perm_ptr,
                     count_ptr,
                     labels_ptr,
@@ -272,7 +278,7 @@ def ws_stats_kernel(
                     a1_empty,
                     b_ready,
                     b_empty,
-                    go.index(0),
+                    go,
                     perm_ptr,
                     count_ptr,
                     labels_ptr,
