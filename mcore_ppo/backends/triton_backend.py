@@ -31,7 +31,6 @@ from dataclasses import replace
 import torch
 
 from mcore_ppo.backends.base import GradientRequest, SavedTokens, ShardStatistics
-from mcore_ppo.backends.hopper_ws import WsConfig, ws_partial_statistics, ws_usable
 from mcore_ppo.backends.torch_backend import TorchBackend
 from mcore_ppo.backends.triton_host import (
     ElementwiseConfig,
@@ -113,7 +112,6 @@ class TritonBackend:
         buffer_store_tma: bool | None = None,
         dz_store_tma: bool | None = None,
         buffer_dz_config: ElementwiseConfig | None = None,
-        ws_forward: WsConfig | None = None,
     ):
         """Settings fixed for the backend's life; None takes this module's default (read now).
 
@@ -121,8 +119,7 @@ class TritonBackend:
         (bytes, or with a unit: ``1GiB``, ``512MB``; see :func:`triton_host.budget_bytes`),
         else :data:`BUFFER_BUDGET_BYTES`. ``buffer_store_tma`` / ``dz_store_tma``: copy-engine
         stores of the buffer / dz tiles where the device allows them. ``buffer_dz_config``:
-        tiling of the buffer-mode ``dz`` kernel. ``ws_forward``: the warp-specialised Hopper
-        forward (:mod:`mcore_ppo.backends.hopper_ws`) for statistics-only passes, where usable.
+        tiling of the buffer-mode ``dz`` kernel.
         """
         small = INTERPRETER_CONFIG if interpreting() else None
         self.forward_config = forward_config or small or FORWARD_CONFIG
@@ -135,7 +132,6 @@ class TritonBackend:
         self.buffer_store_tma = BUFFER_STORE_TMA if buffer_store_tma is None else buffer_store_tma
         self.dz_store_tma = DZ_STORE_TMA if dz_store_tma is None else dz_store_tma
         self.buffer_dz_config = buffer_dz_config or BUFFER_DZ_CONFIG
-        self.ws_forward = ws_forward
         self._reference = TorchBackend()
 
     def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -178,11 +174,6 @@ class TritonBackend:
         buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
         store = grad_needed and buffer_bytes <= self.buffer_budget_bytes
         log_buffer_decision(grad_needed, store, buffer_bytes, self.buffer_budget_bytes)
-        if not store and self.ws_forward is not None and ws_usable(hidden, weight):
-            x_rows = gathered_rows(hidden, perm, count)
-            parts, y = ws_partial_statistics(x_rows, weight, perm, count, local_labels, temperature, self.ws_forward)
-            del x_rows
-            return ShardStatistics(*merge_splits(parts, perm, count), y, None)
         use_tma = operands_by_tma(hidden, weight, cfg)
         x_rows = gathered_rows(hidden, perm, count) if use_tma else hidden
         x_desc = descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows
