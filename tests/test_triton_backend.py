@@ -284,6 +284,74 @@ def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):
     assert (dh[ignored] == 0).all()
 
 
+def _label_pattern(name: str, n: int, block_m: int, gen: torch.Generator) -> torch.Tensor:
+    """Which tokens are ignored, shaped like real batches: none, prompt/padding runs that cross
+    row blocks, scattered tokens, a padded tail."""
+    ignored = torch.zeros(n, dtype=torch.bool)
+    if name == "prompt-runs":
+        ignored[3:8] = True  # a short prompt, then a run longer than a block
+        ignored[3 * block_m + 2 : 4 * block_m + 4] = True
+    elif name == "scattered":
+        ignored = torch.rand(n, generator=gen) < 0.2
+    elif name == "padded-tail":
+        ignored[n - block_m - 3 :] = True
+    return ignored
+
+
+@pytest.mark.parametrize("pattern", ["none-ignored", "prompt-runs", "scattered", "padded-tail"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-view"])
+def test_blocks_of_consecutive_rows_read_in_place(monkeypatch, pattern, strided):
+    """Copy engine on: row blocks whose valid rows are consecutive in ``hidden`` are read in
+    place, the others from the gathered copy; outputs and gradients equal the fp64 reference
+    either way, for label patterns that make every block, some, or none direct; ignored rows
+    full of inf stay out; a strided view of the hidden states (16-byte pitch) too."""
+    _use_tma_everywhere(monkeypatch)
+    block_m = triton_backend.TritonBackend().forward_config.block_m
+    n = 5 * block_m + 7  # a partial last block
+    seed = next_seed()
+    hidden, weight, labels, g, e = make_case(n, 32, 75, seed=seed, ignored=0.0)
+    ignored = _label_pattern(pattern, n, block_m, generator(seed))
+    labels[ignored] = IGNORE_INDEX
+    clean = check_against_reference(hidden, weight, labels, 0.9, g, e)
+    padded = hidden.clone()
+    padded[ignored] = float("inf")
+    if strided:
+        wide = torch.full((n, 40), float("nan"), dtype=padded.dtype, device=padded.device)
+        wide[:, :32] = padded
+        padded = wide[:, :32]  # row pitch 40 elements (160 bytes), the rest NaN
+    logp, ent, dh, dw = run_head(padded, weight, labels, 0.9, g, e)
+    for got, want in zip((logp, ent, dh, dw), clean, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gather_skips_exactly_the_blocks_read_in_place():
+    """``gather_rows_kernel`` with a block size copies (or zeroes past the count) every row of a
+    block that is not consecutive valid rows, and leaves the rows of the others untouched."""
+    from mcore_ppo.kernels import gather_rows_kernel
+
+    block_m, n, h = 4, 23, 8
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[[5, 13, 14]] = False  # blocks 1 and 3 mix in a gap; block 5 is past the count
+    hidden = torch.randn(n, h, generator=generator(next_seed())).to(DEVICE)
+    perm, count = triton_backend.compact_rows(valid.to(DEVICE))
+    dst = torch.full((n, h), -7.0, device=DEVICE)
+    gather_rows_kernel[(n,)](hidden, perm, count, dst, n, h, hidden.stride(0), block_m, BLOCK_H=16)
+    k = int(valid.sum())
+    order = perm.cpu().tolist()
+    for block in range(-(-n // block_m)):
+        rows = range(block * block_m, min((block + 1) * block_m, n))
+        direct = rows[-1] < k and len(rows) == block_m and order[rows[-1]] - order[rows[0]] == block_m - 1
+        for r in rows:
+            want = torch.full((h,), -7.0) if direct else (hidden[order[r]].cpu() if r < k else torch.zeros(h))
+            assert torch.equal(dst[r].cpu(), want), (block, r, direct)
+    skipped = sum(
+        1
+        for b in range(n // block_m)
+        if (b + 1) * block_m <= k and order[(b + 1) * block_m - 1] - order[b * block_m] == block_m - 1
+    )
+    assert 0 < skipped < n // block_m  # the case has both kinds of block
+
+
 def test_compact_rows():
     gen = generator(next_seed())
     valid = torch.rand(57, generator=gen) < 0.6

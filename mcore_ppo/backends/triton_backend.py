@@ -41,6 +41,7 @@ from mcore_ppo.backends.triton_host import (
     cdiv,
     compact_rows,
     descriptor,
+    descriptor_ok,
     for_dtype,
     gathered_rows,
     interpreting,
@@ -175,8 +176,12 @@ class TritonBackend:
         store = grad_needed and buffer_bytes <= self.buffer_budget_bytes
         log_buffer_decision(grad_needed, store, buffer_bytes, self.buffer_budget_bytes)
         use_tma = operands_by_tma(hidden, weight, cfg)
-        x_rows = gathered_rows(hidden, perm, count) if use_tma else hidden
+        direct = use_tma and descriptor_ok(hidden)  # blocks of consecutive valid rows read in place
+        x_rows = (
+            gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m if direct else 0) if use_tma else hidden
+        )
         x_desc = descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows
+        xo_desc = descriptor(hidden, [cfg.block_m, cfg.block_k]) if direct else x_desc
         w_desc = descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
         buf_tma = False
         if store:
@@ -190,6 +195,7 @@ class TritonBackend:
             x_rows,
             weight,
             x_desc,
+            xo_desc,
             w_desc,
             perm,
             count,
@@ -219,9 +225,10 @@ class TritonBackend:
             USE_TMA=use_tma,
             STORE_P=store,
             BUF_TMA=buf_tma,
+            DIRECT_ROWS=direct,
             **kernel_flags(hidden, cfg),
         )
-        del x_rows, x_desc  # the descriptor holds the gathered rows too
+        del x_rows, x_desc, xo_desc  # the descriptors hold the rows too
         residual = ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count) if store else None
         m, sum_exp, u = merge_splits(parts, perm, count)
         return ShardStatistics(m, sum_exp, u, y, residual)

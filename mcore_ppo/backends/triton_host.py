@@ -213,19 +213,25 @@ def operands_by_tma(hidden: torch.Tensor, weight: torch.Tensor, config: GemmConf
     return config.use_tma and aligned and tma_capable(hidden)
 
 
-def gathered_rows(hidden: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def gathered_rows(
+    hidden: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, *, skip_direct_blocks: int = 0
+) -> torch.Tensor:
     """``hidden[perm]`` with the rows past the device-side ``count`` zeroed: valid rows first.
 
     Contiguous ``n × h`` in the input dtype, one launch (``gather_rows_kernel``). The zeros are
     stored, not multiplied in, so an inf in an ignored row (padding) never reaches a GEMM that
-    runs over every row (``d_W``) as 0·inf = NaN.
+    runs over every row (``d_W``) as 0·inf = NaN. ``skip_direct_blocks`` = a kernel's
+    ``BLOCK_M``: blocks of valid rows that are consecutive in ``hidden`` (which that kernel
+    reads in place) are left uncopied; every block when no token is ignored.
     """
     from mcore_ppo.kernels import gather_rows_kernel
 
     n, h = hidden.shape
     rows = torch.empty(n, h, dtype=hidden.dtype, device=hidden.device)
     if n:
-        gather_rows_kernel[(n,)](hidden, perm, count, rows, h, hidden.stride(0), BLOCK_H=ROW_BLOCK)
+        gather_rows_kernel[(n,)](
+            hidden, perm, count, rows, n, h, hidden.stride(0), skip_direct_blocks, BLOCK_H=ROW_BLOCK
+        )
     return rows
 
 

@@ -29,14 +29,35 @@ def compact_kernel(valid_ptr, perm_ptr, count_ptr, N, BLOCK: tl.constexpr):
         valid_before += tl.sum(flags, 0)
 
 
-@triton.jit(do_not_specialize_on_alignment=["perm_ptr", "count_ptr"])
-def gather_rows_kernel(src_ptr, perm_ptr, count_ptr, dst_ptr, H, stride_src, BLOCK_H: tl.constexpr):
+@triton.jit
+def contiguous_block(perm_ptr, count, N, row0, BLOCK_M):
+    """``(direct, first)``: compacted rows ``row0 .. row0+BLOCK_M-1`` are all valid and are the
+    consecutive original rows ``first ..``, so a tile can read them in place.
+
+    ``perm``'s valid part is increasing, so its first and last entries decide it.
+    """
+    last_row = row0 + BLOCK_M - 1
+    first = tl.load(perm_ptr + row0)
+    last = tl.load(perm_ptr + tl.minimum(last_row, N - 1))
+    return (last_row < count) & (last - first == BLOCK_M - 1), first
+
+
+@triton.jit(do_not_specialize=["N", "skip_block_m"], do_not_specialize_on_alignment=["perm_ptr", "count_ptr"])
+def gather_rows_kernel(src_ptr, perm_ptr, count_ptr, dst_ptr, N, H, stride_src, skip_block_m, BLOCK_H: tl.constexpr):
     """``dst[r] = src[perm[r]]`` for ``r < count``, zeros after: one program per row.
 
     The zeros are written, not computed as ``0·src``: an inf in an ignored row stays out.
+    ``skip_block_m`` > 0 (a runtime value: one compiled variant for the forward's use and the
+    backward's): rows of blocks of that many rows that :func:`contiguous_block` says are read
+    in place are not copied (their ``dst`` rows stay unwritten).
     """
     r = tl.program_id(0)
-    keep = r < tl.load(count_ptr)
+    count = tl.load(count_ptr)
+    if skip_block_m > 0:
+        direct, _ = contiguous_block(perm_ptr, count, N, (r // skip_block_m) * skip_block_m, skip_block_m)
+        if direct:
+            return
+    keep = r < count
     src_row = tl.load(perm_ptr + r).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         offs = h0 + tl.arange(0, BLOCK_H)

@@ -9,8 +9,9 @@ in fp32 and folds it into per-row running statistics in registers, in base-2 uni
 
 and stores them per (split, row) converted back to natural units (``m·ln2``, ``s``,
 ``u·ln2``). The label's logit is stored by the split that holds it. Logits never reach
-memory. Rows are visited through ``perm`` (valid rows first; with ``USE_TMA`` the host has
-gathered them into a contiguous copy, read by the copy engine); a program whose rows all lie
+memory. Rows are visited through ``perm`` (valid rows first; with ``USE_TMA`` the copy engine
+reads them from the host's gathered copy, or in place where a block's valid rows are
+consecutive in the original, ``DIRECT_ROWS``); a program whose rows all lie
 past the device-side valid count exits before any GEMM work, so ignored tokens cost nothing
 and the host never learns the count.
 
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 
 from mcore_ppo.kernels.common import grouped_tile, tile_dot
+from mcore_ppo.kernels.compact import contiguous_block
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -45,6 +47,7 @@ def stats_kernel(
     x_ptr,
     w_ptr,
     x_desc,
+    xo_desc,
     w_desc,
     perm_ptr,
     count_ptr,
@@ -75,6 +78,7 @@ def stats_kernel(
     USE_TMA: tl.constexpr,
     STORE_P: tl.constexpr,
     BUF_TMA: tl.constexpr,
+    DIRECT_ROWS: tl.constexpr,
 ):
     """Per-(split, row) ``(m, s, u)`` partials and the label logit ``y``; see the module doc."""
     pid = tl.program_id(0)
@@ -86,6 +90,14 @@ def stats_kernel(
     row_ok = offs_m < count
     rows = tl.load(perm_ptr + offs_m, mask=offs_m < N, other=0)
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+    # With DIRECT_ROWS (TMA), a block of valid rows that are consecutive in the original
+    # hidden (every block when nothing is ignored) is read in place through ``xo_desc``; the
+    # host's gather copied only the other blocks into ``x_desc``'s rows.
+    direct = False
+    row0 = pid_m * BLOCK_M
+    if DIRECT_ROWS:
+        direct, first = contiguous_block(perm_ptr, count, N, pid_m * BLOCK_M, BLOCK_M)
+        row0 = tl.where(direct, first, row0)
 
     scale2 = inv_temp * LOG2E
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -99,26 +111,16 @@ def stats_kernel(
         n0 = split_lo + t * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
-        acc = tile_dot(
-            x_ptr,
-            w_ptr,
-            x_desc,
-            w_desc,
-            rows,
-            tl.minimum(offs_n, V - 1),
-            pid_m * BLOCK_M,
-            n0,
-            H,
-            stride_x,
-            stride_w,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            EVEN_K,
-            UPCAST,
-            DOT_IEEE,
-            USE_TMA,
-        )
+        if direct:
+            acc = tile_dot(
+                x_ptr, w_ptr, xo_desc, w_desc, rows, tl.minimum(offs_n, V - 1), row0, n0, H, stride_x,
+                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, USE_TMA,
+            )  # fmt: skip
+        else:
+            acc = tile_dot(
+                x_ptr, w_ptr, x_desc, w_desc, rows, tl.minimum(offs_n, V - 1), row0, n0, H, stride_x,
+                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, USE_TMA,
+            )  # fmt: skip
         # The label first, so that acc is dead (overwritten by z2) before the statistics.
         has_label = (labels >= n0) & (labels < n0 + BLOCK_N)
         if tl.max(has_label.to(tl.int32), 0) > 0:  # ~1 tile in 5 at V=152k: skip the select elsewhere
