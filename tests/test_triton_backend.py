@@ -352,9 +352,11 @@ def test_gather_skips_exactly_the_blocks_read_in_place():
     assert 0 < skipped < n // block_m  # the case has both kinds of block
 
 
-def test_compact_rows():
+@pytest.mark.parametrize("n", [57, 9001], ids=["one-step", "three-steps"])
+def test_compact_rows(n):
+    """Valid rows first, in order, then the ignored ones; over several of the kernel's steps too."""
     gen = generator(next_seed())
-    valid = torch.rand(57, generator=gen) < 0.6
+    valid = torch.rand(n, generator=gen) < 0.6
     perm, count = triton_backend.compact_rows(valid.to(DEVICE))
     k = int(valid.sum())
     assert count.tolist() == [k] and count.dtype == torch.int32

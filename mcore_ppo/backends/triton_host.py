@@ -16,7 +16,8 @@ import torch
 
 from mcore_ppo.logs import log_once
 
-COMPACT_BLOCK = 1024
+COMPACT_BLOCK = 4096  # rows per step of the one-program compaction: 4 dependent steps at n = 16384
+COMPACT_WARPS = 8
 ROW_BLOCK = 1024  # columns per step of the row gather / scatter kernels
 MERGE_BLOCK_T = 64
 MERGE_BLOCK_S = 32
@@ -97,7 +98,9 @@ def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = valid.shape[0]
     perm = torch.empty(n, dtype=torch.int32, device=valid.device)
     count = torch.empty(1, dtype=torch.int32, device=valid.device)
-    compact_kernel[(1,)](valid.contiguous().view(torch.uint8), perm, count, n, BLOCK=COMPACT_BLOCK)
+    compact_kernel[(1,)](
+        valid.contiguous().view(torch.uint8), perm, count, n, BLOCK=COMPACT_BLOCK, num_warps=COMPACT_WARPS
+    )
     return perm, count
 
 
