@@ -176,12 +176,6 @@ class TritonBackend:
         store = grad_needed and buffer_bytes <= self.buffer_budget_bytes
         log_buffer_decision(grad_needed, store, buffer_bytes, self.buffer_budget_bytes)
         use_tma = operands_by_tma(hidden, weight, cfg)
-        direct = use_tma and descriptor_ok(hidden)  # blocks of consecutive valid rows read in place
-        x_rows = (
-            gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m if direct else 0) if use_tma else hidden
-        )
-        x_desc = descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows
-        xo_desc = descriptor(hidden, [cfg.block_m, cfg.block_k]) if direct else x_desc
         w_desc = descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
         buf_tma = False
         if store:
@@ -191,44 +185,26 @@ class TritonBackend:
         else:
             buf = tmax = y  # unused (STORE_P off)
         buf_desc = descriptor(buf, [cfg.block_m, cfg.block_n]) if buf_tma else buf
-        stats_kernel[(cdiv(n, cfg.block_m) * num_splits,)](
-            x_rows,
-            weight,
-            x_desc,
-            xo_desc,
-            w_desc,
-            perm,
-            count,
-            local_labels,
-            parts[0],
-            parts[1],
-            parts[2],
-            y,
-            buf,
-            buf_desc,
-            tmax,
-            n,
-            v,
-            h,
-            hidden.stride(0),
-            weight.stride(0),
-            num_splits,
-            1.0 / temperature,
-            n_tiles_v,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            TILES_PER_SPLIT=cfg.tiles_per_split,
-            GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            USE_TMA=use_tma,
-            STORE_P=store,
-            BUF_TMA=buf_tma,
-            DIRECT_ROWS=direct,
-            **kernel_flags(hidden, cfg),
-        )
-        del x_rows, x_desc, xo_desc  # the descriptors hold the rows too
+        # Blocks of consecutive valid rows are read in place (a first launch), the others from
+        # a gathered copy of only their rows (a second): no row copy when nothing is ignored.
+        direct = use_tma and descriptor_ok(hidden)
+
+        def launch(x_rows: torch.Tensor, direct_pass: int) -> None:
+            x_desc = descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows
+            stats_kernel[(cdiv(n, cfg.block_m) * num_splits,)](
+                x_rows, weight, x_desc, w_desc, perm, count, local_labels, parts[0], parts[1], parts[2], y,
+                buf, buf_desc, tmax, n, v, h, x_rows.stride(0), weight.stride(0), num_splits, 1.0 / temperature,
+                n_tiles_v, direct_pass, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                TILES_PER_SPLIT=cfg.tiles_per_split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, USE_TMA=use_tma, STORE_P=store, BUF_TMA=buf_tma, DIRECT_ROWS=direct,
+                **kernel_flags(hidden, cfg),
+            )  # fmt: skip
+
+        if direct:
+            launch(hidden, 1)
+            launch(gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m), 0)
+        else:
+            launch(gathered_rows(hidden, perm, count) if use_tma else hidden, 0)
         residual = ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count) if store else None
         m, sum_exp, u = merge_splits(parts, perm, count)
         return ShardStatistics(m, sum_exp, u, y, residual)

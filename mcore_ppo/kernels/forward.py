@@ -31,7 +31,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit(
-    do_not_specialize=["N"],
+    do_not_specialize=["N", "direct_pass"],  # 0 / 1: one variant for both launches
     do_not_specialize_on_alignment=[
         "perm_ptr",
         "count_ptr",
@@ -47,7 +47,6 @@ def stats_kernel(
     x_ptr,
     w_ptr,
     x_desc,
-    xo_desc,
     w_desc,
     perm_ptr,
     count_ptr,
@@ -67,6 +66,7 @@ def stats_kernel(
     num_splits,
     inv_temp,
     n_tiles_v,
+    direct_pass,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -90,13 +90,16 @@ def stats_kernel(
     row_ok = offs_m < count
     rows = tl.load(perm_ptr + offs_m, mask=offs_m < N, other=0)
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
-    # With DIRECT_ROWS (TMA), a block of valid rows that are consecutive in the original
-    # hidden (every block when nothing is ignored) is read in place through ``xo_desc``; the
-    # host's gather copied only the other blocks into ``x_desc``'s rows.
-    direct = False
+    # DIRECT_ROWS (TMA): the host launches this kernel twice. ``direct_pass`` 1: only the blocks
+    # whose valid rows are consecutive in the original hidden (every block when nothing is
+    # ignored), read in place through ``x_desc`` over it; 0: the other blocks, from the host's
+    # gathered copy. (One launch with both descriptors would compile two pipelined K loops
+    # whose operand stages do not fit shared memory together.)
     row0 = pid_m * BLOCK_M
     if DIRECT_ROWS:
-        direct, first = contiguous_block(perm_ptr, count, N, pid_m * BLOCK_M, BLOCK_M)
+        direct, first = contiguous_block(perm_ptr, count, N, row0, BLOCK_M)
+        if direct != (direct_pass != 0):
+            return
         row0 = tl.where(direct, first, row0)
 
     scale2 = inv_temp * LOG2E
@@ -111,16 +114,26 @@ def stats_kernel(
         n0 = split_lo + t * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < V
-        if direct:
-            acc = tile_dot(
-                x_ptr, w_ptr, xo_desc, w_desc, rows, tl.minimum(offs_n, V - 1), row0, n0, H, stride_x,
-                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, USE_TMA,
-            )  # fmt: skip
-        else:
-            acc = tile_dot(
-                x_ptr, w_ptr, x_desc, w_desc, rows, tl.minimum(offs_n, V - 1), row0, n0, H, stride_x,
-                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, USE_TMA,
-            )  # fmt: skip
+        acc = tile_dot(
+            x_ptr,
+            w_ptr,
+            x_desc,
+            w_desc,
+            rows,
+            tl.minimum(offs_n, V - 1),
+            row0,
+            n0,
+            H,
+            stride_x,
+            stride_w,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            UPCAST,
+            DOT_IEEE,
+            USE_TMA,
+        )
         # The label first, so that acc is dead (overwritten by z2) before the statistics.
         has_label = (labels >= n0) & (labels < n0 + BLOCK_N)
         if tl.max(has_label.to(tl.int32), 0) > 0:  # ~1 tile in 5 at V=152k: skip the select elsewhere
