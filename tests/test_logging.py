@@ -61,11 +61,12 @@ def test_triton_buffer_decision_logged_once_per_kind(caplog_info):
 
     if not triton_backend.is_available():
         pytest.skip("triton cannot run here")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only under the interpreter
     gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(40, 16, generator=gen)
-    labels = torch.randint(0, 40, (6,), generator=gen)
+    weight = torch.randn(40, 16, generator=gen).to(device)
+    labels = torch.randint(0, 40, (6,), generator=gen).to(device)
     for budget, grad in ((1 << 20, True), (1 << 20, True), (0, True), (1 << 20, False), (1, True)):
-        hidden = torch.randn(6, 16, generator=gen, requires_grad=grad)
+        hidden = torch.randn(6, 16, generator=gen).to(device).requires_grad_(grad)
         with torch.set_grad_enabled(grad):
             fused_log_probs_and_entropy(
                 hidden, weight, labels, tp_group=None, backend="triton", buffer_budget_bytes=budget
