@@ -324,6 +324,27 @@ def test_blocks_of_consecutive_rows_read_in_place(monkeypatch, pattern, strided)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_unaligned_hidden_is_gathered_whole(monkeypatch):
+    """Hidden states the copy engine cannot address in place (a view 4 bytes into its storage)
+    take the gathered copy for every block, with the same results as an aligned copy."""
+    _use_tma_everywhere(monkeypatch)
+    block_m = triton_backend.TritonBackend().forward_config.block_m
+    n = 3 * block_m + 1
+    hidden, weight, labels, g, e = make_case(n, 32, 60, seed=next_seed(), ignored=0.1)
+    storage = torch.cat([torch.zeros(1, dtype=hidden.dtype), hidden.cpu().flatten()]).to(DEVICE)
+    storage.requires_grad_(True)
+    unaligned = storage[1:].view(n, 32)  # the head sees this view itself, not a copy of it
+    assert not triton_backend.descriptor_ok(unaligned)
+    want = run_head(hidden, weight, labels, 0.6, g, e)
+    logp, ent = fused_log_probs_and_entropy(
+        unaligned, weight.to(DEVICE), labels.to(DEVICE), temperature=0.6, backend="triton"
+    )
+    torch.autograd.backward([logp, ent], [g.to(DEVICE), e.to(DEVICE)])
+    torch.testing.assert_close(logp.detach(), want[0], rtol=0, atol=0)
+    torch.testing.assert_close(ent.detach(), want[1], rtol=0, atol=0)
+    torch.testing.assert_close(storage.grad[1:].view(n, 32), want[2], rtol=0, atol=0)
+
+
 def test_gather_skips_exactly_the_blocks_read_in_place():
     """``gather_rows_kernel`` with a block size copies (or zeroes past the count) every row of a
     block that is not consecutive valid rows, and leaves the rows of the others untouched."""
