@@ -1,0 +1,98 @@
+"""The GEMM kernels, at the backend's default GPU configs, compiled for Hopper (sm_90) on any
+machine, and their shared memory within what an H100/H200 gives one block.
+
+Why: Triton sizes a kernel's shared memory at compile time; a change that adds operand stages
+(a second pipelined K loop, a deeper ring, a staging tile) compiles fine in the CPU interpreter
+and only fails on a GPU, at launch (``OutOfResources: shared memory``; it happened: 360 KB
+asked of 227 KB, docs/kernels.md). Triton's compiler and ``ptxas`` come with the triton wheel,
+so the real compile runs here, in a subprocess without the interpreter and with a stand-in
+driver that names the target and launches nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+HOPPER_SHARED_BYTES = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB)
+
+COMPILE = textwrap.dedent(
+    """
+    import json, sys, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+
+    class HopperTarget:  # what JITFunction asks of a driver before it launches anything
+        def get_current_target(self): return GPUTarget("cuda", 90, 64)
+        def get_current_device(self): return 0
+        def get_current_stream(self, device=None): return 0
+        def get_active_torch_device(self): return torch.device("cpu")
+
+
+    driver.set_active(HopperTarget())
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from mcore_ppo.backends.triton_backend import BACKWARD_CONFIG, FORWARD_CONFIG
+    from mcore_ppo.kernels import dz_kernel, stats_kernel
+
+    n, h, v = 1024, 3584, 19008
+    x = torch.empty(n, h, dtype=torch.bfloat16)
+    w = torch.empty(v, h, dtype=torch.bfloat16)
+    ints = torch.empty(n, dtype=torch.int32)
+    count = torch.empty(1, dtype=torch.int32)
+    labels = torch.empty(n, dtype=torch.int64)
+    vec = torch.empty(n)
+    shared = {}
+    f = FORWARD_CONFIG
+    splits = triton.cdiv(v, f.tiles_per_split * f.block_n)
+    tiles = triton.cdiv(v, f.block_n)
+    for store in (False, True):
+        buf = torch.empty(n, v, dtype=torch.bfloat16) if store else vec
+        tmax = torch.empty(n, tiles) if store else vec
+        buf_desc = TensorDescriptor.from_tensor(buf, [f.block_m, f.block_n]) if store else buf
+        kernel = stats_kernel.warmup(
+            x, w, TensorDescriptor.from_tensor(x, [f.block_m, f.block_k]),
+            TensorDescriptor.from_tensor(w, [f.block_n, f.block_k]), ints, count, labels, vec, vec, vec, vec,
+            buf, buf_desc, tmax, n, v, h, h, h, splits, 1.0, tiles, 1,
+            BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k, TILES_PER_SPLIT=f.tiles_per_split,
+            GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=min(f.num_stages, 3) if store else f.num_stages,
+            USE_TMA=True, STORE_P=store, BUF_TMA=store, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False,
+            DOT_IEEE=False, grid=(1,),
+        )
+        shared["stats_kernel buffer" if store else "stats_kernel"] = kernel.metadata.shared
+    b = BACKWARD_CONFIG
+    chunk = 7680
+    dz = torch.empty(n, chunk, dtype=torch.bfloat16)
+    kernel = dz_kernel.warmup(
+        x, w, TensorDescriptor.from_tensor(x, [b.block_m, b.block_k]),
+        TensorDescriptor.from_tensor(w, [b.block_n, b.block_k]), ints, count, labels, vec, vec, vec, vec,
+        dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0,
+        HAS_G=True, HAS_E=True, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, GROUP_M=b.group_m,
+        num_warps=b.num_warps, num_stages=min(b.num_stages, 3), USE_TMA=True, DZ_TMA=True, EVEN_K=True,
+        UPCAST=False, DOT_IEEE=False, grid=(1,),
+    )
+    shared["dz_kernel"] = kernel.metadata.shared
+    print(json.dumps(shared))
+    """
+)
+
+
+def test_default_gemm_kernels_fit_hopper_shared_memory():
+    """stats_kernel (statistics only, and with the probability buffer's TMA store) and
+    dz_kernel (with its TMA store) at the default tiles and stages, bf16, TMA operands."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(shared) == {"stats_kernel", "stats_kernel buffer", "dz_kernel"}
+    print(shared)
+    too_big = {name: size for name, size in shared.items() if size > HOPPER_SHARED_BYTES}
+    assert not too_big, f"over {HOPPER_SHARED_BYTES} bytes of shared memory on sm_90: {too_big}"
+    assert all(size > 64 * 1024 for size in shared.values())  # the operand stages are really there
