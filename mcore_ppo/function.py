@@ -147,23 +147,22 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         valid = labels != plan.ignore_index
         local_labels = labels - plan.vocab_start
         in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
-        local_labels = torch.where(in_shard, local_labels, torch.full_like(local_labels, -1))
+        local_labels = torch.where(in_shard, local_labels, -1)
 
         stats = plan.backend.shard_statistics(
             hidden, weight, local_labels, valid, plan.temperature, grad_needed=grad_needed
         )
         lse, entropy, label_logit = combine_shard_statistics(*stats.tensors(), plan.tp_group)
 
-        zero = torch.zeros_like(lse)
         # Rounding can push log p a hair above 0 or H a hair below 0; the math forbids both.
-        log_prob = torch.where(valid, (label_logit - lse).clamp(max=0.0), zero)
+        log_prob = torch.where(valid, (label_logit - lse).clamp(max=0.0), 0.0)
         # A label outside [0, vocab_size) that was not caught by validation (CUDA without
         # MCORE_PPO_VALIDATE=1) poisons its log-prob instead of returning a plausible number.
         out_of_range = valid & ((labels < 0) | (labels >= plan.vocab_size))
-        log_prob = torch.where(out_of_range, torch.full_like(log_prob, torch.nan), log_prob)
+        log_prob = log_prob.masked_fill(out_of_range, torch.nan)
         # Near-uniform logits: H rounds to within an ulp of log V, possibly above it.
         max_entropy = _max_entropy(plan.vocab_size, entropy.dtype)
-        entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=max_entropy), zero)
+        entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=max_entropy), 0.0)
 
         ctx.save_for_backward(hidden, weight, local_labels, valid, lse, entropy)
         ctx.plan = plan

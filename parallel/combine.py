@@ -61,14 +61,17 @@ def combine_shard_statistics(
     Two collectives: an all-reduce MAX of ``m``, then one all-reduce SUM of the packed
     ``[s, u, y]`` rescaled to the global max. All inputs are fp32 ``[n]``; so are the outputs.
     """
-    global_max = m.clone()
-    if group_size(tp_group) > 1:
+    if group_size(tp_group) == 1:
+        # One shard: its statistics are already relative to its own max (rescaling them to it
+        # is the identity, ~10 small kernels per call); nothing to reduce.
+        global_max, sum_exp, entropy_term, label_logit = m, s, u, y
+    else:
+        global_max = m.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-    s_scaled, u_scaled = rescale_statistics(m, s, u, global_max)
-    packed = torch.stack([s_scaled, u_scaled, y])
-    if group_size(tp_group) > 1:
+        s_scaled, u_scaled = rescale_statistics(m, s, u, global_max)
+        packed = torch.stack([s_scaled, u_scaled, y])
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-    sum_exp, entropy_term, label_logit = packed.unbind(0)
+        sum_exp, entropy_term, label_logit = packed.unbind(0)
     log_sum_exp = torch.log(sum_exp)
     lse = global_max + log_sum_exp
     # H = -Σ p (z - lse) = lse - E[z] = log S - U / S   (U relative to the global max)
