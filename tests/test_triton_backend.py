@@ -385,6 +385,24 @@ def test_compact_rows(n):
     assert perm[k:].tolist() == torch.nonzero(~valid).flatten().tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp32_products_match_an_fp32_upcast(dtype):
+    """``mm_fp32`` (a new fp32 result) and ``addmm_fp32`` (added into one) give the product of
+    the fp32-upcast operands, the first as if added into zeros."""
+    from mcore_ppo.backends import triton_host
+
+    gen = generator(next_seed())
+    a = torch.randn(7, 33, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(33, 5, generator=gen).to(dtype).to(DEVICE)
+    want = a.float() @ b.float()
+    got = triton_host.mm_fp32(a, b, "test")
+    assert got.dtype == torch.float32 and got.shape == (7, 5)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    acc = torch.ones(7, 5, device=DEVICE)
+    triton_host.addmm_fp32(acc, a, b, "test")
+    torch.testing.assert_close(acc, want + 1, rtol=1e-6, atol=1e-6)
+
+
 def test_fp64_falls_back_to_reference():
     hidden, weight, labels, g, e = make_case(12, 8, 30, seed=next_seed(), dtype=torch.float64)
     check_against_reference(hidden, weight, labels, 1.0, g, e, rtol=1e-12, grad_rtol=1e-10)

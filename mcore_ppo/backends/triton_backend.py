@@ -48,6 +48,7 @@ from mcore_ppo.backends.triton_host import (
     kernel_flags,
     log_buffer_decision,
     merge_splits,
+    mm_fp32,
     operands_by_tma,
     rowmajor,
     scatter_rows,
@@ -260,7 +261,7 @@ class TritonBackend:
         # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
         use_tma = operands_by_tma(hidden, weight, cfg)
         x_c = gathered_rows(hidden, perm, count) if use_tma or weight_grad is not None else None
-        hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=device) if request.need_hidden_grad else None
+        hidden_grad_c = None  # fp32 [n, h]: the first chunk's GEMM writes it, the others add
         chunk = self.vocab_chunk(n, v, hidden.element_size())
         workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
         flags = kernel_flags(hidden, cfg)
@@ -305,7 +306,9 @@ class TritonBackend:
                 DZ_TMA=dz_tma,
                 **flags,
             )
-            if hidden_grad_c is not None:
+            if request.need_hidden_grad and hidden_grad_c is None:
+                hidden_grad_c = mm_fp32(dz, weight[v0 : v0 + vc], "d_hidden")
+            elif request.need_hidden_grad:
                 addmm_fp32(hidden_grad_c, dz, weight[v0 : v0 + vc], "d_hidden")
             if weight_grad is not None:
                 addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), x_c, "d_weight")
@@ -332,8 +335,7 @@ class TritonBackend:
         local_labels, lse, entropy = saved.local_labels, saved.lse, saved.entropy
         weight_grad = request.weight_grad
         hidden, weight = rowmajor(hidden), rowmajor(weight)
-        n, h = hidden.shape
-        v = weight.shape[0]
+        n, v = hidden.shape[0], weight.shape[0]
         has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, request.grad_entropy, lse)
         cfg = self.buffer_dz_config
         n_tiles_v = tmax.shape[1]
@@ -361,8 +363,7 @@ class TritonBackend:
         del tmax
         hidden_grad = None
         if request.need_hidden_grad:
-            hidden_grad_c = torch.zeros(n, h, dtype=torch.float32, device=hidden.device)
-            addmm_fp32(hidden_grad_c, buf, weight, "d_hidden")
+            hidden_grad_c = mm_fp32(buf, weight, "d_hidden")
         if weight_grad is not None:
             x_c = gathered_rows(hidden, perm, count)
             addmm_fp32(weight_grad, buf.t(), x_c, "d_weight")
