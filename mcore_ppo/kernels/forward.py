@@ -86,10 +86,6 @@ def stats_kernel(
     count = tl.load(count_ptr)
     if pid_m * BLOCK_M >= count:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < count
-    rows = tl.load(perm_ptr + offs_m, mask=offs_m < N, other=0)
-    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
     # DIRECT_ROWS (TMA): the host launches this kernel twice. ``direct_pass`` 1: only the blocks
     # whose valid rows are consecutive in the original hidden (every block when nothing is
     # ignored), read in place through ``x_desc`` over it; 0: the other blocks, from the host's
@@ -101,6 +97,11 @@ def stats_kernel(
         if direct != (direct_pass != 0):
             return
         row0 = tl.where(direct, first, row0)
+    # After the pass check: the programs the other launch owns exit before loading anything more.
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < count
+    rows = tl.load(perm_ptr + offs_m, mask=offs_m < N, other=0)
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
 
     scale2 = inv_temp * LOG2E
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
