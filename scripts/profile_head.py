@@ -93,11 +93,14 @@ def sweep_variants() -> dict[str, dict]:
     """Settings of the triton backend to compare (name → ``TritonBackend`` arguments)."""
     from mcore_ppo.backends import triton_backend as tb
 
-    dz = tb.BUFFER_DZ_CONFIG
+    dz, bwd = tb.BUFFER_DZ_CONFIG, tb.BACKWARD_CONFIG
     budget = {"buffer_budget_bytes": 2**40}
     return {
         "recompute": {"buffer_budget_bytes": 0},
         "recompute, dz pointer stores": {"buffer_budget_bytes": 0, "dz_store_tma": False},
+        "recompute, dz 2 tiles/program": {"buffer_budget_bytes": 0, "backward_config": replace(bwd, tiles_per_split=2)},
+        "recompute, dz 4 tiles/program": {"buffer_budget_bytes": 0, "backward_config": replace(bwd, tiles_per_split=4)},
+        "recompute, 1 GiB dz workspace": {"buffer_budget_bytes": 0, "workspace_bytes": 2**30},
         "buffer": budget,
         "buffer, pointer stores": {**budget, "buffer_store_tma": False},
         "buffer, fp32 log2": {**budget, "buffer_dz_config": replace(dz, fast_log2=False)},
@@ -123,6 +126,11 @@ def forward_variants() -> dict[str, dict]:
         "4 tiles/split": replace(base, tiles_per_split=4),
         "BLOCK_N 128": replace(base, block_n=128),
         "BLOCK_N 128, 4 tiles/split": replace(base, block_n=128, tiles_per_split=4),
+        # One warpgroup per 128 x 128 tile: two programs fit one SM (registers and shared
+        # memory), so one's softmax can run while the other's MMAs do.
+        "BLOCK_N 128, 4 warps": replace(base, block_n=128, num_warps=4),
+        "BLOCK_N 128, 4 warps, 4 tiles/split": replace(base, block_n=128, num_warps=4, tiles_per_split=4),
+        "BLOCK_M 64, 4 warps, 2 stages": replace(base, block_m=64, num_warps=4, num_stages=2),
         "BLOCK_M 64": replace(base, block_m=64),
         "BLOCK_M 64, 4 warps": replace(base, block_m=64, num_warps=4),
         "BLOCK_K 128, 2 stages": replace(base, block_k=128, num_stages=2),

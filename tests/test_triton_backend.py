@@ -10,6 +10,7 @@ so the one bf16 test relies on the kernels' upcast-after-load path.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -174,6 +175,30 @@ def test_several_backward_chunks(monkeypatch):
     hidden, weight, labels, g, e = make_case(30, 16, v, seed=next_seed())
     assert triton_backend.TritonBackend().vocab_chunk(30, v, 4) == 2 * block_n
     check_against_reference(hidden, weight, labels, 0.6, g, e)
+
+
+@pytest.mark.parametrize("tiles", [2, 3])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("outputs", ["both", "log_prob", "entropy"])
+def test_dz_tiles_per_program(monkeypatch, tiles, tma, outputs):
+    """``dz_kernel`` folding several vocab tiles into one program (the backward config's
+    ``tiles_per_split``) gives bit for bit the one-tile-per-program gradients: over several
+    backward chunks whose tile count the program's tiles do not divide, with row blocks past
+    the valid count (the zeros path), for either upstream gradient alone."""
+    if tma:
+        _use_tma_everywhere(monkeypatch)
+    one = triton_backend.TritonBackend()
+    block_m, block_n = one.backward_config.block_m, one.backward_config.block_n
+    monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 40 * 4 * 5 * block_n)  # 5-tile chunks at n = 40
+    several = triton_backend.TritonBackend(backward_config=replace(one.backward_config, tiles_per_split=tiles))
+    n, v = 40, 11 * block_n + 5  # chunks of 5, 5 and 2 tiles, the last one ragged
+    hidden, weight, labels, g, e = make_case(n, 16, v, seed=next_seed(), ignored=0.2)
+    labels[n - 2 * block_m :] = IGNORE_INDEX  # the last row blocks hold no valid row
+    g, e = {"both": (g, e), "log_prob": (g, None), "entropy": (None, e)}[outputs]
+    want = check_against_reference(hidden, weight, labels, 0.8, g, e, backend=triton_backend.TritonBackend())
+    got = run_head(hidden, weight, labels, 0.8, g, e, backend=several)
+    for name, a, b in zip(("log_prob", "entropy", "d_hidden", "d_weight"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_main_grad_accumulation():

@@ -272,7 +272,7 @@ class TritonBackend:
             vc = min(chunk, v - v0)
             dz = workspace[:, :vc]
             dz_desc = descriptor(dz, [cfg.block_m, cfg.block_n]) if dz_tma else dz
-            dz_kernel[(cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),)](
+            dz_kernel[(cdiv(n, cfg.block_m) * cdiv(cdiv(vc, cfg.block_n), cfg.tiles_per_split),)](
                 x_c if use_tma else hidden,
                 weight,
                 x_desc,
@@ -304,6 +304,7 @@ class TritonBackend:
                 num_stages=cfg.num_stages,
                 USE_TMA=use_tma,
                 DZ_TMA=dz_tma,
+                TILES=cfg.tiles_per_split,
                 **flags,
             )
             if request.need_hidden_grad and hidden_grad_c is None:
