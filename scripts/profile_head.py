@@ -93,13 +93,11 @@ def sweep_variants() -> dict[str, dict]:
     """Settings of the triton backend to compare (name → ``TritonBackend`` arguments)."""
     from mcore_ppo.backends import triton_backend as tb
 
-    dz, bwd = tb.BUFFER_DZ_CONFIG, tb.BACKWARD_CONFIG
+    dz = tb.BUFFER_DZ_CONFIG
     budget = {"buffer_budget_bytes": 2**40}
     return {
         "recompute": {"buffer_budget_bytes": 0},
         "recompute, dz pointer stores": {"buffer_budget_bytes": 0, "dz_store_tma": False},
-        "recompute, dz 2 tiles/program": {"buffer_budget_bytes": 0, "backward_config": replace(bwd, tiles_per_split=2)},
-        "recompute, dz 4 tiles/program": {"buffer_budget_bytes": 0, "backward_config": replace(bwd, tiles_per_split=4)},
         "recompute, 1 GiB dz workspace": {"buffer_budget_bytes": 0, "workspace_bytes": 2**30},
         "buffer": budget,
         "buffer, pointer stores": {**budget, "buffer_store_tma": False},
@@ -115,9 +113,10 @@ def forward_variants() -> dict[str, dict]:
 
     base = tb.FORWARD_CONFIG
     configs = {
-        "default": base,
+        "default": base,  # 2 tiles per split whatever the shard
         "2 tiles/split": replace(base, tiles_per_split=2),
         "8 tiles/split": replace(base, tiles_per_split=8),
+        "16 tiles/split": replace(base, tiles_per_split=16),
         "GROUP_M 8": replace(base, group_m=8),
         "GROUP_M 32": replace(base, group_m=32),
         "4 stages": replace(base, num_stages=4),
@@ -135,10 +134,13 @@ def forward_variants() -> dict[str, dict]:
         "BLOCK_M 64, 4 warps": replace(base, block_m=64, num_warps=4),
         "BLOCK_K 128, 2 stages": replace(base, block_k=128, num_stages=2),
     }
-    return {name: {"forward_config": cfg} for name, cfg in configs.items()}
+    # "by shard": the backend's own choice (tiles per split by shard size), the others as given.
+    return {"by shard": {}} | {name: {"forward_config": cfg} for name, cfg in configs.items()}
 
 
-def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3, forward: bool = False) -> dict:
+def sweep_case(
+    h: int, v: int, n: int, temperature: float, calls: int, rounds: int = 3, forward: bool = False, only=()
+) -> dict:
     """Forward+backward (or, with ``forward``, no-grad forward) medians per variant, variants
     interleaved round by round (clock drift)."""
     from mcore_ppo.backends.triton_backend import TritonBackend
@@ -146,7 +148,10 @@ def sweep_case(h: int, v: int, n: int, temperature: float, calls: int, rounds: i
     inputs = seeded_inputs(h, v, n)
     one_gemm = head_calls(inputs, temperature)[2]
     runs = {}
-    for name, settings in (forward_variants() if forward else sweep_variants()).items():
+    variants = forward_variants() if forward else sweep_variants()
+    if only:
+        variants = {k: val for k, val in variants.items() if k in only}
+    for name, settings in variants.items():
         nograd, step, _ = head_calls(inputs, temperature, TritonBackend(**settings))
         runs[name] = nograd if forward else step
     times: dict[str, list[float]] = defaultdict(list)
@@ -171,6 +176,9 @@ def main(argv=None) -> int:
     parser.add_argument("--buffer", action="store_true", help="also profile the issue-6 probability buffer")
     parser.add_argument("--sweep", action="store_true", help="time forward+backward under setting variants")
     parser.add_argument("--sweep-forward", action="store_true", help="time the no-grad forward under tile configs")
+    parser.add_argument(
+        "--variants", default="", help="with --sweep / --sweep-forward: ';'-separated names (default: all)"
+    )
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -182,7 +190,8 @@ def main(argv=None) -> int:
             h, vocab = SHAPES[shape]
             for tp in (int(t) for t in args.tp.split(",")):
                 fwd = args.sweep_forward
-                medians = sweep_case(h, vocab // tp, args.tokens, args.temperature, args.calls, forward=fwd)
+                only = [name for name in args.variants.split(";") if name]
+                medians = sweep_case(h, vocab // tp, args.tokens, args.temperature, args.calls, forward=fwd, only=only)
                 key, gemms = ("nograd_fwd_ms", 1) if fwd else ("fwd_bwd_ms", 4)
                 report["cases"].append({"shape": shape, "tp": tp, key: medians})
                 gemm = medians["one GEMM"]

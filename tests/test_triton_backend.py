@@ -177,28 +177,26 @@ def test_several_backward_chunks(monkeypatch):
     check_against_reference(hidden, weight, labels, 0.6, g, e)
 
 
-@pytest.mark.parametrize("tiles", [2, 3])
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-@pytest.mark.parametrize("outputs", ["both", "log_prob", "entropy"])
-def test_dz_tiles_per_program(monkeypatch, tiles, tma, outputs):
-    """``dz_kernel`` folding several vocab tiles into one program (the backward config's
-    ``tiles_per_split``) gives bit for bit the one-tile-per-program gradients: over several
-    backward chunks whose tile count the program's tiles do not divide, with row blocks past
-    the valid count (the zeros path), for either upstream gradient alone."""
-    if tma:
-        _use_tma_everywhere(monkeypatch)
-    one = triton_backend.TritonBackend()
-    block_m, block_n = one.backward_config.block_m, one.backward_config.block_n
-    monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 40 * 4 * 5 * block_n)  # 5-tile chunks at n = 40
-    several = triton_backend.TritonBackend(backward_config=replace(one.backward_config, tiles_per_split=tiles))
-    n, v = 40, 11 * block_n + 5  # chunks of 5, 5 and 2 tiles, the last one ragged
-    hidden, weight, labels, g, e = make_case(n, 16, v, seed=next_seed(), ignored=0.2)
-    labels[n - 2 * block_m :] = IGNORE_INDEX  # the last row blocks hold no valid row
-    g, e = {"both": (g, e), "log_prob": (g, None), "entropy": (None, e)}[outputs]
-    want = check_against_reference(hidden, weight, labels, 0.8, g, e, backend=triton_backend.TritonBackend())
-    got = run_head(hidden, weight, labels, 0.8, g, e, backend=several)
-    for name, a, b in zip(("log_prob", "entropy", "d_hidden", "d_weight"), got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+# Vocab rows per shard -> the forward's tiles per split (qwen7b, llama3-8b, V 262144 at TP 1-8).
+MEASURED_SHARDS = {152064: 8, 131072: 8, 128256: 8, 262144: 8, 76032: 4, 65536: 4, 64128: 4}
+MEASURED_SHARDS |= {38016: 2, 32064: 2, 19008: 2, 16032: 2, 1000: 2, 1: 2}
+
+
+def test_forward_tiles_per_split_follow_the_shard(monkeypatch):
+    """The default GPU config folds 8, 4 or 2 vocab tiles per forward program by shard size,
+    as measured (docs/kernels.md), keeping at least MIN_FORWARD_SPLITS splits where it can; a
+    config the caller gives is used as given."""
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
+    backend = triton_backend.TritonBackend()
+    block_n = backend.forward_config.block_n
+    for v, tiles in MEASURED_SHARDS.items():
+        cfg = backend.forward_config_for(v)
+        assert cfg.tiles_per_split == tiles, (v, cfg.tiles_per_split)
+        assert cfg == replace(backend.forward_config, tiles_per_split=tiles)
+        splits = -(-v // (tiles * block_n))
+        assert tiles == 2 or splits >= triton_backend.MIN_FORWARD_SPLITS
+    given = replace(triton_backend.FORWARD_CONFIG, tiles_per_split=4)
+    assert triton_backend.TritonBackend(forward_config=given).forward_config_for(152064) is given
 
 
 def test_main_grad_accumulation():

@@ -75,6 +75,12 @@ def is_available() -> bool:
 # Chosen by measurement on one H200 (docs/kernels.md, profile_head --sweep-forward): TMA
 # operands, and 3 stages with 2 tiles per split, were the fastest forward at every V/tp measured.
 FORWARD_CONFIG = GemmConfig(num_stages=3, tiles_per_split=2, use_tma=True)
+# Vocab tiles per forward program, by shard (measured: profile_head.py --sweep-forward, qwen7b,
+# llama3-8b and V 262144 at TP 1-8, docs/kernels.md "tiles per split by shard"): the most of
+# these that still leaves MIN_FORWARD_SPLITS vocab splits per row block. Longer programs merge
+# fewer partials and start fewer pipelines; too few splits leave SMs idle in the last waves.
+FORWARD_TILES_PER_SPLIT = (8, 4, 2)
+MIN_FORWARD_SPLITS = 48
 BACKWARD_CONFIG = GemmConfig(tiles_per_split=1, use_tma=True)
 INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 # Upper bound on the bf16 ``dz`` workspace of the backward (one vocab chunk × all tokens).
@@ -125,6 +131,8 @@ class TritonBackend:
         """
         small = INTERPRETER_CONFIG if interpreting() else None
         self.forward_config = forward_config or small or FORWARD_CONFIG
+        # Only the default GPU config follows the shard size; a given config is used as given.
+        self.tiles_by_shard = forward_config is None and small is None
         self.backward_config = backward_config or (small and replace(small, tiles_per_split=1)) or BACKWARD_CONFIG
         self.workspace_bytes = workspace_bytes or WORKSPACE_BYTES
         if buffer_budget_bytes is None:
@@ -165,9 +173,9 @@ class TritonBackend:
         from mcore_ppo.kernels import stats_kernel
 
         hidden, weight = rowmajor(hidden), rowmajor(weight)
-        cfg = for_dtype(self.forward_config, hidden.dtype)
         n, h = hidden.shape
         v = weight.shape[0]
+        cfg = for_dtype(self.forward_config_for(v), hidden.dtype)
         perm, count = compact_rows(valid)
         num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
         parts = torch.empty(3, num_splits, n, dtype=torch.float32, device=hidden.device)
@@ -209,6 +217,17 @@ class TritonBackend:
         residual = ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count) if store else None
         m, sum_exp, u = merge_splits(parts, perm, count)
         return ShardStatistics(m, sum_exp, u, y, residual)
+
+    def forward_config_for(self, v: int) -> GemmConfig:
+        """The forward's tile config for a shard of ``v`` vocab rows (one per shard size, so
+        one compile per model): the default's ``tiles_per_split`` by FORWARD_TILES_PER_SPLIT."""
+        cfg = self.forward_config
+        if not self.tiles_by_shard:
+            return cfg
+        for tiles in FORWARD_TILES_PER_SPLIT:
+            if cdiv(v, tiles * cfg.block_n) >= MIN_FORWARD_SPLITS:
+                return replace(cfg, tiles_per_split=tiles)
+        return replace(cfg, tiles_per_split=FORWARD_TILES_PER_SPLIT[-1])
 
     def vocab_chunk(self, n: int, v: int, itemsize: int) -> int:
         """Columns per backward chunk: the ``dz`` workspace stays within ``workspace_bytes``."""
@@ -272,7 +291,7 @@ class TritonBackend:
             vc = min(chunk, v - v0)
             dz = workspace[:, :vc]
             dz_desc = descriptor(dz, [cfg.block_m, cfg.block_n]) if dz_tma else dz
-            dz_kernel[(cdiv(n, cfg.block_m) * cdiv(cdiv(vc, cfg.block_n), cfg.tiles_per_split),)](
+            dz_kernel[(cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),)](
                 x_c if use_tma else hidden,
                 weight,
                 x_desc,
@@ -304,7 +323,6 @@ class TritonBackend:
                 num_stages=cfg.num_stages,
                 USE_TMA=use_tma,
                 DZ_TMA=dz_tma,
-                TILES=cfg.tiles_per_split,
                 **flags,
             )
             if request.need_hidden_grad and hidden_grad_c is None:

@@ -60,164 +60,27 @@ def dz_kernel(
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
     DZ_TMA: tl.constexpr,
-    TILES: tl.constexpr,
 ):
     """``dz[:, j - v0] / T`` for columns ``j`` in ``[v0, v0 + VC)`` of the shard; see the module doc."""
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(VC, BLOCK_N)
-    pid_m, pid_g = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(tiles_n, TILES), GROUP_M)
-    first_n = pid_g * TILES
-    n_tiles = tl.minimum(TILES, tiles_n - first_n)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), tl.cdiv(VC, BLOCK_N), GROUP_M)
     count = tl.load(count_ptr)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_n = offs_m < N
+    rows = tl.load(perm_ptr + offs_m, mask=in_n, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < VC
+    dz_ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + offs_n[None, :]
+    store_mask = in_n[:, None] & col_ok[None, :]
     if pid_m * BLOCK_M >= count:
         zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32).to(dz_ptr.dtype.element_ty)
-        for tile in range(0, n_tiles):
-            offs_n = (first_n + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
-            if DZ_TMA:
-                dz_desc.store([pid_m * BLOCK_M, (first_n + tile) * BLOCK_N], zeros)
-            else:
-                dz_ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + offs_n[None, :]
-                tl.store(dz_ptrs, zeros, mask=in_n[:, None] & (offs_n < VC)[None, :])
+        if DZ_TMA:
+            dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], zeros)
+        else:
+            tl.store(dz_ptrs, zeros, mask=store_mask)
         return
-    # Per row, once for the program's TILES vocab tiles.
-    rows = tl.load(perm_ptr + offs_m, mask=in_n, other=0)
     row_ok = offs_m < count
-    lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * LOG2E
-    if HAS_G:
-        g_t = tl.where(row_ok, tl.load(g_ptr + rows, mask=row_ok, other=0.0) * inv_temp, 0.0)
-        labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32) - v0
-    else:
-        g_t = tl.zeros((BLOCK_M,), tl.float32)
-        labels = tl.full((BLOCK_M,), -1, tl.int32)
-    if HAS_E:
-        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-        e_t = tl.where(row_ok, tl.load(e_ptr + rows, mask=row_ok, other=0.0) * inv_temp, 0.0)
-        q_slope = e_t * LN2
-        q_const = g_t + e_t * ent
-    else:
-        q_slope = g_t
-        q_const = g_t
-    # TILES == 1 stays straight-line code: as a one-trip loop, ptxas allocates 255 registers
-    # and spills (sm_90, Triton 3.6), where the loop over 2+ tiles and the plain body use ~180.
-    if TILES == 1:
-        _dz_tile(
-            x_ptr,
-            w_ptr,
-            x_desc,
-            w_desc,
-            rows,
-            row_ok,
-            in_n,
-            offs_m,
-            lse2,
-            g_t,
-            labels,
-            q_slope,
-            q_const,
-            dz_ptr,
-            dz_desc,
-            pid_m,
-            first_n,
-            VC,
-            v0,
-            H,
-            stride_x,
-            stride_w,
-            stride_dz,
-            inv_temp,
-            HAS_G,
-            HAS_E,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            EVEN_K,
-            UPCAST,
-            DOT_IEEE,
-            USE_TMA,
-            DZ_TMA,
-        )
-    else:
-        for tile in range(0, n_tiles):
-            _dz_tile(
-                x_ptr,
-                w_ptr,
-                x_desc,
-                w_desc,
-                rows,
-                row_ok,
-                in_n,
-                offs_m,
-                lse2,
-                g_t,
-                labels,
-                q_slope,
-                q_const,
-                dz_ptr,
-                dz_desc,
-                pid_m,
-                first_n + tile,
-                VC,
-                v0,
-                H,
-                stride_x,
-                stride_w,
-                stride_dz,
-                inv_temp,
-                HAS_G,
-                HAS_E,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                EVEN_K,
-                UPCAST,
-                DOT_IEEE,
-                USE_TMA,
-                DZ_TMA,
-            )
 
-
-@triton.jit
-def _dz_tile(
-    x_ptr,
-    w_ptr,
-    x_desc,
-    w_desc,
-    rows,
-    row_ok,
-    in_n,
-    offs_m,
-    lse2,
-    g_t,
-    labels,
-    q_slope,
-    q_const,
-    dz_ptr,
-    dz_desc,
-    pid_m,
-    pid_n,
-    VC,
-    v0,
-    H,
-    stride_x,
-    stride_w,
-    stride_dz,
-    inv_temp,
-    HAS_G: tl.constexpr,
-    HAS_E: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    DZ_TMA: tl.constexpr,
-):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of ``dz / T``: recompute its logits, then the formula of
-    the module doc with the per-row terms the kernel loaded once."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tile_dot(
         x_ptr,
         w_ptr,
@@ -238,23 +101,30 @@ def _dz_tile(
         DOT_IEEE,
         USE_TMA,
     )
+    lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * LOG2E
+    if HAS_G:
+        g_t = tl.where(row_ok, tl.load(g_ptr + rows, mask=row_ok, other=0.0) * inv_temp, 0.0)
+    else:
+        g_t = tl.zeros((BLOCK_M,), tl.float32)
     t = acc * (inv_temp * LOG2E) - lse2[:, None]
     p = tl.exp2(t)
     if HAS_E:
-        q = q_slope[:, None] * t + q_const[:, None]
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        e_t = tl.where(row_ok, tl.load(e_ptr + rows, mask=row_ok, other=0.0) * inv_temp, 0.0)
+        q = (e_t * LN2)[:, None] * t + (g_t + e_t * ent)[:, None]
     else:
         q = g_t[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # Rows past the valid count may hold any logits: 2^t can be inf there, so select, don't multiply.
     dz = tl.where(row_ok[:, None], -p * q, 0.0)
     if HAS_G:
+        labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32) - v0
         has_label = (labels >= pid_n * BLOCK_N) & (labels < pid_n * BLOCK_N + BLOCK_N)
         if tl.max(has_label.to(tl.int32), 0) > 0:
             dz += tl.where(offs_n[None, :] == labels[:, None], g_t[:, None], 0.0)
     if DZ_TMA:
         dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], dz.to(dz_ptr.dtype.element_ty))
     else:
-        dz_ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + offs_n[None, :]
-        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=in_n[:, None] & (offs_n < VC)[None, :])
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
