@@ -59,28 +59,50 @@ def test_c_passes():
 """
 
 
-def test_runner_isolates_failures_and_hangs(tmp_path):
+LATE_RANK = """
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+if os.environ["RANK"] == "1":
+    time.sleep(14)  # starts later than the watchdog's 10 s (cold imports on a busy machine)
+
+
+def test_after_a_late_start():
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == dist.get_world_size()
+"""
+
+
+def run_cases(tmp_path, cases: str) -> subprocess.CompletedProcess:
+    """``cases`` as a test file beside the suite's conftest, through the runner on 2 gloo ranks
+    with a 10 s watchdog."""
     folder = tmp_path / "cases"
     folder.mkdir()
     shutil.copy(ROOT / "tests" / "distributed" / "conftest.py", folder / "conftest.py")
-    (folder / "test_cases.py").write_text(CASES)
+    (folder / "test_cases.py").write_text(cases)
     env = dict(
         os.environ, MCORE_PPO_TEST_TIMEOUT="10", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "run_distributed_tests.py"),
-            "--nproc",
-            "2",
-            str(folder / "test_cases.py"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    command = [sys.executable, str(ROOT / "scripts" / "run_distributed_tests.py"), "--nproc", "2"]
+    return subprocess.run(
+        [*command, str(folder / "test_cases.py")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
+
+
+def test_a_late_rank_is_not_a_hang(tmp_path):
+    """The rendezvous waits for the slowest rank's start-up outside the first test's watchdog
+    (on the GPU machine a rank once started >10 s late and its test was reported hung)."""
+    proc = run_cases(tmp_path, LATE_RANK)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("1 passed (2 ranks, gloo)"), proc.stdout
+
+
+def test_runner_isolates_failures_and_hangs(tmp_path):
+    proc = run_cases(tmp_path, CASES)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
     assert out.strip().splitlines()[-1].startswith("1 failed, 2 hung, 1 passed (2 ranks, gloo)"), out

@@ -107,10 +107,14 @@ def pytest_collection_finish(session) -> None:
         _record(f"COLLECTED {item.nodeid}")
 
 
+def _arm_watchdog() -> None:
+    """Dump every thread's stack and end the rank if the running test outlives the watchdog."""
+    faulthandler.dump_traceback_later(test_timeout_s(), exit=True, file=_results_file() or sys.stderr)
+
+
 def pytest_runtest_logstart(nodeid, location) -> None:
     _record(f"START {nodeid}")
-    # Dump every thread's stack and end the rank if this test outlives the watchdog.
-    faulthandler.dump_traceback_later(test_timeout_s(), exit=True, file=_results_file() or sys.stderr)
+    _arm_watchdog()
 
 
 def pytest_runtest_logfinish(nodeid, location) -> None:
@@ -152,11 +156,16 @@ def process_group():
     from mcore_ppo_testing.parallel_state_cache import install_parallel_state_cache
 
     if not dist.is_initialized():
+        # The rendezvous waits for the slowest rank's start-up (seconds of imports on a cold
+        # machine), which is not the first test's time: the watchdog is off meanwhile, and the
+        # init's own timeout bounds it (an error, not a hang, if a rank never comes).
+        faulthandler.cancel_dump_traceback_later()
         if DIST_BACKEND == "nccl":
             torch.cuda.set_device(DEVICE)
             dist.init_process_group(DIST_BACKEND, timeout=collective_timeout(), device_id=DEVICE)
         else:
             dist.init_process_group(DIST_BACKEND, timeout=collective_timeout())
+        _arm_watchdog()
     install_parallel_state_cache()
     yield dist.group.WORLD
     if _FAILED_HERE:
