@@ -150,6 +150,9 @@ def sweep_case(
     runs = {}
     variants = forward_variants() if forward else sweep_variants()
     if only:
+        unknown = sorted(set(only) - set(variants))
+        if unknown:
+            raise SystemExit(f"--variants: unknown {unknown}; known: {list(variants)}")
         variants = {k: val for k, val in variants.items() if k in only}
     for name, settings in variants.items():
         nograd, step, _ = head_calls(inputs, temperature, TritonBackend(**settings))

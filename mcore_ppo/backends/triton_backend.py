@@ -73,7 +73,8 @@ def is_available() -> bool:
 
 
 # Chosen by measurement on one H200 (docs/kernels.md, profile_head --sweep-forward): TMA
-# operands, and 3 stages with 2 tiles per split, were the fastest forward at every V/tp measured.
+# operands and 3 stages were the fastest forward at every V/tp measured; tiles per split follow
+# the shard (below), 2 being the small shards' value.
 FORWARD_CONFIG = GemmConfig(num_stages=3, tiles_per_split=2, use_tma=True)
 # Vocab tiles per forward program, by shard (measured: profile_head.py --sweep-forward, qwen7b,
 # llama3-8b and V 262144 at TP 1-8, docs/kernels.md "tiles per split by shard"): the most of
