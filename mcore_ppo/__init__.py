@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from mcore_ppo.head import VocabParallelFusedPPOHead
     from mcore_ppo.model import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
     from mcore_ppo.pipeline import HeadOptions
-    from mcore_ppo.verl_compat import linear_cross_entropy
+    from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -30,7 +30,7 @@ _EXPORTS = {
     "fused_log_probs_and_entropy": "mcore_ppo.api",
     "gpt_log_probs_and_entropy": "mcore_ppo.model",
     "install_fused_head": "mcore_ppo.model",
-    "linear_cross_entropy": "mcore_ppo.verl_compat",
+    "linear_cross_entropy": "mcore_ppo.integrations.verl.kernel",
 }
 
 __all__ = [

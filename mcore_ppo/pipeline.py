@@ -2,7 +2,7 @@
 
 :func:`mcore_ppo.fused_log_probs_and_entropy`, the
 :class:`~mcore_ppo.head.VocabParallelFusedPPOHead` module and verl's
-:func:`~mcore_ppo.verl_compat.linear_cross_entropy` each build a :class:`HeadOptions` and call
+:func:`~mcore_ppo.integrations.verl.kernel.linear_cross_entropy` each build a :class:`HeadOptions` and call
 :func:`run_head`. It validates the tensors, resolves the backend, places the one TP reduction of
 ``d_hidden`` (or leaves it to the caller, as verl's contract does), and runs either the head's
 autograd Function or a backend that computes whole outputs with its own autograd (Liger),

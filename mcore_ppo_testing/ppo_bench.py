@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
-from mcore_ppo.batching import PackedRollout
+from mcore_ppo.actor.batching import PackedRollout
 from mcore_ppo_testing.logits_path import LogitsPath
 from mcore_ppo_testing.ppo_harness import synthetic_rollout
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_ppo.batching import PackedRollout
+from mcore_ppo.actor.batching import PackedRollout
 from mcore_ppo_testing.ppo_bench import Bench, gib
 from mcore_ppo_testing.ppo_harness import synthetic_rollout
 

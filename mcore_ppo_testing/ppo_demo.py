@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from mcore_ppo.actor import ActorParallel, MegatronPPOActor
-from mcore_ppo.batching import PackedRollout
-from mcore_ppo.ppo_loss import kl_k3
+from mcore_ppo.actor.batching import PackedRollout
+from mcore_ppo.actor.ppo_loss import kl_k3
 from mcore_ppo_testing.demo_config import DemoConfig, LayoutConfig
 from mcore_ppo_testing.ppo_harness import (
     build_actor_model,

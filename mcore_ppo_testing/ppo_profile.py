@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mcore_ppo.batching import PackedRollout
+from mcore_ppo.actor.batching import PackedRollout
 from mcore_ppo_testing.ppo_bench import Bench
 
 

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
 
     from mcore_ppo.actor import PPOActorConfig
-    from mcore_ppo.batching import padded_length
+    from mcore_ppo.actor.batching import padded_length
     from mcore_ppo_testing import ppo_bench, ppo_bench_memory, ppo_profile
     from mcore_ppo_testing.ppo_harness import build_actor_model, destroy_layout, init_layout, te_available
 

@@ -3,7 +3,7 @@
 The actor runs a Megatron ``GPTModel`` whose output layer is the fused head
 (:func:`mcore_ppo.model.install_fused_head`) through Megatron's own forward-backward schedule
 (``get_forward_backward_func()``), on packed THD micro-batches built from a
-:class:`~mcore_ppo.batching.PackedRollout`. It follows verl's Megatron actor
+:class:`~mcore_ppo.actor.batching.PackedRollout`. It follows verl's Megatron actor
 (``compute_log_prob`` / ``update_policy``), with three differences that make the numbers the
 same under every TP/CP/DP layout and micro-batch split:
 

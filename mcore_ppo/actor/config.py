@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mcore_ppo.ppo_loss import check_loss_agg_mode
+from mcore_ppo.actor.ppo_loss import check_loss_agg_mode
 
 __all__ = ["PPOActorConfig"]
 

@@ -1,9 +1,9 @@
 """The actor's loss over micro-batches: per-token weights from global counts, the Megatron
 ``loss_func`` of one micro-batch, and the metrics summed over micro-batches and ranks.
 
-The aggregation modes and the schedule's scaling are explained in :mod:`mcore_ppo.ppo_loss`
+The aggregation modes and the schedule's scaling are explained in :mod:`mcore_ppo.actor.ppo_loss`
 and ``docs/actor.md``: each micro-batch hands the schedule ``Σ weight · loss`` times
-:func:`~mcore_ppo.ppo_loss.schedule_loss_scale`, so the gradients add up to the global objective
+:func:`~mcore_ppo.actor.ppo_loss.schedule_loss_scale`, so the gradients add up to the global objective
 under every micro-batch split and TP/CP/DP layout.
 """
 
@@ -13,8 +13,8 @@ import torch
 
 from mcore_ppo.actor.config import PPOActorConfig
 from mcore_ppo.actor.layout import ActorParallel, all_reduce, broadcast_from_last_stage
-from mcore_ppo.batching import MicroBatch
-from mcore_ppo.ppo_loss import aggregate, compute_policy_loss, kl_k3, loss_weights, sequence_token_counts
+from mcore_ppo.actor.batching import MicroBatch
+from mcore_ppo.actor.ppo_loss import aggregate, compute_policy_loss, kl_k3, loss_weights, sequence_token_counts
 
 __all__ = ["METRIC_NAMES", "assign_loss_weights", "policy_loss", "reduce_metrics"]
 

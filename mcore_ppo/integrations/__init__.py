@@ -7,7 +7,7 @@
   parallelism, packed sequences, temperature and entropy.
 
 Each translates the framework's call into :func:`mcore_ppo.pipeline.run_head` (through
-:mod:`mcore_ppo.verl_compat` for verl) and imports nothing of the framework at import time, so
+:mod:`mcore_ppo.integrations.verl.kernel` for verl) and imports nothing of the framework at import time, so
 loading one costs nothing where the framework's path is never taken. ``docs/integrations.md``
 has the switches, the contracts and the upstream code they were read from.
 """

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from conftest import DEVICE, fitting, shared_seed, tp_cp_groups
 from head_cases import BACKEND
 
-from mcore_ppo.verl_compat import linear_cross_entropy
+from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 from parallel.mappings import gather_sequence_parallel
 
 

@@ -38,7 +38,7 @@ from mcore_ppo_testing.real_verl import RAY_STANDIN, loaded_modules, ray_missing
 from mcore_ppo_testing.reference import normwise_relative_error, reference_outputs
 from mcore_ppo_testing.seeds import next_seed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 # verl's kernel needs hidden % 128 == 0 and runs bf16 on CUDA; fp64 on the CPU keeps the
 # plugin-vs-reference comparison at rounding level.

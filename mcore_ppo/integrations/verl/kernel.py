@@ -3,7 +3,7 @@
 A verl user switches by import::
 
     # from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
-    from mcore_ppo.verl_compat import linear_cross_entropy
+    from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 
 The contract is verl's ``LinearCrossEntropy`` (``verl/utils/kernel/linear_cross_entropy.py``):
 

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from mcore_ppo.batching import PackedRollout, block_causal_mask, make_micro_batches, pack_micro_batch
-from mcore_ppo.ppo_loss import (
+from mcore_ppo.actor.batching import PackedRollout, block_causal_mask, make_micro_batches, pack_micro_batch
+from mcore_ppo.actor.ppo_loss import (
     agg_loss,
     aggregate,
     compute_policy_loss,

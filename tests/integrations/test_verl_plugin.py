@@ -16,11 +16,11 @@ import tomllib
 import torch
 
 from mcore_ppo.integrations import verl as plugin
-from mcore_ppo.verl_compat import linear_cross_entropy as compat_linear_cross_entropy
+from mcore_ppo.integrations.verl.kernel import linear_cross_entropy as compat_linear_cross_entropy
 from mcore_ppo_testing.fake_verl import write_fake_verl
 from mcore_ppo_testing.real_verl import loaded_modules
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
 FUSED, OVERLAP = plugin.TARGET_MODULES
 KERNEL = "verl.utils.kernel.linear_cross_entropy"
@@ -150,7 +150,7 @@ def test_verls_fused_output_processor_with_and_without_the_plugin(fake_verl, mon
     for a, b in zip(mine, theirs, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, **tol)
-    # The same call as mcore_ppo.verl_compat (one rank: nothing to reduce).
+    # The same call as mcore_ppo.integrations.verl.kernel (one rank: nothing to reduce).
     direct = compat_linear_cross_entropy(hidden, weight, labels, 0.7, "none", None, backend=backend)
     torch.testing.assert_close(mine[0], direct[0], **tol)
 

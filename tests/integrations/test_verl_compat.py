@@ -1,4 +1,4 @@
-"""``mcore_ppo.verl_compat.linear_cross_entropy`` keeps verl's contract (flattening, reductions,
+"""``mcore_ppo.integrations.verl.kernel.linear_cross_entropy`` keeps verl's contract (flattening, reductions,
 defaults, partial ``d_hidden``), checked against float64 math and the project's own API; and,
 where verl and CUDA are installed, against verl's own kernel (the multi-rank part of the contract
 is in ``tests/distributed/test_model_verl_compat.py``)."""

@@ -22,7 +22,7 @@ from mcore_ppo_testing.demo_config import (
     main,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ppo_demo.yaml"
 RAW = yaml.safe_load(CONFIG.read_text())
 

@@ -18,9 +18,9 @@ import math
 import pytest
 import torch
 
-from mcore_ppo import ppo_loss
-from mcore_ppo.batching import PackedRollout, make_micro_batches, pack_micro_batch
-from mcore_ppo.ppo_loss import (
+from mcore_ppo.actor import ppo_loss
+from mcore_ppo.actor.batching import PackedRollout, make_micro_batches, pack_micro_batch
+from mcore_ppo.actor.ppo_loss import (
     agg_loss,
     aggregate,
     check_loss_agg_mode,

@@ -101,7 +101,7 @@ def linear_cross_entropy(
     is read from ``hidden``'s autograd node: Megatron's SP gather (through views or copies)
     or not.
     """
-    from mcore_ppo.verl_compat import linear_cross_entropy as compat_linear_cross_entropy
+    from mcore_ppo.integrations.verl.kernel import linear_cross_entropy as compat_linear_cross_entropy
 
     reduce_here = _needs_tp_reduction(hidden, dist_process_group)
     return compat_linear_cross_entropy(
