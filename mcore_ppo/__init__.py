@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from mcore_ppo.api import fused_log_probs_and_entropy
     from mcore_ppo.backends import BACKENDS
     from mcore_ppo.head import VocabParallelFusedPPOHead
+    from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
     from mcore_ppo.model import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
     from mcore_ppo.pipeline import HeadOptions
-    from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 
 # public name -> the module that defines it
 _EXPORTS = {

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from mcore_ppo.actor.batching import MicroBatch
 from mcore_ppo.actor.config import PPOActorConfig
 from mcore_ppo.actor.layout import ActorParallel, all_reduce, broadcast_from_last_stage
-from mcore_ppo.actor.batching import MicroBatch
 from mcore_ppo.actor.ppo_loss import aggregate, compute_policy_loss, kl_k3, loss_weights, sequence_token_counts
 
 __all__ = ["METRIC_NAMES", "assign_loss_weights", "policy_loss", "reduce_metrics"]

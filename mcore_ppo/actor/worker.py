@@ -13,13 +13,13 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from mcore_ppo.actor.batching import MicroBatch, PackedRollout, make_micro_batches, pack_micro_batch, padded_length
 from mcore_ppo.actor.config import PPOActorConfig
 from mcore_ppo.actor.grads import ActorGradients
 from mcore_ppo.actor.layout import ActorParallel, all_reduce, broadcast_from_last_stage, cp_split_at_head
 from mcore_ppo.actor.loss import assign_loss_weights, policy_loss, reduce_metrics
-from mcore_ppo.actor.batching import MicroBatch, PackedRollout, make_micro_batches, pack_micro_batch, padded_length
-from mcore_ppo.model import gpt_log_probs_and_entropy, unwrap_gpt_model
 from mcore_ppo.actor.ppo_loss import schedule_loss_scale
+from mcore_ppo.model import gpt_log_probs_and_entropy, unwrap_gpt_model
 from parallel.groups import group_size
 
 __all__ = ["MegatronPPOActor"]

@@ -18,8 +18,8 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 import mcore_ppo
 from mcore_ppo import VocabParallelFusedPPOHead
 from mcore_ppo.backends import TorchBackend, resolve_backend, torch_backend
-from mcore_ppo.model import install_fused_head
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
+from mcore_ppo.model import install_fused_head
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference
 from mcore_ppo_testing.seeds import generator, next_seed
 
