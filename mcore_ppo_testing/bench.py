@@ -271,8 +271,8 @@ def build_impls(triton_settings: dict[str, Any] | None = None) -> dict[str, tupl
     triton = TritonBackend(**settings)
     configs = {"forward_config": asdict(triton.forward_config), "backward_config": asdict(triton.backward_config)}
     impls["ours_triton"] = (ours(triton), None, {"time_host_exposed": True, **configs})
-    # The recompute path whatever the default budget (issue 3's kernels alone), and issue 6's
-    # buffer with a budget that always fits here.
+    # The recompute path whatever the default budget (the four-GEMM kernels alone), and the
+    # probability buffer with a budget that always fits here.
     impls["ours_triton_recompute"] = (ours(TritonBackend(**settings, buffer_budget_bytes=0)), None, {"buffer": False})
     impls["ours_triton_buffer"] = (ours(TritonBackend(**settings, buffer_budget_bytes=1 << 40)), None, {"buffer": True})
     impls["ours_torch"] = (ours("torch"), None, {"time_host_exposed": False})
@@ -311,7 +311,7 @@ def plot(results: list[dict], path: Path, device: str | None = None) -> None:
                     ys.append(r[key] / cfg["floor"][floor_key])
             ax.bar(xs, ys, width, label=name)
         ax.axhline(1.10 if key == "fwd_ms" else 1.05, color="k", lw=0.8, ls="--")
-        if key == "fwd_bwd_ms":  # issue 6's target for the buffer mode
+        if key == "fwd_bwd_ms":  # the buffer mode's target
             ax.axhline(0.90, color="tab:green", lw=0.8, ls=":")
         ax.axhline(1.0, color="gray", lw=0.6)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(configs))])

@@ -6,7 +6,7 @@ parameters, on the same rollouts; they differ only in how log-probs and entropy 
 (``fused``: the fused head; ``logits``: the model's vocab-parallel logits, Megatron's
 cross-entropy and verl's vocab-parallel entropy, :class:`mcore_ppo_testing.logits_path.LogitsPath`).
 
-How the timing is kept fair (issue: whichever variant met a sequence length first paid for it):
+How the timing is kept fair (whichever variant meets a sequence length first pays for it):
 
 - **Equally warmed shapes.** Before anything is timed, every variant runs every rollout once.
   Then the timed passes run in the order ``A B B A`` (each variant once early and once late),
