@@ -17,7 +17,8 @@ Isolation, so that one failure neither hides nor breaks another test:
   or a hang kept from running.
 - A per-test watchdog (``MCORE_PPO_TEST_TIMEOUT`` seconds, default 300) dumps every thread's
   stack into that file and ends the rank; ``SIGTERM`` (torchrun stopping the other ranks after
-  one failed) dumps the stack too. Collectives time out a little later than the watchdog.
+  one failed) dumps the stack too. The watchdog counts only the tests: Megatron's import and the
+  rendezvous happen before it starts. Collectives time out later than the watchdog.
 
 Seeds: :func:`shared_seed` is ``MCORE_PPO_TEST_SEED`` (default 1234) mixed with the test's name,
 identical on every rank and printed, so a failure can be replayed.
@@ -68,6 +69,13 @@ def collective_timeout() -> datetime.timedelta:
     world's timeout (it defaults to 30 minutes), so a rank left behind would outlive the CI.
     """
     return datetime.timedelta(seconds=test_timeout_s() + 60)
+
+
+def rendezvous_timeout() -> datetime.timedelta:
+    """How long the world's initialisation waits for every rank: at least 10 minutes, so a slow
+    start-up is never an error. It is also the world group's collective timeout, which only has
+    to outlast the watchdog (a hung rank's watchdog ends it, and its peers then see it gone)."""
+    return max(collective_timeout(), datetime.timedelta(minutes=10))
 
 
 def megatron_timeout_minutes() -> int:
@@ -153,20 +161,21 @@ def pytest_runtest_logreport(report) -> None:
 def process_group():
     """One gloo process group for the whole session; Megatron's groups are reused per layout
     (see mcore_ppo_testing.parallel_state_cache: otherwise every initialisation leaks threads)."""
+    # Megatron's import (tens of seconds on a cold or busy machine) and the rendezvous (which waits
+    # for the slowest rank's start-up) are not the first test's time: the watchdog is off for both
+    # and starts afresh once every rank is here. The rendezvous has its own generous bound (an
+    # error, not a hang, if a rank never comes).
+    faulthandler.cancel_dump_traceback_later()
     from mcore_ppo_testing.parallel_state_cache import install_parallel_state_cache
 
     if not dist.is_initialized():
-        # The rendezvous waits for the slowest rank's start-up (seconds of imports on a cold
-        # machine), which is not the first test's time: the watchdog is off meanwhile, and the
-        # init's own timeout bounds it (an error, not a hang, if a rank never comes).
-        faulthandler.cancel_dump_traceback_later()
         if DIST_BACKEND == "nccl":
             torch.cuda.set_device(DEVICE)
-            dist.init_process_group(DIST_BACKEND, timeout=collective_timeout(), device_id=DEVICE)
+            dist.init_process_group(DIST_BACKEND, timeout=rendezvous_timeout(), device_id=DEVICE)
         else:
-            dist.init_process_group(DIST_BACKEND, timeout=collective_timeout())
-        _arm_watchdog()
+            dist.init_process_group(DIST_BACKEND, timeout=rendezvous_timeout())
     install_parallel_state_cache()
+    _arm_watchdog()
     yield dist.group.WORLD
     if _FAILED_HERE:
         # A rank that failed leaves without session collectives: its peers may still wait inside
