@@ -34,17 +34,22 @@ route where ``mbridge`` and TransformerEngine are installed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mcore_ppo.gpt_builder import build_gpt_model
+from mcore_ppo_testing.gpt_reference import GPTBatch, synthetic_batch
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 
 __all__ = [
+    "ComparisonBatch",
+    "comparison_batch",
     "hf_log_probs_and_entropy",
     "hf_rope_theta",
     "load_qwen2_weights",
+    "max_relative_error",
     "mbridge_state_dict",
     "qwen2_gpt_model",
     "qwen2_to_megatron_state_dict",
@@ -315,8 +320,18 @@ def mbridge_state_dict(
     ``mbridge`` and Megatron's ``parallel_state`` (TP 1).
     """
     from mbridge import AutoBridge
+    from mbridge.models.qwen2 import Qwen2Bridge
 
-    bridge = AutoBridge.from_config(config, dtype=next(iter(hf_state_dict.values())).dtype)
+    # A tied config makes mbridge's constructor write output_layer -> embed_tokens into the
+    # class-level _DIRECT_MAPPING, which every later (untied) bridge in the process would then
+    # read. The class mapping is restored and the instance keeps its own.
+    class_mapping = dict(Qwen2Bridge._DIRECT_MAPPING)
+    try:
+        bridge = AutoBridge.from_config(config, dtype=next(iter(hf_state_dict.values())).dtype)
+        bridge._DIRECT_MAPPING = dict(Qwen2Bridge._DIRECT_MAPPING)
+    finally:
+        Qwen2Bridge._DIRECT_MAPPING.clear()
+        Qwen2Bridge._DIRECT_MAPPING.update(class_mapping)
     out = {}
     for name in names:
         lookup = name
@@ -328,20 +343,92 @@ def mbridge_state_dict(
     return out
 
 
-def hf_log_probs_and_entropy(
-    hf_model: Any, input_ids: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's per-token ``(log_probs, entropy)`` ``[b, s]`` for next-token ``labels``.
+@dataclass
+class ComparisonBatch:
+    """A Megatron batch and where each of its sequences lies, for Hugging Face to run one by one.
 
-    ``log_softmax`` of the model's own logits (in their dtype) picked at each label, and the
-    entropy of that distribution; 0 where ``labels == ignore_index``. ``input_ids`` ``[b, s]``
-    are independent causal rows (a packed THD batch is run one sequence per row by the caller).
+    Attributes:
+        batch: the Megatron inputs and next-token labels (padded ``[b, s]`` or packed THD ``[1, t]``).
+        segments: ``(row, start, end)`` of every sequence in ``batch.input_ids``.
     """
+
+    batch: GPTBatch
+    segments: list[tuple[int, int, int]]
+
+
+def comparison_batch(
+    kind: str,
+    *,
+    vocab_size: int,
+    lengths: tuple[int, ...],
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
+    pad_id: int = 0,
+    ignore_index: int = -100,
+) -> ComparisonBatch:
+    """Sequences of the given ``lengths`` as verl feeds Megatron: ``"packed"`` THD (``[1, sum]``,
+    ``PackedSeqParams``, positions restarting per sequence; verl's default, padding removed) or
+    ``"padded"`` (``[len(lengths), max]``, right-padded with ``pad_id``, causal attention; the
+    padding's labels ignored). Every label is the next token within its sequence; each
+    sequence's last token is ignored."""
+    if kind == "packed":
+        batch = synthetic_batch(
+            "packed",
+            vocab_size=vocab_size,
+            seq_lengths=tuple(lengths),
+            prompt_length=0,
+            ignore_index=ignore_index,
+            device=device,
+            generator=generator,
+        )
+        bounds = batch.cu_seqlens
+        return ComparisonBatch(batch, [(0, bounds[i], bounds[i + 1]) for i in range(len(lengths))])
+    if kind != "padded":
+        raise ValueError(f"kind must be 'padded' or 'packed', got {kind!r}")
+    width = max(lengths)
+    ids = torch.randint(0, vocab_size, (len(lengths), width), generator=generator)
+    labels = torch.full_like(ids, ignore_index)
+    for row, length in enumerate(lengths):
+        ids[row, length:] = pad_id
+        labels[row, : length - 1] = ids[row, 1:length]
+    positions = torch.arange(width).expand(len(lengths), width).contiguous()
+    batch = GPTBatch(ids.to(device), positions.to(device), labels.to(device))
+    return ComparisonBatch(batch, [(row, 0, length) for row, length in enumerate(lengths)])
+
+
+def hf_log_probs_and_entropy(
+    hf_model: Any, batch: ComparisonBatch, *, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's per-token ``(log_probs, entropy)``, shaped like ``batch.batch.labels``.
+
+    Each sequence runs alone through the Hugging Face model (no padding, no packing: its own
+    forward as it defines it); the result is ``log_softmax`` of its logits (in their dtype)
+    picked at the next-token label, and that distribution's entropy; 0 where the label is
+    ``ignore_index`` and on padding.
+    """
+    labels = batch.batch.labels
+    log_probs = torch.zeros(labels.shape, dtype=hf_model.dtype, device=labels.device)
+    entropy = torch.zeros_like(log_probs)
     with torch.no_grad():
-        logits = hf_model(input_ids=input_ids).logits
-        log_softmax = torch.log_softmax(logits, dim=-1)
-    valid = labels != ignore_index
-    picked = log_softmax.gather(-1, torch.where(valid, labels, 0).long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
-    return torch.where(valid, picked, zero), torch.where(valid, entropy, zero)
+        for row, start, end in batch.segments:
+            logits = hf_model(input_ids=batch.batch.input_ids[row : row + 1, start:end]).logits[0]
+            log_softmax = torch.log_softmax(logits, dim=-1)
+            seg_labels = labels[row, start:end]
+            valid = seg_labels != ignore_index
+            picked = log_softmax.gather(-1, torch.where(valid, seg_labels, 0).long().unsqueeze(-1)).squeeze(-1)
+            ent = -(log_softmax.exp() * log_softmax).sum(-1)
+            log_probs[row, start:end] = torch.where(valid, picked, 0.0)
+            entropy[row, start:end] = torch.where(valid, ent, 0.0)
+    return log_probs, entropy
+
+
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor, valid: torch.Tensor) -> float:
+    """``max |actual - expected| / |expected|`` over the ``valid`` tokens (in float64)."""
+    if actual.shape != expected.shape or valid.shape != expected.shape:
+        raise ValueError(
+            f"shapes differ: actual {tuple(actual.shape)}, expected {tuple(expected.shape)}, valid {tuple(valid.shape)}"
+        )
+    a, e = actual.double()[valid], expected.double().to(actual.device)[valid]
+    if a.numel() == 0:
+        raise ValueError("no valid token to compare")
+    return ((a - e).abs() / e.abs().clamp_min(torch.finfo(torch.float64).tiny)).max().item()
