@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mcore_ppo.api import fused_log_probs_and_entropy
     from mcore_ppo.backends import BACKENDS
+    from mcore_ppo.distill.topk import fused_topk
     from mcore_ppo.head import VocabParallelFusedPPOHead
     from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
     from mcore_ppo.model import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
@@ -28,6 +29,7 @@ _EXPORTS = {
     "VocabParallelFusedPPOHead": "mcore_ppo.head",
     "build_gpt_model": "mcore_ppo.model",
     "fused_log_probs_and_entropy": "mcore_ppo.api",
+    "fused_topk": "mcore_ppo.distill.topk",
     "gpt_log_probs_and_entropy": "mcore_ppo.model",
     "install_fused_head": "mcore_ppo.model",
     "linear_cross_entropy": "mcore_ppo.integrations.verl.kernel",
@@ -39,6 +41,7 @@ __all__ = [
     "VocabParallelFusedPPOHead",
     "build_gpt_model",
     "fused_log_probs_and_entropy",
+    "fused_topk",
     "gpt_log_probs_and_entropy",
     "install_fused_head",
     "linear_cross_entropy",

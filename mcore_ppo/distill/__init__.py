@@ -1,0 +1,10 @@
+"""Distillation from a teacher over the tensor-parallel vocab shards.
+
+:func:`fused_topk` (no gradient) gives, per token, the teacher's top-k global ids, their
+log-probs and the log of the mass outside them, without the ``[tokens, V]`` logits. The losses
+that consume them are pure tensor functions in :mod:`mcore_ppo.actor.distill_loss`.
+"""
+
+from mcore_ppo.distill.topk import MAX_TOPK, TopK, check_k, fused_topk
+
+__all__ = ["MAX_TOPK", "TopK", "check_k", "fused_topk"]

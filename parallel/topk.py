@@ -1,0 +1,110 @@
+"""Deterministic top-k selection and its merge across the tensor-parallel vocab shards.
+
+Each rank holds, per token, ``c`` candidates of its vocab shard (values and their *global* ids)
+and the softmax statistics ``(m, s)`` of every other entry of its shard (``m`` their max, ``s``
+``Σ exp(z - m)``; ``m = -inf``, ``s = 0`` when there is none). :func:`merge_topk_over_ranks`
+all-gathers the candidates (one collective), keeps the global top ``k`` on every rank by the same
+rule, folds the candidates it drops into the rest, and combines the rest's statistics over the
+group with :func:`parallel.combine.combine_shard_statistics` (the head's MAX, then SUM). Every
+quantity is a sum of its own terms, never a difference: the tail mass ``Σ_{j ∉ top-k} p_j`` stays
+exact to rounding however small it is.
+
+Tie rule, the same on every rank and run: larger value first, and among equal values the smaller
+global id (:func:`select_topk`). ``torch.topk`` alone does not promise which of several equal
+entries it returns, so the selection sorts instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.combine import _rescale_factor, combine_shard_statistics
+from parallel.mappings import all_gather_first_dim
+from parallel.ranks import ProcessGroup, group_size
+
+__all__ = ["fold_into_statistics", "merge_topk_over_ranks", "select_topk"]
+
+
+def select_topk(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of ``values [n, c]`` per row, by the tie rule (module doc).
+
+    ``ids [n, c]`` are distinct within a row (global vocab ids). Returns ``(top_values [n, k'],
+    top_ids [n, k'], dropped_values [n, c - k'])`` with ``k' = min(k, c)``, the top entries in
+    descending order, equal values by ascending id.
+    """
+    by_id = ids.argsort(dim=-1)  # ids are distinct: no tie to break here
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    # A stable sort keeps ascending ids among equal values.
+    values, order = values.sort(stable=True, dim=-1, descending=True)
+    ids = ids.gather(-1, order)
+    kept = min(k, values.shape[-1])
+    return values[..., :kept], ids[..., :kept], values[..., kept:]
+
+
+def fold_into_statistics(
+    m: torch.Tensor, s: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, s)`` of a set of entries extended by ``values [n, c]`` (``-inf`` entries add nothing).
+
+    ``m [n]`` is the set's max and ``s [n] = Σ exp(z - m)``; an empty set is ``(-inf, 0)``.
+    """
+    if values.shape[-1] == 0:
+        return m, s
+    m_new = values.amax(dim=-1)
+    # A row of only -inf has m = -inf: shift by 0 there so exp gives 0 rather than NaN.
+    shift = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    s_new = torch.exp(values - shift[:, None]).sum(dim=-1)
+    top = torch.maximum(m, m_new)
+    merged = s * _rescale_factor(m, s, top) + s_new * _rescale_factor(m_new, s_new, top)
+    return top, merged
+
+
+def _gather_candidates(
+    values: torch.Tensor, ids: torch.Tensor, group: ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ``[n, c]`` candidates side by side, ``[n, world·c]``, in one all-gather.
+
+    Values and ids travel together as fp64: fp32 and fp64 values and ids below 2**53 (any
+    vocabulary) convert exactly.
+    """
+    world = group_size(group)
+    if world == 1:
+        return values, ids
+    n, c = values.shape
+    packed = torch.stack([values.to(torch.float64), ids.to(torch.float64)]).unsqueeze(0)
+    gathered = all_gather_first_dim(packed, group)  # [world, 2, n, c]
+    gathered = gathered.permute(1, 2, 0, 3).reshape(2, n, world * c)
+    return gathered[0].to(values.dtype), gathered[1].to(ids.dtype)
+
+
+def merge_topk_over_ranks(
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    rest_max: torch.Tensor,
+    rest_sum: torch.Tensor,
+    k: int,
+    group: ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The global top ``k`` and the log-sum-exps of everything and of the tail, on every rank.
+
+    Args:
+        values, ids: this rank's ``[n, c]`` candidates (the same ``c`` on every rank) and their
+            global ids; the global top ``k`` must lie among the union of every rank's candidates.
+        rest_max, rest_sum: ``[n]`` statistics ``(m, s)`` of this rank's non-candidate entries.
+        k: how many to keep (``k <= world · c``).
+        group: the TP group (None: one rank).
+
+    Returns:
+        ``(top_values [n, k], top_ids [n, k], lse [n], tail_lse [n])``: the top entries by the
+        tie rule, ``log Σ_j exp(z_j)`` over the whole vocab, and the same sum over the entries
+        outside the top ``k`` (``-inf`` when there are none), identical on every rank.
+    """
+    all_values, all_ids = _gather_candidates(values, ids, group)
+    top_values, top_ids, dropped = select_topk(all_values, all_ids, k)
+    # The rest of every shard, combined exactly as the head combines its statistics.
+    no_label = torch.zeros_like(rest_sum)
+    rest_lse, _, _ = combine_shard_statistics(rest_max, rest_sum, None, no_label, group)
+    # Candidates dropped by the merge are the same on every rank: fold them in after the combine.
+    tail_lse = torch.logaddexp(rest_lse, torch.logsumexp(dropped, dim=-1))
+    lse = torch.logaddexp(torch.logsumexp(top_values, dim=-1), tail_lse)
+    return top_values, top_ids, lse, tail_lse
