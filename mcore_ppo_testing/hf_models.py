@@ -34,6 +34,7 @@ route where ``mbridge`` and TransformerEngine are installed.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "hf_rope_theta",
     "load_qwen2_weights",
     "max_relative_error",
+    "mbridge_gpt_model",
     "mbridge_state_dict",
     "qwen2_gpt_model",
     "qwen2_to_megatron_state_dict",
@@ -308,6 +310,51 @@ _TE_NORM_NAMES = {
 }
 
 
+def _mbridge(config: Any, dtype: torch.dtype) -> Any:
+    """``mbridge.AutoBridge.from_config(config, dtype=dtype)`` without its class-level side effect.
+
+    A tied config makes mbridge's constructor write ``output_layer -> embed_tokens`` into the
+    class-level ``_DIRECT_MAPPING``, which every later (untied) bridge in the process would then
+    read. The class mapping is restored and the instance keeps its own.
+    """
+    from mbridge import AutoBridge
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    class_mapping = dict(Qwen2Bridge._DIRECT_MAPPING)
+    try:
+        bridge = AutoBridge.from_config(config, dtype=dtype)
+        bridge._DIRECT_MAPPING = dict(Qwen2Bridge._DIRECT_MAPPING)
+    finally:
+        Qwen2Bridge._DIRECT_MAPPING.clear()
+        Qwen2Bridge._DIRECT_MAPPING.update(class_mapping)
+    return bridge
+
+
+def mbridge_gpt_model(hf_model: Any, weights_dir: str) -> torch.nn.Module:
+    """verl's vanilla-mbridge route: the ``GPTModel`` ``mbridge`` builds for ``hf_model``'s config,
+    with the weights ``mbridge`` loads from ``hf_model`` saved as safetensors in ``weights_dir``.
+
+    As verl's Megatron engine does it: ``rope_theta`` set on the config from
+    ``rope_parameters`` (transformers 5; ``make_megatron_module``), ``AutoBridge.from_config(config,
+    dtype=...)``, ``bridge.get_model(...)`` (TransformerEngine layer spec; on CUDA; here without
+    DDP or a ``Float16Module``: the parameters keep the Hugging Face dtype) and
+    ``bridge.load_weights(models, path)``. Needs ``mbridge``, TransformerEngine and CUDA.
+    """
+    from megatron.core import tensor_parallel
+
+    config = copy.deepcopy(hf_model.config)
+    config.rope_theta = hf_rope_theta(config)
+    hf_model.save_pretrained(weights_dir, safe_serialization=True)
+    if not tensor_parallel.get_cuda_rng_tracker().get_states():
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    bridge = _mbridge(config, hf_model.dtype)
+    models = bridge.get_model(wrap_with_ddp=False, bf16=False, fp16=False)
+    bridge.load_weights(models, weights_dir)
+    if len(models) != 1:
+        raise RuntimeError(f"expected one model chunk (no virtual pipeline), got {len(models)}")
+    return models[0].eval()
+
+
 def mbridge_state_dict(
     hf_state_dict: dict[str, torch.Tensor], config: Any, names: list[str]
 ) -> dict[str, torch.Tensor]:
@@ -319,19 +366,7 @@ def mbridge_state_dict(
     local spec's norm names are translated to TransformerEngine's for the lookup. Needs
     ``mbridge`` and Megatron's ``parallel_state`` (TP 1).
     """
-    from mbridge import AutoBridge
-    from mbridge.models.qwen2 import Qwen2Bridge
-
-    # A tied config makes mbridge's constructor write output_layer -> embed_tokens into the
-    # class-level _DIRECT_MAPPING, which every later (untied) bridge in the process would then
-    # read. The class mapping is restored and the instance keeps its own.
-    class_mapping = dict(Qwen2Bridge._DIRECT_MAPPING)
-    try:
-        bridge = AutoBridge.from_config(config, dtype=next(iter(hf_state_dict.values())).dtype)
-        bridge._DIRECT_MAPPING = dict(Qwen2Bridge._DIRECT_MAPPING)
-    finally:
-        Qwen2Bridge._DIRECT_MAPPING.clear()
-        Qwen2Bridge._DIRECT_MAPPING.update(class_mapping)
+    bridge = _mbridge(config, next(iter(hf_state_dict.values())).dtype)
     out = {}
     for name in names:
         lookup = name
