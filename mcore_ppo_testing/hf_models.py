@@ -432,19 +432,20 @@ def comparison_batch(
 
 
 def hf_log_probs_and_entropy(
-    hf_model: Any, batch: ComparisonBatch, *, ignore_index: int = -100
+    hf_model: Any, batch: ComparisonBatch, *, ignore_index: int = -100, grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's per-token ``(log_probs, entropy)``, shaped like ``batch.batch.labels``.
 
     Each sequence runs alone through the Hugging Face model (no padding, no packing: its own
     forward as it defines it); the result is ``log_softmax`` of its logits (in their dtype)
     picked at the next-token label, and that distribution's entropy; 0 where the label is
-    ``ignore_index`` and on padding.
+    ``ignore_index`` and on padding. ``grad``: keep the autograd graph (for a backward into
+    the Hugging Face parameters).
     """
     labels = batch.batch.labels
     log_probs = torch.zeros(labels.shape, dtype=hf_model.dtype, device=labels.device)
     entropy = torch.zeros_like(log_probs)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for row, start, end in batch.segments:
             logits = hf_model(input_ids=batch.batch.input_ids[row : row + 1, start:end]).logits[0]
             log_softmax = torch.log_softmax(logits, dim=-1)
