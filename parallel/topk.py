@@ -41,9 +41,7 @@ def select_topk(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.
     return values[..., :kept], ids[..., :kept], values[..., kept:]
 
 
-def fold_into_statistics(
-    m: torch.Tensor, s: torch.Tensor, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_into_statistics(m: torch.Tensor, s: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m, s)`` of a set of entries extended by ``values [n, c]`` (``-inf`` entries add nothing).
 
     ``m [n]`` is the set's max and ``s [n] = Σ exp(z - m)``; an empty set is ``(-inf, 0)``.

@@ -1,0 +1,246 @@
+"""``fused_topk`` on one rank against the fp64 full-logits reference (``mcore_ppo_testing.topk_reference``).
+
+Every layout ([s,b,h], packed [t,1,h], [n,h]) × k in {1, 8, 64, 128} with the token and vocab
+chunks monkeypatched small (vocab chunks narrower than k, ragged tails), V up to 4096; exactly
+tied logits across chunks (integer data); ignored tokens; k = V; extreme logits; bad inputs.
+
+fp64 inputs: ids equal to the reference's, values to 1e-12. fp32 inputs: the top-k values equal
+the reference's sorted values and the reference's log-prob at each returned id equals the
+returned one (so a near-tie decided the other way by fp32 rounding cannot fail the test, a wrong
+id can).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mcore_ppo
+from mcore_ppo.distill import MAX_TOPK, fused_topk
+from mcore_ppo.distill import topk as topk_module
+from mcore_ppo_testing.seeds import generator, next_seed
+from mcore_ppo_testing.topk_reference import integer_case, log_probs_at, topk_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+IGNORE = -100
+HIDDEN = 16
+# layout -> (hidden's leading shape, labels' shape)
+LAYOUTS = {"sbh": ((6, 3), (3, 6)), "thd": ((17, 1), (1, 17)), "nh": ((19,), (19,))}
+TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+
+def set_chunks(monkeypatch, token_chunk: int, vocab_chunk: int) -> None:
+    monkeypatch.setattr(topk_module, "TOKEN_CHUNK", token_chunk)
+    monkeypatch.setattr(topk_module, "VOCAB_CHUNK", vocab_chunk)
+
+
+def random_case(layout: str, vocab: int, dtype: torch.dtype, scale: float = 1.0):
+    lead, label_shape = LAYOUTS[layout]
+    gen = generator(next_seed())
+    hidden = (scale * torch.randn(*lead, HIDDEN, generator=gen, dtype=torch.float64)).to(dtype)
+    weight = torch.randn(vocab, HIDDEN, generator=gen, dtype=torch.float64).to(dtype)
+    labels = torch.randint(0, vocab, label_shape, generator=gen)
+    labels.view(-1)[torch.randperm(labels.numel(), generator=gen)[: labels.numel() // 4]] = IGNORE
+    return hidden, weight, labels
+
+
+def check_against_reference(out, ref, dtype: torch.dtype, *, exact_ids: bool) -> None:
+    """``out`` (a TopK) against the fp64 reference; see the module doc for what is compared."""
+    tol = TOL[dtype]
+    assert out.ids.dtype == torch.int64 and out.ids.shape == ref.ids.shape
+    assert out.log_probs.dtype == dtype and out.log_probs.shape == ref.log_probs.shape
+    assert out.tail_log_mass.shape == ref.tail_log_mass.shape
+    assert not out.log_probs.requires_grad and not out.tail_log_mass.requires_grad
+    if exact_ids:
+        assert torch.equal(out.ids, ref.ids)
+    else:
+        assert torch.equal(out.ids == IGNORE, ref.ids == IGNORE)
+        valid_ids = out.ids[ref.valid]
+        assert (valid_ids >= 0).all() and (valid_ids < ref.full_log_probs.shape[-1]).all()
+        sorted_ids = valid_ids.sort(dim=-1).values
+        assert (sorted_ids[..., 1:] > sorted_ids[..., :-1]).all(), "an id returned twice for one token"
+        torch.testing.assert_close(out.log_probs.double(), log_probs_at(ref, out.ids), rtol=0, atol=tol)
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=tol)
+    # Most likely first, every row.
+    assert (out.log_probs[..., 1:] <= out.log_probs[..., :-1]).all()
+    finite = torch.isfinite(ref.tail_log_mass)
+    assert torch.equal(torch.isfinite(out.tail_log_mass), finite)
+    torch.testing.assert_close(out.tail_log_mass.double()[finite], ref.tail_log_mass[finite], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("k", [1, 8, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_fp64_reference(layout, dtype, k, monkeypatch):
+    """Random data, V = 1000 in vocab chunks of 100 (narrower than k = 128), token chunks of 5."""
+    set_chunks(monkeypatch, 5, 100)
+    hidden, weight, labels = random_case(layout, 1000, dtype)
+    out = fused_topk(hidden, weight, k, temperature=0.7, labels=labels)
+    ref = topk_reference(hidden, weight, k, 0.7, labels, IGNORE)
+    check_against_reference(out, ref, dtype, exact_ids=dtype == torch.float64)
+
+
+@pytest.mark.parametrize("chunking", [(4, 33), (2048, 4096)], ids=lambda c: f"tc{c[0]}-vc{c[1]}")
+def test_large_vocab(chunking, monkeypatch):
+    """V = 4096 (one chunk by default; 125 chunks of 33 patched), k = 128, fp32, no labels."""
+    set_chunks(monkeypatch, *chunking)
+    hidden, weight, _ = random_case("nh", 4096, torch.float32)
+    out = fused_topk(hidden, weight, 128)
+    check_against_reference(out, topk_reference(hidden, weight, 128), torch.float32, exact_ids=False)
+
+
+@pytest.mark.parametrize("k", [1, 8, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("chunking", [(3, 7), (4, 130), (2048, 4096)], ids=lambda c: f"tc{c[0]}-vc{c[1]}")
+def test_exact_ties_break_to_the_smaller_id(chunking, dtype, k, monkeypatch):
+    """Integer logits (every dtype holds them exactly; most of them tie, within and across
+    chunks): the ids are exactly the reference's, smaller id first among equal values."""
+    set_chunks(monkeypatch, *chunking)
+    hidden, weight = integer_case((5, 2), 600, 4, generator(next_seed()))
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    ref = topk_reference(hidden, weight, k)
+    out = fused_topk(hidden, weight, k)
+    assert torch.equal(out.ids, ref.ids)
+    # bf16 inputs give fp32 outputs.
+    tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=tol)
+    torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=tol)
+    # The ties really are there: some token has equal values at the k-th place and beyond it.
+    if k > 1:
+        sorted_full = ref.full_log_probs.sort(dim=-1, descending=True).values
+        assert (sorted_full[..., k - 1] == sorted_full[..., k]).any()
+
+
+def test_all_logits_equal(monkeypatch):
+    """Every logit equal (zero hidden): ids 0..k-1, log p = -log V, tail log((V-k)/V)."""
+    set_chunks(monkeypatch, 3, 10)
+    vocab, k = 97, 64
+    hidden = torch.zeros(4, 2, 8, dtype=torch.float64)
+    weight = torch.randn(vocab, 8, generator=generator(next_seed()), dtype=torch.float64)
+    out = fused_topk(hidden, weight, k)
+    assert torch.equal(out.ids, torch.arange(k).expand(2, 4, k))
+    torch.testing.assert_close(out.log_probs, torch.full((2, 4, k), -torch.log(torch.tensor(97.0)).item()).double())
+    expected_tail = torch.log(torch.tensor((vocab - k) / vocab, dtype=torch.float64))
+    torch.testing.assert_close(out.tail_log_mass, expected_tail.expand(2, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_k_equal_to_vocab(dtype, monkeypatch):
+    """k = V: every id returned, probabilities summing to 1, tail exactly -inf."""
+    set_chunks(monkeypatch, 4, 9)
+    hidden, weight, labels = random_case("sbh", 40, dtype)
+    out = fused_topk(hidden, weight, 40, labels=labels)
+    ref = topk_reference(hidden, weight, 40, 1.0, labels, IGNORE)
+    valid = labels != IGNORE
+    assert torch.isneginf(out.tail_log_mass[valid]).all()
+    assert torch.equal(out.ids[valid].sort(dim=-1).values, torch.arange(40).expand(int(valid.sum()), 40))
+    total = out.log_probs[valid].double().exp().sum(-1)
+    torch.testing.assert_close(total, torch.ones_like(total), rtol=0, atol=TOL[dtype])
+    check_against_reference(out, ref, dtype, exact_ids=dtype == torch.float64)
+
+
+def test_tiny_tail_is_exact(monkeypatch):
+    """A tail of relative size ~1e-30: computed as its own sum, it keeps full relative accuracy
+    (as ``log(1 - Σ p_topk)`` it would be 0 or -inf in fp32)."""
+    set_chunks(monkeypatch, 3, 16)
+    gen = generator(next_seed())
+    vocab, k = 64, 8
+    hidden = torch.randn(5, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, 8, generator=gen, dtype=torch.float64)
+    # A constant last feature: rows k..V-1 of the weight get logits exactly 80 lower there.
+    hidden[:, -1] = 1.0
+    weight[:k, -1] = 0.0
+    weight[k:, -1] = -80.0
+    out = fused_topk(hidden.float(), weight.float(), k)
+    ref = topk_reference(hidden.float(), weight.float(), k)
+    assert (ref.tail_log_mass < -60).all()
+    torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 30.0, 1e3])
+def test_extreme_logits(scale, monkeypatch):
+    """Logits near zero and up to ~1e4: finite, and exact to the fp32 rounding of their size."""
+    set_chunks(monkeypatch, 4, 50)
+    hidden, weight, labels = random_case("nh", 300, torch.float32, scale=scale)
+    out = fused_topk(hidden, weight, 16, labels=labels)
+    ref = topk_reference(hidden, weight, 16, 1.0, labels, IGNORE)
+    assert torch.isfinite(out.log_probs).all()
+    # fp32 rounding of logits of this size (a few ulp of the largest, summed over h products).
+    atol = 1e-5 + 2e-6 * (hidden.double() @ weight.double().t()).abs().max().item()
+    torch.testing.assert_close(out.log_probs.double(), log_probs_at(ref, out.ids), rtol=0, atol=atol)
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=atol)
+
+
+def test_ignored_tokens(monkeypatch):
+    """Ignored tokens: ids = ignore_index in every slot, log_probs and tail 0; a custom ignore_index."""
+    set_chunks(monkeypatch, 4, 30)
+    hidden, weight, labels = random_case("sbh", 200, torch.float64)
+    labels[labels == IGNORE] = 7
+    labels[0, :3] = -1
+    out = fused_topk(hidden, weight, 8, labels=labels, ignore_index=-1)
+    ignored = labels == -1
+    assert (out.ids[ignored] == -1).all() and (out.log_probs[ignored] == 0).all()
+    assert (out.tail_log_mass[ignored] == 0).all()
+    ref = topk_reference(hidden, weight, 8, 1.0, labels, -1)
+    check_against_reference(out, ref, torch.float64, exact_ids=True)
+    # Every token ignored: nothing NaN.
+    out = fused_topk(hidden, weight, 8, labels=torch.full_like(labels, IGNORE))
+    assert (out.ids == IGNORE).all() and (out.log_probs == 0).all() and (out.tail_log_mass == 0).all()
+
+
+def test_no_gradient_and_deterministic(monkeypatch):
+    """Inputs that require grad, grad mode on: outputs detached; the same call twice is bitwise equal."""
+    set_chunks(monkeypatch, 5, 64)
+    hidden, weight, labels = random_case("thd", 500, torch.float32)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    first = mcore_ppo.fused_topk(hidden, weight, 32, temperature=1.3, labels=labels)
+    second = mcore_ppo.fused_topk(hidden, weight, 32, temperature=1.3, labels=labels)
+    for a, b in zip(first, second, strict=True):
+        assert not a.requires_grad and a.grad_fn is None
+        assert torch.equal(a, b)
+    assert hidden.grad is None and weight.grad is None
+
+
+def test_labels_dtypes(monkeypatch):
+    """Labels of any head label dtype select the same ignored tokens."""
+    hidden, weight, labels = random_case("nh", 50, torch.float64)
+    expected = fused_topk(hidden, weight, 4, labels=labels)
+    labels32 = labels.to(torch.int32)
+    for a, b in zip(fused_topk(hidden, weight, 4, labels=labels32), expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_inputs():
+    """Each a ValueError/TypeError naming the argument."""
+    gen = generator(next_seed())
+    hidden = torch.randn(4, 2, 8, generator=gen)
+    weight = torch.randn(50, 8, generator=gen)
+    labels = torch.zeros(2, 4, dtype=torch.int64)
+    cases = [
+        (ValueError, "k must be in", dict(k=0)),
+        (ValueError, "k must be in", dict(k=-3)),
+        (ValueError, "k must be in", dict(k=MAX_TOPK + 1)),
+        (ValueError, "k must be <= the global vocab size 50", dict(k=51)),
+        (TypeError, "k must be an int", dict(k=8.0)),
+        (TypeError, "k must be an int", dict(k=True)),
+        (TypeError, "k must be an int", dict(k=torch.tensor(8))),
+        (TypeError, "hidden must be a floating-point", dict(hidden=hidden.long())),
+        (TypeError, "weight dtype torch.float64 must match hidden dtype", dict(weight=weight.double())),
+        (TypeError, "hidden must be a torch.Tensor", dict(hidden=hidden.tolist())),
+        (TypeError, "weight must be a torch.Tensor", dict(weight=None)),
+        (TypeError, "labels must be an integer tensor", dict(labels=labels.float())),
+        (ValueError, "labels must have shape", dict(labels=labels.t())),
+        (ValueError, "hidden size 7", dict(hidden=hidden[..., :7])),
+        (ValueError, "hidden must be [n, h] or [s, b, h]", dict(hidden=hidden[None])),
+        (ValueError, "temperature must be", dict(temperature=0.0)),
+        (TypeError, "temperature must be a python float", dict(temperature=torch.tensor(1.0))),
+        (TypeError, "ignore_index must be an int", dict(ignore_index=1.5)),
+        (TypeError, "sequence_parallel must be a bool", dict(sequence_parallel=1)),
+        (TypeError, "tp_group must be a torch.distributed.ProcessGroup", dict(tp_group="tp")),
+    ]
+    for error, match, override in cases:
+        args = dict(hidden=hidden, weight=weight, k=4, labels=labels) | override
+        with pytest.raises(error, match=match.replace("[", r"\[").replace("]", r"\]")):
+            fused_topk(args.pop("hidden"), args.pop("weight"), args.pop("k"), **args)
