@@ -1,0 +1,234 @@
+"""verl's Megatron engine forward, as verl runs it, on a Megatron ``GPTModel`` (tests, comparisons).
+
+verl's actor and reference workers compute log-probs and entropy in
+``MegatronEngineWithLMHead.forward_step`` (``verl/workers/engine/megatron/transformer_impl.py``):
+with ``use_fused_kernels`` on it calls ``fused_forward_model_engine`` (packed THD, labels rolled
+and CP-split by verl, then the ``output_processor`` hook of megatron-core >= 0.18 or the patched
+``GPTModel.forward``, both ending in ``linear_cross_entropy``); with it off, verl's non-fused
+``gptmodel_forward_model_engine`` computes full logits and verl's ``_lm_head_logits_processor``
+takes log-probs and entropy from them. This module runs that very ``forward_step`` (verl's
+class, verl's code) on an engine object that holds only what ``forward_step`` and
+``_maybe_enable_fused_kernels`` read (:func:`make_engine`), with a micro-batch built the way
+verl's engine receives it (:func:`make_batch`: nested jagged ``input_ids``/``loss_mask``, a
+per-sample ``temperature`` tensor, non-tensor flags).
+
+:func:`verl_log_probs` is the one-call entry for other harnesses: a model, token sequences,
+optional per-sequence temperatures -> per-token log-probs and entropy, one plain 1-D tensor per
+sequence. Read from verl 0.9.1 (the wheel) and verl-project/verl at 1dda039b: the same
+``forward_step`` / ``fused_forward_model_engine`` in both.
+
+The caller sets up Megatron's ``parallel_state`` (and, on CPU, ``mcore_ppo_testing.cpu_shims``:
+verl moves the batch to ``torch.cuda.current_device()``). Where Ray is not installed a stand-in
+answers ``import ray`` (:mod:`mcore_ppo_testing.real_verl`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import torch
+
+from mcore_ppo_testing.real_verl import use_ray_standin
+
+__all__ = [
+    "VerlTokenOutputs",
+    "import_verl_engine",
+    "make_batch",
+    "make_engine",
+    "plugin_on",
+    "run_forward_step",
+    "verl_log_probs",
+]
+
+# An architecture name verl's registry accepts for a plain GPT (no VLM path).
+ARCHITECTURE = "Qwen2ForCausalLM"
+
+
+def import_verl_engine() -> ModuleType:
+    """verl's ``transformer_impl`` module (the Ray stand-in first where Ray is missing).
+
+    megatron-core 0.20 without TransformerEngine replaces Megatron-FSDP's adapter class by a
+    placeholder *function*, which breaks the ``isinstance`` in verl's ``unwrap_model``; there verl's
+    ``unwrap_model`` is given the wrapper classes that exist (its default argument only).
+    """
+    use_ray_standin()
+    import verl.workers.engine.megatron.transformer_impl as transformer_impl
+    from verl.utils import megatron_utils
+
+    (wrappers,) = megatron_utils.unwrap_model.__defaults__
+    if not all(isinstance(cls, type) for cls in wrappers):
+        megatron_utils.unwrap_model.__defaults__ = (tuple(cls for cls in wrappers if isinstance(cls, type)),)
+    return transformer_impl
+
+
+def make_engine(
+    model: torch.nn.Module,
+    *,
+    use_fused_kernels: bool = True,
+    use_remove_padding: bool = True,
+    mtp: bool = False,
+    value_model: bool = False,
+    pad_token_id: int = 0,
+) -> Any:
+    """A verl ``MegatronEngineWithLMHead`` (``MegatronEngineWithValueHead`` for ``value_model``)
+    holding ``model``, with verl's own ``_maybe_enable_fused_kernels`` run on it as verl's
+    ``initialize`` does (it patches the model's forward for the fused path, or turns the fused
+    path off for MTP, value models and runs without remove-padding; the model then gets its
+    own forward back)."""
+    transformer_impl = import_verl_engine()
+    cls = transformer_impl.MegatronEngineWithValueHead if value_model else transformer_impl.MegatronEngineWithLMHead
+    engine = object.__new__(cls)
+    engine.engine_config = SimpleNamespace(
+        use_fused_kernels=use_fused_kernels,
+        use_remove_padding=use_remove_padding,
+        pad_to_length=False,
+        pad_to_length_bucket=None,
+        dynamic_context_parallel=False,
+        entropy_from_logits_with_chunking=False,
+        entropy_from_logits_chunk_size=2048,
+        context_parallel_size=1,
+    )
+    engine.model_config = SimpleNamespace(
+        hf_config=SimpleNamespace(architectures=[ARCHITECTURE]),
+        tokenizer=SimpleNamespace(pad_token_id=pad_token_id),
+        mtp=SimpleNamespace(enable=mtp, enable_train=False),
+    )
+    engine.is_value_model = value_model
+    engine.enable_routing_replay = False
+    engine.tf_config = model.config
+    engine.module = [model]
+    engine._maybe_enable_fused_kernels()
+    if not engine.engine_config.use_fused_kernels:
+        # verl patches a model once, at initialisation, for one engine; a model reused here for
+        # the non-fused path gets its own forward back (verl's own unpatch).
+        from verl.models.mcore.model_forward_fused import unpatch_fused_forward
+
+        unpatch_fused_forward(model)
+    return engine
+
+
+def make_batch(
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    temperature: float | Sequence[float] | torch.Tensor | None = None,
+    *,
+    calculate_entropy: bool = True,
+    device: torch.device | str = "cpu",
+) -> Any:
+    """One micro-batch as verl's Megatron engine receives it: a TensorDict with nested jagged
+    ``input_ids`` and ``loss_mask`` (``[b, j]``), a per-sample fp32 ``temperature`` ``[b]``
+    (a float is repeated), and the non-tensor flags ``forward_step`` reads."""
+    from tensordict import NonTensorData, TensorDict
+
+    rows = [torch.as_tensor(seq, dtype=torch.long).reshape(-1).cpu() for seq in sequences]
+    if not rows or any(row.numel() < 2 for row in rows):
+        raise ValueError("sequences must be a non-empty list of token sequences of at least 2 tokens each")
+    if temperature is None:
+        temperature = 1.0
+    temps = torch.as_tensor(temperature, dtype=torch.float32).reshape(-1)
+    if temps.numel() == 1:
+        temps = temps.expand(len(rows)).clone()
+    if temps.numel() != len(rows):
+        raise ValueError(f"temperature must be a float or one value per sequence ({len(rows)}), got {temps.numel()}")
+    input_ids = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    loss_mask = torch.nested.as_nested_tensor([torch.ones_like(row) for row in rows], layout=torch.jagged)
+    batch = TensorDict(
+        {"input_ids": input_ids, "loss_mask": loss_mask, "temperature": temps}, batch_size=[len(rows)]
+    ).to(device)
+    batch["calculate_entropy"] = NonTensorData(calculate_entropy)
+    return batch
+
+
+def run_forward_step(engine: Any, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """verl's ``forward_step`` on one micro-batch: its output dict (nested ``[b, j]`` tensors:
+    ``log_probs``, and ``entropy`` when the batch asks for it), still attached to the graph."""
+    # verl hands forward_step a loss function and its postprocess (the schedule's loss_func);
+    # the outputs are what is compared here, so neither runs.
+    output, _loss_func = type(engine).forward_step(engine, iter([batch]), model, None, _no_postprocess)
+    return output
+
+
+def _no_postprocess(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("verl's postprocess_micro_batch_func is not run by this harness")
+
+
+@contextlib.contextmanager
+def plugin_on(backend: str | None = None) -> Iterator[None]:
+    """The mcore_ppo verl plugin switched on inside (``MCORE_PPO_VERL_BACKEND`` = ``backend``
+    when given), off after if it was off before."""
+    from mcore_ppo.integrations import verl as plugin
+
+    saved = os.environ.get("MCORE_PPO_VERL_BACKEND")
+    if backend is not None:
+        os.environ["MCORE_PPO_VERL_BACKEND"] = backend
+    was_on = plugin.is_installed()
+    plugin.install()
+    try:
+        yield
+    finally:
+        if not was_on:
+            plugin.uninstall()
+        if backend is not None:
+            if saved is None:
+                os.environ.pop("MCORE_PPO_VERL_BACKEND", None)
+            else:
+                os.environ["MCORE_PPO_VERL_BACKEND"] = saved
+
+
+@dataclass
+class VerlTokenOutputs:
+    """Per-sequence results in a plain layout: ``log_probs[i][j]`` is the log-probability of
+    ``sequences[i][j + 1]`` after ``sequences[i][: j + 1]`` and ``entropy[i][j]`` the entropy of
+    that next-token distribution (both ``[len_i - 1]``, fp32, detached). ``entropy`` is None
+    when not asked for. ``raw`` is verl's own output dict (nested, one value per input token:
+    the last is the wrapped-around label verl's loss mask drops)."""
+
+    log_probs: list[torch.Tensor]
+    entropy: list[torch.Tensor] | None
+    raw: dict[str, torch.Tensor]
+
+
+def verl_log_probs(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    temperature: float | Sequence[float] | torch.Tensor | None = None,
+    *,
+    calculate_entropy: bool = True,
+    use_fused_kernels: bool = True,
+    plugin: bool = True,
+    backend: str | None = None,
+) -> VerlTokenOutputs:
+    """verl's live Megatron forward (``forward_step`` -> ``fused_forward_model_engine``) on
+    ``model`` with the mcore_ppo plugin on: per-token log-probs and entropy of ``sequences``.
+
+    Args:
+        model: a Megatron ``GPTModel`` (or a wrapper verl's ``unwrap_model`` unwraps) on the
+            current ``parallel_state``; with ``use_fused_kernels`` verl patches its forward
+            (legacy route, megatron-core < 0.18) and this leaves it patched.
+        sequences: token ids, one list or 1-D tensor per sequence (>= 2 tokens each).
+        temperature: one float, or one per sequence (verl's per-sample temperature).
+        calculate_entropy: verl's ``calculate_entropy`` flag.
+        use_fused_kernels: verl's ``actor_rollout_ref.model.use_fused_kernels``; False runs
+            verl's non-fused logits path instead (the plugin plays no part there).
+        plugin: switch the plugin on for the call (False: verl's own kernel, CUDA only).
+        backend: the plugin's backend (``MCORE_PPO_VERL_BACKEND``); None keeps the environment's.
+
+    Returns:
+        :class:`VerlTokenOutputs`. Runs under ``torch.no_grad``; for gradients call
+        :func:`make_engine`, :func:`make_batch` and :func:`run_forward_step` directly.
+    """
+    device = next(model.parameters()).device
+    engine = make_engine(model, use_fused_kernels=use_fused_kernels)
+    batch = make_batch(sequences, temperature, calculate_entropy=calculate_entropy, device=device)
+    switch = plugin_on(backend) if plugin else contextlib.nullcontext()
+    with switch, torch.no_grad():
+        raw = run_forward_step(engine, model, batch)
+    log_probs = [row[:-1].detach().float() for row in raw["log_probs"].unbind()]
+    entropy = None
+    if calculate_entropy:
+        entropy = [row[:-1].detach().float() for row in raw["entropy"].unbind()]
+    return VerlTokenOutputs(log_probs, entropy, raw)
