@@ -90,7 +90,7 @@ def from_parallel_hidden_states_to_logprobs(
         backend, buffer_budget_bytes: the head's options (:class:`mcore_ppo.pipeline.HeadOptions`).
 
     Returns:
-        fp32 log-probs ``[b, s - 1]`` (packed: ``[batch, unpacked_seqlen - 1]``, zero past each
+        fp32 (fp64 for fp64 inputs) log-probs ``[b, s - 1]`` (packed: ``[batch, unpacked_seqlen - 1]``, zero past each
         sequence), identical on every TP and CP rank; or ``(log_probs, entropy)``. Backward:
         ``d_hidden`` reduced over TP once (reduce-scattered under SP); the CP gather's backward
         sums the upstream gradients over CP, as NeMo-RL's ``AllGatherCPTensor``.
