@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Host work of one head call: the CPU time the caller's thread spends in it, GPU kept busy.
+
+A model step is host-bound when the head's Python and kernel launches take longer than the GPU
+work queued before them. This measures that cost alone: before each timed call the GPU is given
+a long spin (``torch.cuda._sleep``), so every launch returns at once and the wall time of the call
+on the host is its host work (Python, argument checks, descriptor builds, launch overhead), with
+no wait on the GPU inside it. Medians over ``--reps`` calls after warm-up, for the no-grad forward,
+the forward that keeps a backward, and the backward; then a cProfile of one forward+backward.
+
+Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--out DIR]
+Without CUDA it times the torch backend on small CPU tensors (the Python around the kernels only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mcore_ppo import fused_log_probs_and_entropy
+from mcore_ppo_testing.bench import SHAPES
+
+_SPIN_CYCLES = 200_000_000  # ~0.1 s at 1.98 GHz: far longer than any call's host work
+
+
+def _host_ms(fn, reps: int, cuda: bool) -> float:
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(_SPIN_CYCLES)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--shape", default="qwen7b", choices=sorted(SHAPES), help="model (hidden size, vocab)")
+    parser.add_argument("--tp", type=int, default=8, help="the vocab shard is V / tp (one rank's work)")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per call")
+    parser.add_argument("--backend", default="auto", help="the head's backend")
+    parser.add_argument("--reps", type=int, default=30, help="timed calls per measurement")
+    parser.add_argument("--out", type=Path, default=None, help="folder for host_work.json and host_profile.txt")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    hidden_size, vocab = SHAPES[args.shape]
+    if cuda:
+        device, dtype, n, h, v = "cuda", torch.bfloat16, args.tokens, hidden_size, vocab // args.tp
+    else:
+        device, dtype, n, h, v = "cpu", torch.float32, 64, 32, 128
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(n, h, device=device, dtype=dtype, generator=gen) * 0.5).requires_grad_(True)
+    w = (torch.randn(v, h, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), device=device, generator=gen)
+    grads = [torch.randn(n, device=device, generator=gen) for _ in range(2)]
+
+    def call(**kw):
+        return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=args.backend, **kw)
+
+    def nograd():
+        with torch.no_grad():
+            call()
+
+    kept = {}
+
+    def forward():
+        kept["out"] = call()
+
+    def backward():
+        log_p, ent = kept.pop("out")
+        torch.autograd.backward([log_p, ent], grads)
+
+    for _ in range(3):  # compile and warm every path
+        nograd()
+        forward()
+        backward()
+    x.grad = w.grad = None
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "n": n, "h": h, "v": v, "dtype": str(dtype)}
+    result["nograd_forward_host_ms"] = _host_ms(nograd, args.reps, cuda)
+    result["forward_host_ms"] = _host_ms(lambda: (forward(), kept.clear()), args.reps, cuda)
+    times = []
+    for _ in range(args.reps):
+        forward()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(_host_ms(backward, 1, cuda))
+        x.grad = w.grad = None
+    result["backward_host_ms"] = statistics.median(times)
+
+    profile = cProfile.Profile()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(_SPIN_CYCLES)
+    profile.enable()
+    forward()
+    backward()
+    profile.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+    print(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host_work.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "host_profile.txt").write_text(text.getvalue())
+    else:
+        print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
