@@ -10,7 +10,8 @@ lengths (verl's layout) and a right-padded batch:
 - (a) through this repo's path, ``install_fused_head`` + ``gpt_log_probs_and_entropy``, with the
   torch and the triton backend (Triton's interpreter on CPU);
 - (b) through verl's live fused path with the mcore_ppo plugin on
-  (:mod:`mcore_ppo_testing.verl_engine`).
+  (:mod:`mcore_ppo_testing.verl_engine`: verl's ``forward_step`` -> ``fused_forward_model_engine``,
+  which packs the sequences into THD itself), log-probs and entropy.
 
 The comparison is shown able to fail (a wrong rotary base, q/k/v not grouped, gate and up
 swapped each miss by orders of magnitude), the conversion is strict, and where ``mbridge``
@@ -36,19 +37,20 @@ RTOL = 1e-4
 LENGTHS = (9, 4, 13)  # packed: one THD row; padded: three rows padded to 13
 TIES = pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 KINDS = pytest.mark.parametrize("kind", ["packed", "padded"])
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _models(tied: bool, *, params_dtype: torch.dtype = torch.float32):
     config = hf_models.small_qwen2_config(tie_word_embeddings=tied)
-    hf = hf_models.random_qwen2_model(config, seed=next_seed(), dtype=params_dtype)
-    gpt = hf_models.qwen2_gpt_model(config, params_dtype=params_dtype, device="cpu")
+    hf = hf_models.random_qwen2_model(config, seed=next_seed(), dtype=params_dtype).to(DEVICE)
+    gpt = hf_models.qwen2_gpt_model(config, params_dtype=params_dtype, device=DEVICE)
     hf_models.load_qwen2_weights(gpt, hf)
     return config, hf, gpt.eval()
 
 
 def _batch(config, kind: str) -> hf_models.ComparisonBatch:
     return hf_models.comparison_batch(
-        kind, vocab_size=config.vocab_size, lengths=LENGTHS, generator=generator(next_seed())
+        kind, vocab_size=config.vocab_size, lengths=LENGTHS, generator=generator(next_seed()), device=DEVICE
     )
 
 
@@ -98,7 +100,7 @@ def test_fused_head_gradients_equal_hugging_face(tied: bool, kind: str):
     config, hf, gpt = _models(tied)
     batch = _batch(config, kind)
     gen = generator(next_seed())
-    g_lp, g_ent = (torch.randn(batch.batch.labels.shape, generator=gen) for _ in range(2))
+    g_lp, g_ent = (torch.randn(batch.batch.labels.shape, generator=gen).to(DEVICE) for _ in range(2))
     ref_lp, ref_ent = hf_models.hf_log_probs_and_entropy(hf, batch, grad=True)
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
     hf_grads = {name: param.grad for name, param in hf.named_parameters()}
@@ -136,7 +138,7 @@ def test_comparison_detects_a_wrong_conversion(mistake: str):
     if mistake == "rotary_base":
         wrong = copy.deepcopy(config)
         wrong.rope_parameters = {"rope_type": "default", "rope_theta": 100.0}
-        gpt = hf_models.qwen2_gpt_model(wrong, device="cpu")
+        gpt = hf_models.qwen2_gpt_model(wrong, device=DEVICE)
         hf_models.load_qwen2_weights(gpt, hf)
     else:
         state = gpt.state_dict()
@@ -211,16 +213,16 @@ def test_conversion_rejects_what_it_does_not_map():
 
     config = hf_models.small_qwen2_config()
     with pytest.raises(ValueError, match="qwen2"):
-        hf_models.qwen2_gpt_model(LlamaConfig(), device="cpu")
+        hf_models.qwen2_gpt_model(LlamaConfig(), device=DEVICE)
     sliding = copy.deepcopy(config)
     sliding.use_sliding_window = True
     with pytest.raises(NotImplementedError, match="sliding"):
-        hf_models.qwen2_gpt_model(sliding, device="cpu")
+        hf_models.qwen2_gpt_model(sliding, device=DEVICE)
     scaled = copy.deepcopy(config)
     scaled.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(NotImplementedError, match="yarn"):
-        hf_models.qwen2_gpt_model(scaled, device="cpu")
-    gpt = hf_models.qwen2_gpt_model(config, device="cpu")
+        hf_models.qwen2_gpt_model(scaled, device=DEVICE)
+    gpt = hf_models.qwen2_gpt_model(config, device=DEVICE)
     other = hf_models.random_qwen2_model(hf_models.small_qwen2_config(intermediate_size=64), seed=next_seed())
     with pytest.raises(ValueError, match=r"linear_fc1\.weight: converted shape"):
         hf_models.load_qwen2_weights(gpt, other)
@@ -229,7 +231,7 @@ def test_conversion_rejects_what_it_does_not_map():
 def test_rope_theta_from_either_transformers_layout():
     config = hf_models.small_qwen2_config(rope_theta=12345.0)
     assert hf_models.hf_rope_theta(config) == 12345.0
-    assert hf_models.qwen2_gpt_model(config, device="cpu").rotary_base == 12345.0
+    assert hf_models.qwen2_gpt_model(config, device=DEVICE).rotary_base == 12345.0
     legacy = copy.deepcopy(config)
     legacy.rope_theta = 777.0  # transformers 4 keeps it on the config itself
     assert hf_models.hf_rope_theta(legacy) == 777.0
@@ -254,17 +256,35 @@ def test_conversion_equals_mbridge(tied: bool):
 _VERL_ENGINE = importlib.util.find_spec("mcore_ppo_testing.verl_engine")
 
 
-@pytest.mark.skipif(_VERL_ENGINE is None, reason="mcore_ppo_testing.verl_engine is not written yet")
-@KINDS
+@pytest.mark.skipif(_VERL_ENGINE is None, reason="mcore_ppo_testing.verl_engine is not in this tree")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @TIES
-def test_verl_fused_path_log_probs_equal_hugging_face(tied: bool, kind: str):
+def test_verl_fused_path_log_probs_and_entropy_equal_hugging_face(tied: bool, backend: str, monkeypatch):
+    """verl's own ``forward_step`` -> ``fused_forward_model_engine`` (verl packs the sequences
+    into THD itself) with the mcore_ppo plugin on: the plugin's kernel runs (counted), and the
+    per-token log-probs and entropy equal Hugging Face's within 1e-4 relative."""
+    from mcore_ppo.integrations.verl import kernel as plugin_kernel
     from mcore_ppo_testing import verl_engine
 
+    calls = []
+    original = plugin_kernel.linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("backend"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(plugin_kernel, "linear_cross_entropy", counted)
     config, hf, gpt = _models(tied)
-    batch = _batch(config, kind)
-    ref_lp, _ = hf_models.hf_log_probs_and_entropy(hf, batch)
-    lp = verl_engine.verl_fused_log_probs(gpt, batch.batch)
-    valid = batch.batch.labels != -100
-    err = hf_models.max_relative_error(lp.reshape(valid.shape), ref_lp, valid)
-    print(f"verl fused path: max relative error vs Hugging Face fp32 {err:.3e}")
-    assert err <= RTOL
+    batch = _batch(config, "packed")
+    ref_lp, ref_ent = hf_models.hf_log_probs_and_entropy(hf, batch)
+    sequences = [batch.batch.input_ids[row, start:end] for row, start, end in batch.segments]
+    out = verl_engine.verl_log_probs(gpt, sequences, backend=backend)
+    assert calls == [backend]
+    lp_err = ent_err = 0.0
+    for i, (row, start, end) in enumerate(batch.segments):
+        valid = torch.ones(end - start - 1, dtype=torch.bool, device=DEVICE)
+        lp_err = max(lp_err, hf_models.max_relative_error(out.log_probs[i], ref_lp[row, start : end - 1], valid))
+        ent_err = max(ent_err, hf_models.max_relative_error(out.entropy[i], ref_ent[row, start : end - 1], valid))
+    print(f"verl fused path: max relative error vs Hugging Face fp32: log-prob {lp_err:.3e}, entropy {ent_err:.3e}")
+    assert lp_err <= RTOL
+    assert ent_err <= RTOL
