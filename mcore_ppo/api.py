@@ -14,13 +14,14 @@ def fused_log_probs_and_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     tp_group: ProcessGroup | None = None,
     sequence_parallel: bool = False,
     ignore_index: int = -100,
     backend: str | Backend = "auto",
     buffer_budget_bytes: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log p(label)`` and entropy of ``softmax(hidden @ W.T / temperature)``.
 
     The ``[tokens, V]`` logits are never materialised: each TP rank computes softmax
@@ -35,7 +36,11 @@ def fused_log_probs_and_entropy(
             covering the whole (gathered) sequence; ``ignore_index`` marks tokens to skip. Any
             dtype of :data:`mcore_ppo.validation.LABEL_DTYPES`, compared in int64.
         temperature: logits are divided by it; a Python number in ``[1e-4, inf)``
-            (:data:`mcore_ppo.validation.MIN_TEMPERATURE` says why the floor).
+            (:data:`mcore_ppo.validation.MIN_TEMPERATURE` says why the floor), or a per-token
+            floating-point tensor shaped like ``labels`` or broadcastable to them (``[b, 1]``:
+            one per sequence), on their device, values in the same range; token ``i``'s logits
+            are divided by ``T_i``. The tensor gets no gradient (it is detached). See
+            :func:`mcore_ppo.pipeline.run_head` for how its values are checked.
         tp_group: tensor-parallel group; default Megatron's when initialised, else one rank.
         sequence_parallel: hidden arrives sequence-sharded over TP; the head all-gathers it
             and reduce-scatters ``d_hidden`` back to this rank's shard.
@@ -43,12 +48,22 @@ def fused_log_probs_and_entropy(
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"liger"`` or a backend object.
         buffer_budget_bytes: the ``triton`` backend's probability buffer; see
             :class:`mcore_ppo.pipeline.HeadOptions`.
+        return_entropy: False skips every bit of entropy work and returns ``(log_probs, None)``.
 
     Returns:
-        ``(log_probs, entropy)``, fp32, shaped like ``labels`` and identical on every TP rank.
+        ``(log_probs, entropy)``, fp32, shaped like ``labels`` and identical on every TP rank
+        (``entropy`` None with ``return_entropy=False``).
         Gradients flow to ``hidden`` (reduced over TP exactly once) and to ``weight``.
     """
-    options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
+    row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
+    default = 1.0 if row_temperature is not None else temperature
+    options = HeadOptions(default, ignore_index, backend, buffer_budget_bytes, return_entropy)
     return run_head(
-        hidden, weight, labels, options, tp_group=resolve_tp_group(tp_group), sequence_parallel=sequence_parallel
+        hidden,
+        weight,
+        labels,
+        options,
+        tp_group=resolve_tp_group(tp_group),
+        sequence_parallel=sequence_parallel,
+        temperature=row_temperature,
     )

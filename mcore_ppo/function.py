@@ -5,8 +5,9 @@ Forward (one rank, its vocab shard ``[vocab_start, vocab_start + v)``):
      the backend returns a residual for its backward (the triton buffer);
   2. the cross-rank combine (:func:`parallel.combine_shard_statistics`): MAX, then one SUM;
   3. ``log_prob = y - lse`` and ``entropy = H``, zero for ignored tokens.
-Saved for backward: the inputs and the fp32 per-token ``lse`` and ``entropy`` (saved tensors),
-and the backend's residual (on ``ctx``, handed to the one backward that consumes it).
+Saved for backward: the inputs and the fp32 per-token ``lse`` and ``entropy`` (saved tensors;
+no entropy when it is off), the per-token temperature when there is one, and the backend's
+residual (on ``ctx``, handed to the one backward that consumes it).
 
 Backward: the backend returns this rank's *partial* ``d_hidden`` (fp32, cast once at the end)
 and ``d_weight``. The partial ``d_hidden`` is summed over TP by the mapping that wraps
@@ -64,13 +65,14 @@ class ShardPlan:
 
     Attributes:
         backend: the per-shard backend (stateless: one may serve every call).
-        temperature: python float > 0.
+        temperature: python float > 0 (a per-token tensor, given to :func:`shard_head`, overrides it).
         ignore_index: label value of skipped tokens.
         vocab_start: the first global vocab id of this rank's shard.
         vocab_size: the global vocab size (every rank's shard together).
         tp_group: the group the statistics are combined over (None: one rank).
         accumulate_into_main_grad: the weight gradient goes into ``weight.main_grad`` (fp32),
             Megatron's gradient-accumulation fusion.
+        return_entropy: False: no entropy work anywhere; the second output is None.
     """
 
     backend: Backend
@@ -80,17 +82,26 @@ class ShardPlan:
     vocab_size: int
     tp_group: ProcessGroup | None = None
     accumulate_into_main_grad: bool = False
+    return_entropy: bool = True
 
 
 def shard_head(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, plan: ShardPlan
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_prob [n], entropy [n])``, fp32, for ``hidden [n, h]``, this rank's ``weight [v, h]``
-    and global int64 ``labels [n]``; differentiable once (this rank's partial ``d_hidden``)."""
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    plan: ShardPlan,
+    temperature: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log_prob [n], entropy [n] or None)``, fp32, for ``hidden [n, h]``, this rank's
+    ``weight [v, h]`` and global int64 ``labels [n]``; differentiable once (this rank's partial
+    ``d_hidden``). ``temperature``: per-token ``[n]`` (fp32, fp64 for fp64 inputs, contiguous,
+    validated), used instead of ``plan.temperature``; it gets no gradient."""
     # Decided here, where grad mode is still visible: a backend keeps backward buffers only
     # when a backward can follow.
     grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return FusedPPOHeadFunction.apply(hidden, weight, labels, plan, grad_needed)
+    if temperature is not None:
+        temperature = temperature.detach()
+    return FusedPPOHeadFunction.apply(hidden, weight, labels, plan, grad_needed, temperature)
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,7 +130,8 @@ def _weight_grad_buffer(weight: torch.Tensor, accumulate_into_main_grad: bool, b
 
 
 class FusedPPOHeadFunction(torch.autograd.Function):
-    """``(hidden [n,h], weight [v,h], labels [n], plan, grad_needed) → (log_prob [n], entropy [n])``, fp32.
+    """``(hidden [n,h], weight [v,h], labels [n], plan, grad_needed, temperature [n] or None)
+    → (log_prob [n], entropy [n] or None)``, fp32.
 
     ``labels`` are global vocab ids (or ``plan.ignore_index``); this rank owns rows
     ``[plan.vocab_start, plan.vocab_start + v)`` of the global vocab. Call it through
@@ -134,14 +146,15 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         labels: torch.Tensor,
         plan: ShardPlan,
         grad_needed: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx.set_materialize_grads(False)
         ctx.device = hidden.device
         with autocast_off(hidden.device):
-            return FusedPPOHeadFunction._forward(ctx, hidden, weight, labels, plan, grad_needed)
+            return FusedPPOHeadFunction._forward(ctx, hidden, weight, labels, plan, grad_needed, temperature)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, labels, plan: ShardPlan, grad_needed: bool):
+    def _forward(ctx, hidden, weight, labels, plan: ShardPlan, grad_needed: bool, row_temperature):
         # Compared in int64: in a narrower dtype ignore_index would wrap (-100 is 156 in uint8).
         labels = labels.long()
         valid = labels != plan.ignore_index
@@ -149,10 +162,14 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
         local_labels = torch.where(in_shard, local_labels, -1)
 
+        temperature = plan.temperature if row_temperature is None else row_temperature
+        # Passed only when off: a backend object written before the option keeps working.
+        entropy_off = {} if plan.return_entropy else {"with_entropy": False}
         stats = plan.backend.shard_statistics(
-            hidden, weight, local_labels, valid, plan.temperature, grad_needed=grad_needed
+            hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, **entropy_off
         )
-        lse, entropy, label_logit = combine_shard_statistics(*stats.tensors(), plan.tp_group)
+        m, s, u, y = stats.tensors()
+        lse, entropy, label_logit = combine_shard_statistics(m, s, u if plan.return_entropy else None, y, plan.tp_group)
 
         # Rounding can push log p a hair above 0 or H a hair below 0; the math forbids both.
         log_prob = torch.where(valid, (label_logit - lse).clamp(max=0.0), 0.0)
@@ -160,11 +177,14 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         # MCORE_PPO_VALIDATE=1) poisons its log-prob instead of returning a plausible number.
         out_of_range = valid & ((labels < 0) | (labels >= plan.vocab_size))
         log_prob = log_prob.masked_fill(out_of_range, torch.nan)
-        # Near-uniform logits: H rounds to within an ulp of log V, possibly above it.
-        max_entropy = _max_entropy(plan.vocab_size, entropy.dtype)
-        entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=max_entropy), 0.0)
+        if entropy is None:
+            entropy_out = None
+        else:
+            # Near-uniform logits: H rounds to within an ulp of log V, possibly above it.
+            max_entropy = _max_entropy(plan.vocab_size, entropy.dtype)
+            entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=max_entropy), 0.0)
 
-        ctx.save_for_backward(hidden, weight, local_labels, valid, lse, entropy)
+        ctx.save_for_backward(hidden, weight, local_labels, valid, lse, entropy, row_temperature)
         ctx.plan = plan
         # Not a saved tensor: the one backward that uses it takes it (see backward).
         ctx.residual = stats.residual
@@ -178,13 +198,13 @@ class FusedPPOHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_log_prob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-        hidden, weight, local_labels, valid, lse, entropy = ctx.saved_tensors
+        hidden, weight, local_labels, valid, lse, entropy, row_temperature = ctx.saved_tensors
         plan: ShardPlan = ctx.plan
         # Taken, not read: the buffer is freed with this backward (a second one, with
         # retain_graph, recomputes), and the backend may overwrite it in place.
         residual, ctx.residual = ctx.residual, None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        nones = (None,) * 3
+        nones = (None,) * 4
         if (grad_log_prob is None and grad_entropy is None) or not (need_hidden or need_weight):
             return None, None, *nones
 
@@ -194,8 +214,8 @@ class FusedPPOHeadFunction(torch.autograd.Function):
             hidden,
             weight,
             SavedTokens(local_labels, valid, lse, entropy, residual),
-            GradientRequest(grad_log_prob, grad_entropy, need_hidden, weight_grad),
-            temperature=plan.temperature,
+            GradientRequest(grad_log_prob, grad_entropy if entropy is not None else None, need_hidden, weight_grad),
+            temperature=plan.temperature if row_temperature is None else row_temperature,
         )
         if d_hidden is not None:
             d_hidden = d_hidden.to(hidden.dtype)
@@ -236,14 +256,14 @@ class _OutputsFunction(torch.autograd.Function):
         with torch.enable_grad(), autocast_off(hidden.device):
             outputs = compute(*inputs)
         ctx.graph = (inputs, outputs)
-        return tuple(out.detach() for out in outputs)
+        return tuple(None if out is None else out.detach() for out in outputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         _refuse_double_backward()
         (inputs, outputs), ctx.graph = ctx.graph, None
         wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
-        pairs = [(out, g) for out, g in zip(outputs, grads, strict=True) if g is not None]
+        pairs = [(out, g) for out, g in zip(outputs, grads, strict=True) if g is not None and out is not None]
         result: list[torch.Tensor | None] = [None, None, None]
         if not pairs or not wanted:
             return tuple(result)

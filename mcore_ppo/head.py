@@ -33,10 +33,12 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         config: Megatron ``ModelParallelConfig`` (``sequence_parallel``,
             ``gradient_accumulation_fusion``, ``params_dtype``, ... are honoured).
         init_method: weight initialiser, as for ``ColumnParallelLinear``.
-        temperature, ignore_index, backend, buffer_budget_bytes: the fused path's options
-            (:class:`mcore_ppo.pipeline.HeadOptions`; ``temperature`` is the default that a
-            call may override). Kept as attributes of the same names, which may be changed
-            between calls: every fused forward validates them again.
+        temperature, ignore_index, backend, buffer_budget_bytes, return_entropy: the fused
+            path's options (:class:`mcore_ppo.pipeline.HeadOptions`; ``temperature`` is the
+            float default that a call may override, also with a per-token tensor;
+            ``return_entropy=False`` makes the fused path return ``(log_probs, None)``). Kept as
+            attributes of the same names, which may be changed between calls: every fused
+            forward validates them again.
         output_dtype: the dtype of the logits on the ``labels=None`` path, which megatron-core
             >= 0.20 passes to its output layer (``GPTModel(logit_dtype=...)``) and
             ``ColumnParallelLinear`` honours there. The fused path does not need it: it forms
@@ -66,11 +68,12 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         backend: str | Backend = "auto",
         buffer_budget_bytes: int | None = None,
         output_dtype: torch.dtype | None = None,
+        return_entropy: bool = True,
         **kwargs,
     ) -> None:
         if bias:
             raise ValueError("VocabParallelFusedPPOHead has no bias (bias must be False): output layers have none")
-        options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
+        options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes, return_entropy)
         if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
             raise TypeError(f"output_dtype must be a torch.dtype or None, got {type(output_dtype).__name__}")
         if _CPL_TAKES_OUTPUT_DTYPE:
@@ -86,6 +89,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         self.ignore_index = options.ignore_index
         self.backend = options.backend
         self.buffer_budget_bytes = options.buffer_budget_bytes
+        self.return_entropy = options.return_entropy
 
     def forward(  # type: ignore[override]
         self,
@@ -94,10 +98,11 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         *,
         weight: torch.Tensor | None = None,
         runtime_gather_output: bool | None = None,
-        temperature: float | None = None,
+        temperature: float | torch.Tensor | None = None,
         output_cross_entropy_loss: bool = False,
         reduction: str = "none",
         ignore_index: int | None = None,
+        return_entropy: bool | None = None,
     ):
         """``(log_probs, entropy)`` for ``labels``, or ``(logits, None)`` when ``labels`` is None.
 
@@ -109,12 +114,17 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             weight: the weight to use instead of ``self.weight`` (tied embeddings: the
                 embedding's shard, as Megatron's ``GPTModel`` passes it).
             runtime_gather_output: as for ``ColumnParallelLinear`` (logits path only).
-            temperature: overrides the head's default temperature for this call.
+            temperature: overrides the head's default temperature for this call: a float, or a
+                per-token floating-point tensor shaped like ``labels`` or broadcastable to them
+                (``[b, 1]`` per sequence; under CP this rank's part, split like the labels with
+                :func:`parallel.split_temperature_for_cp`). The tensor gets no gradient.
             output_cross_entropy_loss, reduction, ignore_index: ``LinearCrossEntropyModule``'s
                 contract (class doc): with ``output_cross_entropy_loss`` the result is the
                 cross entropy at temperature 1, ``[b, s]`` for ``reduction="none"``, else its
                 sum or its mean over the tokens not equal to ``ignore_index`` (default: the
                 head's), as a 0-d tensor.
+            return_entropy: overrides the head's ``return_entropy`` for this call (None: keep it);
+                False returns ``(log_probs, None)``.
         """
         if output_cross_entropy_loss:
             if labels is None:
@@ -123,13 +133,15 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         if labels is None:
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         weight = self._weight(weight)
+        row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
         options = HeadOptions(
-            self.temperature if temperature is None else temperature,
+            self.temperature if temperature is None or row_temperature is not None else temperature,
             self.ignore_index,
             self.backend,
             self.buffer_budget_bytes,
+            self.return_entropy if return_entropy is None else return_entropy,
         )
-        return self._run(input_, weight, labels, options)
+        return self._run(input_, weight, labels, options, row_temperature)
 
     def _cross_entropy(
         self,
@@ -146,7 +158,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         weight = self._weight(weight)
         # The language-model loss has no sampling temperature: T = 1 whatever the head's default.
         log_probs, _ = self._run(
-            input_, weight, labels, HeadOptions(1.0, ignore, self.backend, self.buffer_budget_bytes)
+            input_, weight, labels, HeadOptions(1.0, ignore, self.backend, self.buffer_budget_bytes, False)
         )
         loss = -log_probs
         if reduction == "sum":
@@ -166,8 +178,13 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         return weight
 
     def _run(
-        self, input_: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, options: HeadOptions
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        options: HeadOptions,
+        temperature: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return run_head(
             input_,
             weight,
@@ -176,4 +193,5 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             tp_group=self.tp_group,
             sequence_parallel=self.sequence_parallel,
             accumulate_into_main_grad=self.gradient_accumulation_fusion,
+            temperature=temperature,
         )

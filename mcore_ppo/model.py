@@ -78,14 +78,16 @@ class FusedHeadContext:
     """``output_processor_context`` of the fused path.
 
     Attributes:
-        temperature: the per-call temperature (None: the head's default).
+        temperature: the per-call temperature, a float or a per-token tensor (None: the head's default).
+        return_entropy: the per-call entropy switch (None: the head's ``return_entropy``).
         labels: the head's labels when the model was given others (multi-token prediction:
             Megatron's MTP loss gets the labels with ignored tokens replaced and a loss mask,
             :func:`_mtp_labels_and_mask`); None: the labels Megatron passes.
     """
 
-    temperature: float | None = None
+    temperature: float | torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    return_entropy: bool | None = None
 
 
 def fused_output_processor(
@@ -113,9 +115,12 @@ def fused_output_processor(
         raise ValueError("fused_output_processor needs labels; call the model without the processor for logits")
     _check_supported_config(config)
     temperature = None if context is None else context.temperature
+    return_entropy = None if context is None else context.return_entropy
     if context is not None and context.labels is not None:
         labels = context.labels
-    return output_layer(hidden_states, labels, weight=output_weight, temperature=temperature)
+    return output_layer(
+        hidden_states, labels, weight=output_weight, temperature=temperature, return_entropy=return_entropy
+    )
 
 
 def _check_supported_config(config: Any) -> None:
@@ -132,10 +137,11 @@ def gpt_log_probs_and_entropy(
     attention_mask: torch.Tensor | None,
     labels: torch.Tensor | None,
     *,
-    temperature: float | None = None,
+    temperature: float | torch.Tensor | None = None,
     packed_seq_params: Any | None = None,
+    return_entropy: bool | None = None,
     **model_kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
     """Run a GPT model whose output layer is the fused head (see :func:`install_fused_head`).
 
     Args:
@@ -146,18 +152,25 @@ def gpt_log_probs_and_entropy(
             this rank's part from :func:`parallel.roll_and_split_labels`; ``ignore_index``
             marks tokens to skip. None returns what ``GPTModel`` returns (logits on the last
             stage).
-        temperature: overrides the head's temperature for this call.
+        temperature: overrides the head's temperature for this call: a float, or a per-token
+            floating-point tensor shaped like ``labels`` or broadcastable to them (``[b, 1]``
+            per sequence); under CP this rank's part, split like the labels
+            (:func:`parallel.split_temperature_for_cp`). The tensor gets no gradient.
         packed_seq_params: Megatron ``PackedSeqParams`` for THD batches.
+        return_entropy: False returns ``(log_probs, None)`` and skips the entropy work
+            (None: the head's ``return_entropy``, True unless it was built otherwise).
         **model_kwargs: other ``GPTModel.forward`` keywords (``decoder_input``,
             ``extra_block_kwargs``, ``padding_mask``, ...).
 
     Returns:
         Last pipeline stage: ``(log_probs, entropy)``, fp32, shaped like ``labels``, identical
-        on every TP rank. Other stages: the hidden states ``GPTModel`` returns there.
+        on every TP rank (``entropy`` None when it is off). Other stages: the hidden states ``GPTModel`` returns there.
         ``labels=None``: the model's own output (``[b, s, V/tp]`` logits on the last stage).
     """
-    if temperature is not None:
+    if temperature is not None and not isinstance(temperature, torch.Tensor):
         temperature = check_temperature(temperature)
+    if return_entropy is not None and not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy must be a bool or None, got {type(return_entropy).__name__}")
     gpt = unwrap_gpt_model(model)
     forward_kwargs = dict(model_kwargs)
     forward_kwargs["packed_seq_params"] = packed_seq_params
@@ -171,13 +184,13 @@ def gpt_log_probs_and_entropy(
         )
     _check_supported_config(gpt.config)
     if supports_output_processor(gpt):
-        context = FusedHeadContext(temperature)
+        context = FusedHeadContext(temperature, return_entropy=return_entropy)
         model_labels = labels
         if getattr(gpt.config, "mtp_num_layers", None):
             model_labels, forward_kwargs["loss_mask"] = _mtp_labels_and_mask(
                 gpt, head, labels, forward_kwargs.get("loss_mask")
             )
-            context = FusedHeadContext(temperature, labels)
+            context = FusedHeadContext(temperature, labels, return_entropy)
         return model(
             input_ids,
             position_ids,
@@ -188,7 +201,7 @@ def gpt_log_probs_and_entropy(
             **forward_kwargs,
         )
     return _forward_without_hook(
-        gpt, head, input_ids, position_ids, attention_mask, labels, temperature, forward_kwargs
+        gpt, head, input_ids, position_ids, attention_mask, labels, temperature, forward_kwargs, return_entropy
     )
 
 
@@ -228,9 +241,10 @@ def _forward_without_hook(
     position_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     labels: torch.Tensor,
-    temperature: float | None,
+    temperature: float | torch.Tensor | None,
     forward_kwargs: dict[str, Any],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_entropy: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """megatron-core < 0.18: the model with ``post_process`` cleared, then the head module."""
     if getattr(gpt.config, "mtp_num_layers", None):
         raise NotImplementedError(
@@ -245,7 +259,7 @@ def _forward_without_hook(
         hidden_states = gpt(input_ids, position_ids, attention_mask, **forward_kwargs)
     finally:
         gpt.post_process = True
-    return head(hidden_states, labels, weight=output_weight, temperature=temperature)
+    return head(hidden_states, labels, weight=output_weight, temperature=temperature, return_entropy=return_entropy)
 
 
 def _mark_not_offloadable(module: torch.nn.Module) -> None:

@@ -12,6 +12,7 @@ A new framework adapter belongs beside those entry points and calls :func:`run_h
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -50,9 +51,15 @@ class HeadOptions:
             docs/kernels.md); 0: always recompute. Only the ``triton`` backend uses it (also
             when ``auto`` picks it); the others ignore it. Must be None when ``backend`` is an
             object, which carries its own.
+        return_entropy: False: the entropy is not computed (the kernels skip its sums, the TP
+            combine packs two values per token instead of three, the backward its term) and
+            the head returns ``(log_probs, None)``. True (default): ``(log_probs, entropy)``.
+
+    A per-token temperature (a tensor shaped like the labels) is not an option but an input of
+    the call: ``run_head(..., temperature=tensor)`` overrides ``temperature`` here.
 
     Raises:
-        TypeError: a field of the wrong type (bool is not an int here).
+        TypeError: a field of the wrong type (bool is not an int here; return_entropy must be a bool).
         ValueError: a temperature outside ``[MIN_TEMPERATURE, inf)``, an ``ignore_index``
             beyond int64, an unknown backend name, a negative budget, or a budget given with a
             backend object.
@@ -62,9 +69,12 @@ class HeadOptions:
     ignore_index: int = -100
     backend: str | Backend = "auto"
     buffer_budget_bytes: int | None = None
+    return_entropy: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", validation.check_temperature(self.temperature))
+        if not isinstance(self.return_entropy, bool):
+            raise TypeError(f"return_entropy must be a bool, got {validation.type_name(self.return_entropy)}")
         validation.check_ignore_index(self.ignore_index)
         check_backend(self.backend)
         budget = validation.check_buffer_budget_bytes(self.buffer_budget_bytes)
@@ -86,7 +96,8 @@ def run_head(
     reduce_hidden_grad: bool = True,
     flat_labels: bool = False,
     accumulate_into_main_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    temperature: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``(log_probs, entropy)`` of ``softmax(hidden @ weight.T / T)`` over the TP-sharded vocab.
 
     Args:
@@ -105,10 +116,20 @@ def run_head(
             ``[N]``.
         accumulate_into_main_grad: write the weight gradient into ``weight.main_grad`` (fp32),
             as Megatron's gradient-accumulation fusion does.
+        temperature: a per-token temperature that overrides ``options.temperature``: a
+            floating-point tensor on the labels' device, shaped like ``labels`` or broadcastable
+            to them (``[b, 1]``: one per sequence of ``[b, s]`` labels); with ``flat_labels``
+            also any shape of ``N`` elements, in the labels' memory order. It covers the same
+            tokens as ``labels`` (the whole gathered sequence under SP, this rank's CP part:
+            split it like the labels, :func:`parallel.split_temperature_for_cp`). Token ``i``'s
+            logits are divided by ``T_i``. It gets no gradient (a tensor that requires grad is
+            detached). Its values must lie in ``[MIN_TEMPERATURE, inf)``: checked (ValueError)
+            for CPU tensors always and for CUDA tensors with ``MCORE_PPO_VALIDATE=1`` (a host
+            sync); otherwise a token with a bad temperature gets NaN outputs.
 
     Returns:
         fp32 ``(log_probs, entropy)``, identical on every TP rank; zero where labels equal
-        ``options.ignore_index``.
+        ``options.ignore_index``. ``entropy`` is None when ``options.return_entropy`` is False.
     """
     validation.check_tensors(hidden, weight, labels)
     validation.check_process_group(tp_group)
@@ -138,26 +159,36 @@ def run_head(
     validation.check_equal_shards(weight, tp_group, layout_error)
     vocab_size = weight.shape[0] * tp_size
     validation.check_label_range(labels, vocab_size, options.ignore_index)
+    if temperature is not None and not isinstance(temperature, torch.Tensor):
+        # A number here is the float option of this one call.
+        options = dataclasses.replace(options, temperature=temperature)
+        temperature = None
+    row_temperature, bad_temperature = _row_temperature(temperature, labels, hidden.dtype, flat_labels)
+    scale = options.temperature if row_temperature is None else row_temperature
     impl = resolve_backend(options.backend, hidden.device, buffer_budget_bytes=options.buffer_budget_bytes)
 
     if getattr(impl, "computes_outputs", False):
         # Its own autograd and TP handling (Liger): no Function and no TP mapping here.
-        reason = impl.unsupported(tp_size, sequence_parallel, hidden, reduce_hidden_grad=reduce_hidden_grad)
+        per_token = {} if row_temperature is None else {"per_token_temperature": True}
+        reason = impl.unsupported(
+            tp_size, sequence_parallel, hidden, reduce_hidden_grad=reduce_hidden_grad, **per_token
+        )
         if reason is not None:
             raise ValueError(f"backend={impl.name!r} cannot run this case: {reason}")
         tokens_hidden, tokens_labels = _tokens(hidden, labels, flat_labels)
-        log_probs, entropy = outputs_head(
+        outputs = outputs_head(
             tokens_hidden,
             weight,
             functools.partial(
                 impl.log_probs_and_entropy,
                 labels=tokens_labels,
-                temperature=options.temperature,
+                temperature=scale,
                 ignore_index=options.ignore_index,
                 tp_group=tp_group,
+                return_entropy=options.return_entropy,
             ),
         )
-        return _like_labels(log_probs, labels, flat_labels), _like_labels(entropy, labels, flat_labels)
+        return _finish(outputs, labels, flat_labels, bad_temperature)
 
     if reduce_hidden_grad:
         # The one TP reduction of d_hidden lives in this mapping's backward.
@@ -174,9 +205,50 @@ def run_head(
         vocab_size=vocab_size,
         tp_group=tp_group,
         accumulate_into_main_grad=accumulate_into_main_grad,
+        return_entropy=options.return_entropy,
     )
-    log_probs, entropy = shard_head(tokens_hidden, weight, tokens_labels, plan)
-    return _like_labels(log_probs, labels, flat_labels), _like_labels(entropy, labels, flat_labels)
+    outputs = shard_head(tokens_hidden, weight, tokens_labels, plan, row_temperature)
+    return _finish(outputs, labels, flat_labels, bad_temperature)
+
+
+def _row_temperature(
+    temperature: torch.Tensor | None, labels: torch.Tensor, dtype: torch.dtype, flat_labels: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(T [n], bad [n] or None)``: the per-token temperature in token order, contiguous, in the
+    backends' accumulation dtype (fp32; fp64 for fp64 inputs). Values that the check could not
+    refuse without a host sync (CUDA, validation off) are replaced by 1 and flagged in ``bad``,
+    whose tokens get NaN outputs (:func:`_finish`)."""
+    if temperature is None:
+        return None, None
+    expanded = validation.check_temperature_tensor(temperature, labels, flat_labels=flat_labels)
+    checked = validation.check_temperature_values(temperature.detach())
+    rows = _token_values(expanded, labels, flat_labels).to(torch.promote_types(dtype, torch.float32)).contiguous()
+    if checked:
+        return rows, None
+    bad = validation.bad_temperatures(_token_values(expanded, labels, flat_labels))
+    return torch.where(bad, torch.ones((), dtype=rows.dtype, device=rows.device), rows), bad
+
+
+def _finish(
+    outputs: tuple[torch.Tensor, torch.Tensor | None],
+    labels: torch.Tensor,
+    flat_labels: bool,
+    bad_temperature: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-order outputs back in the labels' layout, NaN where a temperature was bad."""
+    log_probs, entropy = outputs
+    if bad_temperature is not None:
+        log_probs = log_probs.masked_fill(bad_temperature, torch.nan)
+        entropy = None if entropy is None else entropy.masked_fill(bad_temperature, torch.nan)
+    entropy = None if entropy is None else _like_labels(entropy, labels, flat_labels)
+    return _like_labels(log_probs, labels, flat_labels), entropy
+
+
+def _token_values(values: torch.Tensor, labels: torch.Tensor, flat_labels: bool) -> torch.Tensor:
+    """Per-token ``values`` shaped like ``labels`` in the token order of :func:`_tokens`."""
+    if labels.dim() == 2 and not flat_labels:
+        return values.t().reshape(-1)
+    return values.reshape(-1)
 
 
 def _tokens(hidden: torch.Tensor, labels: torch.Tensor, flat_labels: bool) -> tuple[torch.Tensor, torch.Tensor]:

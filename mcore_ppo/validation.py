@@ -3,10 +3,11 @@
 ``TypeError`` for wrong Python or tensor types (including dtypes), ``ValueError`` for wrong
 values, shapes, devices and layouts.
 
-Checks that read tensor *values* (the label range) or talk to other ranks (equal shard
+Checks that read tensor *values* (the label range, a temperature tensor's values) or talk to other ranks (equal shard
 sizes) cost a host synchronisation on CUDA. They always run for CPU tensors. On CUDA the
-label-range check runs when ``MCORE_PPO_VALIDATE=1`` (otherwise an out-of-range label yields a
-NaN log-prob rather than a plausible wrong number), and the shard-size check runs once per
+label-range and temperature-value checks run when ``MCORE_PPO_VALIDATE=1`` (otherwise an
+out-of-range label yields a NaN log-prob, a bad temperature NaN outputs for its token, rather
+than a plausible wrong number), and the shard-size check runs once per
 process group and shard size and is then cached.
 """
 
@@ -69,6 +70,70 @@ def check_temperature(temperature: object) -> float:
     if not math.isfinite(value) or value < MIN_TEMPERATURE:
         raise ValueError(f"temperature must be {allowed}, got {value}")
     return value
+
+
+def check_temperature_tensor(temperature: object, labels: torch.Tensor, *, flat_labels: bool = False) -> torch.Tensor:
+    """A per-token temperature tensor, checked against ``labels`` (int64, the caller's layout).
+
+    Returns it detached (the head gives the temperature no gradient) and broadcast to
+    ``labels``' shape (a view). ``flat_labels`` (verl's pairing) also takes any tensor of
+    ``labels.numel()`` elements, in the labels' memory order.
+
+    Raises:
+        TypeError: not a tensor, or not a floating-point dtype (integer, bool, complex).
+        ValueError: on another device than ``labels``, or a shape that does not broadcast to
+            ``labels``' shape. Its *values* are checked by :func:`check_temperature_values`.
+    """
+    if not isinstance(temperature, torch.Tensor):
+        raise TypeError(f"temperature must be a python float or a torch.Tensor, got {type_name(temperature)}")
+    if not temperature.dtype.is_floating_point:
+        raise TypeError(f"temperature must be a floating-point tensor, got dtype {temperature.dtype}")
+    if temperature.device != labels.device:
+        raise ValueError(
+            f"temperature must be on the labels' device {labels.device}, got a tensor on {temperature.device}"
+        )
+    temperature = temperature.detach()
+    shape = tuple(labels.shape)
+    try:
+        broadcast = torch.broadcast_shapes(tuple(temperature.shape), shape) == shape
+    except RuntimeError:
+        broadcast = False
+    if broadcast:
+        return temperature.expand(shape)
+    if flat_labels and temperature.numel() == labels.numel():
+        return temperature.reshape(shape)
+    what = f"{labels.numel()} elements or " if flat_labels else ""
+    raise ValueError(
+        f"temperature must be shaped like labels {shape} or broadcastable to it ({what}e.g. [b, 1] per "
+        f"sequence for [b, s] labels), got shape {tuple(temperature.shape)}"
+    )
+
+
+def bad_temperatures(temperature: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the values :func:`check_temperature` would refuse: NaN, ±inf, or below
+    :data:`MIN_TEMPERATURE` (zero and negatives included). Compared in fp64, as the float path."""
+    values = temperature.to(torch.float64)
+    return ~(torch.isfinite(values) & (values >= MIN_TEMPERATURE))
+
+
+def check_temperature_values(temperature: torch.Tensor) -> bool:
+    """Raise ValueError for a value of ``temperature`` outside ``[MIN_TEMPERATURE, inf)``.
+
+    Reading values costs a host sync on CUDA, so there this runs only with
+    ``MCORE_PPO_VALIDATE=1`` (the switch of the label-range check); returns whether it ran.
+    Without it the head poisons the outputs of a token with a bad temperature with NaN instead
+    (:func:`mcore_ppo.pipeline.run_head`), never a plausible number.
+    """
+    if temperature.device.type != "cpu" and not validate_on_device():
+        return False
+    bad = bad_temperatures(temperature)
+    if bool(bad.any()):
+        first = temperature[bad].flatten()[0].item()
+        raise ValueError(
+            f"temperature values must be finite and >= {MIN_TEMPERATURE:g} (MIN_TEMPERATURE), got {first} "
+            f"({int(bad.sum())} bad values)"
+        )
+    return True
 
 
 def check_buffer_budget_bytes(buffer_budget_bytes: object) -> int | None:

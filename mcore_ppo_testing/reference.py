@@ -8,7 +8,9 @@ would exact arithmetic give on these very inputs". Tokens are processed in row c
 asked (``rows_per_chunk``), so the benchmark's full shapes fit a GPU.
 
 Layouts follow the head's (Megatron's): hidden ``[s, b, h]`` pairs with labels ``[b, s]``,
-``[n, h]`` with ``[n]``. Upstream gradients are shaped like the labels.
+``[n, h]`` with ``[n]``. Upstream gradients are shaped like the labels. The temperature is a
+float or a tensor shaped like the labels or broadcastable to them (per token: row ``i`` of the
+logits divided by ``T_i``, in fp64).
 """
 
 from __future__ import annotations
@@ -31,11 +33,24 @@ def _tokens_first(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return hidden, labels
 
 
+def _per_row(temperature: float | torch.Tensor, lead: torch.Size | tuple[int, ...], device) -> float | torch.Tensor:
+    """A float as it is; a tensor broadcast to ``lead`` (the labels' shape), fp64, as a ``[..., 1]`` column."""
+    if not isinstance(temperature, torch.Tensor):
+        return temperature
+    return temperature.detach().to(device, torch.float64).expand(lead).unsqueeze(-1)
+
+
 def outputs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int = IGNORE_INDEX
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_prob, entropy)`` in fp64 of full logits ``[..., V]`` for labels ``[...]``; 0 where ignored."""
-    log_p = torch.log_softmax(logits.to(torch.float64) / temperature, dim=-1)
+    """``(log_prob, entropy)`` in fp64 of full logits ``[..., V]`` for labels ``[...]``; 0 where ignored.
+
+    ``temperature``: a float, or per token, a tensor broadcastable to ``labels``' shape."""
+    scale = _per_row(temperature, labels.shape, logits.device)
+    log_p = torch.log_softmax(logits.to(torch.float64) / scale, dim=-1)
     # p·log p with p = 0 is 0 (xlogy would also do); log_p is finite for finite logits.
     entropy = -(log_p.exp() * log_p).sum(dim=-1)
     labels = labels.long()  # compared in int64, as the head does (a narrow dtype would wrap ignore_index)
@@ -50,7 +65,7 @@ def reference_outputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp64 ``(log_prob, entropy)`` shaped like ``labels``, differentiable w.r.t. fp64 leaves.
@@ -67,7 +82,7 @@ def reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     grad_log_prob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
@@ -82,8 +97,13 @@ def reference(
     ``Σ g·log_prob + Σ e·entropy`` (a missing ``g`` or ``e`` counts as zero), with
     ``with_terms`` also ``d_hidden_terms`` and ``d_weight_terms`` (see
     :func:`_gradient_term_magnitudes`). ``rows_per_chunk``: tokens per fp64 ``[rows, V]`` block
-    (None: all at once). Computed on ``hidden``'s device.
+    (None: all at once). Computed on ``hidden``'s device. ``temperature``: a float, or a
+    tensor shaped like ``labels`` or broadcastable to them (per token). To check the head with
+    the entropy off, pass ``grad_entropy=None`` (its gradients are then those of log_prob alone).
     """
+    if isinstance(temperature, torch.Tensor):
+        # Per token, in the labels' layout, then in the tokens-first order of x below.
+        temperature = temperature.detach().to(hidden.device, torch.float64).expand(labels.shape).reshape(-1)
     x, token_labels = _tokens_first(hidden.detach(), labels)
     lead, h = token_labels.shape, hidden.shape[-1]
     x = x.reshape(-1, h)
@@ -103,9 +123,10 @@ def reference(
     step = rows_per_chunk or max(n, 1)
     for r0 in range(0, n, step):
         rows = slice(r0, min(n, r0 + step))
+        rows_t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
         x64 = x[rows].to(torch.float64).requires_grad_(with_grads)
         with torch.set_grad_enabled(with_grads):  # the reference's own graph, whatever the caller's mode
-            log_prob, entropy = reference_outputs(x64, w64, token_labels[rows], temperature, ignore_index)
+            log_prob, entropy = reference_outputs(x64, w64, token_labels[rows], rows_t, ignore_index)
             out["log_prob"][rows], out["entropy"][rows] = log_prob.detach(), entropy.detach()
             if not with_grads:
                 continue
@@ -122,7 +143,7 @@ def reference(
         if with_terms:
             upstream = (_rows(g, rows), _rows(e, rows))
             hidden_terms, weight_terms = _gradient_term_magnitudes(
-                x64.detach(), w64.detach(), token_labels[rows], temperature, *upstream, ignore_index
+                x64.detach(), w64.detach(), token_labels[rows], rows_t, *upstream, ignore_index
             )
             out["d_hidden_terms"][rows] = hidden_terms
             out["d_weight_terms"] += weight_terms
@@ -143,7 +164,7 @@ def _gradient_term_magnitudes(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     grad_log_prob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     ignore_index: int,
@@ -159,7 +180,8 @@ def _gradient_term_magnitudes(
     ``Σ_j S_j |w_jk| / T`` (resp. ``Σ_t S_tj |x_tk| / T``) with
     ``S_j = |g|·1[j=label] + p_j·(|g| + |e|·(|log p_j + H| + 1))``.
     """
-    log_p = torch.log_softmax(torch.matmul(hidden, weight.t()) / temperature, dim=-1)
+    scale = _per_row(temperature, labels.shape, hidden.device)
+    log_p = torch.log_softmax(torch.matmul(hidden, weight.t()) / scale, dim=-1)
     p = log_p.exp()
     entropy = -(p * log_p).sum(dim=-1, keepdim=True)
     zero = torch.zeros(labels.shape, dtype=torch.float64, device=hidden.device)
@@ -170,8 +192,8 @@ def _gradient_term_magnitudes(
     g, e = torch.where(valid, g, zero)[:, None], torch.where(valid, e, zero)[:, None]
     terms = p * (g + e * ((log_p + entropy).abs() + 1))
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
-    terms = terms.scatter_add(-1, safe.unsqueeze(-1), g)
-    return torch.matmul(terms, weight.abs()) / temperature, torch.matmul(terms.t(), hidden.abs()) / temperature
+    terms = terms.scatter_add(-1, safe.unsqueeze(-1), g) / scale
+    return torch.matmul(terms, weight.abs()), torch.matmul(terms.t(), hidden.abs())
 
 
 # --- error metrics -------------------------------------------------------------------------------

@@ -30,12 +30,15 @@ def rescale_statistics(
 
     A shard or chunk with no entries (``m = -inf``, ``s = 0``) contributes exactly zero.
     """
-    shift = m - new_max  # <= 0, or -inf for an empty part, or NaN if both are -inf
-    scale = torch.exp(shift)
-    empty = s == 0
-    scale = torch.where(empty, torch.zeros_like(scale), scale)
-    shift = torch.where(empty, torch.zeros_like(shift), shift)
+    scale = _rescale_factor(m, s, new_max)
+    shift = torch.where(s == 0, torch.zeros_like(m), m - new_max)
     return s * scale, (u + s * shift) * scale
+
+
+def _rescale_factor(m: torch.Tensor, s: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
+    """``exp(m - new_max)``, exactly 0 for an empty part (``s = 0``: the shift may be NaN there)."""
+    scale = torch.exp(m - new_max)  # shift <= 0, or -inf for an empty part, or NaN if both are -inf
+    return torch.where(s == 0, torch.zeros_like(scale), scale)
 
 
 def merge_statistics(
@@ -52,14 +55,15 @@ def merge_statistics(
 def combine_shard_statistics(
     m: torch.Tensor,
     s: torch.Tensor,
-    u: torch.Tensor,
+    u: torch.Tensor | None,
     y: torch.Tensor,
     tp_group: ProcessGroup | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Combine per-shard statistics over the TP group into ``(lse, entropy, label_logit)``.
 
     Two collectives: an all-reduce MAX of ``m``, then one all-reduce SUM of the packed
     ``[s, u, y]`` rescaled to the global max. All inputs are fp32 ``[n]``; so are the outputs.
+    ``u`` None (the entropy is off): the SUM packs only ``[s, y]`` and ``entropy`` is None.
     """
     if group_size(tp_group) == 1:
         # One shard: its statistics are already relative to its own max (rescaling them to it
@@ -68,12 +72,20 @@ def combine_shard_statistics(
     else:
         global_max = m.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        s_scaled, u_scaled = rescale_statistics(m, s, u, global_max)
-        packed = torch.stack([s_scaled, u_scaled, y])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-        sum_exp, entropy_term, label_logit = packed.unbind(0)
+        if u is None:
+            s_scaled = s * _rescale_factor(m, s, global_max)
+            packed = torch.stack([s_scaled, y])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+            (sum_exp, label_logit), entropy_term = packed.unbind(0), None
+        else:
+            s_scaled, u_scaled = rescale_statistics(m, s, u, global_max)
+            packed = torch.stack([s_scaled, u_scaled, y])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+            sum_exp, entropy_term, label_logit = packed.unbind(0)
     log_sum_exp = torch.log(sum_exp)
     lse = global_max + log_sum_exp
+    if entropy_term is None:
+        return lse, None, label_logit
     # H = -Σ p (z - lse) = lse - E[z] = log S - U / S   (U relative to the global max)
     entropy = log_sum_exp - entropy_term / sum_exp
     return lse, entropy, label_logit

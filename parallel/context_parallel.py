@@ -175,3 +175,31 @@ def roll_and_split_labels(
     """
     labels = roll_labels(input_ids, seq_dim=seq_dim, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
     return split_for_cp(labels, cp_size, cp_rank, seq_dim=seq_dim, cu_seqlens=cu_seqlens)
+
+
+def split_temperature_for_cp(
+    temperature: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    seq_dim: int,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """This CP rank's part of a per-token temperature tensor, split like the tokens.
+
+    A temperature that covers the sequence (``[b, s]`` beside ``[b, s]`` labels, ``[1, t]``
+    packed) is split by :func:`split_for_cp` exactly as the labels are. One that is broadcast
+    along the sequence (size 1 there: ``[b, 1]`` per sequence of a padded batch) is the same on
+    every CP rank and is returned as it is, as is a 0-d tensor. (A per-sequence temperature of
+    a packed batch is per token there: expand it over each sequence, e.g. with
+    ``repeat_interleave`` by the sequence lengths, before the split.)
+    """
+    if not isinstance(temperature, torch.Tensor):
+        raise TypeError(f"temperature must be a torch.Tensor, got {type(temperature).__name__}")
+    if temperature.dim() == 0:
+        _check_cp_args(temperature.reshape(1), cp_size, cp_rank, 0, "temperature")
+        return temperature
+    seq_dim = _check_cp_args(temperature, cp_size, cp_rank, seq_dim, "temperature")
+    if temperature.shape[seq_dim] == 1:
+        return temperature
+    return split_for_cp(temperature, cp_size, cp_rank, seq_dim=seq_dim, cu_seqlens=cu_seqlens)

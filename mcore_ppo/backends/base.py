@@ -17,7 +17,8 @@ Arguments shared by both per-shard methods:
         ignored or owned by another rank.
     valid: ``[n]`` bool, False for ignored tokens (their outputs and gradients are zero, and
         a backend may skip their GEMM work).
-    temperature: python float > 0.
+    temperature: python float > 0, or a per-token ``[n]`` tensor (fp32; fp64 for fp64 inputs;
+        contiguous, validated, no gradient): row ``i``'s logits are divided by ``T_i``.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ class ShardStatistics:
 
     ``m``: shard max of ``z``; ``s``: Σexp(z-m); ``u``: Σexp(z-m)(z-m); ``y``: ``z_label``
     (0 if the label is not in this shard). ``residual``: the backend's own (e.g. the triton
-    backend's probability buffer), or None when the backward recomputes.
+    backend's probability buffer), or None when the backward recomputes. ``u`` is None when
+    the entropy was not asked for (``with_entropy=False``).
     """
 
     m: torch.Tensor
     s: torch.Tensor
-    u: torch.Tensor
+    u: torch.Tensor | None
     y: torch.Tensor
     residual: Any = None
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """``(m, s, u, y)``, the arguments of :func:`parallel.combine_shard_statistics`."""
         return self.m, self.s, self.u, self.y
 
@@ -55,14 +57,15 @@ class SavedTokens:
     """What the forward leaves for the backward: per-token ``[n]`` tensors and the residual.
 
     ``local_labels`` and ``valid`` as in the module doc; ``lse`` and ``entropy`` are the
-    combined (global, over every TP rank) fp32 values; ``residual`` is
+    combined (global, over every TP rank) fp32 values (``entropy`` None when it is off: then
+    no entropy gradient is asked for either); ``residual`` is
     :attr:`ShardStatistics.residual` of the same call, or None (recompute).
     """
 
     local_labels: torch.Tensor
     valid: torch.Tensor
     lse: torch.Tensor
-    entropy: torch.Tensor
+    entropy: torch.Tensor | None
     residual: Any = None
 
 
@@ -98,12 +101,14 @@ class Backend(Protocol):
         weight: torch.Tensor,
         local_labels: torch.Tensor,
         valid: torch.Tensor,
-        temperature: float,
+        temperature: float | torch.Tensor,
         *,
         grad_needed: bool = False,
+        with_entropy: bool = True,
     ) -> ShardStatistics:
         """This shard's statistics. ``grad_needed``: a backward will follow, so a residual for
-        it may be returned (a backend keeps none otherwise)."""
+        it may be returned (a backend keeps none otherwise). ``with_entropy`` False: ``u`` is
+        not computed (None); the caller passes it only when False."""
         ...
 
     def shard_gradients(
@@ -113,7 +118,7 @@ class Backend(Protocol):
         saved: SavedTokens,
         request: GradientRequest,
         *,
-        temperature: float,
+        temperature: float | torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This shard's ``(d_hidden, d_weight)`` in fp32 (``d_hidden`` may come already rounded
         once to ``hidden``'s dtype, from fp32 accumulation, when that saves the backend a pass).
@@ -149,9 +154,11 @@ class OutputsBackend(Protocol):
         weight: torch.Tensor,
         labels: torch.Tensor,
         *,
-        temperature: float,
+        temperature: float | torch.Tensor,
         ignore_index: int,
         tp_group: ProcessGroup | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``(log_prob [n], entropy [n])`` for ``hidden [n, h]`` and global ``labels [n]``."""
+        return_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 ``(log_prob [n], entropy [n] or None)`` for ``hidden [n, h]`` and global
+        ``labels [n]``; ``temperature`` a float or per-token ``[n]`` tensor."""
         ...

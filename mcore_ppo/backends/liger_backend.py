@@ -17,6 +17,14 @@ Where its contract fits:
 - verl's entry at TP > 1: not supported (verl's contract returns the *partial* ``d_hidden``,
   Liger's TP variant the reduced one).
 
+Per-token temperature: Liger's API takes one float. A ``[n]`` temperature tensor is applied by
+scaling each hidden row by ``1/T_i`` before Liger's GEMM (at ``T = 1``): ``(x/T_i)·w`` is the
+tempered logit up to one fp32 rounding of ``x/T_i``, and autograd carries the ``1/T_i`` into
+``d_hidden``; Liger's ``d_W = dzᵀ (x/T)`` is the formula's. Only for fp32 (and fp64) inputs:
+for bf16/fp16 the scaled rows would be rounded to the input dtype once more (a relative error
+of 2^-9 in every logit, above the head's contract), so that combination raises ValueError (use
+``backend="triton"`` or ``"torch"`` there). ``return_entropy=False`` is Liger's own option.
+
 Differences from the head's own backends, documented rather than hidden: Liger's entropy is
 computed in the input dtype on its CuTe path (bf16 for bf16 inputs; returned here as fp32),
 its log-prob error is above the head's contract (docs/benchmarks), its input validation
@@ -77,9 +85,21 @@ class LigerBackend:
     computes_outputs = True
 
     def unsupported(
-        self, tp_size: int, sequence_parallel: bool, hidden: torch.Tensor, *, reduce_hidden_grad: bool = True
+        self,
+        tp_size: int,
+        sequence_parallel: bool,
+        hidden: torch.Tensor,
+        *,
+        reduce_hidden_grad: bool = True,
+        per_token_temperature: bool = False,
     ) -> str | None:
         """Why Liger cannot run this case, or None when it can."""
+        if per_token_temperature and hidden.dtype not in (torch.float32, torch.float64):
+            return (
+                f"a per-token temperature tensor with {hidden.dtype} inputs: Liger takes one float temperature, "
+                "and scaling the hidden rows by 1/T in their 16-bit dtype would add a rounding to every logit "
+                "(module doc); use backend='triton' or 'torch', fp32 inputs, or a float temperature"
+            )
         if sequence_parallel and tp_size > 1:
             return "sequence parallelism is not supported by Liger's fused linear scaled CE"
         if hidden.is_cuda and tp_size == 1:
@@ -102,24 +122,39 @@ class LigerBackend:
         weight: torch.Tensor,
         labels: torch.Tensor,
         *,
-        temperature: float,
+        temperature: float | torch.Tensor,
         ignore_index: int,
         tp_group: ProcessGroup | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``(log_prob [n], entropy [n])`` for ``hidden [n, h]``, global ``labels [n]``.
+        return_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 ``(log_prob [n], entropy [n] or None)`` for ``hidden [n, h]``, global ``labels [n]``.
 
-        Differentiable through Liger's autograd; ignored tokens give zeros.
+        Differentiable through Liger's autograd; ignored tokens give zeros. A per-token
+        ``temperature`` tensor scales the hidden rows (module doc).
         """
         module = _liger()
         if module is None:
             raise RuntimeError("backend='liger' needs liger-kernel (pip install liger-kernel)")
         labels = labels.long()
+        if isinstance(temperature, torch.Tensor):
+            if hidden.dtype not in (torch.float32, torch.float64):
+                raise ValueError(self.unsupported(1, False, hidden, per_token_temperature=True))
+            hidden = hidden * (1.0 / temperature.to(hidden.dtype))[:, None]
+            temperature = 1.0
         if group_size(tp_group) > 1:
-            nll, entropy = module.LigerFusedLinearScaledCrossEntropyTPFunction.apply(
-                hidden, weight, labels, tp_group, temperature, ignore_index, 1, True
+            out = module.LigerFusedLinearScaledCrossEntropyTPFunction.apply(
+                hidden, weight, labels, tp_group, temperature, ignore_index, 1, return_entropy
             )
         else:
-            nll, entropy = module.LigerFusedLinearScaledCrossEntropyFunction.apply(
-                hidden, weight, labels, temperature, ignore_index, 1, True
+            out = module.LigerFusedLinearScaledCrossEntropyFunction.apply(
+                hidden, weight, labels, temperature, ignore_index, 1, return_entropy
             )
+        if not return_entropy:
+            return -_first(out).float(), None
+        nll, entropy = out
         return -nll.float(), entropy.float()
+
+
+def _first(out):
+    """Liger's nll whether it returned it alone or in a one-element tuple."""
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -10,7 +10,7 @@ Backward, per token with upstream ``g`` (log-prob) and ``e`` (entropy), ``p = ex
          = g·1[j = label] - p_j·(g + e·(log p_j + H))
 
 since ``z_j - lse = log p_j``. The logits are ``x·w/T``, so ``d_hidden = (dz/T) @ W`` and
-``d_W = (dz/T)ᵀ @ x``.
+``d_W = (dz/T)ᵀ @ x``. A per-token temperature (``[n]`` tensor) divides row ``i`` by ``T_i``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     acc = accumulation_dtype(x.dtype)
     return torch.matmul(x.to(acc), w.to(acc).t()) / temperature
+
+
+def _rows_of(temperature: float | torch.Tensor, t0: int, t1: int) -> float | torch.Tensor:
+    """The temperature of tokens ``[t0, t1)``: the float, or the rows' ``[t1 - t0, 1]`` column."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature[t0:t1, None]
+    return temperature
 
 
 def _label_columns(local_labels: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,31 +69,35 @@ class TorchBackend:
         weight: torch.Tensor,
         local_labels: torch.Tensor,
         valid: torch.Tensor,
-        temperature: float,
+        temperature: float | torch.Tensor,
         *,
         grad_needed: bool = False,
+        with_entropy: bool = True,
     ) -> ShardStatistics:
-        """``(m, s, u, y)`` in the accumulation dtype; see the Backend protocol."""
+        """``(m, s, u, y)`` in the accumulation dtype (``u`` None without entropy); see the Backend protocol."""
         n, v = hidden.shape[0], weight.shape[0]
         acc = accumulation_dtype(hidden.dtype)
         stats = torch.empty(4, n, dtype=acc, device=hidden.device)
         for t0, t1 in _chunks(n, self.token_chunk):
             x, labels = hidden[t0:t1], local_labels[t0:t1]
+            rows_t = _rows_of(temperature, t0, t1)
             running = None
             label_logit = torch.zeros(t1 - t0, dtype=acc, device=hidden.device)
             for v0, v1 in _chunks(v, self.vocab_chunk):
-                z = _tempered_logits(x, weight[v0:v1], temperature)
+                z = _tempered_logits(x, weight[v0:v1], rows_t)
                 m = z.amax(dim=1)
                 shifted = z - m[:, None]
                 e = torch.exp(shifted)
-                chunk_stats = (m, e.sum(dim=1), (e * shifted).sum(dim=1))
+                u = (e * shifted).sum(dim=1) if with_entropy else torch.zeros_like(m)
+                chunk_stats = (m, e.sum(dim=1), u)
                 running = chunk_stats if running is None else merge_statistics(running, chunk_stats)
                 cols, in_chunk = _label_columns(labels, v0, v1)
                 picked = z.gather(1, cols[:, None]).squeeze(1)
                 label_logit = torch.where(in_chunk, picked, label_logit)
             stats[0, t0:t1], stats[1, t0:t1], stats[2, t0:t1] = running
             stats[3, t0:t1] = label_logit
-        return ShardStatistics(*stats.unbind(0))
+        m, s, u, y = stats.unbind(0)
+        return ShardStatistics(m, s, u if with_entropy else None, y)
 
     def shard_gradients(
         self,
@@ -95,7 +106,7 @@ class TorchBackend:
         saved: SavedTokens,
         request: GradientRequest,
         *,
-        temperature: float,
+        temperature: float | torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(d_hidden, d_weight)`` of this shard, logits recomputed chunk by chunk; see the Backend protocol."""
         local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
@@ -106,7 +117,8 @@ class TorchBackend:
         zeros = torch.zeros(n, dtype=acc, device=hidden.device)
         # Ignored tokens get zero upstream gradient, whatever the caller passed.
         g = torch.where(valid, grad_log_prob.to(acc), zeros) if grad_log_prob is not None else zeros
-        e = torch.where(valid, grad_entropy.to(acc), zeros) if grad_entropy is not None else zeros
+        has_e = grad_entropy is not None and entropy is not None
+        e = torch.where(valid, grad_entropy.to(acc), zeros) if has_e else zeros
         hidden_grad = torch.zeros(n, h, dtype=acc, device=hidden.device) if request.need_hidden_grad else None
         for t0, t1 in _chunks(n, self.token_chunk):
             valid_c = valid[t0:t1, None]
@@ -115,17 +127,19 @@ class TorchBackend:
             x = torch.where(valid_c, hidden[t0:t1], torch.zeros((), dtype=hidden.dtype, device=hidden.device))
             labels = local_labels[t0:t1]
             g_c, e_c = g[t0:t1, None], e[t0:t1, None]
-            lse_c, entropy_c = lse[t0:t1, None], entropy[t0:t1, None]
+            lse_c = lse[t0:t1, None]
+            entropy_c = entropy[t0:t1, None] if has_e else zeros[t0:t1, None]
+            rows_t = _rows_of(temperature, t0, t1)
             for v0, v1 in _chunks(v, self.vocab_chunk):
                 w = weight[v0:v1]
-                log_p = _tempered_logits(x, w, temperature) - lse_c
+                log_p = _tempered_logits(x, w, rows_t) - lse_c
                 # Ignored rows: lse may be anything there, so mask before exp can overflow.
                 log_p = torch.where(valid_c, log_p, torch.full_like(log_p, -torch.inf))
                 p = torch.exp(log_p)
                 dz = -p * (g_c + e_c * torch.where(valid_c, log_p + entropy_c, torch.zeros_like(log_p)))
                 cols, in_chunk = _label_columns(labels, v0, v1)
                 dz.scatter_add_(1, cols[:, None], torch.where(in_chunk[:, None], g_c, torch.zeros_like(g_c)))
-                dz /= temperature
+                dz /= rows_t
                 if hidden_grad is not None:
                     hidden_grad[t0:t1] += dz @ w.to(acc)
                 if weight_grad is not None:

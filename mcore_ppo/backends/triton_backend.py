@@ -16,6 +16,11 @@ when a gradient will be needed and the buffer fits the budget, the forward also 
 (:class:`ProbabilityBuffer`); the backward forms ``dz`` from it in place and runs the two GEMMs
 once over the shard: three GEMMs per step instead of four.
 
+A per-token temperature (``[n]`` tensor) reaches every kernel as a ``1/T`` vector read per row
+(their ``ROW_TEMP`` flag); a float reaches them as the scalar ``1/T``, in kernels compiled as
+they were before the option existed. Without the entropy (``with_entropy=False``) the forward
+kernels skip the ``u`` sums (``WITH_U``) and the backward's entropy term is off (``HAS_E``).
+
 Ignored tokens are compacted on the device (:func:`compact_rows`): programs past the valid count
 exit before any GEMM work, and nothing syncs the host. Nothing is kept on the backend between
 calls; its settings are constructor arguments whose defaults are this module's constants, read
@@ -163,14 +168,18 @@ class TritonBackend:
         weight: torch.Tensor,
         local_labels: torch.Tensor,
         valid: torch.Tensor,
-        temperature: float,
+        temperature: float | torch.Tensor,
         *,
         grad_needed: bool = False,
+        with_entropy: bool = True,
     ) -> ShardStatistics:
-        """fp32 ``(m, s, u, y)`` over this shard, and with ``grad_needed`` and a budget that
-        fits, the :class:`ProbabilityBuffer` as residual; see the Backend protocol."""
+        """fp32 ``(m, s, u, y)`` over this shard (``u`` None without entropy), and with
+        ``grad_needed`` and a budget that fits, the :class:`ProbabilityBuffer` as residual; see
+        the Backend protocol."""
         if self._fallback(hidden, weight):
-            return self._reference.shard_statistics(hidden, weight, local_labels, valid, temperature)
+            return self._reference.shard_statistics(
+                hidden, weight, local_labels, valid, temperature, with_entropy=with_entropy
+            )
         from mcore_ppo.kernels import stats_kernel
 
         hidden, weight = rowmajor(hidden), rowmajor(weight)
@@ -179,8 +188,9 @@ class TritonBackend:
         cfg = for_dtype(self.forward_config_for(v), hidden.dtype)
         perm, count = compact_rows(valid)
         num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
-        parts = torch.empty(3, num_splits, n, dtype=torch.float32, device=hidden.device)
+        parts = torch.empty(3 if with_entropy else 2, num_splits, n, dtype=torch.float32, device=hidden.device)
         y = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, y)
         n_tiles_v = cdiv(v, cfg.block_n)
         buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
         store = grad_needed and buffer_bytes <= self.buffer_budget_bytes
@@ -199,15 +209,18 @@ class TritonBackend:
         # a gathered copy of only their rows (a second): no row copy when nothing is ignored.
         direct = use_tma and descriptor_ok(hidden)
 
+        # The default variant is launched without the new flags: its compile is the same as before.
+        variant = {**({"ROW_TEMP": True} if row_temp else {}), **({} if with_entropy else {"WITH_U": False})}
+
         def launch(x_rows: torch.Tensor, direct_pass: int) -> None:
             x_desc = descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows
             stats_kernel[(cdiv(n, cfg.block_m) * num_splits,)](
-                x_rows, weight, x_desc, w_desc, perm, count, local_labels, parts[0], parts[1], parts[2], y,
-                buf, buf_desc, tmax, n, v, h, x_rows.stride(0), weight.stride(0), num_splits, 1.0 / temperature,
-                n_tiles_v, direct_pass, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                TILES_PER_SPLIT=cfg.tiles_per_split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, USE_TMA=use_tma, STORE_P=store, BUF_TMA=buf_tma, DIRECT_ROWS=direct,
-                **kernel_flags(hidden, cfg),
+                x_rows, weight, x_desc, w_desc, perm, count, local_labels, parts[0], parts[1], parts[-1], y,
+                buf, buf_desc, tmax, n, v, h, x_rows.stride(0), weight.stride(0), num_splits, inv_temp,
+                n_tiles_v, direct_pass, inv_temp_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, TILES_PER_SPLIT=cfg.tiles_per_split, GROUP_M=cfg.group_m,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_TMA=use_tma, STORE_P=store,
+                BUF_TMA=buf_tma, DIRECT_ROWS=direct, **kernel_flags(hidden, cfg), **variant,
             )  # fmt: skip
 
         if direct:
@@ -216,7 +229,7 @@ class TritonBackend:
         else:
             launch(gathered_rows(hidden, perm, count) if use_tma else hidden, 0)
         residual = ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count) if store else None
-        m, sum_exp, u = merge_splits(parts, perm, count)
+        m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy)
         return ShardStatistics(m, sum_exp, u, y, residual)
 
     def forward_config_for(self, v: int) -> GemmConfig:
@@ -243,7 +256,7 @@ class TritonBackend:
         saved: SavedTokens,
         request: GradientRequest,
         *,
-        temperature: float,
+        temperature: float | torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This shard's ``(d_hidden, d_weight)`` (``d_hidden`` in the input dtype, rounded once
         from fp32 accumulation): from the forward's buffer when ``saved`` carries one, else by
@@ -263,7 +276,7 @@ class TritonBackend:
         saved: SavedTokens,
         request: GradientRequest,
         *,
-        temperature: float,
+        temperature: float | torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Backward without a buffer: ``dz`` recomputed vocab chunk by chunk (module doc)."""
         from mcore_ppo.kernels import dz_kernel
@@ -277,7 +290,9 @@ class TritonBackend:
         v = weight.shape[0]
         device = hidden.device
         perm, count = compact_rows(valid)
-        has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, request.grad_entropy, lse)
+        has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
+        inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, lse)
+        entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
         # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
         use_tma = operands_by_tma(hidden, weight, cfg)
         x_c = gathered_rows(hidden, perm, count) if use_tma or weight_grad is not None else None
@@ -313,7 +328,8 @@ class TritonBackend:
                 hidden.stride(0),
                 weight.stride(0),
                 workspace.stride(0),
-                1.0 / temperature,
+                inv_temp,
+                inv_temp_rows,
                 HAS_G=has_g,
                 HAS_E=has_e,
                 BLOCK_M=cfg.block_m,
@@ -325,6 +341,7 @@ class TritonBackend:
                 USE_TMA=use_tma,
                 DZ_TMA=dz_tma,
                 **flags,
+                **({"ROW_TEMP": True} if row_temp else {}),
             )
             if request.need_hidden_grad and hidden_grad_c is None:
                 hidden_grad_c = mm_fp32(dz, weight[v0 : v0 + vc], "d_hidden")
@@ -343,7 +360,7 @@ class TritonBackend:
         saved: SavedTokens,
         request: GradientRequest,
         *,
-        temperature: float,
+        temperature: float | torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Backward of the buffer mode: ``dz`` formed in place from the forward's buffer, then
         the two GEMMs over the whole shard at once (K = V/tp for ``d_hidden``: no fp32
@@ -356,7 +373,9 @@ class TritonBackend:
         weight_grad = request.weight_grad
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         n, v = hidden.shape[0], weight.shape[0]
-        has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, request.grad_entropy, lse)
+        has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
+        inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, lse)
+        entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
         cfg = self.buffer_dz_config
         n_tiles_v = tmax.shape[1]
         dz_from_buffer_kernel[(cdiv(n, cfg.block_m) * n_tiles_v,)](
@@ -372,13 +391,15 @@ class TritonBackend:
             n,
             v,
             n_tiles_v,
-            1.0 / temperature,
+            inv_temp,
+            inv_temp_rows,
             HAS_G=has_g,
             HAS_E=has_e,
             BLOCK_M=cfg.block_m,
             BLOCK_N=block_n,
             FAST_LOG2=cfg.fast_log2 and buf.dtype == torch.bfloat16,
             num_warps=cfg.num_warps,
+            **({"ROW_TEMP": True} if row_temp else {}),
         )
         del tmax
         hidden_grad = None
@@ -392,3 +413,18 @@ class TritonBackend:
         if request.need_hidden_grad:
             hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype)
         return hidden_grad, weight_grad
+
+
+def _inverse_temperature(temperature: float | torch.Tensor, placeholder: torch.Tensor):
+    """``(inv_temp, inv_temp_rows, row_temp)`` for the kernels: a float gives the scalar ``1/T``
+    (exactly as it always was) and ``placeholder`` as the never-read vector; a per-token tensor
+    gives ``1/T_i`` as an fp32 vector, each the fp32 rounding of the exact ``1/T_i`` (formed in
+    fp64, as the scalar is), and a scalar 1.0 the kernels do not read."""
+    if not isinstance(temperature, torch.Tensor):
+        return 1.0 / temperature, placeholder, False
+    return 1.0, (1.0 / temperature.to(torch.float64)).to(torch.float32).contiguous(), True
+
+
+def _entropy_grad(saved: SavedTokens, request: GradientRequest) -> torch.Tensor | None:
+    """The entropy's upstream gradient, None when the forward computed no entropy."""
+    return None if saved.entropy is None else request.grad_entropy

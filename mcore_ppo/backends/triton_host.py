@@ -104,27 +104,32 @@ def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return perm, count
 
 
-def merge_splits(parts: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [3, splits, n]``."""
+def merge_splits(
+    parts: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, *, with_u: bool = True
+) -> tuple[torch.Tensor, ...]:
+    """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [3, splits, n]``
+    (``with_u`` False: ``(m, s, None)``, the ``u`` partials are neither read nor merged)."""
     from mcore_ppo.kernels import merge_splits_kernel
 
     _, num_splits, n = parts.shape
-    stats = torch.empty(3, n, dtype=torch.float32, device=parts.device)
+    stats = torch.empty(3 if with_u else 2, n, dtype=torch.float32, device=parts.device)
+    u_out = stats[2] if with_u else stats[1]  # not written without WITH_U
     merge_splits_kernel[(cdiv(n, MERGE_BLOCK_T),)](
         parts[0],
         parts[1],
-        parts[2],
+        parts[-1],
         perm,
         count,
         stats[0],
         stats[1],
-        stats[2],
+        u_out,
         n,
         num_splits,
         BLOCK_T=MERGE_BLOCK_T,
         BLOCK_S=MERGE_BLOCK_S,
+        WITH_U=with_u,
     )
-    return stats[0], stats[1], stats[2]
+    return stats[0], stats[1], (stats[2] if with_u else None)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -12,6 +12,9 @@ an inf in an ignored row cannot turn into 0·inf = NaN in ``d_W``); the host put
 ``d_hidden`` back in place once. Compacted rows make each program's tile one contiguous block:
 with ``DZ_TMA`` the copy engine stores it asynchronously. Programs past the device-side valid
 count skip the GEMM and only write zeros (the cuBLAS GEMMs read every row).
+
+``ROW_TEMP`` (constexpr, both kernels): ``1/T`` per row from ``inv_temp_ptr`` (a per-token
+temperature) instead of the scalar ``inv_temp``; off, the code is the scalar path's as it was.
 """
 
 import triton
@@ -25,7 +28,16 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit(
     do_not_specialize=["N", "VC"],
-    do_not_specialize_on_alignment=["perm_ptr", "count_ptr", "labels_ptr", "lse_ptr", "ent_ptr", "g_ptr", "e_ptr"],
+    do_not_specialize_on_alignment=[
+        "perm_ptr",
+        "count_ptr",
+        "labels_ptr",
+        "lse_ptr",
+        "ent_ptr",
+        "g_ptr",
+        "e_ptr",
+        "inv_temp_ptr",
+    ],
 )
 def dz_kernel(
     x_ptr,
@@ -49,6 +61,7 @@ def dz_kernel(
     stride_w,
     stride_dz,
     inv_temp,
+    inv_temp_ptr,
     HAS_G: tl.constexpr,
     HAS_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -60,6 +73,7 @@ def dz_kernel(
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
     DZ_TMA: tl.constexpr,
+    ROW_TEMP: tl.constexpr = False,
 ):
     """``dz[:, j - v0] / T`` for columns ``j`` in ``[v0, v0 + VC)`` of the shard; see the module doc."""
     pid = tl.program_id(0)
@@ -102,15 +116,22 @@ def dz_kernel(
         USE_TMA,
     )
     lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * LOG2E
+    if ROW_TEMP:
+        inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+    else:
+        inv_t = inv_temp
     if HAS_G:
-        g_t = tl.where(row_ok, tl.load(g_ptr + rows, mask=row_ok, other=0.0) * inv_temp, 0.0)
+        g_t = tl.where(row_ok, tl.load(g_ptr + rows, mask=row_ok, other=0.0) * inv_t, 0.0)
     else:
         g_t = tl.zeros((BLOCK_M,), tl.float32)
-    t = acc * (inv_temp * LOG2E) - lse2[:, None]
+    if ROW_TEMP:
+        t = acc * (inv_t * LOG2E)[:, None] - lse2[:, None]
+    else:
+        t = acc * (inv_temp * LOG2E) - lse2[:, None]
     p = tl.exp2(t)
     if HAS_E:
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-        e_t = tl.where(row_ok, tl.load(e_ptr + rows, mask=row_ok, other=0.0) * inv_temp, 0.0)
+        e_t = tl.where(row_ok, tl.load(e_ptr + rows, mask=row_ok, other=0.0) * inv_t, 0.0)
         q = (e_t * LN2)[:, None] * t + (g_t + e_t * ent)[:, None]
     else:
         q = g_t[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -154,6 +175,7 @@ def _log2_bf16(b_raw):
         "ent_ptr",
         "g_ptr",
         "e_ptr",
+        "inv_temp_ptr",
     ],
 )
 def dz_from_buffer_kernel(
@@ -170,11 +192,13 @@ def dz_from_buffer_kernel(
     V,
     n_tiles_v,
     inv_temp,
+    inv_temp_ptr,
     HAS_G: tl.constexpr,
     HAS_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FAST_LOG2: tl.constexpr,
+    ROW_TEMP: tl.constexpr = False,
 ):
     """In place: the forward's ``2^(z₂ - tile max)`` buffer becomes ``dz / T`` (issue 6).
 
@@ -200,13 +224,17 @@ def dz_from_buffer_kernel(
     lse2 = tl.load(lse_ptr + rows, mask=ok, other=0.0) * LOG2E
     shift = tl.load(tmax_ptr + offs_m.to(tl.int64) * n_tiles_v + pid_n, mask=ok, other=0.0) - lse2
     p = b * tl.exp2(shift)[:, None]
+    if ROW_TEMP:
+        inv_t = tl.load(inv_temp_ptr + rows, mask=ok, other=1.0)
+    else:
+        inv_t = inv_temp
     if HAS_G:
-        g_t = tl.where(ok, tl.load(g_ptr + rows, mask=ok, other=0.0) * inv_temp, 0.0)
+        g_t = tl.where(ok, tl.load(g_ptr + rows, mask=ok, other=0.0) * inv_t, 0.0)
     else:
         g_t = tl.zeros((BLOCK_M,), tl.float32)
     if HAS_E:
         ent = tl.load(ent_ptr + rows, mask=ok, other=0.0)
-        e_t = tl.where(ok, tl.load(e_ptr + rows, mask=ok, other=0.0) * inv_temp, 0.0)
+        e_t = tl.where(ok, tl.load(e_ptr + rows, mask=ok, other=0.0) * inv_t, 0.0)
         if FAST_LOG2:
             log2_b = _log2_bf16(b_raw)
         else:

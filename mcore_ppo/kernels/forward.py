@@ -15,6 +15,10 @@ consecutive in the original, ``DIRECT_ROWS``); a program whose rows all lie
 past the device-side valid count exits before any GEMM work, so ignored tokens cost nothing
 and the host never learns the count.
 
+Two constexpr options leave the default variant's code as it was: ``ROW_TEMP`` reads ``1/T``
+per row from ``inv_temp_ptr`` (a per-token temperature) instead of the scalar ``inv_temp``;
+``WITH_U`` False (the entropy is off) skips the ``u`` sums and their store.
+
 ``merge_splits_kernel``: per token, merges the split partials (online-softmax rescaling, as
 :func:`parallel.combine.merge_statistics`) into the shard's ``(m, s, u)``; ignored tokens get
 ``(0, 1, 0)`` so that downstream ``log`` stays finite.
@@ -41,6 +45,7 @@ LN2 = tl.constexpr(0.6931471805599453)
         "part_u_ptr",
         "y_ptr",
         "tmax_ptr",
+        "inv_temp_ptr",
     ],
 )
 def stats_kernel(
@@ -67,6 +72,7 @@ def stats_kernel(
     inv_temp,
     n_tiles_v,
     direct_pass,
+    inv_temp_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,6 +85,8 @@ def stats_kernel(
     STORE_P: tl.constexpr,
     BUF_TMA: tl.constexpr,
     DIRECT_ROWS: tl.constexpr,
+    ROW_TEMP: tl.constexpr = False,
+    WITH_U: tl.constexpr = True,
 ):
     """Per-(split, row) ``(m, s, u)`` partials and the label logit ``y``; see the module doc."""
     pid = tl.program_id(0)
@@ -103,7 +111,12 @@ def stats_kernel(
     rows = tl.load(perm_ptr + offs_m, mask=offs_m < N, other=0)
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
 
-    scale2 = inv_temp * LOG2E
+    if ROW_TEMP:
+        inv_t = tl.load(inv_temp_ptr + rows, mask=row_ok, other=1.0)
+        scale2 = (inv_t * LOG2E)[:, None]
+    else:
+        inv_t = inv_temp
+        scale2 = inv_temp * LOG2E
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s_i = tl.zeros((BLOCK_M,), tl.float32)
     u_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -157,32 +170,37 @@ def stats_kernel(
                 tl.store(buf_ptrs, e.to(buf_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
             tl.store(tmax_ptr + offs_m.to(tl.int64) * n_tiles_v + n0 // BLOCK_N, t_max, mask=row_ok)
             s_t = tl.sum(e, 1)
-            u_t = tl.sum(tl.where(col_ok[None, :], e * d, 0.0), 1)
+            if WITH_U:
+                u_t = tl.sum(tl.where(col_ok[None, :], e * d, 0.0), 1)
             m_new = tl.maximum(m_i, t_max)
             alpha = tl.exp2(m_i - m_new)
             beta = tl.exp2(t_max - m_new)
-            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
-            u_i = alpha * (u_i + s_i * shift) + beta * (u_t + s_t * (t_max - m_new))
+            if WITH_U:
+                shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+                u_i = alpha * (u_i + s_i * shift) + beta * (u_t + s_t * (t_max - m_new))
             s_i = alpha * s_i + beta * s_t
             m_i = m_new
         else:
             m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: every tile has a valid column
             d = z2 - m_new[:, None]
             e = tl.exp2(d)
-            eu = tl.where(col_ok[None, :], e * d, 0.0)
+            if WITH_U:
+                eu = tl.where(col_ok[None, :], e * d, 0.0)
             alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
-            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
-            u_i = alpha * (u_i + s_i * shift) + tl.sum(eu, 1)
+            if WITH_U:
+                shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+                u_i = alpha * (u_i + s_i * shift) + tl.sum(eu, 1)
             s_i = alpha * s_i + tl.sum(e, 1)
             m_i = m_new
 
     part = pid_n * N + offs_m
     tl.store(part_m_ptr + part, m_i * LN2, mask=row_ok)
     tl.store(part_s_ptr + part, s_i, mask=row_ok)
-    tl.store(part_u_ptr + part, u_i * LN2, mask=row_ok)
+    if WITH_U:
+        tl.store(part_u_ptr + part, u_i * LN2, mask=row_ok)
     split_hi = split_lo + TILES_PER_SPLIT * BLOCK_N
     mine = row_ok & (labels >= split_lo) & (labels < split_hi)
-    tl.store(y_ptr + rows, y_i * inv_temp, mask=mine)
+    tl.store(y_ptr + rows, y_i * inv_t, mask=mine)
 
 
 @triton.jit(
@@ -211,8 +229,10 @@ def merge_splits_kernel(
     num_splits,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WITH_U: tl.constexpr = True,
 ):
-    """Shard ``(m, s, u)`` per token from the ``[num_splits, N]`` partials (rows via ``perm``)."""
+    """Shard ``(m, s, u)`` per token from the ``[num_splits, N]`` partials (rows via ``perm``);
+    without ``WITH_U`` only ``(m, s)``."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = offs_t < N
     count = tl.load(count_ptr)
@@ -234,12 +254,15 @@ def merge_splits_kernel(
         idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
         pm = tl.load(part_m_ptr + idx, mask=mask, other=0.0)
         ps = tl.load(part_s_ptr + idx, mask=mask, other=0.0)
-        pu = tl.load(part_u_ptr + idx, mask=mask, other=0.0)
+        if WITH_U:
+            pu = tl.load(part_u_ptr + idx, mask=mask, other=0.0)
         shift = tl.where(ps > 0, pm - m_safe[:, None], 0.0)
         scale = tl.where(ps > 0, tl.exp(shift), 0.0)
         s_all += tl.sum(ps * scale, 1)
-        u_all += tl.sum((pu + ps * shift) * scale, 1)
+        if WITH_U:
+            u_all += tl.sum((pu + ps * shift) * scale, 1)
 
     tl.store(m_ptr + rows, m_safe, mask=in_n)
     tl.store(s_ptr + rows, tl.where(valid, s_all, 1.0), mask=in_n)
-    tl.store(u_ptr + rows, tl.where(valid, u_all, 0.0), mask=in_n)
+    if WITH_U:
+        tl.store(u_ptr + rows, tl.where(valid, u_all, 0.0), mask=in_n)

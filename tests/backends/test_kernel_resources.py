@@ -53,32 +53,36 @@ COMPILE = textwrap.dedent(
     f = FORWARD_CONFIG
     splits = triton.cdiv(v, f.tiles_per_split * f.block_n)
     tiles = triton.cdiv(v, f.block_n)
+    # The default variant, and the per-token temperature / entropy-off variants beside it.
+    variants = {"": {}, " row_temp": {"ROW_TEMP": True}, " no_u": {"WITH_U": False}}
     for store in (False, True):
         buf = torch.empty(n, v, dtype=torch.bfloat16) if store else vec
         tmax = torch.empty(n, tiles) if store else vec
         buf_desc = TensorDescriptor.from_tensor(buf, [f.block_m, f.block_n]) if store else buf
-        kernel = stats_kernel.warmup(
-            x, w, TensorDescriptor.from_tensor(x, [f.block_m, f.block_k]),
-            TensorDescriptor.from_tensor(w, [f.block_n, f.block_k]), ints, count, labels, vec, vec, vec, vec,
-            buf, buf_desc, tmax, n, v, h, h, h, splits, 1.0, tiles, 1,
-            BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k, TILES_PER_SPLIT=f.tiles_per_split,
-            GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=min(f.num_stages, 3) if store else f.num_stages,
-            USE_TMA=True, STORE_P=store, BUF_TMA=store, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False,
-            DOT_IEEE=False, grid=(1,),
-        )
-        shared["stats_kernel buffer" if store else "stats_kernel"] = kernel.metadata.shared
+        for suffix, flags in variants.items():
+            kernel = stats_kernel.warmup(
+                x, w, TensorDescriptor.from_tensor(x, [f.block_m, f.block_k]),
+                TensorDescriptor.from_tensor(w, [f.block_n, f.block_k]), ints, count, labels, vec, vec, vec, vec,
+                buf, buf_desc, tmax, n, v, h, h, h, splits, 1.0, tiles, 1, vec,
+                BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k, TILES_PER_SPLIT=f.tiles_per_split,
+                GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=min(f.num_stages, 3) if store else f.num_stages,
+                USE_TMA=True, STORE_P=store, BUF_TMA=store, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False,
+                DOT_IEEE=False, grid=(1,), **flags,
+            )
+            shared[("stats_kernel buffer" if store else "stats_kernel") + suffix] = kernel.metadata.shared
     b = BACKWARD_CONFIG
     chunk = 7680
     dz = torch.empty(n, chunk, dtype=torch.bfloat16)
-    kernel = dz_kernel.warmup(
-        x, w, TensorDescriptor.from_tensor(x, [b.block_m, b.block_k]),
-        TensorDescriptor.from_tensor(w, [b.block_n, b.block_k]), ints, count, labels, vec, vec, vec, vec,
-        dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0,
-        HAS_G=True, HAS_E=True, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, GROUP_M=b.group_m,
-        num_warps=b.num_warps, num_stages=min(b.num_stages, 3), USE_TMA=True, DZ_TMA=True, EVEN_K=True,
-        UPCAST=False, DOT_IEEE=False, grid=(1,),
-    )
-    shared["dz_kernel"] = kernel.metadata.shared
+    for suffix, flags in {"": {}, " row_temp": {"ROW_TEMP": True}, " no_e": {"HAS_E": False}}.items():
+        kernel = dz_kernel.warmup(
+            x, w, TensorDescriptor.from_tensor(x, [b.block_m, b.block_k]),
+            TensorDescriptor.from_tensor(w, [b.block_n, b.block_k]), ints, count, labels, vec, vec, vec, vec,
+            dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0, vec,
+            **{"HAS_G": True, "HAS_E": True, **flags}, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
+            GROUP_M=b.group_m, num_warps=b.num_warps, num_stages=min(b.num_stages, 3), USE_TMA=True, DZ_TMA=True,
+            EVEN_K=True, UPCAST=False, DOT_IEEE=False, grid=(1,),
+        )
+        shared["dz_kernel" + suffix] = kernel.metadata.shared
     print(json.dumps(shared))
     """
 )
@@ -86,12 +90,14 @@ COMPILE = textwrap.dedent(
 
 def test_default_gemm_kernels_fit_hopper_shared_memory():
     """stats_kernel (statistics only, and with the probability buffer's TMA store) and
-    dz_kernel (with its TMA store) at the default tiles and stages, bf16, TMA operands."""
+    dz_kernel (with its TMA store) at the default tiles and stages, bf16, TMA operands; each
+    also with a per-token temperature (ROW_TEMP) and with the entropy off (WITH_U / HAS_E)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(shared) == {"stats_kernel", "stats_kernel buffer", "dz_kernel"}
+    stats = {f"stats_kernel{buffer}{flag}" for buffer in ("", " buffer") for flag in ("", " row_temp", " no_u")}
+    assert set(shared) == stats | {"dz_kernel", "dz_kernel row_temp", "dz_kernel no_e"}
     print(shared)
     too_big = {name: size for name, size in shared.items() if size > HOPPER_SHARED_BYTES}
     assert not too_big, f"over {HOPPER_SHARED_BYTES} bytes of shared memory on sm_90: {too_big}"

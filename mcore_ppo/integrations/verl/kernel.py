@@ -43,7 +43,7 @@ def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float | None = 1.0,
+    temperature: float | torch.Tensor | None = 1.0,
     reduction: str | None = "none",
     dist_process_group: dist.ProcessGroup | None = None,
     *,
@@ -51,14 +51,18 @@ def linear_cross_entropy(
     backend: str | Backend = "auto",
     buffer_budget_bytes: int | None = None,
     reduce_hidden_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """verl's ``linear_cross_entropy``: per-token log-probs and entropy of ``softmax(hidden @ W.T / T)``.
 
     Args:
         hidden: ``[..., h]``, flattened to ``[N, h]``.
         weight: this rank's vocab shard ``[V/tp, h]``, same dtype as ``hidden``.
         labels: global vocab ids, ``N`` elements in any shape.
-        temperature: a Python float > 0 (None means 1.0, as in verl).
+        temperature: a Python float > 0 (None means 1.0, as in verl), or a per-token
+            floating-point tensor (not in verl): ``N`` elements in the labels' memory order, or
+            broadcastable to ``labels``' shape; no gradient (see
+            :func:`mcore_ppo.pipeline.run_head`).
         reduction: ``"none"``, ``"sum"`` or ``"mean"`` (of ``log_probs`` over the ``N`` tokens;
             None means ``"none"``).
         dist_process_group: the TP group; None for one rank.
@@ -71,6 +75,8 @@ def linear_cross_entropy(
         reduce_hidden_grad: keyword-only, not in verl: True sums ``d_hidden`` over TP here
             (for callers that, unlike verl's contract, reduce nothing themselves: the verl
             plugin without sequence parallelism, :mod:`mcore_ppo.integrations.verl`).
+        return_entropy: keyword-only, not in verl: False skips the entropy work and returns
+            ``(log_probs, None)``.
 
     Returns:
         ``(log_probs, entropy)``, fp32: ``[N]`` and ``[N]``, or a 0-d ``log_probs`` for
@@ -85,7 +91,9 @@ def linear_cross_entropy(
     reduction = reduction.lower()
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
+    row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
+    default = 1.0 if row_temperature is not None else temperature
+    options = HeadOptions(default, ignore_index, backend, buffer_budget_bytes, return_entropy)
     validation.check_process_group(dist_process_group, "dist_process_group")
     # By default no TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
     log_probs, entropy = run_head(
@@ -96,6 +104,7 @@ def linear_cross_entropy(
         tp_group=dist_process_group,
         reduce_hidden_grad=reduce_hidden_grad,
         flat_labels=True,
+        temperature=row_temperature,
     )
     if reduction == "sum":
         log_probs = log_probs.sum()

@@ -1,0 +1,298 @@
+"""Per-token temperature tensors and ``return_entropy=False``, on every backend, against fp64.
+
+Per-token temperature: token ``i``'s logits are divided by ``T_i`` (a tensor shaped like the
+labels or broadcastable to them); values and both gradients against the fp64 reference of the
+same per-token temperatures (:func:`mcore_ppo_testing.reference.reference`), with the
+tolerances of ``head_checks`` (fp32 rounding, bf16's final gradient cast). A tensor filled with
+one value gives exactly, bit for bit, what the float gives (the float path is unchanged).
+
+Entropy off: ``(log_probs, None)``; the log-probs and the gradients of ``Σ g·log_prob`` are bit
+for bit those of the entropy-on call whose entropy is unused (no entropy term reaches them).
+
+Bad temperature tensors raise naming ``temperature`` (type, shape, device, values); without
+the value check (CUDA without ``MCORE_PPO_VALIDATE=1``, simulated here) a bad value poisons
+its token's outputs with NaN and leaves the other tokens exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from head_checks import BF16_CAST_RTOL, GRAD_ATOL, OUT_RTOL, TRITON_ON_CPU, make_case
+
+import mcore_ppo
+from mcore_ppo import validation
+from mcore_ppo.backends import import_optional
+from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
+from mcore_ppo.pipeline import HeadOptions, run_head
+from mcore_ppo_testing.reference import assert_close, check_invariants, reference
+from mcore_ppo_testing.seeds import generator, next_seed
+from parallel import split_for_cp, split_temperature_for_cp
+
+LIGER = pytest.mark.skipif(import_optional("liger_kernel") is None, reason="liger-kernel is not installed")
+# (backend name, buffer budget): the triton backend in buffer mode and in recompute mode.
+BACKENDS = [
+    pytest.param("torch", None, id="torch"),
+    pytest.param("triton", 1 << 30, id="triton-buffer", marks=TRITON_ON_CPU),
+    pytest.param("triton", 0, id="triton-recompute", marks=TRITON_ON_CPU),
+    pytest.param("liger", None, id="liger", marks=LIGER),
+]
+VOCAB, HIDDEN, TOKENS = 37, 16, 12
+
+
+def _temperature(labels: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Temperatures in [0.3, 2.5]: ``token`` shaped like labels, ``sequence`` one per row
+    (``[b, 1]``; ``[1]`` for 1-D labels), ``scalar`` a 0-d tensor."""
+    shape = {"token": labels.shape, "sequence": (*labels.shape[:-1], 1), "scalar": ()}[kind]
+    return 0.3 + 2.2 * torch.rand(shape, generator=gen)
+
+
+def _run(case, temperature, *, use_entropy=True, return_entropy=True, **kwargs):
+    """Forward + backward of ``Σ g·log_prob (+ Σ e·entropy)``; returns outputs and gradients."""
+    hidden = case["hidden"].detach().requires_grad_(True)
+    weight = case["weight"].detach().requires_grad_(True)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, case["labels"], temperature=temperature, return_entropy=return_entropy, **kwargs
+    )
+    loss = (log_prob * case["g"]).sum()
+    if use_entropy and entropy is not None:
+        loss = loss + (entropy * case["e"]).sum()
+    loss.backward()
+    return {"log_prob": log_prob, "entropy": entropy, "d_hidden": hidden.grad, "d_weight": weight.grad}
+
+
+def _compare(out, ref, dtype, *, with_entropy=True, tag="", backend="torch"):
+    """Outputs fp32-exact; gradients relative to their terms' magnitudes. The triton backend
+    rounds ``dz`` to 16 bits before its GEMMs for 16-bit inputs (tests/backends'
+    test_16bit_inputs_match_fp64 has the same bounds)."""
+    names = ("log_prob", "entropy") if with_entropy else ("log_prob",)
+    for name in names:
+        assert_close(out[name], ref[name], name=name + tag, dtype=dtype, rtol=OUT_RTOL)
+    cast = BF16_CAST_RTOL if dtype == torch.bfloat16 else 0.0
+    grad_rtol = OUT_RTOL
+    if backend == "triton" and dtype == torch.bfloat16:
+        grad_rtol, cast = 1e-2, 8e-3
+    for name in ("d_hidden", "d_weight"):
+        assert out[name] is not None and out[name].dtype == dtype, name
+        assert_close(
+            out[name],
+            ref[name],
+            name=name + tag,
+            dtype=dtype,
+            rtol=grad_rtol,
+            atol=GRAD_ATOL,
+            elementwise_rtol=cast,
+            terms=ref[name + "_terms"],
+        )
+
+
+def _kwargs(backend: str, budget: int | None) -> dict:
+    return {"backend": backend} if budget is None else {"backend": backend, "buffer_budget_bytes": budget}
+
+
+# --- per-token temperature -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend,budget", BACKENDS)
+@pytest.mark.parametrize("layout", ["2d", "3d", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_per_token_temperature_matches_fp64(backend, budget, layout, dtype):
+    if backend == "liger" and dtype == torch.bfloat16:
+        pytest.skip("liger refuses a temperature tensor with 16-bit inputs (test_liger_refuses_16bit_tensor)")
+    gen = generator(next_seed())
+    case = make_case(layout, dtype, VOCAB, HIDDEN, TOKENS, gen)
+    temperature = _temperature(case["labels"], "token", gen)
+    out = _run(case, temperature, **_kwargs(backend, budget))
+    check_invariants(out["log_prob"], out["entropy"], case["labels"], VOCAB)
+    ref = reference(case["hidden"], case["weight"], case["labels"], temperature, case["g"], case["e"])
+    _compare(out, ref, dtype, tag="[T per token]", backend=backend)
+
+
+@pytest.mark.parametrize("backend,budget", BACKENDS[:3])
+@pytest.mark.parametrize("kind", ["sequence", "scalar"])
+def test_broadcast_temperature_matches_fp64(backend, budget, kind):
+    """``[b, 1]`` (one per sequence of ``[b, s]`` labels) and a 0-d tensor."""
+    gen = generator(next_seed())
+    case = make_case("3d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)
+    temperature = _temperature(case["labels"], kind, gen)
+    out = _run(case, temperature, **_kwargs(backend, budget))
+    ref = reference(case["hidden"], case["weight"], case["labels"], temperature, case["g"], case["e"])
+    _compare(out, ref, torch.float32, tag=f"[T per {kind}]")
+
+
+@pytest.mark.parametrize("backend,budget", BACKENDS[:3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_constant_tensor_is_the_float_bit_for_bit(backend, budget, dtype):
+    gen = generator(next_seed())
+    case = make_case("3d", dtype, VOCAB, HIDDEN, TOKENS, gen)
+    by_float = _run(case, 0.7, **_kwargs(backend, budget))
+    by_tensor = _run(case, torch.full(case["labels"].shape, 0.7), **_kwargs(backend, budget))
+    for name, value in by_float.items():
+        assert torch.equal(value, by_tensor[name]), f"{name} differs between temperature=0.7 and a tensor of 0.7"
+
+
+def test_temperature_gets_no_gradient():
+    gen = generator(next_seed())
+    case = make_case("3d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)
+    temperature = _temperature(case["labels"], "token", gen).requires_grad_(True)
+    out = _run(case, temperature, backend="torch")
+    assert temperature.grad is None
+    ref = reference(case["hidden"], case["weight"], case["labels"], temperature, case["g"], case["e"])
+    _compare(out, ref, torch.float32)
+
+
+def test_flat_labels_take_n_elements_or_broadcast():
+    """verl's entry: any shape of N elements in the labels' memory order, or broadcastable."""
+    gen = generator(next_seed())
+    case = make_case("packed", torch.float32, VOCAB, HIDDEN, TOKENS, gen)  # hidden [t, 1, h], labels [1, t]
+    hidden, weight, labels = case["hidden"], case["weight"], case["labels"]
+    temperature = _temperature(labels, "token", gen)
+    expected, _ = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature)
+    for t in (temperature, temperature.reshape(-1), temperature.reshape(TOKENS, 1)):
+        got, ent = linear_cross_entropy(hidden, weight, labels, t, backend="torch")
+        assert torch.equal(got, expected.reshape(-1)) and ent.shape == (TOKENS,)
+    got, ent = linear_cross_entropy(hidden, weight, labels, torch.tensor(0.7), backend="torch", return_entropy=False)
+    assert ent is None and torch.equal(got, linear_cross_entropy(hidden, weight, labels, 0.7, backend="torch")[0])
+
+
+def test_run_head_tensor_overrides_the_option():
+    gen = generator(next_seed())
+    case = make_case("2d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)
+    temperature = _temperature(case["labels"], "token", gen)
+    args = (case["hidden"], case["weight"], case["labels"])
+    got = run_head(*args, HeadOptions(temperature=3.0, backend="torch"), tp_group=None, temperature=temperature)
+    want = run_head(*args, HeadOptions(temperature=1.0, backend="torch"), tp_group=None, temperature=temperature)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@LIGER
+def test_liger_refuses_16bit_tensor():
+    gen = generator(next_seed())
+    case = make_case("2d", torch.bfloat16, VOCAB, HIDDEN, TOKENS, gen)
+    with pytest.raises(ValueError, match="temperature"):
+        mcore_ppo.fused_log_probs_and_entropy(
+            case["hidden"], case["weight"], case["labels"], temperature=torch.ones(TOKENS), backend="liger"
+        )
+
+
+# --- bad temperature tensors -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small():
+    gen = generator(next_seed())
+    return make_case("3d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)  # labels [3, 4]
+
+
+def _call(case, temperature):
+    return mcore_ppo.fused_log_probs_and_entropy(
+        case["hidden"], case["weight"], case["labels"], temperature=temperature, backend="torch"
+    )
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (3, 5), (2, 1), (3, 4, 1), (12,)])
+def test_shape_not_broadcastable(small, shape):
+    with pytest.raises(ValueError, match=r"temperature must be shaped like labels \(3, 4\)"):
+        _call(small, torch.ones(shape))
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, -1.0, 5e-5, math.nan, math.inf, -math.inf])
+def test_bad_values(small, value):
+    temperature = torch.ones(3, 4)
+    temperature[1, 2] = value
+    with pytest.raises(ValueError, match=r"temperature values must be finite and >= 0.0001"):
+        _call(small, temperature)
+
+
+def test_min_temperature_itself_is_accepted(small):
+    _call(small, torch.full((3, 1), validation.MIN_TEMPERATURE, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_bad_dtype(small, dtype):
+    with pytest.raises(TypeError, match=r"temperature must be a floating-point tensor"):
+        _call(small, torch.ones(3, 4).to(dtype))
+
+
+def test_wrong_device(small):
+    with pytest.raises(ValueError, match=r"temperature must be on the labels' device"):
+        _call(small, torch.ones(3, 4, device="meta"))
+
+
+def test_not_a_tensor_or_float(small):
+    with pytest.raises(TypeError, match=r"temperature must be a python float"):
+        _call(small, [1.0, 2.0])
+
+
+@pytest.mark.parametrize("backend,budget", BACKENDS[:3])
+def test_unchecked_bad_values_poison_their_tokens(small, monkeypatch, backend, budget):
+    """As on CUDA without MCORE_PPO_VALIDATE=1: no host sync, NaN outputs for the bad tokens."""
+    monkeypatch.setattr(validation, "check_temperature_values", lambda temperature: False)
+    temperature = 0.5 + torch.rand(3, 4, generator=generator(next_seed()))
+    bad = torch.zeros(3, 4, dtype=torch.bool)
+    bad[0, 1], bad[2, 3] = True, True
+    poisoned = temperature.clone()
+    poisoned[0, 1], poisoned[2, 3] = 0.0, math.nan
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
+        small["hidden"], small["weight"], small["labels"], temperature=poisoned, **_kwargs(backend, budget)
+    )
+    assert torch.isnan(log_prob[bad]).all() and torch.isnan(entropy[bad]).all()
+    ref = reference(small["hidden"], small["weight"], small["labels"], temperature.masked_fill(bad, 1.0))
+    assert_close(log_prob[~bad], ref["log_prob"][~bad], name="log_prob", dtype=torch.float32, rtol=OUT_RTOL)
+    assert_close(entropy[~bad], ref["entropy"][~bad], name="entropy", dtype=torch.float32, rtol=OUT_RTOL)
+
+
+# --- entropy off --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend,budget", BACKENDS)
+@pytest.mark.parametrize("layout", ["2d", "3d"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["T-float", "T-tensor"])
+def test_entropy_off(backend, budget, layout, per_token):
+    gen = generator(next_seed())
+    case = make_case(layout, torch.float32, VOCAB, HIDDEN, TOKENS, gen)
+    temperature = _temperature(case["labels"], "token", gen) if per_token else 0.8
+    off = _run(case, temperature, return_entropy=False, **_kwargs(backend, budget))
+    assert off["entropy"] is None
+    on = _run(case, temperature, use_entropy=False, **_kwargs(backend, budget))
+    for name in ("log_prob", "d_hidden", "d_weight"):
+        assert torch.equal(off[name], on[name]), f"{name}: entropy off differs from entropy on (unused)"
+    ref = reference(case["hidden"], case["weight"], case["labels"], temperature, case["g"], None)
+    _compare(off, ref, torch.float32, with_entropy=False, tag="[entropy off]")
+
+
+def test_entropy_off_under_no_grad_and_return_entropy_type():
+    gen = generator(next_seed())
+    case = make_case("2d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)
+    with torch.no_grad():
+        log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
+            case["hidden"], case["weight"], case["labels"], return_entropy=False
+        )
+    assert entropy is None and log_prob.shape == case["labels"].shape
+    with pytest.raises(TypeError, match="return_entropy must be a bool"):
+        HeadOptions(return_entropy=1)
+    assert HeadOptions().return_entropy is True
+
+
+# --- context parallelism: the temperature is split like the tokens --------------------------------------
+
+
+def test_split_temperature_for_cp_follows_the_labels():
+    labels = torch.arange(2 * 16).view(2, 16)
+    per_token = torch.rand(2, 16) + 0.5
+    for rank in range(2):
+        got = split_temperature_for_cp(per_token, 2, rank, seq_dim=1)
+        assert torch.equal(got, split_for_cp(per_token, 2, rank, seq_dim=1))
+        # The pairing survives: the temperature of label j is still the one of its token.
+        index = split_for_cp(labels, 2, rank, seq_dim=1)
+        assert torch.equal(got, per_token.view(-1)[index.view(-1)].view(2, 8))
+    per_sequence = torch.rand(2, 1) + 0.5
+    assert split_temperature_for_cp(per_sequence, 2, 1, seq_dim=1) is per_sequence
+    packed = torch.rand(1, 24) + 0.5
+    cu = [0, 8, 24]
+    ours = split_temperature_for_cp(packed, 2, 1, seq_dim=1, cu_seqlens=cu)
+    assert torch.equal(ours, split_for_cp(packed, 2, 1, seq_dim=1, cu_seqlens=cu))
+    with pytest.raises(ValueError, match="cp_rank"):
+        split_temperature_for_cp(torch.tensor(1.0), 2, 2, seq_dim=1)
