@@ -330,29 +330,66 @@ def _mbridge(config: Any, dtype: torch.dtype) -> Any:
     return bridge
 
 
-def mbridge_gpt_model(hf_model: Any, weights_dir: str) -> torch.nn.Module:
+def mbridge_gpt_model(hf_model: Any, weights_dir: str, *, layer_spec: str = "transformer_engine") -> torch.nn.Module:
     """verl's vanilla-mbridge route: the ``GPTModel`` ``mbridge`` builds for ``hf_model``'s config,
     with the weights ``mbridge`` loads from ``hf_model`` saved as safetensors in ``weights_dir``.
 
     As verl's Megatron engine does it: ``rope_theta`` set on the config from
-    ``rope_parameters`` (transformers 5; ``make_megatron_module``), ``AutoBridge.from_config(config,
-    dtype=...)``, ``bridge.get_model(...)`` (TransformerEngine layer spec; on CUDA; here without
-    DDP or a ``Float16Module``: the parameters keep the Hugging Face dtype) and
-    ``bridge.load_weights(models, path)``. Needs ``mbridge``, TransformerEngine and CUDA.
+    ``rope_parameters`` (transformers 5; verl's ``make_megatron_module``),
+    ``AutoBridge.from_config(config, dtype=...)``, the model from the bridge, and
+    ``bridge.load_weights(models, path)`` (reads the safetensors, converts, scatters over TP).
+
+    Args:
+        hf_model: the Hugging Face model (its dtype is the Megatron parameters' dtype).
+        weights_dir: an empty folder for the safetensors.
+        layer_spec: ``"transformer_engine"``: ``bridge.get_model(...)`` exactly (mbridge's
+            TransformerEngine spec, moved to CUDA; here without DDP or ``Float16Module``, so the
+            parameters keep the Hugging Face dtype): needs TransformerEngine and CUDA.
+            ``"local"``: the runnable half without TransformerEngine: mbridge's config and
+            model provider with :func:`~mcore_ppo_testing.layer_specs.local_gpt_spec` in place of
+            its TransformerEngine spec, its fusions off (they need CUDA kernels), on the current
+            device; its ``load_weights`` unchanged except that the local spec's two norm names
+            are looked up under TransformerEngine's names.
     """
     from megatron.core import tensor_parallel
 
+    if layer_spec not in ("transformer_engine", "local"):
+        raise ValueError(f"layer_spec must be 'transformer_engine' or 'local', got {layer_spec!r}")
     config = copy.deepcopy(hf_model.config)
     config.rope_theta = hf_rope_theta(config)
     hf_model.save_pretrained(weights_dir, safe_serialization=True)
-    if not tensor_parallel.get_cuda_rng_tracker().get_states():
+    if torch.cuda.is_available() and not tensor_parallel.get_cuda_rng_tracker().get_states():
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
     bridge = _mbridge(config, hf_model.dtype)
-    models = bridge.get_model(wrap_with_ddp=False, bf16=False, fp16=False)
+    if layer_spec == "transformer_engine":
+        models = bridge.get_model(wrap_with_ddp=False, bf16=False, fp16=False)
+    else:
+        bridge.set_extra_args(
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
+            use_cpu_initialization=True,
+        )
+        block_spec = local_gpt_spec()
+        bridge._get_transformer_layer_spec = lambda vp_stage=None: block_spec(bridge.config)
+        te_mapping = bridge._weight_name_mapping_mcore_to_hf
+        bridge._weight_name_mapping_mcore_to_hf = lambda name: te_mapping(_te_norm_name(name))
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        models = [bridge._model_provider([])(pre_process=True, post_process=True).to(device)]
     bridge.load_weights(models, weights_dir)
     if len(models) != 1:
         raise RuntimeError(f"expected one model chunk (no virtual pipeline), got {len(models)}")
     return models[0].eval()
+
+
+def _te_norm_name(name: str) -> str:
+    for local, te in _TE_NORM_NAMES.items():
+        if name.endswith(local):
+            return name[: -len(local)] + te
+    return name
 
 
 def mbridge_state_dict(
@@ -369,10 +406,7 @@ def mbridge_state_dict(
     bridge = _mbridge(config, next(iter(hf_state_dict.values())).dtype)
     out = {}
     for name in names:
-        lookup = name
-        for local, te in _TE_NORM_NAMES.items():
-            if name.endswith(local):
-                lookup = name[: -len(local)] + te
+        lookup = _te_norm_name(name)
         hf_names = bridge._weight_name_mapping_mcore_to_hf(lookup)
         out[name] = bridge._weight_to_mcore_format(lookup, [hf_state_dict[n] for n in hf_names])
     return out

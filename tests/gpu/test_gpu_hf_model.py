@@ -11,8 +11,9 @@ Two ways to the Megatron model:
 - this repo's conversion (:func:`mcore_ppo_testing.hf_models.qwen2_gpt_model` +
   ``load_qwen2_weights``; local spec, no TransformerEngine needed);
 - verl's vanilla-mbridge route (``AutoBridge.from_config`` + ``get_model`` + ``load_weights``
-  from safetensors, TransformerEngine layers): skipped, with the reason, without ``mbridge``
-  or TransformerEngine.
+  from safetensors): with mbridge's TransformerEngine layers (skipped, with the reason, without
+  ``mbridge`` or TransformerEngine), and with the local spec in their place (skipped without
+  ``mbridge``; ``pip install --no-deps mbridge einops``).
 
 A one-rank NCCL group (mbridge's ``load_weights`` scatters each tensor over the TP group, which
 gloo cannot do for CUDA tensors).
@@ -113,12 +114,16 @@ def test_converted_qwen2_through_triton_head_equals_hugging_face(megatron_tp1_nc
     _compare(gpt.eval(), hf, config, kind)
 
 
+@pytest.mark.parametrize("layer_spec", ["transformer_engine", "local"])
 @KINDS
 @TIES
-def test_mbridge_qwen2_through_triton_head_equals_hugging_face(megatron_tp1_nccl, tmp_path, tied: bool, kind: str):
-    for module in ("mbridge", "transformer_engine"):
+def test_mbridge_qwen2_through_triton_head_equals_hugging_face(
+    megatron_tp1_nccl, tmp_path, tied: bool, kind: str, layer_spec: str
+):
+    needs = ("mbridge", "transformer_engine") if layer_spec == "transformer_engine" else ("mbridge",)
+    for module in needs:
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"verl's mbridge route needs {module} (pip install mbridge; TransformerEngine for CUDA)")
+            pytest.skip(f"verl's mbridge route ({layer_spec} layers) needs {module}")
     config, hf = _hf(tied)
-    gpt = hf_models.mbridge_gpt_model(hf, str(tmp_path))
+    gpt = hf_models.mbridge_gpt_model(hf, str(tmp_path), layer_spec=layer_spec)
     _compare(gpt, hf, config, kind)

@@ -15,7 +15,8 @@ lengths (verl's layout) and a right-padded batch:
 
 The comparison is shown able to fail (a wrong rotary base, q/k/v not grouped, gate and up
 swapped each miss by orders of magnitude), the conversion is strict, and where ``mbridge``
-(the bridge verl uses) is installed its conversion must equal this one bitwise.
+(the bridge verl uses) is installed its conversion, and the model its route builds and loads
+(with the local spec in place of TransformerEngine's), must equal this one bitwise.
 """
 
 from __future__ import annotations
@@ -247,6 +248,32 @@ def test_conversion_equals_mbridge(tied: bool):
     theirs = hf_models.mbridge_state_dict(hf_state, config, list(ours))
     for name, tensor in ours.items():
         assert torch.equal(theirs[name], tensor), name
+
+
+@TIES
+def test_mbridge_route_loads_the_same_model(tied: bool, tmp_path):
+    """verl's vanilla-mbridge route run as far as it runs without TransformerEngine: mbridge's
+    config and model provider (the local spec in place of its TransformerEngine spec) and its
+    ``load_weights`` from the Hugging Face model's safetensors give this conversion's state
+    dict bitwise, and through the fused head Hugging Face's log-probs and entropy."""
+    pytest.importorskip("mbridge", reason="mbridge is not installed (pip install --no-deps mbridge einops)")
+    if DEVICE.type == "cuda":
+        pytest.skip("on CUDA mbridge's load_weights scatters over NCCL: tests/gpu/test_gpu_hf_model.py runs it there")
+    config, hf, ours = _models(tied)
+    gpt = hf_models.mbridge_gpt_model(hf, str(tmp_path), layer_spec="local")
+    theirs, expected = gpt.state_dict(), ours.state_dict()
+    assert theirs.keys() == expected.keys()
+    for name, tensor in expected.items():
+        if not name.endswith("_extra_state"):
+            assert torch.equal(theirs[name], tensor), name
+    assert gpt.rotary_base == ours.rotary_base == hf_models.hf_rope_theta(config)
+    for kind in ("packed", "padded"):
+        batch = _batch(config, kind)
+        ref_lp, ref_ent = hf_models.hf_log_probs_and_entropy(hf, batch)
+        lp, ent = _fused(gpt, batch, "torch")
+        lp_err, ent_err = _errors(lp, ent, ref_lp, ref_ent, batch.batch.labels)
+        print(f"mbridge route, {kind}: max relative error log-prob {lp_err:.3e}, entropy {ent_err:.3e}")
+        assert lp_err <= RTOL and ent_err <= RTOL
 
 
 # ---------------------------------------------------------------------------------------------
