@@ -27,9 +27,17 @@ So on the CPU the model is built with this repository's local spec (``build_gpt_
   modules: TransformerEngine's spec fuses them into ``linear_qkv``/``linear_fc1`` as
   ``layer_norm_weight``); rotary base from the config (``rope_parameters["rope_theta"]``).
 
-:func:`mbridge_state_dict` runs ``mbridge``'s own conversion (when it is installed) for a
-cross-check of that mapping, and ``tests/gpu/test_gpu_hf_model.py`` runs verl's full bridge
-route where ``mbridge`` and TransformerEngine are installed.
+:func:`mbridge_state_dict` runs ``mbridge``'s own conversion for a cross-check of that
+mapping, and :func:`mbridge_gpt_model` runs verl's bridge route itself: with
+``layer_spec="transformer_engine"`` exactly (CUDA and TransformerEngine), with
+``layer_spec="local"`` the half that runs without TransformerEngine (mbridge's config, model
+provider and ``load_weights`` from safetensors, the local spec in place of TransformerEngine's).
+Both need ``pip install --no-deps mbridge einops`` (not installed in CI: the comparison itself
+needs nothing beyond transformers).
+
+Known quirk of mbridge 0.15.1, worked around in :func:`_mbridge`: a bridge for a tied config
+writes ``output_layer -> embed_tokens`` into the class-level ``_DIRECT_MAPPING``, so a later
+untied bridge in the same process would load ``lm_head`` from the embedding.
 """
 
 from __future__ import annotations
