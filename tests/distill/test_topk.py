@@ -244,3 +244,25 @@ def test_bad_inputs():
         args = dict(hidden=hidden, weight=weight, k=4, labels=labels) | override
         with pytest.raises(error, match=match.replace("[", r"\[").replace("]", r"\]")):
             fused_topk(args.pop("hidden"), args.pop("weight"), args.pop("k"), **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_path(dtype, monkeypatch):
+    """CUDA tensors (the fp32-output GEMM for bf16): random data against fp64 on the same
+    (rounded) inputs, and exact integer ties, k = 128 over V = 4096 in chunks of 1000."""
+    set_chunks(monkeypatch, 64, 1000)
+    hidden, weight, labels = random_case("sbh", 4096, dtype)
+    out = fused_topk(hidden.cuda(), weight.cuda(), 128, temperature=0.7, labels=labels.cuda())
+    out = type(out)(*(t.cpu() for t in out))
+    ref = topk_reference(hidden, weight, 128, 0.7, labels, IGNORE)
+    assert out.log_probs.dtype == torch.float32
+    atol = 1e-5 + 2e-6 * (hidden.double() @ weight.double().t()).abs().max().item()
+    torch.testing.assert_close(out.log_probs.double(), log_probs_at(ref, out.ids), rtol=0, atol=atol)
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=atol)
+    torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=atol)
+    hidden, weight = integer_case((9, 2), 4096, 4, generator(next_seed()))
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    ties = fused_topk(hidden.cuda(), weight.cuda(), 128)
+    assert torch.equal(ties.ids.cpu(), topk_reference(hidden, weight, 128).ids)
