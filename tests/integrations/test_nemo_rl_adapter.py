@@ -81,8 +81,14 @@ def test_packed_like_the_logits_path(test_seed):
 def test_log_probs_only_and_inference_only(test_seed):
     hidden, weight, gen = _tensors(test_seed, 6, 2)
     target = torch.randint(0, VOCAB, (2, 6), generator=gen)
-    lp = _nemo_rl_call(hidden.requires_grad_(), weight, target)
+    x = hidden.clone().requires_grad_()
+    lp = _nemo_rl_call(x, weight, target, backend="torch")  # return_entropy=False: the head skips the entropy
     assert isinstance(lp, torch.Tensor) and lp.shape == (2, 5) and lp.requires_grad
+    g = torch.randn(lp.shape, dtype=torch.float64, generator=gen)
+    (lp * g).sum().backward()
+    rx = hidden.clone().requires_grad_()
+    (ref_dx,) = torch.autograd.grad((logits_path_logprobs(rx, weight, target)[0] * g).sum(), (rx,))
+    torch.testing.assert_close(x.grad, ref_dx, **TOL)
     lp = from_parallel_hidden_states_to_logprobs(hidden, weight, None, target, 0, VOCAB, None, True)
     assert not lp.requires_grad
     torch.testing.assert_close(lp.double(), logits_path_logprobs(hidden.detach(), weight, target)[0], **TOL)

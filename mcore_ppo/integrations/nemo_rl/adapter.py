@@ -18,7 +18,9 @@ and returns what the logits path returns, for every layout that path has: TP (wi
 SP), CP, packed sequences, temperature, and the entropy on request. It builds the labels with
 :func:`parallel.roll_and_split_labels` (roll the global sequence, then split: the position a
 rank holds gets its true successor) and runs :func:`mcore_ppo.pipeline.run_head`. Top-k/top-p
-filtering is refused: the head's log-probs are those of the whole softmax.
+filtering is refused: the head's log-probs are those of the whole softmax. (What
+:func:`mcore_ppo.integrations.nemo_rl.enable` puts in NeMo-RL's own call site is
+:mod:`mcore_ppo.integrations.nemo_rl.fused`, which calls this.)
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ def from_parallel_hidden_states_to_logprobs(
             roll_labels(target, seq_dim=1, ignore_index=_IGNORE), (0, total - seq), value=_IGNORE
         )
         labels = split_for_cp(labels, cp_size, group_rank(cp_group), seq_dim=1)
-    options = HeadOptions(temperature, _IGNORE, backend, buffer_budget_bytes)
+    # Without return_entropy the head skips the entropy's sums, its TP combine and backward term.
+    options = HeadOptions(temperature, _IGNORE, backend, buffer_budget_bytes, return_entropy=return_entropy)
     with torch.no_grad() if inference_only else torch.enable_grad():
         outputs = run_head(hidden, weight, labels, options, tp_group=tp_group, sequence_parallel=sequence_parallel)
     results = []
