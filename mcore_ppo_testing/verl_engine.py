@@ -36,8 +36,12 @@ import torch
 from mcore_ppo_testing.real_verl import use_ray_standin
 
 __all__ = [
+    "GradRun",
     "VerlTokenOutputs",
+    "forward_backward",
+    "fp64_kernel",
     "import_verl_engine",
+    "kernel_in_place_of_verls",
     "make_batch",
     "make_engine",
     "plugin_on",
@@ -78,8 +82,8 @@ def make_engine(
     """A verl ``MegatronEngineWithLMHead`` (``MegatronEngineWithValueHead`` for ``value_model``)
     holding ``model``, with verl's own ``_maybe_enable_fused_kernels`` run on it as verl's
     ``initialize`` does (it patches the model's forward for the fused path, or turns the fused
-    path off for MTP, value models and runs without remove-padding; the model then gets its
-    own forward back)."""
+    path off for MTP, value models and runs without remove-padding). A model verl patched
+    before is unpatched first."""
     transformer_impl = import_verl_engine()
     cls = transformer_impl.MegatronEngineWithValueHead if value_model else transformer_impl.MegatronEngineWithLMHead
     engine = object.__new__(cls)
@@ -102,13 +106,12 @@ def make_engine(
     engine.enable_routing_replay = False
     engine.tf_config = model.config
     engine.module = [model]
-    engine._maybe_enable_fused_kernels()
-    if not engine.engine_config.use_fused_kernels:
-        # verl patches a model once, at initialisation, for one engine; a model reused here for
-        # the non-fused path gets its own forward back (verl's own unpatch).
-        from verl.models.mcore.model_forward_fused import unpatch_fused_forward
+    from verl.models.mcore.model_forward_fused import unpatch_fused_forward
 
-        unpatch_fused_forward(model)
+    # One engine per model, set up once, as in verl: a model reused here gets its own forward
+    # back first, so verl binds its fused forward as it is now (the plugin on or off).
+    unpatch_fused_forward(model)
+    engine._maybe_enable_fused_kernels()
     return engine
 
 
@@ -222,13 +225,94 @@ def verl_log_probs(
         :func:`make_engine`, :func:`make_batch` and :func:`run_forward_step` directly.
     """
     device = next(model.parameters()).device
-    engine = make_engine(model, use_fused_kernels=use_fused_kernels)
-    batch = make_batch(sequences, temperature, calculate_entropy=calculate_entropy, device=device)
     switch = plugin_on(backend) if plugin else contextlib.nullcontext()
+    # The plugin goes on before verl's engine is set up, as in verl (it loads with ``import verl``):
+    # verl binds its fused GPTModel.forward to the model at set-up.
     with switch, torch.no_grad():
+        engine = make_engine(model, use_fused_kernels=use_fused_kernels)
+        batch = make_batch(sequences, temperature, calculate_entropy=calculate_entropy, device=device)
         raw = run_forward_step(engine, model, batch)
     log_probs = [row[:-1].detach().float() for row in raw["log_probs"].unbind()]
     entropy = None
     if calculate_entropy:
         entropy = [row[:-1].detach().float() for row in raw["entropy"].unbind()]
     return VerlTokenOutputs(log_probs, entropy, raw)
+
+
+@dataclass
+class GradRun:
+    """One forward and backward through verl's ``forward_step``: every token's log-prob and
+    entropy (verl's nested outputs flattened, fp64, detached; ``entropy`` None when not asked
+    for) and every parameter's gradient by name."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    grads: dict[str, torch.Tensor]
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    temperature: float | Sequence[float] | torch.Tensor | None = None,
+    *,
+    use_fused_kernels: bool = True,
+    calculate_entropy: bool = True,
+    grad_seed: int = 0,
+) -> GradRun:
+    """verl's ``forward_step`` on ``sequences`` (whatever kernel and plugin state is in place),
+    then a backward of ``sum(a * log_probs + b * entropy)`` with fixed random per-token ``a``,
+    ``b`` drawn from ``grad_seed`` (the same for every run and rank). Under CP verl gathers the
+    outputs of every rank (the others' detached), so every token's values come back on each rank
+    and each rank's gradients are its share, as in verl."""
+    from mcore_ppo_testing.gpt_reference import pop_parameter_grads
+
+    device = next(model.parameters()).device
+    engine = make_engine(model, use_fused_kernels=use_fused_kernels)
+    batch = make_batch(sequences, temperature, calculate_entropy=calculate_entropy, device=device)
+    for param in model.parameters():
+        param.grad = None
+    raw = run_forward_step(engine, model, batch)
+    log_probs = raw["log_probs"].values()
+    gen = torch.Generator().manual_seed(grad_seed)
+    a, b = (torch.randn(log_probs.numel(), generator=gen, dtype=torch.float64).to(device) for _ in range(2))
+    loss = (log_probs.double() * a).sum()
+    entropy = None
+    if calculate_entropy:
+        entropy = raw["entropy"].values()
+        loss = loss + (entropy.double() * b).sum()
+        entropy = entropy.detach().double()
+    loss.backward()
+    return GradRun(log_probs.detach().double(), entropy, pop_parameter_grads(model))
+
+
+def fp64_kernel(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | None = 1.0,
+    reduction: str | None = "none",
+    dist_process_group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's kernel contract on one rank by full fp64 logits: ``hidden`` flattened to ``[n, h]``
+    and ``labels`` to ``[n]`` by ``view`` (as verl's kernel does) -> fp32 ``([n], [n])``."""
+    from mcore_ppo_testing.reference import reference_outputs
+
+    if reduction not in (None, "none") or (dist_process_group is not None and dist_process_group.size() != 1):
+        raise ValueError("fp64_kernel: one rank and reduction='none' only")
+    flat_hidden = hidden.view(-1, hidden.shape[-1]).double()
+    log_prob, entropy = reference_outputs(flat_hidden, weight.double(), labels.view(-1), temperature or 1.0)
+    return log_prob.float(), entropy.float()
+
+
+@contextlib.contextmanager
+def kernel_in_place_of_verls(kernel: Any) -> Iterator[None]:
+    """``kernel`` bound where verl binds its ``linear_cross_entropy`` (``model_forward_fused``),
+    verl's own kernel back after. With the plugin off, verl's fused path then runs ``kernel``."""
+    import verl.models.mcore.model_forward_fused as fused
+
+    saved = fused.linear_cross_entropy
+    fused.linear_cross_entropy = kernel
+    try:
+        yield
+    finally:
+        fused.linear_cross_entropy = saved

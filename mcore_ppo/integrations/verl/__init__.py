@@ -1,33 +1,42 @@
 """verl plugin: verl's Megatron fused log-prob/entropy path runs on the fused head, verl unedited.
 
-verl's Megatron actor computes per-token log-probs and entropy from the hidden states with its
-Triton kernel ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``, which its modules
-bind **at import time** (``from ... import linear_cross_entropy``):
+verl's Megatron engine (``MegatronEngineWithLMHead.forward_step``) takes its fused path only
+with ``actor_rollout_ref.model.use_fused_kernels=True`` (default False) and remove-padding on,
+MTP off: it then calls ``fused_forward_model_engine``, which ends in verl's Triton kernel
+``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``, bound **at import time** in
+``verl.models.mcore.model_forward_fused`` and called from ``fused_output_processor``
+(megatron-core >= 0.18's ``output_processor`` hook) or ``_fused_GPTModel_forward`` (the patched
+``GPTModel.forward`` of older megatron-core). Read from verl 0.9.1 (the wheel) and
+verl-project/verl at 1dda039b.
 
-- ``verl.models.mcore.model_forward_fused``: both routes, megatron-core >= 0.18's
-  ``output_processor`` hook (``fused_output_processor``) and the older patched
-  ``GPTModel.forward`` (``_fused_GPTModel_forward``);
-- ``verl.models.mcore.model_forward_1f1b_overlap``: the 1F1B-overlap schedule's postprocess.
+When switched on, an import hook rebinds, in verl's modules as they are imported (or at once if
+they already are):
 
-(Read from verl-project/verl at 1dda039b and from the verl 0.9.1 wheel.) The plugin rebinds that
-module-level name in those two modules, when they are imported (an import hook) or at once if
-they already are, to :func:`linear_cross_entropy` below: verl's own code still gathers the
-sequence-parallel hidden states, picks the weight, passes the temperature and builds its
-``CausalLMOutputForPPO``, so verl's return types and call sites stay as they are. verl's FSDP
-models import the kernel inside their functions and are not touched.
+- ``model_forward_fused.linear_cross_entropy`` -> :func:`linear_cross_entropy` below; verl's
+  code still gathers the SP hidden states, picks the weight and builds its outputs;
+- the call sites around it and verl's engine hooks, :mod:`mcore_ppo.integrations.verl.engine`:
+  the model's ``config.sequence_parallel`` (which decides the TP reduction of ``d_hidden``),
+  ``calculate_entropy`` and per-sample temperatures reach the head, and an engine whose fused
+  path is off says so (WARNING, naming the verl setting) at its first forward.
+
+``model_forward_1f1b_overlap`` (not called by verl 0.9.1 or main) keeps verl's own kernel: its
+call runs later, from a schedule plan, where no wrapper can say what the model's SP setting is.
+verl's FSDP models import the kernel inside their functions and are not touched.
 
 Switching it on (off unless asked):
 
 - verl loads every entry point of the ``verl.plugins`` group when ``verl`` is imported, in every
-  Ray worker; this module is one (``pyproject.toml``). Loaded so, it switches verl's path only
-  with ``MCORE_PPO_VERL=1`` in the workers' environment (verl config:
+  Ray worker; this module is one (``pyproject.toml``). Loaded so, it switches on only with
+  ``MCORE_PPO_VERL=1`` in the workers' environment (verl config:
   ``+ray_kwargs.ray_init.runtime_env.env_vars.MCORE_PPO_VERL=1``).
-- ``VERL_USE_EXTERNAL_MODULES=mcore_ppo.integrations.verl`` names this module, which is asking:
-  it switches on unless ``MCORE_PPO_VERL=0``.
+- ``VERL_USE_EXTERNAL_MODULES=mcore_ppo.integrations.verl`` (how verl <= 0.8 loads external
+  code, and still honoured) names this module, which is asking: it switches on unless
+  ``MCORE_PPO_VERL=0``.
 - ``MCORE_PPO_VERL=0`` keeps it off in both cases; :func:`install` / :func:`uninstall` do it
   from code. ``MCORE_PPO_VERL_BACKEND`` picks the head's backend (default ``auto``).
 
-It logs what it did on the ``mcore_ppo`` logger (INFO; DEBUG when loaded but not switched on).
+It logs on the ``mcore_ppo`` logger: "installed" when switched on, "on" (INFO) once the head has
+actually run for verl, a WARNING when verl's engine runs its non-fused path instead.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from typing import Any
 
 import torch
 
+from mcore_ppo.integrations.verl.engine import WRAPPERS, current_call_site
 from mcore_ppo.logs import log_once, logger
 
 __all__ = [
@@ -58,29 +68,17 @@ __all__ = [
 
 ENV_SWITCH = "MCORE_PPO_VERL"
 ENV_BACKEND = "MCORE_PPO_VERL_BACKEND"
-# verl's modules that bind its kernel at import time, and the name they bind it to.
-TARGET_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
+# verl's module that binds its kernel at import time, and the name it binds it to.
+KERNEL_MODULE = "verl.models.mcore.model_forward_fused"
 BOUND_NAME = "linear_cross_entropy"
+# Every module the import hook patches: the kernel's and the call sites' (engine.WRAPPERS).
+TARGET_MODULES = tuple(dict.fromkeys((KERNEL_MODULE, *WRAPPERS)))
+# Set on every replacement: the verl function it replaced (uninstall puts it back).
+_ORIGINAL_ATTR = "__mcore_ppo_original__"
 
 _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 _LOCK = threading.RLock()
-_ORIGINALS: dict[str, Callable[..., Any]] = {}  # module name -> verl's function it replaced
 _finder: _RebindAfterImport | None = None
-
-# Autograd nodes of an SP all-gather whose backward reduce-scatters (sums over TP): Megatron's
-# gather_from_sequence_parallel_region, which verl calls right before the kernel, and ours.
-_SP_GATHER_NODES = frozenset({"_GatherFromSequenceParallelRegionBackward", "_GatherSequenceParallelBackward"})
-# Nodes that pass a gradient through unchanged in kind (views, copies, casts): looked through.
-_PASS_THROUGH_NODES = frozenset(
-    {
-        "ViewBackward0",
-        "ReshapeAliasBackward0",
-        "UnsafeViewBackward0",
-        "CloneBackward0",
-        "ToCopyBackward0",
-        "AliasBackward0",
-    }
-)
 
 
 def linear_cross_entropy(
@@ -90,85 +88,141 @@ def linear_cross_entropy(
     temperature: float | None = 1.0,
     reduction: str | None = "none",
     dist_process_group: torch.distributed.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """verl's ``linear_cross_entropy`` (same signature, outputs and flattening) on the fused head.
 
-    What differs from verl's kernel is the TP reduction of ``d_hidden``, made complete: verl's
-    call sites gather the hidden states with Megatron's SP all-gather when sequence parallelism
-    is on, whose backward reduce-scatters (sums) ``d_hidden`` over TP; then this returns the
-    partial, as verl's kernel does. Without SP nothing in verl sums it (verl's kernel leaves
-    each rank its own vocab shard's part), so here the head all-reduces it. Which case applies
-    is read from ``hidden``'s autograd node: Megatron's SP gather (through views or copies)
-    or not.
+    Beyond verl's kernel, from the wrapped verl call site it runs in
+    (:mod:`mcore_ppo.integrations.verl.engine`):
+
+    - ``d_hidden`` is complete over TP: with the model's ``config.sequence_parallel`` on, verl
+      gathered ``hidden`` with Megatron's SP all-gather, whose backward reduce-scatters (sums)
+      over TP, so the head returns the partial as verl's kernel does; with it off nothing in
+      verl sums the vocab shards' partials (verl's kernel leaves them incomplete), so the head
+      all-reduces them.
+    - verl's ``calculate_entropy=False`` skips the entropy (returned as None, which verl then
+      does not read), and a per-sample temperature applies token by token.
+
+    Raises:
+        RuntimeError: called with TP > 1 and a gradient to compute outside verl's wrapped call
+            sites, where the SP setting, and so the reduction ``d_hidden`` needs, is unknown.
     """
     from mcore_ppo.integrations.verl.kernel import linear_cross_entropy as compat_linear_cross_entropy
 
-    reduce_here = _needs_tp_reduction(hidden, dist_process_group)
-    return compat_linear_cross_entropy(
+    site = current_call_site()
+    tp = 1 if dist_process_group is None else torch.distributed.get_world_size(dist_process_group)
+    backward = torch.is_grad_enabled() and hidden.requires_grad
+    sequence_parallel = None if site is None else site.sequence_parallel
+    if tp > 1 and backward and sequence_parallel is None:
+        raise RuntimeError(
+            "mcore_ppo verl plugin: linear_cross_entropy was called with TP > 1 and a gradient outside verl's "
+            "fused_output_processor / _fused_GPTModel_forward (the calls the plugin wraps), so whether the model "
+            "runs sequence parallelism, and so how d_hidden must be reduced over TP, is unknown. Call it through "
+            "verl's fused forward, or call mcore_ppo.integrations.verl.kernel.linear_cross_entropy with "
+            "reduce_hidden_grad=not model.config.sequence_parallel"
+        )
+    reduce_here = tp > 1 and backward and not sequence_parallel
+    extra: dict[str, Any] = {}
+    if site is not None and site.temperature is not None:
+        temperature = site.temperature  # per token; verl's call passed a placeholder float
+    if site is not None and not site.return_entropy:
+        extra["return_entropy"] = False
+    backend = os.environ.get(ENV_BACKEND, "auto").strip() or "auto"
+    outputs = compat_linear_cross_entropy(
         hidden,
         weight,
         labels,
         temperature,
         reduction,
         dist_process_group,
-        backend=os.environ.get(ENV_BACKEND, "auto").strip() or "auto",
+        backend=backend,
         reduce_hidden_grad=reduce_here,
+        **extra,
     )
-
-
-def _needs_tp_reduction(hidden: torch.Tensor, group: torch.distributed.ProcessGroup | None) -> bool:
-    """Whether the head must sum ``d_hidden`` over TP: a backward will run, TP > 1, and ``hidden``
-    does not come straight out of an SP gather (whose backward sums it)."""
-    if group is None or not torch.is_grad_enabled() or not hidden.requires_grad:
-        return False
-    if torch.distributed.get_world_size(group) == 1:
-        return False
-    node, steps = hidden.grad_fn, 0
-    while node is not None and type(node).__name__ in _PASS_THROUGH_NODES and steps < 4:
-        parents = [parent for parent, _ in node.next_functions if parent is not None]
-        node, steps = (parents[0] if len(parents) == 1 else None), steps + 1
-    from_gather = node is not None and type(node).__name__ in _SP_GATHER_NODES
     log_once(
         logging.INFO,
-        ("verl-dhidden", from_gather),
-        "mcore_ppo verl plugin: hidden states %s: d_hidden %s",
-        "come from the SP all-gather" if from_gather else "are not SP-gathered (sequence parallelism off)",
-        "is summed over TP by that gather's reduce-scatter" if from_gather else "is all-reduced over TP by the head",
+        ("verl-on", backend, tp, sequence_parallel),
+        "mcore_ppo verl plugin: on: verl's fused log-prob/entropy path ran on the head (backend=%r, TP %d, %s, "
+        "called from %s)",
+        backend,
+        tp,
+        "no TP reduction needed"
+        if tp == 1 or not backward
+        else "sequence parallel: d_hidden summed by verl's SP gather"
+        if sequence_parallel
+        else "no sequence parallelism: d_hidden all-reduced over TP by the head",
+        site.where if site is not None else "outside verl's wrapped call sites",
     )
-    return not from_gather
+    return outputs
 
 
 # ---------------------------------------------------------------------------------------------
-# Rebinding verl's modules
+# Patching verl's modules
 # ---------------------------------------------------------------------------------------------
 
 
-def _rebind(module: ModuleType) -> None:
-    """Point ``module.linear_cross_entropy`` at this head (once; verl's original is kept)."""
-    with _LOCK:
-        current = getattr(module, BOUND_NAME, None)
-        if current is linear_cross_entropy:
-            return
+def _replacements(module: ModuleType) -> list[tuple[str, Callable[[Any], Any]]]:
+    """(attribute path, factory of the replacement given verl's original) for ``module``."""
+    found: list[tuple[str, Callable[[Any], Any]]] = []
+    if module.__name__ == KERNEL_MODULE:
+        found.append((BOUND_NAME, lambda original: linear_cross_entropy))
+    found.extend(WRAPPERS.get(module.__name__, ()))
+    return found
+
+
+def _resolve(module: ModuleType, path: str) -> tuple[Any, str]:
+    owner: Any = module
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent, None)
+    return owner, name
+
+
+def _current(owner: Any, name: str) -> Any:
+    """``owner.name``; for a class only its own attribute (a subclass's override is its own target)."""
+    if owner is None:
+        return None
+    return owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+
+
+def _patch(module: ModuleType) -> None:
+    """Replace verl's functions in ``module`` (once each; the originals are kept on the replacements)."""
+    for path, make in _replacements(module):
+        owner, name = _resolve(module, path)
+        current = _current(owner, name)
         if current is None:
             log_once(
                 logging.WARNING,
-                ("verl-missing", module.__name__),
+                ("verl-missing", module.__name__, path),
                 "mcore_ppo verl plugin: %s has no %s (a verl version this plugin does not know); left as it is",
                 module.__name__,
-                BOUND_NAME,
+                path,
             )
-            return
-        _ORIGINALS[module.__name__] = current
-        setattr(module, BOUND_NAME, linear_cross_entropy)
-    log_once(
-        logging.INFO,
-        ("verl-rebound", module.__name__),
-        "mcore_ppo verl plugin: %s.%s -> mcore_ppo.integrations.verl.linear_cross_entropy (was %s.%s)",
-        module.__name__,
-        BOUND_NAME,
-        getattr(current, "__module__", "?"),
-        getattr(current, "__qualname__", "?"),
-    )
+            continue
+        if hasattr(current, _ORIGINAL_ATTR) or current is linear_cross_entropy:
+            continue  # already ours (e.g. the registry imported the wrapped function)
+        with _LOCK:
+            replacement = make(current)
+            if replacement is linear_cross_entropy:
+                _KERNEL_ORIGINALS[module.__name__] = current
+            else:
+                setattr(replacement, _ORIGINAL_ATTR, current)
+            setattr(owner, name, replacement)
+        logger.debug("mcore_ppo verl plugin: %s.%s replaced", module.__name__, path)
+
+
+def _unpatch(module: ModuleType) -> None:
+    for path, _make in _replacements(module):
+        owner, name = _resolve(module, path)
+        current = _current(owner, name)
+        if current is linear_cross_entropy and module.__name__ in _KERNEL_ORIGINALS:
+            setattr(owner, name, _KERNEL_ORIGINALS.pop(module.__name__))
+        elif current is not None and hasattr(current, _ORIGINAL_ATTR):
+            setattr(owner, name, getattr(current, _ORIGINAL_ATTR))
+
+
+# verl's kernel per module it was replaced in (linear_cross_entropy is one shared function, so
+# the original cannot be kept on it).
+_KERNEL_ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
 class _RebindingLoader(importlib.abc.Loader):
@@ -183,7 +237,7 @@ class _RebindingLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         if _finder is not None:  # not uninstalled meanwhile
-            _rebind(module)
+            _patch(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... of the real loader
         return getattr(self._loader, name)
@@ -191,7 +245,7 @@ class _RebindingLoader(importlib.abc.Loader):
 
 class _RebindAfterImport(importlib.abc.MetaPathFinder):
     """Import hook for :data:`TARGET_MODULES`: the other finders find them, a wrapper loader
-    rebinds them right after they execute (their import-time ``from ... import`` has run)."""
+    patches them right after they execute (their import-time ``from ... import`` has run)."""
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
         if fullname not in TARGET_MODULES:
@@ -211,7 +265,7 @@ class _RebindAfterImport(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Route verl's Megatron fused path to the head (idempotent; see the module doc).
 
-    Modules already imported are rebound now; the others when verl imports them.
+    Modules already imported are patched now; the others when verl imports them.
 
     Raises:
         ValueError: ``MCORE_PPO_VERL_BACKEND`` is not a backend name.
@@ -227,30 +281,28 @@ def install() -> None:
             sys.meta_path.insert(0, _finder)
         loaded = [sys.modules[name] for name in TARGET_MODULES if name in sys.modules]
     for module in loaded:
-        _rebind(module)
+        _patch(module)
     log_once(
         logging.INFO,
         ("verl-install", backend),
-        "mcore_ppo verl plugin: on (backend=%r); verl's Megatron fused log-prob/entropy path runs on the fused "
-        "head: %s rebound now, the rest when imported",
+        "mcore_ppo verl plugin: installed (backend=%r): %s patched now, the rest when imported; it runs once verl's "
+        "Megatron engine takes its fused path (actor_rollout_ref.model.use_fused_kernels=True)",
         backend,
-        ", ".join(m.__name__ for m in loaded) or "none",
+        ", ".join(m.__name__ for m in loaded) or "no verl module",
     )
 
 
 def uninstall() -> None:
-    """Give verl's modules their own kernel back and remove the import hook."""
+    """Give verl's modules their own functions back and remove the import hook."""
     global _finder
     with _LOCK:
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         _finder = None
-        for name, original in list(_ORIGINALS.items()):
-            module = sys.modules.get(name)
-            if module is not None and getattr(module, BOUND_NAME, None) is linear_cross_entropy:
-                setattr(module, BOUND_NAME, original)
-            del _ORIGINALS[name]
-    logger.info("mcore_ppo verl plugin: off; verl's own linear_cross_entropy restored")
+        for name in TARGET_MODULES:
+            if name in sys.modules:
+                _unpatch(sys.modules[name])
+    logger.info("mcore_ppo verl plugin: off; verl's own functions restored")
 
 
 def is_installed() -> bool:
