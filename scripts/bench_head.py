@@ -30,6 +30,10 @@ from pathlib import Path
 
 import torch
 
+# `python scripts/bench_head.py` puts scripts/ first on sys.path: the harness (mcore_ppo_testing) is not
+# installed with the wheel, it is imported from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from mcore_ppo_testing.bench import (
     GIB,
     SHAPES,
@@ -242,6 +246,22 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, settings: di
     return res
 
 
+def with_entropy_off(impls: dict, settings: dict | None) -> dict:
+    """``impls`` with ``ours_triton_noentropy`` right after ``ours_triton``: the same backend
+    settings with ``return_entropy=False`` (no ``u`` sums in the forward kernels, a two-value TP
+    combine, no entropy term in the backward), timed beside the default in the same run; its
+    log-prob and gradient errors are against the fp64 reference of ``Σ g·log_prob``."""
+    from mcore_ppo.backends.triton_backend import TritonBackend
+
+    fn = ours(TritonBackend(**(settings or {})), return_entropy=False)
+    out = {}
+    for name, impl in impls.items():
+        out[name] = impl
+        if name == "ours_triton":
+            out["ours_triton_noentropy"] = (fn, None, {"entropy": False, "time_host_exposed": True})
+    return out
+
+
 def skip_reason(name: str, tp: int, args) -> str | None:
     """Why an implementation is not run at this TP size (device-time budget), or None."""
     for impl, flag, why in (
@@ -260,7 +280,7 @@ def measure_config(entry: dict, impls: dict, inputs: HeadInputs, args, timer: Ti
     entry["floor"] = measure_floor(inputs, timer)
     bar.update(f"{label} floor")
     refs = fp64_reference(inputs, temperature)
-    refs_t1 = None
+    refs_t1 = refs_logp_only = None
     bar.update(f"{label} fp64 reference")
     for name, (fn, skip, info) in impls.items():
         skip = skip or skip_reason(name, entry["tp"], args)
@@ -274,6 +294,10 @@ def measure_config(entry: dict, impls: dict, inputs: HeadInputs, args, timer: Ti
                 if refs_t1 is None:
                     refs_t1 = fp64_reference(inputs, 1.0, need_grads=False)
                 r = refs_t1
+            elif info.get("entropy") is False:  # gradients of Σ g·log_prob alone (no entropy term)
+                if refs_logp_only is None:
+                    refs_logp_only = fp64_reference(replace(inputs, e=None), temperature)
+                r = refs_logp_only
             reps = 1 if name == "ours_torch" else args.reps
             res = measure_impl(fn, info, inputs, temperature, reps, r, timer)
             res.update({k: v for k, v in info.items() if k != "temperature"})
@@ -362,7 +386,7 @@ def main(argv=None) -> int:
                     report["tuning"] = tune_triton(inputs, args.temperature, timer)
                     settings = report["tuning"].pop("settings")
                     print(json.dumps(report["tuning"]["chosen"]), file=sys.stderr)
-                impls = build_impls(settings)
+                impls = with_entropy_off(build_impls(settings), settings)
                 if args.impls != "all":
                     impls = {k: impl for k, impl in impls.items() if k in args.impls.split(",")}
                 bar = Progress(len(shapes) * len(tps) * (len(impls) + 2), "bench")

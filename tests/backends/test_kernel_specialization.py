@@ -68,9 +68,12 @@ def launches(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("options", ["default", "T-tensor+no-entropy"])
 @pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-pointers", "bf16-tma"])
-def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budget, dtype):
+def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budget, dtype, options):
+    """Also with a per-token temperature (views at offsets that follow n) and the entropy off:
+    their own variants (ROW_TEMP, WITH_U, HAS_E), one each."""
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", budget)
     if dtype == torch.bfloat16:  # operands, dz and buffer tiles through the copy engine
         for name in ("INTERPRETER_CONFIG", "FORWARD_CONFIG", "BACKWARD_CONFIG"):
@@ -86,8 +89,16 @@ def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budg
         # Upstream gradients as views into one packed buffer, at offsets that follow n.
         packed = torch.randn(2 * n + 3, generator=gen).to(DEVICE)
         g, e = packed[1 : n + 1], packed[n + 2 : 2 * n + 2]
-        logp, ent = fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.8, backend="triton")
-        torch.autograd.backward([logp, ent], [g, e])
+        if options == "default":
+            logp, ent = fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.8, backend="triton")
+            torch.autograd.backward([logp, ent], [g, e])
+        else:
+            temperature = 0.5 + packed[n + 1 : 2 * n + 1].abs()
+            logp, ent = fused_log_probs_and_entropy(
+                hidden, weight, labels, temperature=temperature, backend="triton", return_entropy=False
+            )
+            assert ent is None
+            logp.backward(g)
     used = {name: set(keys) for name, keys in launches.items() if keys}
     assert "stats_kernel" in used and ("dz_from_buffer_kernel" if budget else "dz_kernel") in used
     several = {name: len(keys) for name, keys in used.items() if len(keys) > 1}

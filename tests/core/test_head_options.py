@@ -10,8 +10,8 @@ Entropy off: ``(log_probs, None)``; the log-probs and the gradients of ``Σ g·l
 for bit those of the entropy-on call whose entropy is unused (no entropy term reaches them).
 
 Bad temperature tensors raise naming ``temperature`` (type, shape, device, values); without
-the value check (CUDA without ``MCORE_PPO_VALIDATE=1``, simulated here) a bad value poisons
-its token's outputs with NaN and leaves the other tokens exact.
+the value check (``validate=False``) a bad value poisons its token's outputs with NaN and
+leaves the other tokens exact.
 """
 
 from __future__ import annotations
@@ -89,7 +89,11 @@ def _compare(out, ref, dtype, *, with_entropy=True, tag="", backend="torch"):
 
 
 def _kwargs(backend: str, budget: int | None) -> dict:
-    return {"backend": backend} if budget is None else {"backend": backend, "buffer_budget_bytes": budget}
+    if budget is None:
+        return {"backend": backend}
+    from mcore_ppo.backends import TritonBackend
+
+    return {"backend": TritonBackend(buffer_budget_bytes=budget)}
 
 
 # --- per-token temperature -------------------------------------------------------------------------
@@ -227,17 +231,17 @@ def test_not_a_tensor_or_float(small):
 
 
 @pytest.mark.parametrize("backend,budget", BACKENDS[:3])
-def test_unchecked_bad_values_poison_their_tokens(small, monkeypatch, backend, budget):
-    """As on CUDA without MCORE_PPO_VALIDATE=1: no host sync, NaN outputs for the bad tokens."""
-    monkeypatch.setattr(validation, "check_temperature_values", lambda temperature: False)
+def test_unchecked_bad_values_poison_their_tokens(small, backend, budget):
+    """validate=False: no value read back (no host sync on CUDA), NaN outputs for the bad tokens."""
     temperature = 0.5 + torch.rand(3, 4, generator=generator(next_seed()))
     bad = torch.zeros(3, 4, dtype=torch.bool)
     bad[0, 1], bad[2, 3] = True, True
     poisoned = temperature.clone()
     poisoned[0, 1], poisoned[2, 3] = 0.0, math.nan
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
-        small["hidden"], small["weight"], small["labels"], temperature=poisoned, **_kwargs(backend, budget)
-    )
+        small["hidden"], small["weight"], small["labels"], temperature=poisoned, validate=False,
+        **_kwargs(backend, budget),
+    )  # fmt: skip
     assert torch.isnan(log_prob[bad]).all() and torch.isnan(entropy[bad]).all()
     ref = reference(small["hidden"], small["weight"], small["labels"], temperature.masked_fill(bad, 1.0))
     assert_close(log_prob[~bad], ref["log_prob"][~bad], name="log_prob", dtype=torch.float32, rtol=OUT_RTOL)
@@ -296,3 +300,32 @@ def test_split_temperature_for_cp_follows_the_labels():
     assert torch.equal(ours, split_for_cp(packed, 2, 1, seq_dim=1, cu_seqlens=cu))
     with pytest.raises(ValueError, match="cp_rank"):
         split_temperature_for_cp(torch.tensor(1.0), 2, 2, seq_dim=1)
+
+
+# --- the head module ------------------------------------------------------------------------------------
+
+
+def test_head_module_tensor_temperature_and_return_entropy():
+    """``VocabParallelFusedPPOHead(return_entropy=False)``, a per-call temperature tensor, and the
+    per-call ``return_entropy`` override (one rank, no parallel_state)."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=torch.float32)
+    head = mcore_ppo.VocabParallelFusedPPOHead(
+        HIDDEN, VOCAB, config=config, init_method=torch.nn.init.normal_, backend="torch", return_entropy=False
+    )
+    gen = generator(next_seed())
+    case = make_case("3d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)
+    temperature = _temperature(case["labels"], "sequence", gen)
+    hidden = case["hidden"].detach().requires_grad_(True)
+    log_prob, entropy = head(hidden, case["labels"], temperature=temperature)
+    assert entropy is None
+    (log_prob * case["g"]).sum().backward()
+    weight = head.weight.detach()
+    ref = reference(case["hidden"], weight, case["labels"], temperature, case["g"], None)
+    out = {"log_prob": log_prob, "d_hidden": hidden.grad, "d_weight": head.weight.grad}
+    _compare(out, ref, torch.float32, with_entropy=False, tag="[head module]")
+    log_prob2, entropy2 = head(case["hidden"], case["labels"], temperature=temperature, return_entropy=True)
+    assert torch.equal(log_prob2, log_prob.detach())
+    assert_close(entropy2, ref["entropy"], name="entropy[head module]", dtype=torch.float32, rtol=OUT_RTOL)

@@ -1,0 +1,114 @@
+"""The Triton kernels' option flags, at the backend's level: ``ROW_TEMP`` (1/T read per row from
+a vector; a per-token temperature) and ``WITH_U`` / ``HAS_E`` (the entropy off).
+
+Under Triton's CPU interpreter on tiny odd shapes (fp32), as ``test_triton_backend.py``. The
+per-row statistics and gradients match the torch backend given the same ``[n]`` temperature
+vector (to fp32 rounding); ``WITH_U=False`` leaves ``m``, ``s``, ``y`` and the probability buffer
+bit for bit as they are with it, and returns no ``u``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+_SET_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _SET_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
+import mcore_ppo.kernels  # noqa: E402,F401  (decorated now, under the interpreter on CPU)
+from mcore_ppo.backends.base import GradientRequest, SavedTokens  # noqa: E402
+from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close  # noqa: E402
+from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
+from parallel.combine import combine_shard_statistics  # noqa: E402
+
+if _SET_INTERPRET:
+    del os.environ["TRITON_INTERPRET"]
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    if _SET_INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+def _case(n=21, h=16, v=45):
+    gen = generator(next_seed())
+    hidden = torch.randn(n, h, generator=gen).to(DEVICE)
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(DEVICE)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.3] = IGNORE_INDEX
+    labels = labels.to(DEVICE)
+    valid = labels != IGNORE_INDEX
+    local = torch.where(valid, labels, -1)
+    temperature = (0.3 + 2.0 * torch.rand(n, generator=gen)).to(DEVICE)
+    g, e = torch.randn(n, generator=gen).to(DEVICE), torch.randn(n, generator=gen).to(DEVICE)
+    return hidden, weight, local, valid, temperature, g, e
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
+def test_row_temperature_statistics_and_gradients_match_torch(budget):
+    hidden, weight, local, valid, temperature, g, e = _case()
+    ours, oracle = triton_backend.TritonBackend(buffer_budget_bytes=budget), TorchBackend()
+    stats = ours.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=True)
+    want = oracle.shard_statistics(hidden, weight, local, valid, temperature)
+    assert (stats.residual is not None) == bool(budget)
+    for name in ("m", "s", "u", "y"):
+        got, exp = getattr(stats, name)[valid], getattr(want, name)[valid]
+        assert_close(got.cpu(), exp.cpu(), name=f"stat_{name}", dtype=torch.float32, rtol=2e-6, atol=1e-6)
+    lse, entropy, _ = combine_shard_statistics(*want.tensors(), None)
+    grads = []
+    for backend, residual in ((ours, stats.residual), (oracle, None)):
+        saved = SavedTokens(local, valid, lse, entropy, residual)
+        request = GradientRequest(g, e, True, torch.zeros_like(weight))
+        grads.append(backend.shard_gradients(hidden, weight, saved, request, temperature=temperature))
+    for name, got, exp in zip(("d_hidden", "d_weight"), grads[0], grads[1], strict=True):
+        assert_close(got.float().cpu(), exp.cpu(), name=name, dtype=torch.float32, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["T-float", "T-tensor"])
+def test_entropy_off_keeps_m_s_y_and_buffer(budget, per_token):
+    hidden, weight, local, valid, temperature, g, _ = _case()
+    t = temperature if per_token else 0.8
+    ours = triton_backend.TritonBackend(buffer_budget_bytes=budget)
+    on = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True)
+    off = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, with_entropy=False)
+    assert off.u is None and on.u is not None
+    for name in ("m", "s", "y"):
+        assert torch.equal(getattr(on, name), getattr(off, name)), name
+    if budget:
+        assert torch.equal(on.residual.probs[: int(valid.sum())], off.residual.probs[: int(valid.sum())])
+        assert torch.equal(on.residual.tile_max[: int(valid.sum())], off.residual.tile_max[: int(valid.sum())])
+    # The backward without the entropy (HAS_E off) from the entropy-off forward's residual equals
+    # the one from the entropy-on forward with no entropy gradient.
+    lse, entropy, _ = combine_shard_statistics(*on.tensors(), None)
+    results = []
+    for stats, ent in ((on, entropy), (off, None)):
+        saved = SavedTokens(local, valid, lse, ent, stats.residual)
+        request = GradientRequest(g, None, True, torch.zeros_like(weight))
+        results.append(ours.shard_gradients(hidden, weight, saved, request, temperature=t))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_merge_splits_without_u():
+    from mcore_ppo.backends.triton_host import compact_rows, merge_splits
+
+    gen = generator(next_seed())
+    n, splits = 70, 5
+    parts = torch.randn(3, splits, n, generator=gen).to(DEVICE)
+    parts[1] = parts[1].abs() + 0.1
+    valid = (torch.rand(n, generator=gen) < 0.8).to(DEVICE)
+    perm, count = compact_rows(valid)
+    m, s, u = merge_splits(parts, perm, count)
+    m2, s2, u2 = merge_splits(parts[:2].contiguous(), perm, count, with_u=False)
+    assert u2 is None and u is not None
+    assert torch.equal(m, m2) and torch.equal(s, s2)

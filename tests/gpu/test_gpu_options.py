@@ -1,0 +1,108 @@
+"""The ``triton`` backend on CUDA with a per-token temperature tensor and with the entropy off,
+at a realistic shape (bf16, n = 4096, h = 1024, V = 32768), against float64 (marked ``gpu``).
+
+Run on the lent H200 (``pytest tests/gpu/test_gpu_options.py -m gpu``); skipped without CUDA.
+Errors are norm-wise relative against an fp64 reference on the GPU from the same bf16 inputs
+and the same per-token temperatures. Bounds as in ``test_gpu_kernels.py``: outputs 1e-5 (fp32
+statistics), gradients 5e-3 (``dz`` rounded to bf16 before the cuBLAS GEMMs). A tensor of one
+value is bit for bit the float; the entropy-off call's log-probs and gradients are bit for bit
+the entropy-on call's with its entropy unused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mcore_ppo
+from mcore_ppo_testing.reference import normwise_relative_error, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+N, H, V = 4096, 1024, 32768
+rel = normwise_relative_error
+
+
+def make(seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(V, H, device="cuda", generator=gen) * (2 / math.sqrt(H))).to(torch.bfloat16)
+    labels = torch.randint(0, V, (N,), device="cuda", generator=gen)
+    labels[torch.rand(N, device="cuda", generator=gen) < 0.3] = -100
+    g = torch.randn(N, device="cuda", generator=gen)
+    e = torch.randn(N, device="cuda", generator=gen)
+    temperature = 0.3 + 1.7 * torch.rand(N, device="cuda", generator=gen)
+    return x, w, labels, g, e, temperature
+
+
+def run(x, w, labels, g, e, temperature, *, budget: int, return_entropy: bool = True, use_entropy: bool = True):
+    xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    logp, ent = mcore_ppo.fused_log_probs_and_entropy(
+        xg,
+        wg,
+        labels,
+        temperature=temperature,
+        backend="triton",
+        buffer_budget_bytes=budget,
+        return_entropy=return_entropy,
+    )
+    outs, grads = [logp], [g]
+    if ent is not None and use_entropy:
+        outs.append(ent)
+        grads.append(e)
+    torch.autograd.backward(outs, grads)
+    torch.cuda.synchronize()
+    return logp.detach(), None if ent is None else ent.detach(), xg.grad, wg.grad
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])
+@pytest.mark.parametrize("return_entropy", [True, False], ids=["entropy", "no-entropy"])
+def test_per_token_temperature_against_fp64(budget, return_entropy):
+    x, w, labels, g, e, temperature = make()
+    logp, ent, dh, dw = run(x, w, labels, g, e, temperature, budget=budget, return_entropy=return_entropy)
+    ref = reference(x, w, labels, temperature, g, e if return_entropy else None, rows_per_chunk=512, with_terms=False)
+    valid = labels != -100
+    errs = {"log_prob": rel(logp[valid], ref["log_prob"][valid]), "d_hidden": rel(dh, ref["d_hidden"])}
+    errs["d_weight"] = rel(dw, ref["d_weight"])
+    if return_entropy:
+        errs["entropy"] = rel(ent[valid], ref["entropy"][valid])
+    else:
+        assert ent is None
+    print(errs)
+    assert errs["log_prob"] <= 1e-5 and errs.get("entropy", 0.0) <= 1e-5
+    assert errs["d_hidden"] <= 5e-3 and errs["d_weight"] <= 5e-3
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])
+def test_constant_tensor_is_the_float_and_entropy_off_is_entropy_unused(budget):
+    x, w, labels, g, e, _ = make(1)
+    by_float = run(x, w, labels, g, e, 0.7, budget=budget)
+    by_tensor = run(x, w, labels, g, e, torch.full((N,), 0.7, device="cuda"), budget=budget)
+    for a, b in zip(by_float, by_tensor, strict=True):
+        assert torch.equal(a, b)
+    off = run(x, w, labels, g, e, 0.7, budget=budget, return_entropy=False)
+    unused = run(x, w, labels, g, e, 0.7, budget=budget, use_entropy=False)
+    assert off[1] is None
+    for i in (0, 2, 3):
+        assert torch.equal(off[i], unused[i])
+
+
+def test_bad_temperature_poisons_without_a_sync(monkeypatch):
+    """CUDA, MCORE_PPO_VALIDATE unset: no host sync, NaN for the bad tokens, the others exact."""
+    monkeypatch.delenv("MCORE_PPO_VALIDATE", raising=False)
+    x, w, labels, _, _, temperature = make(2)
+    labels[:2] = 7
+    bad_t = temperature.clone()
+    bad_t[0], bad_t[1] = 0.0, float("nan")
+    logp, ent = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=bad_t, backend="triton")
+    assert torch.isnan(logp[:2]).all() and torch.isnan(ent[:2]).all()
+    good_logp, good_ent = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend="triton")
+    assert torch.equal(logp[2:], good_logp[2:]) and torch.equal(ent[2:], good_ent[2:])
+    monkeypatch.setenv("MCORE_PPO_VALIDATE", "1")
+    with pytest.raises(ValueError, match="temperature"):
+        mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=bad_t, backend="triton")
