@@ -48,6 +48,29 @@ def _host_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def _profile(name: str, fn, reps: int, cuda: bool) -> str:
+    """cProfile of ``reps`` calls of ``fn`` with the GPU busy: per call, in microseconds, the
+    functions with the most time of their own, then the most cumulative time."""
+    profile = cProfile.Profile()
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(_SPIN_CYCLES)
+        profile.enable()
+        fn()
+        profile.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profile).stats
+    rows = [(tt / reps * 1e6, ct / reps * 1e6, nc / reps, func) for func, (_, nc, tt, ct, _) in stats.items()]
+    lines = [f"== {name}: {sum(r[0] for r in rows):.0f} us per call under the profiler, {reps} calls"]
+    for title, key in (("own time", 0), ("cumulative time", 1)):
+        lines.append(f"-- by {title}: own_us cum_us calls/call  function")
+        for own, cum, calls, (path, line, func) in sorted(rows, key=lambda r: -r[key])[:30]:
+            lines.append(f"{own:8.1f} {cum:8.1f} {calls:6.1f}  {Path(path).name}:{line}({func})")
+    return "\n".join(lines) + "\n\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shape", default="qwen7b", choices=sorted(SHAPES), help="model (hidden size, vocab)")
@@ -103,18 +126,9 @@ def main() -> None:
         x.grad = w.grad = None
     result["backward_host_ms"] = statistics.median(times)
 
-    profile = cProfile.Profile()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda._sleep(_SPIN_CYCLES)
-    profile.enable()
-    forward()
-    backward()
-    profile.disable()
-    if cuda:
-        torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+    for name, fn in (("no-grad forward", nograd), ("forward + backward", lambda: (forward(), backward()))):
+        text.write(_profile(name, fn, args.reps, cuda))
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
