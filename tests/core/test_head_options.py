@@ -329,3 +329,39 @@ def test_head_module_tensor_temperature_and_return_entropy():
     log_prob2, entropy2 = head(case["hidden"], case["labels"], temperature=temperature, return_entropy=True)
     assert torch.equal(log_prob2, log_prob.detach())
     assert_close(entropy2, ref["entropy"], name="entropy[head module]", dtype=torch.float32, rtol=OUT_RTOL)
+
+
+def test_gpt_log_probs_tensor_temperature_and_entropy_off(megatron_tp1):
+    """``gpt_log_probs_and_entropy`` passes a temperature tensor and ``return_entropy`` to the head:
+    a ``[b, 1]`` tensor gives, row by row, what each row's float gives, bit for bit; entropy off
+    gives ``(log_probs, None)`` with the same log-probs."""
+    from mcore_ppo_testing.gpt_reference import synthetic_batch
+    from mcore_ppo_testing.layer_specs import local_gpt_spec
+
+    model = mcore_ppo.build_gpt_model(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=64,
+        max_sequence_length=16,
+        params_dtype=torch.float64,
+        seed=2024,
+        transformer_layer_spec=local_gpt_spec(),
+    )
+    mcore_ppo.install_fused_head(model, temperature=0.7, backend="torch")
+    batch = synthetic_batch("padded", vocab_size=64, seq_length=16, generator=generator(next_seed()))
+    rows = batch.labels.shape[0]
+    temperature = torch.linspace(0.5, 1.5, rows, dtype=torch.float64).view(rows, 1)
+    with torch.no_grad():
+        lp, ent = mcore_ppo.gpt_log_probs_and_entropy(
+            model, labels=batch.labels, temperature=temperature, **batch.model_inputs()
+        )
+        for r in range(rows):
+            lp_r, ent_r = mcore_ppo.gpt_log_probs_and_entropy(
+                model, labels=batch.labels, temperature=float(temperature[r]), **batch.model_inputs()
+            )
+            assert torch.equal(lp[r], lp_r[r]) and torch.equal(ent[r], ent_r[r])
+        lp_off, ent_off = mcore_ppo.gpt_log_probs_and_entropy(
+            model, labels=batch.labels, temperature=temperature, return_entropy=False, **batch.model_inputs()
+        )
+    assert ent_off is None and torch.equal(lp_off, lp)
