@@ -6,10 +6,15 @@
 (``ppo.clip_ratio``). The ``ppo`` section holds :class:`~mcore_ppo.actor.PPOActorConfig`'s
 options (the temperature comes from ``head``) plus the demo's ``ppo_epochs`` and ``lr``.
 
-Command line (for ``launch.sh``, which needs the layout before it starts torchrun)::
+The sizes are checked against the model too (``vocab_size``, ``num_attention_heads`` and
+``ffn_hidden_size`` divide by ``tp``, ``num_layers`` by ``pp``), and the head's backend name
+against :data:`mcore_ppo.backends.BACKENDS`, whenever a config is built or overridden.
 
-    python -m mcore_ppo_testing.demo_config CONFIG [--tp N] [--cp N] [--pp N] --layout
-    # prints "tp cp pp" (the config's, or the sizes given); exit 2 on a bad config or size
+Command line (for ``launch.sh``, which checks everything before it starts torchrun)::
+
+    python -m mcore_ppo_testing.demo_config CONFIG [ppo_step.py's overrides] --layout
+    # prints "tp cp pp" (the config's, or the sizes given); one line and exit 2 on a bad
+    # config, size or option
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import yaml
 
 from mcore_ppo.actor import PPOActorConfig
+from mcore_ppo.backends import BACKENDS
 
 __all__ = [
     "DemoConfig",
@@ -36,6 +42,8 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "ToleranceConfig",
+    "add_override_arguments",
+    "apply_overrides",
     "load_demo_config",
 ]
 
@@ -109,6 +117,10 @@ class HeadConfig:
     backend: str = "auto"  # auto | torch | triton | liger
     buffer_budget_bytes: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"head.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+
 
 @dataclass(frozen=True)
 class PPOConfig:
@@ -164,6 +176,22 @@ class DemoConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     ppo: PPOConfig = field(default_factory=lambda: PPOConfig(actor=PPOActorConfig()))
+
+    def __post_init__(self) -> None:
+        # What Megatron would refuse on every rank after torchrun started: checked here, once.
+        model, layout = self.model, self.layout
+        ffn = model.ffn_hidden_size if model.ffn_hidden_size is not None else 4 * model.hidden_size
+        for name, size, by, what in (
+            ("model.vocab_size", model.vocab_size, layout.tp, "tp"),
+            ("model.num_attention_heads", model.num_attention_heads, layout.tp, "tp"),
+            ("model.ffn_hidden_size", ffn, layout.tp, "tp"),
+            ("model.hidden_size", model.hidden_size, model.num_attention_heads, "model.num_attention_heads"),
+            ("model.num_layers", model.num_layers, layout.pp, "pp"),
+        ):
+            if size % by:
+                raise ValueError(f"{name} = {size} does not divide by {what} = {by}")
+        if self.run.steps < 1:
+            raise ValueError(f"run.steps must be >= 1, got {self.run.steps}")
 
     def with_overrides(
         self,
@@ -295,19 +323,50 @@ def load_demo_config(path: str | Path) -> DemoConfig:
         raise type(e)(f"{path}: {e}") from e
 
 
+def add_override_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line overrides of a config (``scripts/ppo_step.py``'s, checked by ``launch.sh``)."""
+    parser.add_argument("--tp", type=int, help="tensor-parallel size (default: the config's)")
+    parser.add_argument("--cp", type=int, help="context-parallel size (default: the config's)")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel size (default: the config's)")
+    parser.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallelism on")
+    parser.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
+    parser.add_argument("--cp-mode", choices=["model", "head"], help="where CP runs (default: the config's)")
+    parser.add_argument("--steps", type=int, help="PPO steps (default: the config's)")
+    parser.add_argument("--backend", help=f"head backend, one of {', '.join(BACKENDS)} (default: the config's)")
+
+
+def apply_overrides(config: DemoConfig, args: argparse.Namespace) -> DemoConfig:
+    """``config`` with the values of :func:`add_override_arguments` given on the command line."""
+    return config.with_overrides(
+        tp=args.tp,
+        cp=args.cp,
+        pp=args.pp,
+        sequence_parallel=args.sp,
+        cp_mode=args.cp_mode,
+        steps=args.steps,
+        backend=args.backend,
+    )
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line (``launch.sh`` shows it as it is), not usage plus error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mcore_ppo_testing.demo_config CONFIG [--tp N] [--cp N] [--pp N] [--layout]``:
-    check CONFIG with the given sizes (exit 2 when bad); ``--layout`` prints ``tp cp pp``."""
-    parser = argparse.ArgumentParser(prog="demo_config", description=main.__doc__)
+    """``python -m mcore_ppo_testing.demo_config CONFIG [overrides] [--layout]``: check CONFIG
+    with the overrides (one line on stderr and exit 2 when bad); ``--layout`` prints ``tp cp pp``."""
+    parser = _OneLineParser(prog="demo_config", description=main.__doc__)
     parser.add_argument("config")
-    for size in ("tp", "cp", "pp"):
-        parser.add_argument(f"--{size}", type=int, help=f"{size} size instead of the config's")
+    add_override_arguments(parser)
     parser.add_argument("--layout", action="store_true", help="print the layout's tp cp pp")
     args = parser.parse_args(argv)
     try:
-        layout = load_demo_config(args.config).with_overrides(tp=args.tp, cp=args.cp, pp=args.pp).layout
+        layout = apply_overrides(load_demo_config(args.config), args).layout
     except (OSError, ValueError, TypeError, yaml.YAMLError) as e:
-        print(f"demo_config: {e}", file=sys.stderr)
+        print(f"demo_config: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if args.layout:
         print(layout.tp, layout.cp, layout.pp)

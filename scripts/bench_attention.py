@@ -23,9 +23,14 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# `python scripts/bench_attention.py` puts scripts/ first on sys.path: the harness (mcore_ppo_testing) is not
+# installed with the wheel, it is imported from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_ppo_testing.attention import _plan, _segments_sdpa, _segments_varlen
 

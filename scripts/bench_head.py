@@ -236,7 +236,7 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, settings: di
     dz = torch.randn(n, chunk, dtype=x.dtype, device=x.device)
     dh = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
     chunks = -(-v // chunk)
-    addmm = lambda: triton_host.addmm_fp32(dh, dz, w[:chunk], "d_hidden")
+    addmm = lambda: triton_host.addmm_fp32(dh, dz, w[:chunk])
     res["cublas_dhidden_all_chunks_ms"] = chunks * timer(addmm, reps)
     res["cublas_dweight_all_chunks_ms"] = chunks * timer(lambda: torch.mm(dz.t(), x), reps)
     dz = dh = None  # free the 0.5 GiB before the next measurement
@@ -307,7 +307,7 @@ def measure_config(entry: dict, impls: dict, inputs: HeadInputs, args, timer: Ti
             if name == "ours_triton":
                 from mcore_ppo.backends import triton_host
 
-                res["addmm_path"] = dict(triton_host.ADDMM_PATH)
+                res["addmm_path"] = triton_host.fp32_gemm_path(inputs.x.device.type)
                 res["half_ignored"] = time_half_ignored(fn, inputs, temperature, timer)
             res["fwd_ratio"] = res["fwd_ms"] / entry["floor"]["gemm1_ms"]
             res["fwd_bwd_ratio"] = res["fwd_bwd_ms"] / entry["floor"]["gemm4_ms"]

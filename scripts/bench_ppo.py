@@ -24,9 +24,15 @@ import argparse
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# `python scripts/bench_ppo.py` puts scripts/ first on sys.path: the harness (mcore_ppo_testing) is not
+# installed with the wheel, it is imported from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # GPU defaults: Qwen3-1.7B-like shape (learned positions, LayerNorm, GeLU MLP of Megatron's local

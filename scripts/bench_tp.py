@@ -15,9 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# `python scripts/bench_tp.py` puts scripts/ first on sys.path: the harness (mcore_ppo_testing) is not
+# installed with the wheel, it is imported from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_ppo import fused_log_probs_and_entropy
 from mcore_ppo_testing.bench import time_ms

@@ -1,24 +1,43 @@
 #!/usr/bin/env bash
-# torchrun launcher of the PPO demo (scripts/ppo_step.py). With no arguments it is the README's
-# main command: TP 2 with sequence parallelism and CP 2 inside the model,
-# 4 ranks, gloo on CPU (NCCL on GPUs, one per rank; with fewer GPUs than ranks, on the CPUs).
-#
-#   scripts/launch.sh [--tp N] [--cp N] [--pp N] [--nproc N] [--config FILE] [--timeout SECONDS]
-#                     [any ppo_step.py option: --sp | --no-sp, --cp-mode model|head, --steps N, --backend B]
-#
-# --tp/--cp/--pp default to the config's layout (configs/ppo_demo.yaml); --nproc defaults to
-# tp·cp·pp. The run gets its own session (setsid) under `timeout`, so a hung collective cannot
+# torchrun launcher of the PPO demo (scripts/ppo_step.py): the README's main command. Every
+# option, size and the backend's name are checked here, before any rank starts (exit 2, one
+# line); the run gets its own session (setsid) under `timeout`, so a hung collective cannot
 # outlive the launcher: on timeout or Ctrl-C every rank is killed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+usage() {
+  cat <<'USAGE'
+usage: scripts/launch.sh [--tp N] [--cp N] [--pp N] [--nproc N] [--config FILE] [--timeout S]
+                         [--sp | --no-sp] [--cp-mode model|head] [--steps N] [--backend B]
+
+PPO steps of a small Megatron GPT with the fused head under torchrun, and their parity checks.
+With no options: the layout of configs/ppo_demo.yaml (TP 2 with sequence parallelism, CP 2
+inside the model), 4 ranks, gloo on the CPUs (NCCL on GPUs, one per rank; with fewer GPUs
+than ranks, on the CPUs).
+
+  --tp, --cp, --pp N    parallel sizes (default: the config's layout)
+  --nproc N             ranks, a multiple of tp*cp*pp (default: tp*cp*pp)
+  --config FILE         the demo config (default: configs/ppo_demo.yaml)
+  --timeout S           kill every rank after S seconds (default: $MCORE_PPO_LAUNCH_TIMEOUT or 900)
+  --sp, --no-sp         sequence parallelism on / off (default: the config's)
+  --cp-mode MODE        model: the decoder runs CP | head: CP at the head only (default: the config's)
+  --steps N             PPO steps (default: the config's)
+  --backend B           head backend: auto, torch, triton or liger (default: the config's)
+
+Exit status: 0 every parity check passed, 1 a check failed, 2 a bad option, size or config.
+USAGE
+}
+die() { echo "launch.sh: $*" >&2; exit 2; }
+
 config=configs/ppo_demo.yaml
 tp="" cp="" pp="" nproc=""
 limit=${MCORE_PPO_LAUNCH_TIMEOUT:-900}
-extra=()
-need() { [ $# -ge 2 ] || { echo "launch.sh: $1 needs a value" >&2; exit 2; }; }
+overrides=()  # ppo_step.py's own options, checked below with the config
+need() { [ $# -ge 2 ] || die "$1 needs a value"; }
 while [ $# -gt 0 ]; do
   case "$1" in
+    -h|--help) usage; exit 0 ;;
     --tp) need "$@"; tp=$2; shift 2 ;;
     --cp) need "$@"; cp=$2; shift 2 ;;
     --pp) need "$@"; pp=$2; shift 2 ;;
@@ -31,30 +50,38 @@ while [ $# -gt 0 ]; do
     --nproc=*) nproc=${1#*=}; shift ;;
     --config=*) config=${1#*=}; shift ;;
     --timeout=*) limit=${1#*=}; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
-    *) extra+=("$1"); shift ;;
+    --sp|--no-sp) overrides+=("$1"); shift ;;
+    --cp-mode|--steps|--backend) need "$@"; overrides+=("$1" "$2"); shift 2 ;;
+    --cp-mode=*|--steps=*|--backend=*) overrides+=("$1"); shift ;;
+    *) die "unknown option '$1' (scripts/launch.sh --help lists the options)" ;;
   esac
 done
 for v in "$tp" "$cp" "$pp" "$nproc" "$limit"; do
-  case "$v" in ''|*[!0-9]*) [ -z "$v" ] || { echo "launch.sh: sizes must be positive integers, got '$v'" >&2; exit 2; } ;; esac
+  case "$v" in ''|*[!0-9]*) [ -z "$v" ] || die "sizes and --timeout must be positive integers, got '$v'" ;; esac
 done
-[ -f "$config" ] || { echo "launch.sh: no config file $config" >&2; exit 2; }
+[ "$limit" -gt 0 ] || die "--timeout must be a positive integer, got '$limit'"
+[ -f "$config" ] || die "no config file $config"
 
-# The config and the sizes are checked once here, by the demo's own loader (a bad key, type or
-# size exits 2 before any rank starts); sizes not given on the command line come from the config.
+# Megatron/TE-absence UserWarnings and torchrun's OMP notice are noise here.
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# The config, the sizes (against the model's shape too) and ppo_step.py's options are checked
+# once here, by the demo's own loader; sizes not given on the command line come from the config.
 check=("$config" --layout)
 [ -z "$tp" ] || check+=(--tp "$tp")
 [ -z "$cp" ] || check+=(--cp "$cp")
 [ -z "$pp" ] || check+=(--pp "$pp")
-sizes=$(python -m mcore_ppo_testing.demo_config "${check[@]}") || {
-  echo "launch.sh: invalid config or sizes ($config)" >&2
-  exit 2
-}
+errors=$(mktemp)
+trap 'rm -f "$errors"' EXIT
+if ! sizes=$(python -m mcore_ppo_testing.demo_config "${check[@]}" ${overrides[@]+"${overrides[@]}"} 2>"$errors"); then
+  message=$(grep -v '^\s*$' "$errors" | tail -n 1)
+  die "${message#demo_config: }"
+fi
 read -r tp cp pp <<<"$sizes"
-nproc=${nproc:-$((tp * cp * pp))}
-if [ $((nproc % (tp * cp * pp))) -ne 0 ]; then
-  echo "launch.sh: --nproc $nproc is not a multiple of tp*cp*pp = $((tp * cp * pp))" >&2
-  exit 2
+[ -n "$nproc" ] || nproc=$((tp * cp * pp))
+if [ "$nproc" -eq 0 ] || [ $((nproc % (tp * cp * pp))) -ne 0 ]; then
+  die "--nproc $nproc is not a multiple of tp*cp*pp = $((tp * cp * pp))"
 fi
 
 # One GPU per rank on CUDA: with fewer visible GPUs than ranks, run on the CPUs (gloo) instead
@@ -65,14 +92,10 @@ if [ "$gpus" -gt 0 ] && [ "$gpus" -lt "$nproc" ]; then
   export CUDA_VISIBLE_DEVICES=""
 fi
 
-# Megatron/TE-absence UserWarnings and torchrun's OMP notice are noise here.
-export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-
-echo "launch: torchrun --standalone --nproc_per_node $nproc scripts/ppo_step.py --config $config --tp $tp --cp $cp --pp $pp ${extra[*]:-} (timeout ${limit}s)"
+echo "launch: torchrun --standalone --nproc_per_node $nproc scripts/ppo_step.py --config $config --tp $tp --cp $cp --pp $pp ${overrides[*]:-} (timeout ${limit}s)"
 setsid --wait timeout --kill-after=20 "$limit" \
   torchrun --standalone --nproc_per_node "$nproc" scripts/ppo_step.py \
-  --config "$config" --tp "$tp" --cp "$cp" --pp "$pp" ${extra[@]+"${extra[@]}"} &
+  --config "$config" --tp "$tp" --cp "$cp" --pp "$pp" ${overrides[@]+"${overrides[@]}"} &
 pid=$!
 # setsid made $pid the leader of a new process group: signal the whole group on the way out.
 trap 'kill -TERM -- "-$pid" 2>/dev/null || true' INT TERM

@@ -12,35 +12,30 @@ import argparse
 import sys
 from pathlib import Path
 
-from mcore_ppo_testing.demo_config import DemoConfig, load_demo_config
+ROOT = Path(__file__).resolve().parent.parent
+# `python scripts/ppo_step.py` (torchrun's way) puts scripts/ first on sys.path: the harness
+# (mcore_ppo_testing) is not installed with the wheel, it is imported from the checkout.
+sys.path.insert(0, str(ROOT))
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "ppo_demo.yaml"
+from mcore_ppo_testing.demo_config import (  # noqa: E402
+    DemoConfig,
+    add_override_arguments,
+    apply_overrides,
+    load_demo_config,
+)
+
+DEFAULT_CONFIG = ROOT / "configs" / "ppo_demo.yaml"
 
 
 def parse_config(argv: list[str] | None = None) -> DemoConfig:
     """The config file named on the command line (default ``configs/ppo_demo.yaml``) with the
     command-line overrides applied; a bad config or argument exits 2 (argparse's error)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
-    parser.add_argument("--tp", type=int, help="tensor-parallel size (default: the config's)")
-    parser.add_argument("--cp", type=int, help="context-parallel size (default: the config's)")
-    parser.add_argument("--pp", type=int, help="pipeline-parallel size (default: the config's)")
-    parser.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallelism on")
-    parser.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
-    parser.add_argument("--cp-mode", choices=["model", "head"], help="where CP runs (default: the config's)")
-    parser.add_argument("--steps", type=int, help="PPO steps (default: the config's)")
-    parser.add_argument("--backend", help="head backend (default: the config's)")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the demo's YAML config (default: %(default)s)")
+    add_override_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        config = load_demo_config(args.config).with_overrides(
-            tp=args.tp,
-            cp=args.cp,
-            pp=args.pp,
-            sequence_parallel=args.sp,
-            cp_mode=args.cp_mode,
-            steps=args.steps,
-            backend=args.backend,
-        )
+        config = apply_overrides(load_demo_config(args.config), args)
     except (OSError, ValueError, TypeError) as e:
         parser.error(str(e))
     return config

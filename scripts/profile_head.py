@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+# `python scripts/profile_head.py` puts scripts/ first on sys.path: the harness (mcore_ppo_testing) is not
+# installed with the wheel, it is imported from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from mcore_ppo_testing.bench import SHAPES, HeadInputs, make_inputs, ours, time_ms
 
 
@@ -78,7 +82,10 @@ def head_calls(inputs: HeadInputs, temperature: float, backend: Any = "triton", 
 
 def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls: int) -> dict:
     inputs = seeded_inputs(h, v, n)
-    nograd, step, one_gemm = head_calls(inputs, temperature, buffer_budget_bytes=2**40 if buffer else 0)
+    from mcore_ppo.backends import TritonBackend
+
+    backend = TritonBackend(buffer_budget_bytes=2**40 if buffer else 0)
+    nograd, step, one_gemm = head_calls(inputs, temperature, backend)
     out = {}
     for phase, fn in (("forward_nograd", nograd), ("forward_backward", step)):
         wall = time_ms(fn, calls)

@@ -34,6 +34,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+# `python scripts/run_distributed_tests.py` puts scripts/ first on sys.path: the harness (mcore_ppo_testing) is not
+# installed with the wheel, it is imported from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_ppo_testing.reports import error_table, merge_errors
 

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== single-process suite"
-python -m pytest tests --ignore=tests/distributed -q "$@"
+python -m pytest tests --ignore=tests/distributed -q -rs "$@"
 
 echo "== multi-rank suite: ${MCORE_PPO_TEST_RANKS:-4} ranks (${MCORE_PPO_TEST_DIST_BACKEND:-gloo})"
 python scripts/run_distributed_tests.py --nproc "${MCORE_PPO_TEST_RANKS:-4}" -- "$@"

@@ -31,6 +31,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_main_command_passes_with_parity_lines():
     """Default layout (TP 2 + SP, CP 2 inside the model, 4 ranks), 2 steps to keep CI short."""
     proc = _run("--steps", "2")
@@ -58,6 +59,7 @@ def test_main_command_passes_with_parity_lines():
     assert "CP2 (in the model) == cp1" in last and "TP2+SP" in last, last
 
 
+@pytest.mark.slow
 def test_parity_failure_exits_nonzero(tmp_path):
     """One rank, TP 1: with a zero tolerance the parity check must fail, say so, and exit 1."""
     cfg = yaml.safe_load(CONFIG.read_text())
@@ -72,11 +74,45 @@ def test_parity_failure_exits_nonzero(tmp_path):
     assert out.strip().splitlines()[-1].startswith("FAIL: head log-probs differ from the logits path"), out
 
 
-@pytest.mark.parametrize("args", [["--tp", "x"], ["--config", "/nonexistent.yaml"], ["--tp", "2", "--nproc", "3"]])
-def test_launch_rejects_bad_arguments(args):
-    proc = subprocess.run(["bash", str(LAUNCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert "launch.sh:" in proc.stderr
+def _refused(*args: str) -> str:
+    """launch.sh's one-line refusal of ``args``: exit 2 before torchrun, nothing else printed."""
+    proc = subprocess.run(["bash", str(LAUNCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout == "", proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: "), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--tp", "x"], "positive integers, got 'x'"),
+        (["--config", "/nonexistent.yaml"], "no config file /nonexistent.yaml"),
+        (["--tp", "2", "--nproc", "3"], "--nproc 3 is not a multiple of tp*cp*pp = 4"),
+        (["--tp", "3"], "model.vocab_size = 512 does not divide by tp = 3"),
+        (["--tp", "8", "--cp", "1"], "model.num_attention_heads = 4 does not divide by tp = 8"),
+        (["--pp", "3"], "model.num_layers = 2 does not divide by pp = 3"),
+        (["--backend", "bogus"], "head.backend must be one of auto, torch, triton, liger, got 'bogus'"),
+        (["--backend=bogus"], "head.backend must be one of"),
+        (["--steps", "x"], "--steps: invalid int value: 'x'"),
+        (["--cp-mode", "both"], "--cp-mode: invalid choice: 'both'"),
+        (["--frobnicate"], "unknown option '--frobnicate'"),
+        (["--steps", "1", "extra"], "unknown option 'extra'"),
+        (["--tp"], "--tp needs a value"),
+    ],
+)
+def test_launch_refuses_bad_arguments_in_one_line(args, says):
+    assert says in _refused(*args)
+
+
+def test_help_shows_the_usage_only():
+    proc = subprocess.run(["bash", str(LAUNCH), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith("usage: scripts/launch.sh "), proc.stdout
+    for option in ("--tp", "--cp", "--pp", "--nproc", "--config", "--timeout", "--sp", "--cp-mode", "--steps"):
+        assert re.search(rf"^  .*{option}\b", proc.stdout, re.MULTILINE), option  # an option's line
+    assert "set -euo" not in proc.stdout and "cd " not in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -88,14 +124,10 @@ def test_launch_rejects_a_bad_config_before_torchrun(tmp_path, section, key, val
     cfg[section][key] = value
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run(
-        ["bash", str(LAUNCH), "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "launch.sh:" in proc.stderr and f"{section}.{key}" in proc.stderr, proc.stderr
-    assert "torchrun" not in proc.stdout, proc.stdout
+    assert f"{section}.{key}" in _refused("--config", str(path))
 
 
+@pytest.mark.slow
 def test_fewer_gpus_than_ranks_runs_on_the_cpus(tmp_path):
     """A machine showing 1 GPU for the 4-rank demo: launch.sh says so and runs it on the CPUs
     (gloo) instead of failing on a missing device. The GPU count is faked by a ``python`` shim
