@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.pipeline import HeadOptions, run_head
 from parallel.groups import ProcessGroup, resolve_tp_group
@@ -19,8 +20,8 @@ def fused_log_probs_and_entropy(
     sequence_parallel: bool = False,
     ignore_index: int = -100,
     backend: str | Backend = "auto",
-    buffer_budget_bytes: int | None = None,
     return_entropy: bool = True,
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log p(label)`` and entropy of ``softmax(hidden @ W.T / temperature)``.
 
@@ -45,10 +46,15 @@ def fused_log_probs_and_entropy(
         sequence_parallel: hidden arrives sequence-sharded over TP; the head all-gathers it
             and reduce-scatters ``d_hidden`` back to this rank's shard.
         ignore_index: label value of tokens whose outputs and gradients are zero.
-        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"liger"`` or a backend object.
-        buffer_budget_bytes: the ``triton`` backend's probability buffer; see
-            :class:`mcore_ppo.pipeline.HeadOptions`.
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"liger"`` or a backend object, e.g.
+            ``TritonBackend(buffer_budget_bytes=...)`` to size the triton backend's probability
+            buffer (:mod:`mcore_ppo.backends`, docs/kernels.md).
         return_entropy: False skips every bit of entropy work and returns ``(log_probs, None)``.
+        validate: check the labels' range and a temperature tensor's values (ValueError), on
+            every device; one host sync on CUDA. False for CUDA graphs and host-bound loops:
+            then bad labels / temperatures give NaN outputs for their tokens. None: the
+            default, :data:`mcore_ppo.validation.VALIDATE_DEFAULT` (True unless
+            ``MCORE_PPO_VALIDATE=0``). See :class:`mcore_ppo.pipeline.HeadOptions`.
 
     Returns:
         ``(log_probs, entropy)``, fp32, shaped like ``labels`` and identical on every TP rank
@@ -57,7 +63,13 @@ def fused_log_probs_and_entropy(
     """
     row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
     default = 1.0 if row_temperature is not None else temperature
-    options = HeadOptions(default, ignore_index, backend, buffer_budget_bytes, return_entropy)
+    options = HeadOptions(
+        temperature=default,
+        ignore_index=ignore_index,
+        backend=backend,
+        return_entropy=return_entropy,
+        validate=validation.VALIDATE_DEFAULT if validate is None else validate,
+    )
     return run_head(
         hidden,
         weight,

@@ -73,6 +73,8 @@ class ShardPlan:
         accumulate_into_main_grad: the weight gradient goes into ``weight.main_grad`` (fp32),
             Megatron's gradient-accumulation fusion.
         return_entropy: False: no entropy work anywhere; the second output is None.
+        labels_checked: every label is known to be in ``[0, vocab_size)`` or ``ignore_index``
+            (the caller validated them); False: a label outside gets a NaN log-prob here.
     """
 
     backend: Backend
@@ -83,6 +85,7 @@ class ShardPlan:
     tp_group: ProcessGroup | None = None
     accumulate_into_main_grad: bool = False
     return_entropy: bool = True
+    labels_checked: bool = False
 
 
 def shard_head(
@@ -158,9 +161,14 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         # Compared in int64: in a narrower dtype ignore_index would wrap (-100 is 156 in uint8).
         labels = labels.long()
         valid = labels != plan.ignore_index
-        local_labels = labels - plan.vocab_start
-        in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
-        local_labels = torch.where(in_shard, local_labels, -1)
+        if plan.labels_checked and plan.vocab_start == 0 and weight.shape[0] == plan.vocab_size:
+            # One shard holding the whole vocab and labels known to lie in it: every valid label
+            # is its own local row (each small op costs tens of microseconds of host time).
+            local_labels = torch.where(valid, labels, -1)
+        else:
+            local_labels = labels - plan.vocab_start
+            in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
+            local_labels = torch.where(in_shard, local_labels, -1)
 
         temperature = plan.temperature if row_temperature is None else row_temperature
         # Passed only when off: a backend object written before the option keeps working.
@@ -172,11 +180,12 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         lse, entropy, label_logit = combine_shard_statistics(m, s, u if plan.return_entropy else None, y, plan.tp_group)
 
         # Rounding can push log p a hair above 0 or H a hair below 0; the math forbids both.
-        log_prob = torch.where(valid, (label_logit - lse).clamp(max=0.0), 0.0)
-        # A label outside [0, vocab_size) that was not caught by validation (CUDA without
-        # MCORE_PPO_VALIDATE=1) poisons its log-prob instead of returning a plausible number.
-        out_of_range = valid & ((labels < 0) | (labels >= plan.vocab_size))
-        log_prob = log_prob.masked_fill(out_of_range, torch.nan)
+        log_prob = torch.where(valid, (label_logit - lse).clamp_(max=0.0), 0.0)
+        if not plan.labels_checked:
+            # A label outside [0, vocab_size) that was not caught by validation (validate=False)
+            # poisons its log-prob instead of returning a plausible number.
+            out_of_range = valid & ((labels < 0) | (labels >= plan.vocab_size))
+            log_prob = log_prob.masked_fill(out_of_range, torch.nan)
         if entropy is None:
             entropy_out = None
         else:

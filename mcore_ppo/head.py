@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -9,6 +10,7 @@ import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
+from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.pipeline import HeadOptions, run_head
 
@@ -16,6 +18,8 @@ from mcore_ppo.pipeline import HeadOptions, run_head
 # dtype, GPTModel's ``logit_dtype``) and passes it to the output layer; older versions have none.
 _CPL_TAKES_OUTPUT_DTYPE = "output_dtype" in inspect.signature(ColumnParallelLinear.__init__).parameters
 _REDUCTIONS = ("none", "sum", "mean")
+# Attributes of the head that are fields of its one HeadOptions (read and set through it).
+_OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(HeadOptions))
 
 
 class VocabParallelFusedPPOHead(ColumnParallelLinear):
@@ -33,12 +37,15 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         config: Megatron ``ModelParallelConfig`` (``sequence_parallel``,
             ``gradient_accumulation_fusion``, ``params_dtype``, ... are honoured).
         init_method: weight initialiser, as for ``ColumnParallelLinear``.
-        temperature, ignore_index, backend, buffer_budget_bytes, return_entropy: the fused
-            path's options (:class:`mcore_ppo.pipeline.HeadOptions`; ``temperature`` is the
-            float default that a call may override, also with a per-token tensor;
-            ``return_entropy=False`` makes the fused path return ``(log_probs, None)``). Kept as
-            attributes of the same names, which may be changed between calls: every fused
-            forward validates them again.
+        temperature, ignore_index, backend, return_entropy, validate: the fused path's
+            options (:class:`mcore_ppo.pipeline.HeadOptions`; ``temperature`` is the float
+            default that a call may override, also with a per-token tensor;
+            ``return_entropy=False`` makes the fused path return ``(log_probs, None)``;
+            ``validate`` None takes the default; a backend object such as
+            ``TritonBackend(buffer_budget_bytes=...)`` carries its own settings). The head
+            keeps them as one :class:`HeadOptions` (:attr:`options`), built here and rebuilt,
+            and so validated, only when one of the attributes of the same names is set
+            between calls; a forward reuses it as it is.
         output_dtype: the dtype of the logits on the ``labels=None`` path, which megatron-core
             >= 0.20 passes to its output layer (``GPTModel(logit_dtype=...)``) and
             ``ColumnParallelLinear`` honours there. The fused path does not need it: it forms
@@ -66,14 +73,20 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         temperature: float = 1.0,
         ignore_index: int = -100,
         backend: str | Backend = "auto",
-        buffer_budget_bytes: int | None = None,
         output_dtype: torch.dtype | None = None,
         return_entropy: bool = True,
+        validate: bool | None = None,
         **kwargs,
     ) -> None:
         if bias:
             raise ValueError("VocabParallelFusedPPOHead has no bias (bias must be False): output layers have none")
-        options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes, return_entropy)
+        options = HeadOptions(
+            temperature=temperature,
+            ignore_index=ignore_index,
+            backend=backend,
+            return_entropy=return_entropy,
+            validate=validation.VALIDATE_DEFAULT if validate is None else validate,
+        )
         if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
             raise TypeError(f"output_dtype must be a torch.dtype or None, got {type(output_dtype).__name__}")
         if _CPL_TAKES_OUTPUT_DTYPE:
@@ -85,11 +98,19 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             )
         super().__init__(input_size, output_size, config=config, init_method=init_method, bias=False, **kwargs)
         self.output_dtype = output_dtype
-        self.temperature = options.temperature
-        self.ignore_index = options.ignore_index
-        self.backend = options.backend
-        self.buffer_budget_bytes = options.buffer_budget_bytes
-        self.return_entropy = options.return_entropy
+        self.options = options
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _OPTION_NAMES:
+            # Rebuilt (and so validated) now, not at the next forward.
+            value = dataclasses.replace(self.options, **{name: value})
+            name = "options"
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str):
+        if name in _OPTION_NAMES:
+            return getattr(self.options, name)
+        return super().__getattr__(name)
 
     def forward(  # type: ignore[override]
         self,
@@ -133,15 +154,11 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         if labels is None:
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         weight = self._weight(weight)
-        row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
-        options = HeadOptions(
-            self.temperature if temperature is None or row_temperature is not None else temperature,
-            self.ignore_index,
-            self.backend,
-            self.buffer_budget_bytes,
-            self.return_entropy if return_entropy is None else return_entropy,
-        )
-        return self._run(input_, weight, labels, options, row_temperature)
+        options = self.options
+        if return_entropy is not None and return_entropy is not options.return_entropy:
+            options = dataclasses.replace(options, return_entropy=return_entropy)
+        # A float or a tensor here overrides the stored temperature for this call (run_head).
+        return self._run(input_, weight, labels, options, temperature)
 
     def _cross_entropy(
         self,
@@ -157,9 +174,8 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         ignore = self.ignore_index if ignore_index is None else ignore_index
         weight = self._weight(weight)
         # The language-model loss has no sampling temperature: T = 1 whatever the head's default.
-        log_probs, _ = self._run(
-            input_, weight, labels, HeadOptions(1.0, ignore, self.backend, self.buffer_budget_bytes, False)
-        )
+        options = dataclasses.replace(self.options, temperature=1.0, ignore_index=ignore, return_entropy=False)
+        log_probs, _ = self._run(input_, weight, labels, options)
         loss = -log_probs
         if reduction == "sum":
             return loss.sum()
@@ -183,7 +199,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         weight: torch.Tensor,
         labels: torch.Tensor,
         options: HeadOptions,
-        temperature: torch.Tensor | None = None,
+        temperature: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return run_head(
             input_,

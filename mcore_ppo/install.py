@@ -13,6 +13,7 @@ import logging
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
+from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.head import VocabParallelFusedPPOHead
 from mcore_ppo.logs import log_once
@@ -85,7 +86,8 @@ def install_fused_head(
     temperature: float = 1.0,
     backend: str | Backend = "auto",
     ignore_index: int = -100,
-    buffer_budget_bytes: int | None = None,
+    return_entropy: bool = True,
+    validate: bool | None = None,
 ) -> VocabParallelFusedPPOHead | None:
     """Make ``model``'s output layer a :class:`VocabParallelFusedPPOHead` (idempotent).
 
@@ -96,11 +98,13 @@ def install_fused_head(
     the old layer (Megatron DDP's forward pre-hook) are carried over, so the head may be
     installed before or after wrapping in DDP; before is the usual order.
 
-    ``temperature``, ``backend``, ``ignore_index`` and ``buffer_budget_bytes`` are the head's
-    options (:class:`mcore_ppo.pipeline.HeadOptions`), checked before the model is looked at.
+    ``temperature``, ``backend``, ``ignore_index``, ``return_entropy`` and ``validate`` (None:
+    the default) are the head's options (:class:`mcore_ppo.pipeline.HeadOptions`), checked
+    before the model is looked at. Backend settings travel with a backend object:
+    ``backend=TritonBackend(buffer_budget_bytes=...)``.
 
-    Called again on a model that has the head, it updates ``temperature``, ``backend``,
-    ``ignore_index`` and ``buffer_budget_bytes`` and returns the same head.
+    Called again on a model that has the head, it replaces the head's options with these and
+    returns the same head.
 
     Returns:
         The head on the last pipeline stage; None on other stages (they have no output layer).
@@ -111,14 +115,19 @@ def install_fused_head(
             it has a bias.
         NotImplementedError: ``config.defer_embedding_wgrad_compute`` is set.
     """
-    options = HeadOptions(temperature, ignore_index, backend, buffer_budget_bytes)
+    options = HeadOptions(
+        temperature=temperature,
+        ignore_index=ignore_index,
+        backend=backend,
+        return_entropy=return_entropy,
+        validate=validation.VALIDATE_DEFAULT if validate is None else validate,
+    )
     gpt = unwrap_gpt_model(model)
     if not gpt.post_process:
         return None
     old = gpt.output_layer
     if isinstance(old, VocabParallelFusedPPOHead):
-        old.temperature, old.backend, old.ignore_index = options.temperature, options.backend, options.ignore_index
-        old.buffer_budget_bytes = options.buffer_budget_bytes
+        old.options = options
         return old
     if not _replaceable_output_layer(old):
         raise TypeError(
@@ -141,7 +150,8 @@ def install_fused_head(
         temperature=options.temperature,
         ignore_index=options.ignore_index,
         backend=options.backend,
-        buffer_budget_bytes=options.buffer_budget_bytes,
+        return_entropy=options.return_entropy,
+        validate=options.validate,
         gather_output=old.gather_output,
         # Never allocate (or initialise, drawing from the RNG) a weight that is replaced below.
         skip_weight_param_allocation=True,

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from mcore_ppo import validation
-from mcore_ppo.backends import Backend, check_backend, is_backend_object, resolve_backend
+from mcore_ppo.backends import Backend, check_backend, resolve_backend
 from mcore_ppo.function import ShardPlan, outputs_head, shard_head
 from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
 from parallel.ranks import ProcessGroup, group_rank, group_size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeadOptions:
     """What the caller chooses about the head, validated once when the object is built.
 
@@ -37,52 +37,43 @@ class HeadOptions:
             gradient (prompt tokens, padding); an int that fits in int64.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"liger"`` (see
             :func:`mcore_ppo.backends.resolve_backend`), or a backend object built by the
-            caller (e.g. a ``TritonBackend`` with its own tile configs), used as it is.
-        buffer_budget_bytes: bytes this rank may hold in the ``triton`` backend's probability
-            buffer. When a gradient will be needed (grad mode on and ``hidden`` or ``weight``
-            requires grad) and ``n·V/tp`` values of the input dtype (bf16 in training) plus
-            the fp32 tile maxima fit in it, the forward keeps that buffer of per-tile
-            probabilities until the backward, which forms ``dz`` from it instead of
-            recomputing the logits: three GEMMs instead of four. Decided per call from shapes
-            (no host sync); over the budget the head recomputes. The budget is per call:
-            outputs of several calls kept before one backward hold one buffer each. None: the
-            environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``, else the backend default
-            (``triton_backend.BUFFER_BUDGET_BYTES``, 1 GiB, chosen by measurement:
-            docs/kernels.md); 0: always recompute. Only the ``triton`` backend uses it (also
-            when ``auto`` picks it); the others ignore it. Must be None when ``backend`` is an
-            object, which carries its own.
+            caller, used as it is: ``TritonBackend(buffer_budget_bytes=...)`` is how the
+            triton backend's probability buffer is sized (docs/kernels.md).
         return_entropy: False: the entropy is not computed (the kernels skip its sums, the TP
             combine packs two values per token instead of three, the backward its term) and
             the head returns ``(log_probs, None)``. True (default): ``(log_probs, entropy)``.
+        validate: True (default): the values of the inputs are checked on every device:
+            labels in ``[0, V)`` or ``ignore_index``, a temperature tensor's values in
+            ``[MIN_TEMPERATURE, inf)``; a bad one raises ValueError. On CUDA this costs one
+            host synchronisation per call. False: nothing is read back (for CUDA graphs and
+            host-bound loops); then a token with a bad label gets a NaN log-prob and one with a
+            bad temperature NaN outputs, on CPU and CUDA alike, never a plausible number. The
+            default is :data:`mcore_ppo.validation.VALIDATE_DEFAULT` (``MCORE_PPO_VALIDATE=0``
+            at import turns it off; docs/design.md).
 
     A per-token temperature (a tensor shaped like the labels) is not an option but an input of
     the call: ``run_head(..., temperature=tensor)`` overrides ``temperature`` here.
 
     Raises:
-        TypeError: a field of the wrong type (bool is not an int here; return_entropy must be a bool).
+        TypeError: a field of the wrong type (bool is not an int here; return_entropy and
+            validate must be bools).
         ValueError: a temperature outside ``[MIN_TEMPERATURE, inf)``, an ``ignore_index``
-            beyond int64, an unknown backend name, a negative budget, or a budget given with a
-            backend object.
+            beyond int64, or an unknown backend name.
     """
 
     temperature: float = 1.0
     ignore_index: int = -100
     backend: str | Backend = "auto"
-    buffer_budget_bytes: int | None = None
     return_entropy: bool = True
+    validate: bool = validation.VALIDATE_DEFAULT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", validation.check_temperature(self.temperature))
-        if not isinstance(self.return_entropy, bool):
-            raise TypeError(f"return_entropy must be a bool, got {validation.type_name(self.return_entropy)}")
+        for name in ("return_entropy", "validate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {validation.type_name(getattr(self, name))}")
         validation.check_ignore_index(self.ignore_index)
         check_backend(self.backend)
-        budget = validation.check_buffer_budget_bytes(self.buffer_budget_bytes)
-        if budget is not None and is_backend_object(self.backend):
-            raise ValueError(
-                "buffer_budget_bytes must be None when backend is a backend object (give the object its budget)"
-            )
-        object.__setattr__(self, "buffer_budget_bytes", budget)
 
 
 def run_head(
@@ -124,8 +115,8 @@ def run_head(
             split it like the labels, :func:`parallel.split_temperature_for_cp`). Token ``i``'s
             logits are divided by ``T_i``. It gets no gradient (a tensor that requires grad is
             detached). Its values must lie in ``[MIN_TEMPERATURE, inf)``: checked (ValueError)
-            for CPU tensors always and for CUDA tensors with ``MCORE_PPO_VALIDATE=1`` (a host
-            sync); otherwise a token with a bad temperature gets NaN outputs.
+            with ``options.validate`` (one host sync on CUDA, shared with the label check);
+            without it a token with a bad temperature gets NaN outputs, on every device.
 
     Returns:
         fp32 ``(log_probs, entropy)``, identical on every TP rank; zero where labels equal
@@ -158,14 +149,15 @@ def run_head(
         layout_error = err
     validation.check_equal_shards(weight, tp_group, layout_error)
     vocab_size = weight.shape[0] * tp_size
-    validation.check_label_range(labels, vocab_size, options.ignore_index)
     if temperature is not None and not isinstance(temperature, torch.Tensor):
         # A number here is the float option of this one call.
         options = dataclasses.replace(options, temperature=temperature)
         temperature = None
-    row_temperature, bad_temperature = _row_temperature(temperature, labels, hidden.dtype, flat_labels)
+    row_temperature, bad_temperature = _row_temperature(
+        temperature, labels, hidden.dtype, flat_labels, vocab_size, options
+    )
     scale = options.temperature if row_temperature is None else row_temperature
-    impl = resolve_backend(options.backend, hidden.device, buffer_budget_bytes=options.buffer_budget_bytes)
+    impl = resolve_backend(options.backend, hidden.device)
 
     if getattr(impl, "computes_outputs", False):
         # Its own autograd and TP handling (Liger): no Function and no TP mapping here.
@@ -206,26 +198,38 @@ def run_head(
         tp_group=tp_group,
         accumulate_into_main_grad=accumulate_into_main_grad,
         return_entropy=options.return_entropy,
+        labels_checked=options.validate,
     )
     outputs = shard_head(tokens_hidden, weight, tokens_labels, plan, row_temperature)
     return _finish(outputs, labels, flat_labels, bad_temperature)
 
 
 def _row_temperature(
-    temperature: torch.Tensor | None, labels: torch.Tensor, dtype: torch.dtype, flat_labels: bool
+    temperature: torch.Tensor | None,
+    labels: torch.Tensor,
+    dtype: torch.dtype,
+    flat_labels: bool,
+    vocab_size: int,
+    options: HeadOptions,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(T [n], bad [n] or None)``: the per-token temperature in token order, contiguous, in the
-    backends' accumulation dtype (fp32; fp64 for fp64 inputs). Values that the check could not
-    refuse without a host sync (CUDA, validation off) are replaced by 1 and flagged in ``bad``,
-    whose tokens get NaN outputs (:func:`_finish`)."""
+    backends' accumulation dtype (fp32; fp64 for fp64 inputs), after the value checks.
+
+    With ``options.validate`` the labels and the temperature values are checked together (one
+    host sync on CUDA) and ``bad`` is None. Without it nothing is read back: bad temperatures
+    are replaced by 1 and flagged in ``bad``, whose tokens get NaN outputs (:func:`_finish`)."""
     if temperature is None:
+        if options.validate:
+            validation.check_label_range(labels, vocab_size, options.ignore_index)
         return None, None
     expanded = validation.check_temperature_tensor(temperature, labels, flat_labels=flat_labels)
-    checked = validation.check_temperature_values(temperature.detach())
-    rows = _token_values(expanded, labels, flat_labels).to(torch.promote_types(dtype, torch.float32)).contiguous()
-    if checked:
+    values = _token_values(expanded, labels, flat_labels)
+    bad = validation.bad_temperatures(values)
+    if options.validate:
+        validation.check_label_range(labels, vocab_size, options.ignore_index, bad_temperature=bad, temperature=values)
+    rows = values.to(torch.promote_types(dtype, torch.float32)).contiguous()
+    if options.validate:
         return rows, None
-    bad = validation.bad_temperatures(_token_values(expanded, labels, flat_labels))
     return torch.where(bad, torch.ones((), dtype=rows.dtype, device=rows.device), rows), bad
 
 

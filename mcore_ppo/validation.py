@@ -3,28 +3,39 @@
 ``TypeError`` for wrong Python or tensor types (including dtypes), ``ValueError`` for wrong
 values, shapes, devices and layouts.
 
-Checks that read tensor *values* (the label range, a temperature tensor's values) or talk to other ranks (equal shard
-sizes) cost a host synchronisation on CUDA. They always run for CPU tensors. On CUDA the
-label-range and temperature-value checks run when ``MCORE_PPO_VALIDATE=1`` (otherwise an
-out-of-range label yields a NaN log-prob, a bad temperature NaN outputs for its token, rather
-than a plausible wrong number), and the shard-size check runs once per
-process group and shard size and is then cached.
+Checks that read tensor *values* (the label range, a temperature tensor's values) cost a host
+synchronisation on CUDA; they run on every device when the head's ``validate`` option is on
+(:class:`mcore_ppo.pipeline.HeadOptions`; default :data:`VALIDATE_DEFAULT`), both in one sync,
+and not at all when it is off (then a bad label gives a NaN log-prob, a bad temperature NaN
+outputs for its token, never a plausible wrong number). The shard-size check talks to the
+other ranks; on CUDA it runs once per process group and shard size and is then cached.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from parallel.ranks import ProcessGroup, group_size
 
+_FALSE = ("0", "false", "False", "off", "no")
+_VALIDATE_ENV = os.environ.get("MCORE_PPO_VALIDATE", "").strip()
+#: Default of the head's ``validate`` option, read once at import: True unless the environment
+#: variable ``MCORE_PPO_VALIDATE`` is ``0`` (or ``false``/``off``/``no``) then (docs/design.md).
+VALIDATE_DEFAULT = _VALIDATE_ENV not in _FALSE
+# The PPO loss's own opt-in for value checks of CUDA tensors (mcore_ppo.actor.ppo_loss): the
+# variable explicitly set to a true value at import.
+_VALIDATE_ON_DEVICE = _VALIDATE_ENV not in ("", *_FALSE)
+
 
 def validate_on_device() -> bool:
-    """Whether checks that need a host sync run for CUDA tensors (``MCORE_PPO_VALIDATE=1``)."""
-    return os.environ.get("MCORE_PPO_VALIDATE", "0") not in ("", "0", "false", "False")
+    """Whether the PPO loss's value checks run for CUDA tensors (``MCORE_PPO_VALIDATE=1`` at
+    import; read once). The head has its own switch, ``HeadOptions.validate``."""
+    return _VALIDATE_ON_DEVICE
 
 
 #: Smallest temperature accepted. The tempered logits ``z = x·w / T`` are fp32, so an absolute
@@ -114,37 +125,6 @@ def bad_temperatures(temperature: torch.Tensor) -> torch.Tensor:
     :data:`MIN_TEMPERATURE` (zero and negatives included). Compared in fp64, as the float path."""
     values = temperature.to(torch.float64)
     return ~(torch.isfinite(values) & (values >= MIN_TEMPERATURE))
-
-
-def check_temperature_values(temperature: torch.Tensor) -> bool:
-    """Raise ValueError for a value of ``temperature`` outside ``[MIN_TEMPERATURE, inf)``.
-
-    Reading values costs a host sync on CUDA, so there this runs only with
-    ``MCORE_PPO_VALIDATE=1`` (the switch of the label-range check); returns whether it ran.
-    Without it the head poisons the outputs of a token with a bad temperature with NaN instead
-    (:func:`mcore_ppo.pipeline.run_head`), never a plausible number.
-    """
-    if temperature.device.type != "cpu" and not validate_on_device():
-        return False
-    bad = bad_temperatures(temperature)
-    if bool(bad.any()):
-        first = temperature[bad].flatten()[0].item()
-        raise ValueError(
-            f"temperature values must be finite and >= {MIN_TEMPERATURE:g} (MIN_TEMPERATURE), got {first} "
-            f"({int(bad.sum())} bad values)"
-        )
-    return True
-
-
-def check_buffer_budget_bytes(buffer_budget_bytes: object) -> int | None:
-    """``buffer_budget_bytes`` is None or an int >= 0 (bool is not accepted); returns it."""
-    if buffer_budget_bytes is None:
-        return None
-    if not _is_int(buffer_budget_bytes):
-        raise TypeError(f"buffer_budget_bytes must be an int (bytes) or None, got {type_name(buffer_budget_bytes)}")
-    if buffer_budget_bytes < 0:
-        raise ValueError(f"buffer_budget_bytes must be >= 0 (0 = off) or None, got {buffer_budget_bytes}")
-    return int(buffer_budget_bytes)
 
 
 def check_ignore_index(ignore_index: object) -> int:
@@ -255,23 +235,57 @@ def check_flat_layout(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     check_layout(hidden.reshape(tokens, hidden.shape[-1]), weight, labels.reshape(-1), tp_size, False)
 
 
-def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Labels must lie in ``[0, vocab_size)`` or equal ``ignore_index`` (host sync on CUDA).
+def check_label_range(
+    labels: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+    *,
+    bad_temperature: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+) -> None:
+    """Labels must lie in ``[0, vocab_size)`` or equal ``ignore_index``; with ``bad_temperature``
+    (the mask of :func:`bad_temperatures` over ``temperature``) no temperature may be bad either.
 
-    ``labels`` are int64 here (:func:`mcore_ppo.pipeline.run_head` converts them first), so
-    neither bound wraps."""
-    if labels.device.type != "cpu" and not validate_on_device():
+    Both are read back in one host sync on CUDA. ``labels`` are int64 here
+    (:func:`mcore_ppo.pipeline.run_head` converts them first), so neither bound wraps. Meta
+    tensors (shape inference) have no values to check."""
+    if labels.is_meta:
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if bool(bad.any()):
+    if bad_temperature is None:
+        any_label, any_temperature = bool(bad.any()), False
+    else:
+        any_label, any_temperature = torch.stack([bad.any(), bad_temperature.any()]).tolist()
+    if any_label:
         first = labels[bad].flatten()[0].item()
         raise ValueError(
             f"labels must be in [0, {vocab_size}) (the global vocab) or ignore_index={ignore_index}; "
             f"found {first} ({int(bad.sum())} bad labels)"
         )
+    if any_temperature:
+        first = temperature[bad_temperature].flatten()[0].item()
+        raise ValueError(
+            f"temperature values must be finite and >= {MIN_TEMPERATURE:g} (MIN_TEMPERATURE), got {first} "
+            f"({int(bad_temperature.sum())} bad values)"
+        )
 
 
-_CHECKED_SHARDS: set[tuple[int, int, str]] = set()
+# Groups whose shard sizes were checked, with the sizes: keyed by the group object itself where
+# it takes weak references (a new group never inherits an old one's entry, as it could through a
+# reused id()), else by its ranks and name.
+_CHECKED_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHECKED_SHARDS: set[tuple] = set()
+
+
+def _shard_check_key(tp_group: ProcessGroup, rows: int, device_type: str) -> tuple[set, tuple]:
+    """``(the set that holds the check's entries, the entry)`` for ``tp_group``."""
+    try:
+        seen = _CHECKED_GROUPS.setdefault(tp_group, set())
+        return seen, (rows, device_type)
+    except TypeError:  # no weak references to this group object
+        ranks = tuple(dist.get_process_group_ranks(tp_group))
+        name = getattr(tp_group, "group_name", None)
+        return _CHECKED_SHARDS, (ranks, name, rows, device_type)
 
 
 def check_equal_shards(
@@ -289,9 +303,9 @@ def check_equal_shards(
             raise local_error
         return
     rows = weight.shape[0] if weight.dim() == 2 else 0
-    key = (id(tp_group), rows, weight.device.type)
     cached = weight.device.type != "cpu"
-    if cached and key in _CHECKED_SHARDS:
+    seen, key = _shard_check_key(tp_group, rows, weight.device.type) if cached else (None, None)
+    if cached and key in seen:
         return
     failed = 0 if local_error is None else 1
     sizes = torch.tensor([rows, -rows, failed], dtype=torch.int64, device=weight.device)
@@ -310,4 +324,4 @@ def check_equal_shards(
             f"this rank has {rows}, the group has sizes from {smallest} to {largest}"
         )
     if cached:
-        _CHECKED_SHARDS.add(key)
+        seen.add(key)

@@ -149,7 +149,7 @@ def build_actor_model(
     params_dtype: torch.dtype = torch.float32,
     seed: int = 1234,
     packed_attention: bool = True,
-    buffer_budget_bytes: int | None = None,
+    buffer_budget_bytes: int | str | None = None,
     attention: str | None = None,
 ) -> torch.nn.Module:
     """A ``GPTModel`` (on the current ``parallel_state``) with the fused head installed.
@@ -158,6 +158,9 @@ def build_actor_model(
     ``PackedSeqParams``; the actor then feeds packed batches with a block-diagonal causal mask.
     ``attention`` picks the THD core attention without TransformerEngine (:func:`layer_spec`);
     None: ``"sdpa"`` when the model runs CP (the only one that can), else ``"reference"``.
+
+    ``buffer_budget_bytes`` (not None) sizes the triton backend's probability buffer: the head
+    gets a ``TritonBackend`` with it (:func:`head_backend`).
 
     ``model_cfg`` holds ``build_gpt_model``'s shape keywords (``num_layers``, ``hidden_size``,
     ``num_attention_heads``, ``vocab_size``, ``max_sequence_length``, optional
@@ -180,8 +183,19 @@ def build_actor_model(
         transformer_layer_spec=layer_spec(attention if packed_attention else "megatron"),
         **overrides,
     )
-    install_fused_head(model, temperature=temperature, backend=backend, buffer_budget_bytes=buffer_budget_bytes)
+    install_fused_head(model, temperature=temperature, backend=head_backend(backend, buffer_budget_bytes))
     return model
+
+
+def head_backend(backend: str, buffer_budget_bytes: int | str | None):
+    """The head's ``backend`` for a config's ``(backend, buffer_budget_bytes)``: the name, or, when a
+    budget is given and the name runs the triton kernels (``triton``; ``auto`` on CUDA), a
+    ``TritonBackend`` that carries the budget (the knob is the backend's)."""
+    if buffer_budget_bytes is None or not (backend == "triton" or (backend == "auto" and torch.cuda.is_available())):
+        return backend
+    from mcore_ppo.backends import TritonBackend
+
+    return TritonBackend(buffer_budget_bytes=buffer_budget_bytes)
 
 
 def synthetic_rollout(

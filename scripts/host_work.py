@@ -8,6 +8,9 @@ on the host is its host work (Python, argument checks, descriptor builds, launch
 no wait on the GPU inside it. Medians over ``--reps`` calls after warm-up, for the no-grad forward,
 the forward that keeps a backward, and the backward; then a cProfile of one forward+backward.
 
+The head runs with ``validate=False`` (``--validate`` turns it on): the value checks read labels
+and temperatures back, one host sync per call, which would wait for the spin.
+
 Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--out DIR]
 Without CUDA it times the torch backend on small CPU tensors (the Python around the kernels only).
 """
@@ -78,6 +81,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per call")
     parser.add_argument("--backend", default="auto", help="the head's backend")
     parser.add_argument("--reps", type=int, default=30, help="timed calls per measurement")
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="run with the head's value checks on (validate=True: one host sync per call, so the "
+        "time includes the wait for the GPU spin); default validate=False",
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for host_work.json and host_profile.txt")
     args = parser.parse_args()
 
@@ -94,7 +103,9 @@ def main() -> None:
     grads = [torch.randn(n, device=device, generator=gen) for _ in range(2)]
 
     def call(**kw):
-        return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=args.backend, **kw)
+        return fused_log_probs_and_entropy(
+            x, w, labels, temperature=0.7, backend=args.backend, validate=args.validate, **kw
+        )
 
     def nograd():
         with torch.no_grad():

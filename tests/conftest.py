@@ -32,6 +32,17 @@ def _seed_sequence():
     seeds.start_test()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_backends():
+    """Backends resolved by name are cached per process; tests patch their module defaults and
+    the environment, so each test resolves them afresh."""
+    from mcore_ppo.backends import clear_backend_cache
+
+    clear_backend_cache()
+    yield
+    clear_backend_cache()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``).
@@ -83,3 +94,26 @@ def test_seed() -> int:
     seed = seeds.next_seed()
     torch.manual_seed(seed)
     return seed
+
+
+# Reports of the run (error tables): titled blocks printed in the terminal summary, after the
+# progress output, instead of between its dots.
+_SUMMARY_SECTIONS: dict[str, list[str]] = {}
+
+
+@pytest.fixture(scope="session")
+def summary_section():
+    """``summary_section(title, lines)``: show ``lines`` under ``title`` at the end of the run
+    (the same title again replaces its lines)."""
+
+    def add(title: str, lines: list[str]) -> None:
+        _SUMMARY_SECTIONS[title] = list(lines)
+
+    return add
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for title, lines in _SUMMARY_SECTIONS.items():
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)

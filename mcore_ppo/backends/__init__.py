@@ -38,20 +38,20 @@ def import_optional(package: str) -> ModuleType | None:
         raise
 
 
-def _triton_backend(buffer_budget_bytes: int | None = None) -> Backend | None:
+def _triton_backend() -> Backend | None:
     module = import_optional("mcore_ppo.backends.triton_backend")
     if module is None or not module.is_available():
         return None
-    if buffer_budget_bytes is None:  # the backend's own default: the environment, else its module default
-        return module.TritonBackend()
-    return module.TritonBackend(buffer_budget_bytes=buffer_budget_bytes)
+    # The process's default budget: MCORE_PPO_BUFFER_BUDGET_BYTES, read here, once per cached backend.
+    budget = module.environment_budget()
+    return module.TritonBackend() if budget is None else module.TritonBackend(buffer_budget_bytes=budget)
 
 
-def _torch_backend(buffer_budget_bytes: int | None = None) -> Backend:
+def _torch_backend() -> Backend:
     return TorchBackend()  # recomputes in chunks; keeps no buffer between forward and backward
 
 
-def _liger_backend(buffer_budget_bytes: int | None = None) -> Backend | None:
+def _liger_backend() -> Backend | None:
     module = import_optional("mcore_ppo.backends.liger_backend")
     if module is None or not module.is_available():
         return None
@@ -82,7 +82,19 @@ def check_backend(backend: object) -> None:
         )
 
 
-def resolve_backend(name: str | Backend, device: torch.device, *, buffer_budget_bytes: int | None = None) -> Backend:
+# (name, device type) -> the backend object that name resolves to there. Backends are stateless
+# between calls, so one object serves every call; building one per call costs host time
+# (the triton backend reads its settings and the environment when built).
+_RESOLVED: dict[tuple[str, str], Backend] = {}
+
+
+def clear_backend_cache() -> None:
+    """Forget the backends :func:`resolve_backend` built, so the next call builds them again
+    from the current module defaults and environment (tests that patch those defaults)."""
+    _RESOLVED.clear()
+
+
+def resolve_backend(name: str | Backend, device: torch.device) -> Backend:
     """The backend object for ``name`` on ``device`` (a backend object is returned as it is).
 
     ``auto`` picks the fused Triton kernels on CUDA when they are available and the chunked
@@ -92,14 +104,26 @@ def resolve_backend(name: str | Backend, device: torch.device, *, buffer_budget_
     in bf16 (docs/benchmarks), so ``auto`` never picks it (ask for ``"liger"``). An explicitly
     named backend that is not available raises.
 
-    ``buffer_budget_bytes`` (see :class:`mcore_ppo.pipeline.HeadOptions`) goes to the
-    ``triton`` backend, also when ``auto`` picks it; None leaves the backend's default.
+    A name resolves once per device type and the object is reused for every later call
+    (:func:`clear_backend_cache` forgets them). The ``triton`` backend built for a name takes
+    its settings from its module defaults, its probability-buffer budget from
+    ``MCORE_PPO_BUFFER_BUDGET_BYTES`` when set (read then, once); other settings need a
+    backend object: ``backend=TritonBackend(buffer_budget_bytes=...)``.
     """
-    check_backend(name)
     if not isinstance(name, str):
+        check_backend(name)
         return name
+    key = (name, device.type)
+    backend = _RESOLVED.get(key)
+    if backend is None:
+        check_backend(name)
+        backend = _RESOLVED[key] = _build(name, device)
+    return backend
+
+
+def _build(name: str, device: torch.device) -> Backend:
     if name == "auto":
-        backend = _triton_backend(buffer_budget_bytes) if device.type == "cuda" else None
+        backend = _triton_backend() if device.type == "cuda" else None
         if backend is None:
             why = "not a CUDA device" if device.type != "cuda" else "triton is not installed or cannot run"
             log_once(
@@ -112,7 +136,7 @@ def resolve_backend(name: str | Backend, device: torch.device, *, buffer_budget_
             return TorchBackend()
         _log_resolved(name, device, backend)
         return backend
-    backend = _FACTORIES[name](buffer_budget_bytes)
+    backend = _FACTORIES[name]()
     if backend is None:
         raise RuntimeError(
             f"backend={name!r} is not available here (its package is not installed or it needs "
@@ -120,6 +144,15 @@ def resolve_backend(name: str | Backend, device: torch.device, *, buffer_budget_
         )
     _log_resolved(name, device, backend)
     return backend
+
+
+def __getattr__(name: str):
+    # TritonBackend is exported without importing its module (and triton) with the package.
+    if name == "TritonBackend":
+        from mcore_ppo.backends.triton_backend import TritonBackend
+
+        return TritonBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _log_resolved(name: str, device: torch.device, backend: Backend) -> None:
@@ -140,7 +173,9 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "TorchBackend",
+    "TritonBackend",
     "check_backend",
+    "clear_backend_cache",
     "import_optional",
     "is_backend_object",
     "resolve_backend",

@@ -69,7 +69,15 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised only without 
         raise
     triton = None
 
-__all__ = ["ProbabilityBuffer", "TritonBackend", "compact_rows", "interpreting", "is_available", "replace"]
+__all__ = [
+    "ProbabilityBuffer",
+    "TritonBackend",
+    "compact_rows",
+    "environment_budget",
+    "interpreting",
+    "is_available",
+    "replace",
+]
 
 
 def is_available() -> bool:
@@ -95,13 +103,23 @@ WORKSPACE_BYTES = 240 * 2**20
 # it buys the buffer where it costs at most 1 GiB (e.g. 16384 tokens × V/tp ≤ 32k in bf16, TP 8
 # for a 152k vocab); docs/kernels.md has the measurements behind it.
 BUFFER_BUDGET_BYTES = 1 << 30
-# Read when a backend is built without a budget: bytes, or with a unit ("1GiB", "512MB").
+# The budget of the backend that backend="triton"/"auto" build (read once, when it is built): bytes,
+# or with a unit ("1GiB", "512MB").
 BUFFER_BUDGET_ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
 # Copy-engine (TMA) stores of the forward's buffer tiles and the backward's dz tiles: both are
 # written in compacted row order, so a program's tile is one contiguous block.
 BUFFER_STORE_TMA = True
 DZ_STORE_TMA = True
 BUFFER_DZ_CONFIG = ElementwiseConfig()
+
+
+def environment_budget() -> int | None:
+    """``MCORE_PPO_BUFFER_BUDGET_BYTES`` as bytes (a unit allowed: ``1GiB``), None when unset.
+
+    Read by :func:`mcore_ppo.backends.resolve_backend` when it first builds the triton backend
+    for a name; a ``TritonBackend`` built by the caller ignores it."""
+    env = os.environ.get(BUFFER_BUDGET_ENV, "").strip()
+    return budget_bytes(env, BUFFER_BUDGET_ENV) if env else None
 
 
 class TritonBackend:
@@ -129,9 +147,11 @@ class TritonBackend:
     ):
         """Settings fixed for the backend's life; None takes this module's default (read now).
 
-        ``buffer_budget_bytes`` None: the environment variable ``MCORE_PPO_BUFFER_BUDGET_BYTES``
-        (bytes, or with a unit: ``1GiB``, ``512MB``; see :func:`triton_host.budget_bytes`),
-        else :data:`BUFFER_BUDGET_BYTES`. ``buffer_store_tma`` / ``dz_store_tma``: copy-engine
+        ``buffer_budget_bytes``: bytes this rank may hold in the probability buffer (an int, or
+        text with a unit: ``1GiB``, ``512MB``; see :func:`triton_host.budget_bytes`); None:
+        :data:`BUFFER_BUDGET_BYTES`. The environment variable is not read here: it is the
+        default of the backend that ``backend="triton"`` / ``"auto"`` build
+        (:func:`environment_budget`). ``buffer_store_tma`` / ``dz_store_tma``: copy-engine
         stores of the buffer / dz tiles where the device allows them. ``buffer_dz_config``:
         tiling of the buffer-mode ``dz`` kernel.
         """
@@ -142,8 +162,7 @@ class TritonBackend:
         self.backward_config = backward_config or (small and replace(small, tiles_per_split=1)) or BACKWARD_CONFIG
         self.workspace_bytes = workspace_bytes or WORKSPACE_BYTES
         if buffer_budget_bytes is None:
-            env = os.environ.get(BUFFER_BUDGET_ENV, "").strip()
-            buffer_budget_bytes = budget_bytes(env, BUFFER_BUDGET_ENV) if env else BUFFER_BUDGET_BYTES
+            buffer_budget_bytes = BUFFER_BUDGET_BYTES
         self.buffer_budget_bytes = budget_bytes(buffer_budget_bytes, "buffer_budget_bytes")
         self.buffer_store_tma = BUFFER_STORE_TMA if buffer_store_tma is None else buffer_store_tma
         self.dz_store_tma = DZ_STORE_TMA if dz_store_tma is None else dz_store_tma
@@ -344,11 +363,11 @@ class TritonBackend:
                 **({"ROW_TEMP": True} if row_temp else {}),
             )
             if request.need_hidden_grad and hidden_grad_c is None:
-                hidden_grad_c = mm_fp32(dz, weight[v0 : v0 + vc], "d_hidden")
+                hidden_grad_c = mm_fp32(dz, weight[v0 : v0 + vc])
             elif request.need_hidden_grad:
-                addmm_fp32(hidden_grad_c, dz, weight[v0 : v0 + vc], "d_hidden")
+                addmm_fp32(hidden_grad_c, dz, weight[v0 : v0 + vc])
             if weight_grad is not None:
-                addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), x_c, "d_weight")
+                addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), x_c)
         del workspace, x_c, dz, dz_desc, x_desc  # before the rows of d_hidden get a second buffer
         hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype) if hidden_grad_c is not None else None
         return hidden_grad, weight_grad
@@ -404,10 +423,10 @@ class TritonBackend:
         del tmax
         hidden_grad = None
         if request.need_hidden_grad:
-            hidden_grad_c = mm_fp32(buf, weight, "d_hidden")
+            hidden_grad_c = mm_fp32(buf, weight)
         if weight_grad is not None:
             x_c = gathered_rows(hidden, perm, count)
-            addmm_fp32(weight_grad, buf.t(), x_c, "d_weight")
+            addmm_fp32(weight_grad, buf.t(), x_c)
             del x_c
         del buf
         if request.need_hidden_grad:

@@ -2,11 +2,14 @@
 descriptors, and the fp32-output cuBLAS products that consume the kernels' ``dz`` tiles.
 
 Pure functions of their arguments; :mod:`mcore_ppo.backends.triton_backend` decides what to
-launch with them. Only :data:`ADDMM_PATH` is written (a record for the benchmark, never read here).
+launch with them. What cannot change within a process is asked once and cached: the device's
+capability and properties (per device index), whether this torch's cuBLAS products take
+``out_dtype`` (:func:`fp32_output_gemms`, a probe on tiny tensors), and ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -47,9 +50,29 @@ def budget_bytes(value: object, name: str) -> int:
     return value
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``; read once:
+    Triton itself decides when its kernels are first decorated)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    # torch.cuda.get_device_capability costs ~70 us of host time per call: asked once per device.
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _shared_memory_per_block(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    # Older torch lacks the field: Hopper and datacenter Blackwell (sm_90/sm_100) have 227 KiB.
+    return getattr(props, "shared_memory_per_block_optin", 227 * 1024 if props.major in (9, 10) else 99 * 1024)
+
+
+def _device_index(tensor: torch.Tensor) -> int:
+    index = tensor.device.index
+    return torch.cuda.current_device() if index is None else index
 
 
 @dataclass(frozen=True)
@@ -155,13 +178,9 @@ def kernel_flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
     }
 
 
-#: Which path :func:`addmm_fp32` took, per output (recorded by the benchmark).
-ADDMM_PATH: dict[str, str] = {}
-
-
 def tma_capable(tensor: torch.Tensor) -> bool:
     """The copy engine is there: Hopper or newer, or the interpreter (which emulates it)."""
-    return interpreting() or (tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9)
+    return interpreting() or (tensor.is_cuda and _capability(_device_index(tensor))[0] >= 9)
 
 
 def _tma_store_fits(tensor: torch.Tensor, config: GemmConfig) -> bool:
@@ -174,10 +193,7 @@ def _tma_store_fits(tensor: torch.Tensor, config: GemmConfig) -> bool:
         return True
     stage = (config.block_m + config.block_n) * config.block_k * tensor.element_size()
     staging = config.block_m * config.block_n * tensor.element_size()
-    props = torch.cuda.get_device_properties(tensor.device)
-    # Older torch lacks the field: Hopper and datacenter Blackwell (sm_90/sm_100) have 227 KiB.
-    available = getattr(props, "shared_memory_per_block_optin", 227 * 1024 if props.major in (9, 10) else 99 * 1024)
-    return 3 * stage + staging <= available
+    return 3 * stage + staging <= _shared_memory_per_block(_device_index(tensor))
 
 
 def with_tma_store(enabled: bool, tensor: torch.Tensor, config: GemmConfig) -> tuple[bool, GemmConfig]:
@@ -255,52 +271,84 @@ def scatter_rows(compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype
     return out
 
 
-def addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+@functools.cache
+def fp32_output_gemms(device_type: str = "cuda") -> tuple[bool, bool]:
+    """``(mm, addmm)``: whether ``torch.mm(a, b, out_dtype=float32)`` and ``torch.addmm(c, a, b,
+    out_dtype=float32, out=c)`` exist for bf16 operands on ``device_type`` (torch >= 2.8 on CUDA).
+
+    Decided once per process by a probe on 2 x 2 tensors, never by catching errors of the real
+    products: an error there (out of memory above all) propagates to the caller."""
+    if device_type != "cuda":
+        return False, False
+    return probe_out_dtype(device_type)
+
+
+def probe_out_dtype(device_type: str) -> tuple[bool, bool]:
+    """The probe of :func:`fp32_output_gemms` on ``device_type``, uncached."""
+    a = torch.zeros(2, 2, dtype=torch.bfloat16, device=device_type)
+    c = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
+    return _takes_out_dtype(lambda: torch.mm(a, a, out_dtype=torch.float32)), _takes_out_dtype(
+        lambda: torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    )
+
+
+def _takes_out_dtype(probe) -> bool:
+    try:
+        probe()
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError):  # no out_dtype overload in this torch
+        return False
+    return True
+
+
+def fp32_gemm_path(device_type: str = "cuda") -> dict[str, str]:
+    """How :func:`mm_fp32` and :func:`addmm_fp32` form their fp32 results of 16-bit operands on
+    ``device_type`` (for the benchmark's record); the same answer for every call."""
+    mm, addmm = fp32_output_gemms(device_type)
+    if device_type != "cuda":
+        return {"mm": "fp32 upcast + mm", "addmm": "fp32 upcast + mm + add"}
+    return {
+        "mm": "mm out_dtype=fp32" if mm else "zeros + " + ("addmm out_dtype=fp32" if addmm else "bf16 mm + add"),
+        "addmm": "addmm out_dtype=fp32, beta=1" if addmm else ("mm out_dtype=fp32 + add" if mm else "bf16 mm + add"),
+    }
+
+
+def addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out += a @ b`` with fp32 ``out`` and low-precision ``a``, ``b``.
 
     cuBLAS does it in one GEMM with fp32 output and ``beta = 1`` (``addmm(..., out_dtype=
-    float32)``, torch ≥ 2.8 on CUDA), so partial sums are never rounded to bf16; older torch
-    gets an fp32-output product added separately, or at worst a bf16 product.
+    float32)``, torch >= 2.8 on CUDA), so partial sums are never rounded to bf16; older torch
+    gets an fp32-output product added separately, or at worst a bf16 product
+    (:func:`fp32_output_gemms` decides which, once).
     """
     if a.dtype == out.dtype:
         out.addmm_(a, b)
-        ADDMM_PATH[what] = "addmm_ same dtype"
         return
     if not a.is_cuda:
         out.add_(torch.mm(a.float(), b.float()))
-        ADDMM_PATH[what] = "fp32 upcast (CPU)"
         return
-    try:
+    mm, addmm = fp32_output_gemms(a.device.type)
+    if addmm:
         torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-        ADDMM_PATH[what] = "addmm out_dtype=fp32, beta=1"
-        return
-    except (RuntimeError, TypeError):  # older torch: no out_dtype overload
-        pass
-    try:
+    elif mm:
         out.add_(torch.mm(a, b, out_dtype=torch.float32))
-        ADDMM_PATH[what] = "mm out_dtype=fp32 + add"
-    except (RuntimeError, TypeError):
+    else:
         out.add_(torch.mm(a, b))
-        ADDMM_PATH[what] = "bf16 mm + add"
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor, what: str) -> torch.Tensor:
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` as a new fp32 tensor from low-precision ``a``, ``b`` (fp32 accumulation).
 
-    On CUDA one GEMM with an fp32 output (``mm(..., out_dtype=float32)``, torch ≥ 2.8): unlike
+    On CUDA one GEMM with an fp32 output (``mm(..., out_dtype=float32)``, torch >= 2.8): unlike
     :func:`addmm_fp32` into a zeroed buffer, nothing is zero-filled first and the GEMM does not
-    read an accumulator (``n × h`` fp32 twice: ~0.1 ms at 16384 × 3584 on an H200). The same
+    read an accumulator (``n x h`` fp32 twice: ~0.1 ms at 16384 x 3584 on an H200). The same
     result to the bit: ``0 + x`` is ``x``. Elsewhere, or on an older torch, exactly that route.
     """
-    if a.is_cuda and a.dtype != torch.float32:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            ADDMM_PATH[what] = "mm out_dtype=fp32"
-            return out
-        except (RuntimeError, TypeError):  # older torch: no out_dtype overload
-            pass
+    if a.is_cuda and a.dtype != torch.float32 and fp32_output_gemms(a.device.type)[0]:
+        return torch.mm(a, b, out_dtype=torch.float32)
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-    addmm_fp32(out, a, b, what)
+    addmm_fp32(out, a, b)
     return out
 
 

@@ -171,3 +171,12 @@ def compare(
             track=track_grads,
             track_scale=None if track_scale is None else ref[name + "_terms"].max().item(),
         )
+
+
+def with_budget(backend: str, budget: int | None):
+    """``backend``, or a ``TritonBackend`` with that probability-buffer budget when one is given."""
+    if budget is None:
+        return backend
+    from mcore_ppo.backends import TritonBackend
+
+    return TritonBackend(buffer_budget_bytes=budget)

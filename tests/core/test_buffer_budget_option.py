@@ -1,12 +1,13 @@
-"""``buffer_budget_bytes``: the user option of issue 6's probability buffer, from each entry point to the backend.
+"""``buffer_budget_bytes``: the triton backend's probability-buffer budget, a setting of the backend.
 
-Validation: every entry point (API, verl entry, head constructor and forward, ``install_fused_head``)
-rejects a wrong type (``TypeError``) or a negative budget (``ValueError``) naming the argument,
-before any compute. Plumbing: with ``backend="triton"`` (the kernels run in Triton's CPU
-interpreter, ``tests/conftest.py``) the budget given reaches the ``TritonBackend`` and decides
-whether the forward keeps the buffer and the backward uses it (spied on the backend); the
-outputs and both gradients match the fp64 reference either way. The environment variable is set
-to the opposite of the argument to show that the argument wins over it, and None falls back to it.
+Validation: ``TritonBackend(buffer_budget_bytes=...)`` rejects a wrong type (``TypeError``) or a
+negative budget (``ValueError``) naming the argument; no entry point takes the knob. Plumbing:
+a ``TritonBackend`` passed as ``backend`` to each entry point (the kernels run in Triton's CPU
+interpreter, ``tests/conftest.py``) decides with its budget whether the forward keeps the
+buffer and the backward uses it (spied on the backend); the outputs and both gradients match
+the fp64 reference either way. The environment variable is set to the opposite of the
+backend's budget to show that it does not reach a backend the caller built; it is the default
+of the backend that ``backend="triton"`` resolves to, read once when that is built.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 
 import mcore_ppo
 from mcore_ppo import VocabParallelFusedPPOHead
-from mcore_ppo.backends import TorchBackend, resolve_backend, torch_backend
+from mcore_ppo.backends import TorchBackend, clear_backend_cache, resolve_backend, torch_backend
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 from mcore_ppo.model import install_fused_head
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 if not triton_backend.is_available():  # pragma: no cover - triton installed but neither CUDA nor the interpreter
     pytest.skip("the triton backend cannot run here", allow_module_level=True)
+TritonBackend = triton_backend.TritonBackend
 
 ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
 BIG = 1 << 30
@@ -102,8 +104,8 @@ def make_head(**kwargs) -> VocabParallelFusedPPOHead:
 
 # --- validation ----------------------------------------------------------------------------------
 
-BAD_TYPES = ["1024", 1024.0, True, torch.tensor(1024)]
-BAD_TYPE_IDS = ["str", "float", "bool", "tensor"]
+BAD_TYPES = [1024.0, True, torch.tensor(1024)]
+BAD_TYPE_IDS = ["float", "bool", "tensor"]
 
 
 def _small():
@@ -115,49 +117,46 @@ def _small():
     )
 
 
-@pytest.mark.parametrize("entry", ["api", "verl"])
-@pytest.mark.parametrize("value", BAD_TYPES, ids=BAD_TYPE_IDS)
-def test_functional_entries_reject_bad_type(entry, value, no_compute):
+@pytest.mark.parametrize("value", [*BAD_TYPES, -5, "-5", "1 parsec"], ids=[*BAD_TYPE_IDS, "negative", "text-", "unit"])
+def test_backend_rejects_bad_budgets(value):
+    error = TypeError if not isinstance(value, (int, str)) or isinstance(value, bool) else ValueError
+    with pytest.raises(error, match=r"^buffer_budget_bytes must be"):
+        TritonBackend(buffer_budget_bytes=value)
+
+
+@pytest.mark.parametrize("entry", ["api", "verl", "head", "install"])
+def test_the_knob_is_the_backends_not_the_entry_points(entry, no_compute):
+    """``buffer_budget_bytes`` is a setting of the triton backend: no entry point takes it."""
     hidden, weight, labels = _small()
-    fn = mcore_ppo.fused_log_probs_and_entropy if entry == "api" else linear_cross_entropy
-    with pytest.raises(TypeError, match=r"buffer_budget_bytes must be an int \(bytes\) or None, got"):
-        fn(hidden, weight, labels, backend="triton", buffer_budget_bytes=value)
+    call = {
+        "api": lambda: mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, buffer_budget_bytes=0),
+        "verl": lambda: linear_cross_entropy(hidden, weight, labels, buffer_budget_bytes=0),
+        "head": lambda: make_head(buffer_budget_bytes=0),
+        "install": lambda: install_fused_head(torch.nn.Linear(2, 2), buffer_budget_bytes=0),
+    }[entry]
+    with pytest.raises(TypeError, match="buffer_budget_bytes"):
+        call()
 
 
-@pytest.mark.parametrize("entry", ["api", "verl"])
-@pytest.mark.parametrize("value", [-1, -(1 << 40)])
-def test_functional_entries_reject_negative(entry, value, no_compute):
-    hidden, weight, labels = _small()
-    fn = mcore_ppo.fused_log_probs_and_entropy if entry == "api" else linear_cross_entropy
-    with pytest.raises(ValueError, match=rf"buffer_budget_bytes must be >= 0 \(0 = off\) or None, got {value}"):
-        fn(hidden, weight, labels, backend="torch", buffer_budget_bytes=value)
-
-
-@pytest.mark.parametrize("value", [*BAD_TYPES, -5], ids=[*BAD_TYPE_IDS, "negative"])
-def test_head_and_install_reject_bad_values(value, no_compute):
-    error = ValueError if value == -5 else TypeError
-    with pytest.raises(error, match=r"buffer_budget_bytes must be"):
-        make_head(buffer_budget_bytes=value)
-    # install_fused_head checks its options before it looks at the model.
-    with pytest.raises(error, match=r"buffer_budget_bytes must be"):
-        install_fused_head(torch.nn.Linear(2, 2), buffer_budget_bytes=value)
-    # The head's attribute may be changed between calls: the forward validates it.
-    head = make_head()
-    head.buffer_budget_bytes = value
-    hidden = torch.randn(5, 16, generator=generator(next_seed()))
-    with pytest.raises(error, match=r"buffer_budget_bytes must be"):
-        head(hidden, torch.zeros(5, dtype=torch.long))
-
-
-def test_resolve_backend_passes_the_budget_to_triton_only(monkeypatch):
+def test_resolved_triton_backend_reads_the_environment_once(monkeypatch):
+    """By name: one backend per (name, device type), its budget from the environment when it was
+    built; a TritonBackend built by the caller ignores the environment."""
     monkeypatch.setenv(ENV, "4096")
-    assert resolve_backend("triton", DEVICE, buffer_budget_bytes=123).buffer_budget_bytes == 123
-    assert resolve_backend("triton", DEVICE, buffer_budget_bytes=0).buffer_budget_bytes == 0
-    assert resolve_backend("triton", DEVICE).buffer_budget_bytes == 4096  # None: the environment
+    clear_backend_cache()
+    first = resolve_backend("triton", DEVICE)
+    assert first.buffer_budget_bytes == 4096
+    monkeypatch.setenv(ENV, "1KiB")
+    assert resolve_backend("triton", DEVICE) is first and first.buffer_budget_bytes == 4096
+    assert TritonBackend().buffer_budget_bytes == triton_backend.BUFFER_BUDGET_BYTES
+    clear_backend_cache()
+    assert resolve_backend("triton", DEVICE).buffer_budget_bytes == 1024
     monkeypatch.delenv(ENV)
-    default = triton_backend.BUFFER_BUDGET_BYTES
-    assert resolve_backend("triton", DEVICE, buffer_budget_bytes=None).buffer_budget_bytes == default
-    assert isinstance(resolve_backend("torch", DEVICE, buffer_budget_bytes=123), TorchBackend)
+    clear_backend_cache()
+    assert resolve_backend("triton", DEVICE).buffer_budget_bytes == triton_backend.BUFFER_BUDGET_BYTES
+    assert isinstance(resolve_backend("torch", DEVICE), TorchBackend)
+    assert resolve_backend("torch", DEVICE) is resolve_backend("torch", DEVICE)
+    own = TritonBackend(buffer_budget_bytes=7)
+    assert resolve_backend(own, DEVICE) is own
 
 
 # --- the option reaches the triton backend ---------------------------------------------------------
@@ -165,31 +164,31 @@ def test_resolve_backend_passes_the_budget_to_triton_only(monkeypatch):
 
 @pytest.mark.parametrize(
     ("budget", "env", "kept"),
-    [(BIG, "0", True), (0, str(BIG), False), (None, str(BIG), True), (1, str(BIG), False)],
-    ids=["big-over-env-0", "zero-over-env-big", "none-uses-env", "too-small-recomputes"],
+    [(BIG, "0", True), (0, str(BIG), False), (None, "0", True), ("env", str(BIG), True), (1, str(BIG), False)],
+    ids=["big-over-env-0", "zero-over-env-big", "none-module-default", "by-name-uses-env", "too-small-recomputes"],
 )
 def test_api_budget_decides_the_buffer(budget, env, kept, monkeypatch, spy):
     monkeypatch.setenv(ENV, env)
     hidden, weight, labels, g, e = make_case(29, 24, 130, next_seed())
     x = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    logp, ent = mcore_ppo.fused_log_probs_and_entropy(
-        x, w, labels, temperature=0.7, backend="triton", buffer_budget_bytes=budget
-    )
+    backend = "triton" if budget == "env" else TritonBackend(buffer_budget_bytes=budget)
+    logp, ent = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=backend)
     backward(logp, ent, g, e)
-    assert spy["forward"] == [(BIG if budget is None else budget, kept)]
+    expected = {None: triton_backend.BUFFER_BUDGET_BYTES, "env": int(env)}.get(budget, budget)
+    assert spy["forward"] == [(expected, kept)]
     assert spy["buffer_backward"] == ([1] if kept else [])
     check_outputs(hidden, weight, labels, 0.7, g, e, logp, ent, x.grad, w.grad)
 
 
-def test_head_budget_used_on_every_forward(monkeypatch, spy):
-    """The head's attribute reaches the backend on each call; changing it changes the next call."""
+def test_head_backend_used_on_every_forward(monkeypatch, spy):
+    """The head's backend object reaches every call; setting another changes the next call."""
     monkeypatch.delenv(ENV, raising=False)
-    head = make_head(backend="triton", temperature=0.9, buffer_budget_bytes=BIG)
-    assert head.buffer_budget_bytes == BIG
+    head = make_head(backend=TritonBackend(buffer_budget_bytes=BIG), temperature=0.9)
+    assert head.backend.buffer_budget_bytes == BIG
     gen = generator(next_seed())
     for budget, kept in ((BIG, True), (0, False)):
-        head.buffer_budget_bytes = budget
+        head.backend = TritonBackend(buffer_budget_bytes=budget)
         hidden = torch.randn(7, 3, 16, generator=gen).to(DEVICE)
         labels = torch.randint(0, 37, (3, 7), generator=gen).to(DEVICE)
         labels[0, :2] = IGNORE_INDEX
@@ -204,17 +203,16 @@ def test_head_budget_used_on_every_forward(monkeypatch, spy):
 
 
 def test_verl_entry_budget_and_no_grad(monkeypatch, spy):
-    """verl's entry passes the budget on, and (as the API) keeps no buffer when no backward will run."""
+    """verl's entry takes the backend object, and (as the API) keeps no buffer when no backward will run."""
     monkeypatch.setenv(ENV, "0")
     hidden, weight, labels, g, e = make_case(21, 16, 75, next_seed())
+    backend = TritonBackend(buffer_budget_bytes=BIG)
     with torch.no_grad():
-        linear_cross_entropy(
-            hidden.clone().requires_grad_(True), weight, labels, backend="triton", buffer_budget_bytes=BIG
-        )
+        linear_cross_entropy(hidden.clone().requires_grad_(True), weight, labels, backend=backend)
     assert spy["forward"] == [(BIG, False)]
     x = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    logp, ent = linear_cross_entropy(x, w, labels, 0.8, backend="triton", buffer_budget_bytes=BIG)
+    logp, ent = linear_cross_entropy(x, w, labels, 0.8, backend=backend)
     backward(logp, ent, g, e)
     assert spy["forward"][-1] == (BIG, True) and spy["buffer_backward"] == [1]
     # One rank: verl's partial d_hidden is the whole gradient.

@@ -33,7 +33,7 @@ import os
 
 import pytest
 import torch
-from head_checks import TRITON_ON_CPU
+from head_checks import TRITON_ON_CPU, with_budget
 
 import mcore_ppo
 from mcore_ppo.validation import MIN_TEMPERATURE
@@ -110,8 +110,7 @@ def check_against_reference(case: dict, backend: str) -> None:
         labels,
         temperature=temperature,
         ignore_index=ignore_index,
-        backend=backend,
-        buffer_budget_bytes=case["buffer_budget_bytes"],
+        backend=with_budget(backend, case["buffer_budget_bytes"]),
     )
     objective = sum((out * up.to(out.dtype)).sum() for out, up in ((log_prob, g), (entropy, e)) if up is not None)
     objective.backward()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from head_checks import TRITON_ON_CPU, plain_case
+from head_checks import TRITON_ON_CPU, plain_case, with_budget
 from torch.utils.checkpoint import checkpoint
 
 import mcore_ppo
@@ -35,7 +35,7 @@ def forward_backward(hidden, weight, labels, g, e, backend, budget, wrap=None):
 
     def head(x, w):
         return mcore_ppo.fused_log_probs_and_entropy(
-            x, w, labels, temperature=0.8, backend=backend, buffer_budget_bytes=budget
+            x, w, labels, temperature=0.8, backend=with_budget(backend, budget)
         )
 
     log_prob, entropy = (wrap or (lambda f, *a: f(*a)))(head, x, w)
@@ -91,7 +91,7 @@ def test_expanded_zero_stride_inputs(backend, budget, which):
 @pytest.mark.parametrize(("backend", "budget"), PATHS)
 def test_inference_mode_equals_no_grad(backend, budget):
     hidden, weight, labels, _, _ = plain_case()
-    kwargs = {"backend": backend, "buffer_budget_bytes": budget}
+    kwargs = {"backend": with_budget(backend, budget)}
     with torch.no_grad():
         expected = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, **kwargs)
     with torch.inference_mode():
@@ -129,9 +129,7 @@ def test_deterministic_algorithms(backend, budget):
 def test_second_backward_with_retain_graph(backend, budget):
     hidden, weight, labels, g, e = plain_case()
     x = hidden.clone().requires_grad_(True)
-    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
-        x, weight, labels, backend=backend, buffer_budget_bytes=budget
-    )
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(x, weight, labels, backend=with_budget(backend, budget))
     loss = (log_prob * g).sum() + (entropy * e).sum()
     loss.backward(retain_graph=True)
     first = x.grad.clone()

@@ -21,6 +21,7 @@ from mcore_ppo import (
     install_fused_head,
 )
 from mcore_ppo import model as model_module
+from mcore_ppo.pipeline import HeadOptions
 from mcore_ppo_testing import cpu_shims, install_cpu_shims, shims_installed, uninstall_cpu_shims
 from mcore_ppo_testing.gpt_reference import (
     logits_log_probs_and_entropy,
@@ -112,11 +113,13 @@ def test_install_tied_allocates_no_weight():
 
 def test_install_is_idempotent_and_updates_options():
     model = _model()
-    head = install_fused_head(model, temperature=1.0, backend="torch", buffer_budget_bytes=4096)
-    assert head.buffer_budget_bytes == 4096
-    again = install_fused_head(model, temperature=0.5, backend="auto", ignore_index=-1, buffer_budget_bytes=0)
+    head = install_fused_head(model, temperature=1.0, backend="torch", validate=False)
+    assert (head.backend, head.validate) == ("torch", False)
+    again = install_fused_head(model, temperature=0.5, backend="auto", ignore_index=-1, return_entropy=False)
     assert again is head
-    assert (head.temperature, head.backend, head.ignore_index, head.buffer_budget_bytes) == (0.5, "auto", -1, 0)
+    assert (head.temperature, head.backend, head.ignore_index) == (0.5, "auto", -1)
+    assert (head.return_entropy, head.validate) == (False, True)
+    assert head.options == HeadOptions(temperature=0.5, backend="auto", ignore_index=-1, return_entropy=False)
 
 
 def test_install_rejects_foreign_output_layer_and_bad_options():

@@ -60,7 +60,6 @@ def from_parallel_hidden_states_to_logprobs(
     sequence_parallel: bool | None = None,
     return_entropy: bool = False,
     backend: str | Backend = "auto",
-    buffer_budget_bytes: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs ``[b, s - 1]`` of ``softmax(hidden @ W.T / T)`` (and entropy) from hidden states.
 
@@ -89,7 +88,7 @@ def from_parallel_hidden_states_to_logprobs(
         sequence_parallel: the hidden states are sequence-sharded over TP; None means TP > 1,
             as NeMo-RL's fused path assumes.
         return_entropy: also return the entropy, shaped like the log-probs.
-        backend, buffer_budget_bytes: the head's options (:class:`mcore_ppo.pipeline.HeadOptions`).
+        backend: the head's option (:class:`mcore_ppo.pipeline.HeadOptions`; a backend object carries its settings).
 
     Returns:
         fp32 (fp64 for fp64 inputs) log-probs ``[b, s - 1]`` (packed: ``[batch, unpacked_seqlen - 1]``, zero past each
@@ -139,7 +138,7 @@ def from_parallel_hidden_states_to_logprobs(
         )
         labels = split_for_cp(labels, cp_size, group_rank(cp_group), seq_dim=1)
     # Without return_entropy the head skips the entropy's sums, its TP combine and backward term.
-    options = HeadOptions(temperature, _IGNORE, backend, buffer_budget_bytes, return_entropy=return_entropy)
+    options = HeadOptions(temperature=temperature, ignore_index=_IGNORE, backend=backend, return_entropy=return_entropy)
     with torch.no_grad() if inference_only else torch.enable_grad():
         outputs = run_head(hidden, weight, labels, options, tp_group=tp_group, sequence_parallel=sequence_parallel)
     results = []

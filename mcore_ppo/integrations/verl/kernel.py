@@ -49,9 +49,9 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     backend: str | Backend = "auto",
-    buffer_budget_bytes: int | None = None,
     reduce_hidden_grad: bool = False,
     return_entropy: bool = True,
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """verl's ``linear_cross_entropy``: per-token log-probs and entropy of ``softmax(hidden @ W.T / T)``.
 
@@ -68,15 +68,16 @@ def linear_cross_entropy(
         dist_process_group: the TP group; None for one rank.
         ignore_index: label value of tokens to skip (keyword-only; not in verl).
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"liger"`` or a backend object
-            (keyword-only). ``"liger"`` runs at TP 1 only here: Liger's TP variant reduces
-            ``d_hidden`` itself, which verl's contract leaves to the caller.
-        buffer_budget_bytes: the ``triton`` backend's probability buffer (keyword-only; not in
-            verl); see :class:`mcore_ppo.pipeline.HeadOptions`.
+            (keyword-only; ``TritonBackend(buffer_budget_bytes=...)`` sizes the triton
+            backend's probability buffer). ``"liger"`` runs at TP 1 only here: Liger's TP
+            variant reduces ``d_hidden`` itself, which verl's contract leaves to the caller.
         reduce_hidden_grad: keyword-only, not in verl: True sums ``d_hidden`` over TP here
             (for callers that, unlike verl's contract, reduce nothing themselves: the verl
             plugin without sequence parallelism, :mod:`mcore_ppo.integrations.verl`).
         return_entropy: keyword-only, not in verl: False skips the entropy work and returns
             ``(log_probs, None)``.
+        validate: keyword-only, not in verl: check label range and temperature values (one
+            host sync on CUDA); None: the default (:class:`mcore_ppo.pipeline.HeadOptions`).
 
     Returns:
         ``(log_probs, entropy)``, fp32: ``[N]`` and ``[N]``, or a 0-d ``log_probs`` for
@@ -93,7 +94,13 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
     default = 1.0 if row_temperature is not None else temperature
-    options = HeadOptions(default, ignore_index, backend, buffer_budget_bytes, return_entropy)
+    options = HeadOptions(
+        temperature=default,
+        ignore_index=ignore_index,
+        backend=backend,
+        return_entropy=return_entropy,
+        validate=validation.VALIDATE_DEFAULT if validate is None else validate,
+    )
     validation.check_process_group(dist_process_group, "dist_process_group")
     # By default no TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
     log_probs, entropy = run_head(
