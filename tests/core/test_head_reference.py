@@ -19,17 +19,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _report_errors(request):
-    """After this module: print the largest relative error seen per output and dtype."""
+def _report_errors(summary_section):
+    """After this module: the largest relative error seen per output and dtype, in the run's
+    summary (tests/conftest.py), not among the progress dots."""
     yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        return
-    with capture.global_and_fixture_disabled():  # print past pytest's output capture, as live logs do
-        reporter.write_line("")
-        for line in error_table().splitlines():
-            reporter.write_line(line)
+    summary_section("head vs the float64 reference: largest relative error", error_table().splitlines())
 
 
 # (token_chunk, vocab_chunk, vocab): chunks that do not divide the token count or the vocab.

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # bash + a Python start-up per case; torchrun runs for the demo's
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch.sh"
 CONFIG = ROOT / "configs" / "ppo_demo.yaml"
@@ -31,7 +33,6 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.slow
 def test_main_command_passes_with_parity_lines():
     """Default layout (TP 2 + SP, CP 2 inside the model, 4 ranks), 2 steps to keep CI short."""
     proc = _run("--steps", "2")
@@ -59,7 +60,6 @@ def test_main_command_passes_with_parity_lines():
     assert "CP2 (in the model) == cp1" in last and "TP2+SP" in last, last
 
 
-@pytest.mark.slow
 def test_parity_failure_exits_nonzero(tmp_path):
     """One rank, TP 1: with a zero tolerance the parity check must fail, say so, and exit 1."""
     cfg = yaml.safe_load(CONFIG.read_text())
@@ -127,7 +127,6 @@ def test_launch_rejects_a_bad_config_before_torchrun(tmp_path, section, key, val
     assert f"{section}.{key}" in _refused("--config", str(path))
 
 
-@pytest.mark.slow
 def test_fewer_gpus_than_ranks_runs_on_the_cpus(tmp_path):
     """A machine showing 1 GPU for the 4-rank demo: launch.sh says so and runs it on the CPUs
     (gloo) instead of failing on a missing device. The GPU count is faked by a ``python`` shim

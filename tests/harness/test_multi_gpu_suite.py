@@ -14,6 +14,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # bash, torchrun and benchmark start-ups
+
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "scripts" / "multi_gpu_suite.sh"
 
@@ -28,7 +32,7 @@ def _suite(tmp_path: Path, *steps: str, **env: str) -> subprocess.CompletedProce
         **env,
     )
     return subprocess.run(
-        ["bash", str(SUITE), *steps], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300
+        ["bash", str(SUITE), *steps], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=900
     )
 
 
