@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 
 
@@ -40,3 +41,14 @@ def merge_errors(reports: list[Mapping[str, Mapping[str, float]]]) -> dict[str, 
             for output, err in outputs.items():
                 into[output] = max(into.get(output, 0.0), err)
     return merged
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The benchmark scripts' ``--help``: every option's default shown, except where there is
+    none to show (None, a flag's False, an empty list) or the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.default in (None, False, []) or "default:" in help_text or "%(default)" in help_text:
+            return help_text
+        return super()._get_help_string(action)

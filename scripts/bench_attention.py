@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_ppo_testing.attention import _plan, _segments_sdpa, _segments_varlen
+from mcore_ppo_testing.reports import DefaultsHelpFormatter
 
 
 def _lengths(gen: torch.Generator, args: argparse.Namespace) -> tuple[int, ...]:
@@ -73,14 +74,23 @@ def _call(method: str, bounds: tuple[int, ...], args: argparse.Namespace) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=16)
-    parser.add_argument("--len", type=int, nargs=2, default=(384, 1536))
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=16, help="sequences per packed batch")
+    parser.add_argument(
+        "--len",
+        type=int,
+        nargs=2,
+        default=(384, 1536),
+        metavar=("MIN", "MAX"),
+        help="sequence lengths drawn from [MIN, MAX]",
+    )
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--dim", type=int, default=128, help="head dimension")
+    parser.add_argument("--repeats", type=int, default=5, help="timed batches per path and shape set")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the lengths and data")
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT"), help="folder for the JSON report (default: $OUT, else none)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention: needs CUDA", file=sys.stderr)

@@ -50,6 +50,7 @@ from mcore_ppo_testing.bench import (
     print_table,
     rel_err,
 )
+from mcore_ppo_testing.reports import DefaultsHelpFormatter
 
 
 def measure_floor(inputs: HeadInputs, timer: Timer) -> dict:
@@ -322,31 +323,35 @@ def measure_config(entry: dict, impls: dict, inputs: HeadInputs, args, timer: Ti
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="qwen7b,llama3-8b")
-    parser.add_argument("--tp", default="1,2,4,8")
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--shapes", default="qwen7b,llama3-8b", help=f"comma list of model shapes: {', '.join(SHAPES)}")
+    parser.add_argument("--tp", default="1,2,4,8", help="comma list of TP sizes (vocab shards)")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per call")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     parser.add_argument("--impls", default="all", help="comma list of implementation names, or all")
     parser.add_argument("--compile-tp", default="1", help="TP sizes where torch.compile runs (it recompiles per shape)")
     parser.add_argument("--torch-backend-tp", default="1,8", help="TP sizes where the slow fp32 torch backend runs")
     parser.add_argument(
         "--liger-scaled-tp", default="1,2,4,8", help="TP sizes where Liger's scaled CE runs (CuTe JIT per shape)"
     )
-    parser.add_argument("--ignored-fraction", type=float, default=0.0)
+    parser.add_argument("--ignored-fraction", type=float, default=0.0, help="fraction of tokens with an ignored label")
     parser.add_argument(
         "--host-latency",
         choices=["hidden", "exposed"],
         default="hidden",
         help="hidden: GPU time, the host's work queued behind a spin as inside a model step; exposed: from an idle GPU",
     )
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="timed calls per implementation and shape")
     parser.add_argument("--tune", action="store_true", help="pick the Triton tile configs by timing first")
-    parser.add_argument("--out", default="docs/benchmarks")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="docs/benchmarks", help="folder for the JSON / PNG files")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     parser.add_argument("--name", default="bench_head", help="stem of the JSON / PNG files")
     parser.add_argument("--merge", nargs="+", help="merge these JSON reports into <out>/<name>.json + plot, no GPU")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s and s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape {unknown[0]!r} in --shapes (known: {', '.join(SHAPES)})")
+    return args
 
 
 def main(argv=None) -> int:

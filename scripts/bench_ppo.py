@@ -33,6 +33,7 @@ import torch.distributed as dist
 # installed with the wheel, it is imported from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mcore_ppo_testing.reports import DefaultsHelpFormatter
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 # GPU defaults: Qwen3-1.7B-like shape (learned positions, LayerNorm, GeLU MLP of Megatron's local
@@ -71,9 +72,15 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _default(key: str) -> str:
+    gpu, cpu = _GPU_DEFAULTS[key], _CPU_DEFAULTS[key]
+    show = lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return f" (default: {show(gpu)} on a GPU, {show(cpu)} on the CPU)"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line; unset sizes take the GPU or CPU defaults."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--tp", type=int, help="tensor-parallel size (default: world / cp)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (inside the model)")
     parser.add_argument(
@@ -82,25 +89,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sp", dest="sp", action="store_true", default=None, help="sequence parallelism (default: on when tp > 1)"
     )
-    parser.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--hidden", type=int)
-    parser.add_argument("--heads", type=int)
-    parser.add_argument("--ffn", type=int, help="MLP hidden size")
-    parser.add_argument("--vocab", type=int, help="vocab size (padded up to a multiple of tp)")
-    parser.add_argument("--micro-batch-tokens", type=int, help="packed (padded) tokens per micro-batch, at most")
-    parser.add_argument("--num-seqs", type=int, help="sequences per rollout")
-    parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
-    parser.add_argument("--response-len", type=int, nargs=2, metavar=("MIN", "MAX"))
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype")
-    parser.add_argument("--rollouts", type=int, help="rollouts warmed and timed per variant (one PPO step each)")
+    parser.add_argument(
+        "--no-sp", dest="sp", action="store_false", help="sequence parallelism off (default: on when tp > 1)"
+    )
+    parser.add_argument("--layers", type=int, help="decoder layers" + _default("layers"))
+    parser.add_argument("--hidden", type=int, help="hidden size" + _default("hidden"))
+    parser.add_argument("--heads", type=int, help="attention heads" + _default("heads"))
+    parser.add_argument("--ffn", type=int, help="MLP hidden size" + _default("ffn"))
+    parser.add_argument("--vocab", type=int, help="vocab size (padded up to a multiple of tp)" + _default("vocab"))
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        help="packed (padded) tokens per micro-batch, at most" + _default("micro_batch_tokens"),
+    )
+    parser.add_argument("--num-seqs", type=int, help="sequences per rollout" + _default("num_seqs"))
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="prompt lengths" + _default("prompt_len")
+    )
+    parser.add_argument(
+        "--response-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="response lengths" + _default("response_len")
+    )
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype" + _default("dtype"))
+    parser.add_argument(
+        "--rollouts", type=int, help="rollouts warmed and timed per variant (one PPO step each)" + _default("rollouts")
+    )
     parser.add_argument("--new-shape-rollouts", type=int, default=1, help="fresh-length rollouts per variant")
     parser.add_argument("--ppo-epochs", type=int, default=2, help="policy updates per rollout")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument(
         "--entropy-coeff", type=float, default=1e-3, help="entropy bonus (both variants differentiate it)"
     )
-    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
     parser.add_argument("--backend", default="auto", help="fused head backend")
     parser.add_argument("--attention", choices=["reference", "sdpa"], default="sdpa", help="core attention without TE")
     parser.add_argument("--variants", default="fused,logits", help="comma-separated (timed A B B A)")
@@ -108,10 +127,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--long-context", type=_int_list, default=[], help="sequence lengths, one sequence per micro-batch"
     )
     parser.add_argument("--max-micro-batch", type=_int_list, default=[], help="micro-batch sizes to try (one rank)")
-    parser.add_argument("--probe-seq-len", type=int, help="sequence length filling the --max-micro-batch micro-batches")
+    parser.add_argument(
+        "--probe-seq-len",
+        type=int,
+        help="sequence length filling the --max-micro-batch micro-batches" + _default("probe_seq_len"),
+    )
     parser.add_argument("--skip-timing", action="store_true", help="only the memory measurements asked for")
     parser.add_argument("--profile", action="store_true", help="GPU kernel time of one step per variant, by category")
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the model and rollouts")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON (default: $OUT, else none)")
     args = parser.parse_args(argv)
     defaults = _GPU_DEFAULTS if torch.cuda.is_available() else _CPU_DEFAULTS

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_ppo import fused_log_probs_and_entropy
 from mcore_ppo_testing.bench import time_ms
+from mcore_ppo_testing.reports import DefaultsHelpFormatter
 
 
 def head_timings(hidden, weight, labels, group, repeats):
@@ -53,12 +54,12 @@ def head_timings(hidden, weight, labels, group, repeats):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=3584)
-    parser.add_argument("--vocab", type=int, default=152064)
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=3584, help="hidden size")
+    parser.add_argument("--vocab", type=int, default=152064, help="vocab size (split over the ranks)")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per call")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON report ($OUT if set)")
     args = parser.parse_args()
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

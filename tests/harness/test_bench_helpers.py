@@ -43,3 +43,18 @@ def test_build_impls_configures_our_backends_by_object():
     assert impls["ours_triton"][2]["forward_config"]["group_m"] == 8
     assert list(impls)[:4] == ["ours_triton", "ours_triton_recompute", "ours_triton_buffer", "ours_torch"]
     assert bench.Timer(reps=3).flipped() == bench.Timer(reps=3, hide_host_latency=False)
+
+
+def test_bench_head_refuses_an_unknown_shape_by_name(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_head.py"
+    spec = importlib.util.spec_from_file_location("bench_head_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.parse_args(["--shapes", "qwen7b"]).shapes == "qwen7b"
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(["--shapes", "qwen7b,qwen99"])
+    assert exit_info.value.code == 2
+    assert f"unknown shape 'qwen99' in --shapes (known: {', '.join(bench.SHAPES)})" in capsys.readouterr().err
