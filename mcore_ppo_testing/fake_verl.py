@@ -15,7 +15,10 @@ small tree instead. It keeps what the plugin depends on, read from verl-project/
   ``linear_cross_entropy`` at import time (``from verl.utils.kernel.linear_cross_entropy import
   linear_cross_entropy``) and call it after Megatron's SP all-gather when
   ``config.sequence_parallel``, with the TP group from ``parallel_state``, as verl's
-  ``fused_output_processor``, ``_fused_GPTModel_forward`` and the 1F1B ``_postprocess`` do.
+  ``fused_output_processor``, ``_fused_GPTModel_forward`` and the 1F1B ``_postprocess`` do;
+  ``fused_forward_model_engine`` keeps only the arguments the plugin reads
+  (``temperature``, ``calculate_entropy``). verl's engine module itself is not stood in for:
+  ``tests/integrations/test_verl_live.py`` runs the real one.
 - a ``*.dist-info`` declaring the entry points given, so ``importlib.metadata`` finds them
   when the tree's root is on ``sys.path``.
 """
@@ -101,6 +104,27 @@ def fused_output_processor(*, hidden_states, output_layer, output_weight, labels
     output.entropy = entropy
     output.log_probs = logprobs
     return output
+
+
+def _fused_GPTModel_forward(model, hidden_states, labels, temperature=1.0):
+    # verl's patched GPTModel.forward, after the decoder: the same call with the model's config.
+    if model.config.sequence_parallel:
+        hidden_states = gather_from_sequence_parallel_region(hidden_states)
+    logprobs, entropy = linear_cross_entropy(
+        hidden_states, model.output_layer.weight, labels, temperature, "none",
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+    return CausalLMOutputForPPO(log_probs=logprobs, entropy=entropy)
+
+
+def fused_forward_model_engine(vision_model=False):
+    # verl's engine entry, reduced to its arguments the plugin reads; the model here is a stand-in
+    # whose forward is _fused_GPTModel_forward (verl binds it so in patch_fused_forward).
+    def fused_forward_model_engine_inner(model, hidden_states, labels, temperature, calculate_entropy):
+        output = model.forward(hidden_states, labels, temperature=temperature)
+        return {"log_probs": output.log_probs} | ({"entropy": output.entropy} if calculate_entropy else {})
+
+    return fused_forward_model_engine_inner
 """,
     "verl/models/mcore/model_forward_1f1b_overlap.py": """
 from megatron.core import parallel_state

@@ -1,34 +1,130 @@
-"""The verl plugin's ``linear_cross_entropy`` under TP: ``d_hidden`` comes out complete in both of
-verl's call patterns (its ``fused_output_processor``, ``_fused_GPTModel_forward`` and 1F1B
-``_postprocess`` all do the same):
+"""verl's live Megatron path under TP (SP on and off) and CP, with the plugin: ``d_hidden`` complete.
 
-- SP on: verl gathers the hidden states with Megatron's ``gather_from_sequence_parallel_region``
-  and calls the kernel; the gather's backward reduce-scatters, so the kernel must return the
-  partial (as verl's does) and each rank's sequence shard gets the full gradient;
-- SP off: verl calls the kernel on the replicated hidden states and nothing sums the partials
-  (verl's own kernel leaves them incomplete): the plugin all-reduces, every rank gets the full
-  gradient.
+verl's engine (``MegatronEngineWithLMHead.forward_step``, run here as verl runs it by
+``mcore_ppo_testing.verl_engine``) with ``use_fused_kernels`` packs the batch (THD), rolls and
+CP-splits the labels itself, and calls ``linear_cross_entropy(hidden, weight_shard, labels, T,
+"none", tp_group)``; with SP it first gathers the hidden states with Megatron's
+``gather_from_sequence_parallel_region`` (whose backward reduce-scatters, i.e. sums ``d_hidden``
+over TP), without SP nothing in verl sums the vocab shards' partial ``d_hidden``. The plugin reads
+``config.sequence_parallel`` at verl's call site and reduces only in the second case. A doubled
+reduction (SP on) or a dropped one (SP off) changes every gradient below the head by a factor,
+so each layout's fused run is compared with verl's non-fused path (full vocab-parallel logits,
+Megatron's own output layer and its reductions) on the same model and batch: log-probs,
+entropy and every parameter's gradient, with per-sample temperatures (spread over the tokens
+and CP-split by the plugin as verl's non-fused path does).
+
+Layouts on the 4-rank world: TP 2 (SP off, on; the other two ranks a second data-parallel
+replica) and TP 2 x CP 2 (SP off, on).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+from collections.abc import Iterator
 
+import pytest
 import torch
-from conftest import DEVICE, fitting, shared_seed, tp_cp_groups
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from conftest import DEVICE, fitting, megatron_timeout_minutes, shared_seed, tp_cp_groups
+from megatron.core import parallel_state
 
-from mcore_ppo.integrations.verl import linear_cross_entropy
-from mcore_ppo_testing.cpu_shims import cpu_shims
-from mcore_ppo_testing.reference import outputs_from_logits
+from mcore_ppo import build_gpt_model
+from mcore_ppo.integrations import verl as plugin
+from mcore_ppo.integrations.verl.engine import call_site
+from mcore_ppo_testing import verl_engine
+from mcore_ppo_testing.layer_specs import local_gpt_spec
+from mcore_ppo_testing.reference import normwise_relative_error, outputs_from_logits
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (bash scripts/install_verl_for_tests.sh)", allow_module_level=True)
+
+VOCAB, HIDDEN, HEADS, LAYERS, MAX_LEN = 64, 32, 4, 2, 32
+LENGTHS = (9, 14, 5)
+TEMPERATURES = (0.7, 1.3, 0.9)
+# fp64 model; the head's fp32 outputs (its contract) against verl's fp64 logits path.
+OUT_TOL = 2e-6
+GRAD_TOL = 1e-5  # normwise per parameter; a TP factor gives O(1)
+LAYOUTS = [(2, 1, False), (2, 1, True), (2, 2, False), (2, 2, True)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shims(gpt_cpu_shims):
+    """CPU shims for GPTModel (nothing on CUDA); verl's engine imported; the plugin off after."""
+    verl_engine.import_verl_engine()
+    yield
+    plugin.uninstall()
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int, cp: int) -> Iterator[None]:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        create_gloo_process_groups=False,
+        distributed_timeout_minutes=megatron_timeout_minutes(),
+    )
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _describe(layout) -> str:
+    tp, cp, sp = layout
+    return f"TP{tp} CP{cp} SP={'on' if sp else 'off'}"
+
+
+def test_verl_live_fused_path_tp_sp_cp_equals_verls_non_fused_path(check):
+    seed = shared_seed()
+    gen = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+    kind = "verl fused path with the plugin vs verl's non-fused path"
+    for tp, cp, sp in fitting(LAYOUTS, lambda layout: layout[0] * layout[1], _describe):
+        check.case(_describe((tp, cp, sp)))
+        with model_parallel(tp, cp):
+            model = build_gpt_model(
+                num_layers=LAYERS,
+                hidden_size=HIDDEN,
+                num_attention_heads=HEADS,
+                vocab_size=VOCAB,
+                max_sequence_length=MAX_LEN,
+                sequence_parallel=sp,
+                params_dtype=torch.float64,
+                seed=seed % 100_000,
+                transformer_layer_spec=local_gpt_spec(attention="sdpa"),
+                device=DEVICE,
+                position_embedding_type="rope",
+            )
+            theirs = verl_engine.forward_backward(
+                model, sequences, list(TEMPERATURES), use_fused_kernels=False, grad_seed=seed
+            )
+            with verl_engine.plugin_on("torch"):
+                mine = verl_engine.forward_backward(model, sequences, list(TEMPERATURES), grad_seed=seed)
+        check.close("log_prob", mine.log_probs, theirs.log_probs, tol=OUT_TOL, kind=kind)
+        check.close("entropy", mine.entropy, theirs.entropy, tol=OUT_TOL, kind=kind)
+        worst, where = 0.0, ""
+        for name, grad in mine.grads.items():
+            error = normwise_relative_error(grad, theirs.grads[name])
+            if error > worst:
+                worst, where = error, name
+        print(f"{_describe((tp, cp, sp))}: worst normwise grad error {worst:.2e} ({where})")
+        if worst > GRAD_TOL:
+            check.fail(f"{_describe((tp, cp, sp))}: grad {where}: normwise relative error {worst:.2e} > {GRAD_TOL}")
+    check.done()
 
 
 def _reference(hidden, weight, labels, temperature):
-    """verl's flat pairing: token i of hidden [..., h] with labels.reshape(-1)[i]."""
     return outputs_from_logits(hidden.reshape(-1, hidden.shape[-1]) @ weight.t(), labels.reshape(-1), temperature)
 
 
-def test_verl_plugin_d_hidden_complete_with_and_without_sp(check):
+def test_verl_plugin_kernel_reduces_d_hidden_by_the_call_sites_sp_setting(check):
+    """The plugin's kernel at verl's call pattern: under a call site that says SP on, ``hidden``
+    comes from Megatron's SP gather and each rank's shard gets the full gradient; SP off, the
+    head all-reduces; outside every wrapped call site with TP > 1 and a gradient it raises."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
     torch.manual_seed(shared_seed())
     t, h, vocab, temperature = 8, 16, 64, 0.7
     hidden = torch.randn(t, 1, h, dtype=torch.float64)  # verl's packed THD layout
@@ -39,28 +135,35 @@ def test_verl_plugin_d_hidden_complete_with_and_without_sp(check):
     ref_lp, ref_ent = _reference(ref_h, ref_w, labels, temperature)
     ref_dh, ref_dw = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), (ref_h, ref_w))
     hidden, weight, labels, g_lp, g_ent = (x.to(DEVICE) for x in (hidden, weight, labels, g_lp, g_ent))
-    kind = "verl plugin vs fp64"
-    # Megatron's SP gather allocates on torch.cuda.current_device(): the CPU shims map it to the CPU.
-    shims = cpu_shims() if DEVICE.type == "cpu" else contextlib.nullcontext()
-    with shims:
-        for tp in fitting((2, 4, 8), lambda tp: tp, lambda tp: f"TP{tp}"):
-            layout = tp_cp_groups(tp)
-            if layout.tp_group is None:
-                continue
-            shard = weight.chunk(tp)[layout.tp_rank]
-            for sp in (True, False):
-                check.case(f"tp={tp} sp={sp}")
-                w = shard.clone().requires_grad_()
-                if sp:
-                    local = hidden.chunk(tp, dim=0)[layout.tp_rank].clone().requires_grad_()
-                    x = gather_from_sequence_parallel_region(local, group=layout.tp_group)
-                else:
-                    local = x = hidden.clone().requires_grad_()
-                lp, ent = linear_cross_entropy(x, w, labels, temperature, "none", layout.tp_group)
-                check.close("log_prob", lp, ref_lp, tol=1e-12, kind=kind)
-                check.close("entropy", ent, ref_ent, tol=1e-12, kind=kind)
-                ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
-                expected = ref_dh.chunk(tp, dim=0)[layout.tp_rank] if sp else ref_dh
-                check.close("d_hidden", local.grad, expected, tol=1e-12, kind=kind)
-                check.close("d_weight", w.grad, ref_dw.chunk(tp)[layout.tp_rank], tol=1e-12, kind=kind)
+    kind = "verl plugin kernel vs fp64"
+    layout = tp_cp_groups(2)
+    if layout.tp_group is not None:
+        shard = weight.chunk(2)[layout.tp_rank]
+        for sp in (True, False):
+            check.case(f"tp=2 sp={sp}")
+            w = shard.clone().requires_grad_()
+            if sp:
+                local = hidden.chunk(2, dim=0)[layout.tp_rank].clone().requires_grad_()
+                x = gather_from_sequence_parallel_region(local, group=layout.tp_group)
+            else:
+                local = x = hidden.clone().requires_grad_()
+            with call_site("test", sequence_parallel=sp):
+                lp, ent = plugin.linear_cross_entropy(x, w, labels, temperature, "none", layout.tp_group)
+            check.close("log_prob", lp, ref_lp, tol=1e-12, kind=kind)
+            check.close("entropy", ent, ref_ent, tol=1e-12, kind=kind)
+            ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+            expected = ref_dh.chunk(2, dim=0)[layout.tp_rank] if sp else ref_dh
+            check.close("d_hidden", local.grad, expected, tol=1e-12, kind=kind)
+            check.close("d_weight", w.grad, ref_dw.chunk(2)[layout.tp_rank], tol=1e-12, kind=kind)
+        check.case("tp=2 outside verl's call sites")
+        x = hidden.clone().requires_grad_()
+        try:
+            plugin.linear_cross_entropy(x, shard, labels, temperature, "none", layout.tp_group)
+            check.fail("no error for TP 2 with a gradient outside verl's wrapped call sites")
+        except RuntimeError as err:
+            if "sequence parallelism" not in str(err):
+                check.fail(f"unclear error: {err}")
+        with torch.no_grad():  # no gradient: nothing to reduce, nothing to know
+            lp, _ = plugin.linear_cross_entropy(hidden, shard, labels, temperature, "none", layout.tp_group)
+        check.close("log_prob (no grad, no call site)", lp, ref_lp, tol=1e-12, kind=kind)
     check.done()

@@ -32,7 +32,7 @@ from mcore_ppo_testing.seeds import next_seed
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed (bash scripts/install_verl_for_tests.sh)", allow_module_level=True)
 
-from mcore_ppo_testing import verl_engine  # noqa: E402 (after the skip: it needs verl to be useful)
+from mcore_ppo_testing import verl_engine
 
 VOCAB, HIDDEN, HEADS, LAYERS, MAX_LEN = 96, 32, 4, 2, 32
 LENGTHS = (7, 13, 3, 10)

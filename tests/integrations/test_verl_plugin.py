@@ -1,7 +1,9 @@
 """The verl plugin against a stand-in verl tree (``mcore_ppo_testing.fake_verl``: verl's plugin
-loading and its modules' import-time binding of ``linear_cross_entropy``, read from verl's
-source). Its TP behaviour (``d_hidden`` complete with and without SP) is in
-``tests/distributed/test_verl_plugin_tp.py``."""
+loading, both ways (the ``verl.plugins`` entry points of verl >= 0.9 and the
+``VERL_USE_EXTERNAL_MODULES`` list of verl <= 0.8, which later verl still honours), and its
+modules' import-time binding of ``linear_cross_entropy``, read from verl's source). verl's real
+engine path: ``tests/integrations/test_verl_live.py``; under TP/SP/CP:
+``tests/distributed/test_verl_live_tp.py``."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from mcore_ppo_testing.real_verl import loaded_modules
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
-FUSED, OVERLAP = plugin.TARGET_MODULES
+FUSED = plugin.KERNEL_MODULE
+OVERLAP = "verl.models.mcore.model_forward_1f1b_overlap"
 KERNEL = "verl.utils.kernel.linear_cross_entropy"
 
 _CHILD = """
@@ -32,13 +35,15 @@ import verl
 import verl.models.mcore.model_forward_fused as fused, verl.models.mcore.model_forward_1f1b_overlap as overlap
 from verl.utils.kernel import linear_cross_entropy as kernel
 print(json.dumps({m.__name__: m.linear_cross_entropy.__module__ for m in (fused, overlap)}
-                 | {"kernel": kernel.linear_cross_entropy.__module__}))
+                 | {"kernel": kernel.linear_cross_entropy.__module__,
+                    "wrapped": hasattr(fused.fused_output_processor, "__mcore_ppo_original__"),
+                    "plugin imported": "mcore_ppo.integrations.verl" in sys.modules}))
 """
 
 
-def _import_verl_in_child(tmp_path: Path, **env: str) -> tuple[dict, str]:
+def _import_verl_in_child(tmp_path: Path, entry_points: dict, **env: str) -> tuple[dict, str]:
     """Import the stand-in verl (then its Megatron modules) in a fresh interpreter with ``env``."""
-    root = write_fake_verl(tmp_path / "site", ENTRY_POINTS)
+    root = write_fake_verl(tmp_path / "site", entry_points)
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "MCORE_PPO_VERL"))}
     environ.update(env, PYTHONPATH=os.pathsep.join([str(root), str(REPO), environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
@@ -52,24 +57,42 @@ def test_pyproject_declares_the_plugin():
     assert ENTRY_POINTS == {"mcore_ppo": "mcore_ppo.integrations.verl"}
 
 
+# VERL_USE_EXTERNAL_PLUGINS=none where only VERL_USE_EXTERNAL_MODULES may load the plugin: mcore_ppo's
+# own entry point (it is pip-installed here) would load it otherwise.
 @pytest.mark.parametrize(
-    "env, switched",
+    "entry_points, env, switched",
     [
-        ({}, False),  # loaded as an entry point, not asked: verl untouched
-        ({"MCORE_PPO_VERL": "1"}, True),
-        ({"VERL_USE_EXTERNAL_MODULES": "mcore_ppo.integrations.verl"}, True),  # naming it is asking
-        ({"VERL_USE_EXTERNAL_MODULES": "mcore_ppo.integrations.verl", "MCORE_PPO_VERL": "0"}, False),
-        ({"MCORE_PPO_VERL": "1", "VERL_USE_EXTERNAL_PLUGINS": "none"}, False),  # verl loads no plugin
+        (ENTRY_POINTS, {}, False),  # loaded as an entry point, not asked: verl untouched
+        (ENTRY_POINTS, {"MCORE_PPO_VERL": "1"}, True),
+        # verl <= 0.8: no entry points, the module named in VERL_USE_EXTERNAL_MODULES; naming it is asking
+        ({}, {"VERL_USE_EXTERNAL_MODULES": "mcore_ppo.integrations.verl", "VERL_USE_EXTERNAL_PLUGINS": "none"}, True),
+        (
+            {},
+            {
+                "VERL_USE_EXTERNAL_MODULES": "mcore_ppo.integrations.verl",
+                "VERL_USE_EXTERNAL_PLUGINS": "none",
+                "MCORE_PPO_VERL": "0",
+            },
+            False,
+        ),
+        ({}, {"VERL_USE_EXTERNAL_PLUGINS": "none", "MCORE_PPO_VERL": "1"}, False),  # nothing loads the plugin
+        (ENTRY_POINTS, {"MCORE_PPO_VERL": "1", "VERL_USE_EXTERNAL_PLUGINS": "none"}, False),  # verl loads no plugin
     ],
-    ids=["entry-point-off", "entry-point-on", "external-modules", "opted-out", "plugins-disabled"],
-)
-def test_switch_through_verls_own_loading(tmp_path, env, switched):
-    bound, log = _import_verl_in_child(tmp_path, **env)
+    ids=["entry-point-off", "entry-point-on", "external-modules", "external-modules-opted-out", "not-loaded",
+         "plugins-disabled"],
+)  # fmt: skip
+def test_switch_through_verls_own_loading(tmp_path, entry_points, env, switched):
+    bound, log = _import_verl_in_child(tmp_path, entry_points, **env)
     expected = "mcore_ppo.integrations.verl" if switched else KERNEL
-    assert bound == {FUSED: expected, OVERLAP: expected, "kernel": KERNEL}  # verl's kernel module itself untouched
-    assert ("mcore_ppo verl plugin: on" in log) == switched
-    if switched:
-        assert f"{FUSED}.linear_cross_entropy -> mcore_ppo.integrations.verl.linear_cross_entropy" in log
+    # verl's kernel module itself untouched; the 1F1B-overlap module keeps verl's kernel (no call site
+    # there can say the model's SP setting).
+    assert bound[FUSED] == expected and bound[OVERLAP] == KERNEL and bound["kernel"] == KERNEL
+    assert bound["wrapped"] == switched
+    if "VERL_USE_EXTERNAL_MODULES" in env:
+        assert bound["plugin imported"]  # through verl's VERL_USE_EXTERNAL_MODULES alone
+    assert ("mcore_ppo verl plugin: installed" in log) == switched
+    assert "verl plugin: on:" not in log  # "on" only once the head has run
+    assert "has no" not in log  # every function the plugin wraps is where it expects it
 
 
 @pytest.fixture
@@ -96,12 +119,14 @@ def test_install_rebinds_loaded_modules_and_later_imports_idempotently(fake_verl
     plugin.install()
     plugin.install()  # idempotent
     assert plugin.is_installed() and fused.linear_cross_entropy is plugin.linear_cross_entropy
+    processor = fused.fused_output_processor
+    assert processor.__mcore_ppo_original__.__module__ == FUSED  # wrapped once, verl's inside
     assert sum(isinstance(f, plugin._RebindAfterImport) for f in sys.meta_path) == 1
-    import verl.models.mcore.model_forward_1f1b_overlap as overlap  # imported after install
+    import verl.models.mcore.model_forward_1f1b_overlap as overlap  # imported after install: not a target
 
-    assert overlap.linear_cross_entropy is plugin.linear_cross_entropy
+    assert overlap.linear_cross_entropy is verls
     plugin.uninstall()
-    assert fused.linear_cross_entropy is verls and overlap.linear_cross_entropy is verls
+    assert fused.linear_cross_entropy is verls and fused.fused_output_processor is processor.__mcore_ppo_original__
     assert not any(isinstance(f, plugin._RebindAfterImport) for f in sys.meta_path)
 
 
