@@ -111,7 +111,7 @@ def test_verl_live_fused_path_tp_sp_cp_equals_verls_non_fused_path(check):
                 worst, where = error, name
         print(f"{_describe((tp, cp, sp))}: worst normwise grad error {worst:.2e} ({where})")
         if worst > GRAD_TOL:
-            check.fail(f"{_describe((tp, cp, sp))}: grad {where}: normwise relative error {worst:.2e} > {GRAD_TOL}")
+            check.fail(f"grad {where}: normwise relative error {worst:.2e} > {GRAD_TOL}")
     check.done()
 
 
