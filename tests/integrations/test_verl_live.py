@@ -251,3 +251,36 @@ def test_uninstall_restores_every_verl_function():
     assert all(getattr(f, "__mcore_ppo_original__", None) is v for f, v in zip(mine[1:], verls[1:], strict=True))
     plugin.uninstall()
     assert all(a is b for a, b in zip(current(), verls, strict=True))
+
+
+@pytest.mark.usefixtures("verl_modules")
+def test_verls_real_output_processor_hook_route_with_the_plugin():
+    """verl's ``fused_output_processor`` (the route megatron-core >= 0.18 takes; this CPU's
+    megatron-core may predate the hook, so it is called here as Megatron's postprocess calls it)
+    with the plugin equals the fp64 kernel in verl's place: values and d_hidden / d_weight."""
+    import verl.models.mcore.model_forward_fused as fused
+
+    model = _model()
+    gen = torch.Generator().manual_seed(next_seed())
+    t = 12
+    hidden = torch.randn(t, 1, HIDDEN, generator=gen, dtype=torch.float64)  # verl's packed THD layout
+    labels = torch.randint(0, VOCAB, (1, t), generator=gen)
+    g = torch.randn(2, t, generator=gen, dtype=torch.float64)
+
+    def run():
+        x = hidden.clone().requires_grad_()
+        model.output_layer.weight.grad = None
+        out = fused.fused_output_processor(
+            hidden_states=x, output_layer=model.output_layer, output_weight=None, labels=labels,
+            context=fused.FusedOutputProcessorContext(temperature=0.8), config=model.config,
+        )  # fmt: skip
+        ((out.log_probs.double() * g[0]).sum() + (out.entropy.double() * g[1]).sum()).backward()
+        return out.log_probs.detach().double(), out.entropy.detach().double(), x.grad, model.output_layer.weight.grad
+
+    with verl_engine.kernel_in_place_of_verls(verl_engine.fp64_kernel):
+        reference = run()
+    with verl_engine.plugin_on("torch"):
+        assert hasattr(fused.fused_output_processor, "__mcore_ppo_original__")
+        mine = run()
+    for a, b in zip(mine, reference, strict=True):
+        torch.testing.assert_close(a, b, **OUT_TOL)
