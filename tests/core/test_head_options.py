@@ -338,6 +338,8 @@ def test_gpt_log_probs_tensor_temperature_and_entropy_off(megatron_tp1):
     from mcore_ppo_testing.gpt_reference import synthetic_batch
     from mcore_ppo_testing.layer_specs import local_gpt_spec
 
+    # Megatron builds on the GPU where there is one (the CPU shims stand aside there).
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = mcore_ppo.build_gpt_model(
         num_layers=1,
         hidden_size=32,
@@ -347,11 +349,12 @@ def test_gpt_log_probs_tensor_temperature_and_entropy_off(megatron_tp1):
         params_dtype=torch.float64,
         seed=2024,
         transformer_layer_spec=local_gpt_spec(),
+        device=device,
     )
     mcore_ppo.install_fused_head(model, temperature=0.7, backend="torch")
-    batch = synthetic_batch("padded", vocab_size=64, seq_length=16, generator=generator(next_seed()))
+    batch = synthetic_batch("padded", vocab_size=64, seq_length=16, generator=generator(next_seed()), device=device)
     rows = batch.labels.shape[0]
-    temperature = torch.linspace(0.5, 1.5, rows, dtype=torch.float64).view(rows, 1)
+    temperature = torch.linspace(0.5, 1.5, rows, dtype=torch.float64, device=device).view(rows, 1)
     with torch.no_grad():
         lp, ent = mcore_ppo.gpt_log_probs_and_entropy(
             model, labels=batch.labels, temperature=temperature, **batch.model_inputs()
