@@ -55,11 +55,11 @@ def _model(seed: int) -> torch.nn.Module:
     )  # fmt: skip
 
 
-def _batch(seed: int):
+def _batch(seed: int, device: torch.device):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
-    weights = torch.randn(BATCH, SEQ - 1, dtype=torch.float64, generator=gen)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
+    positions = torch.arange(SEQ, device=device).expand(BATCH, SEQ).contiguous()
+    weights = torch.randn(BATCH, SEQ - 1, dtype=torch.float64, generator=gen).to(device)
     return microbatch(ids, positions), weights
 
 
@@ -86,7 +86,8 @@ def test_enable_matches_nemo_rls_logits_path(nemo_rl, test_seed, temperature):
     from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
 
     model = _model(test_seed)
-    batch, weights = _batch(test_seed + 1)
+    # Megatron builds on the GPU where there is one (the CPU shims stand aside there).
+    batch, weights = _batch(test_seed + 1, next(model.parameters()).device)
     params = TrainingSamplingParams(temperature=temperature)
     # fp64 reference on the decoder's output (NeMo-RL's logits path computes in fp32).
     captured = []

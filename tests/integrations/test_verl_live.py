@@ -104,7 +104,8 @@ def test_live_fused_path_with_the_plugin_equals_fp64_kernel_and_verls_non_fused_
     on = [r for r in caplog.records if "verl plugin: on:" in r.getMessage()]
     assert len(on) == 1 and on[0].levelno == logging.INFO
     assert "_fused_GPTModel_forward" in on[0].getMessage() or "fused_output_processor" in on[0].getMessage()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # Only the plugin's own records: megatron-core may warn about its own deprecations here.
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("mcore_ppo")]
 
 
 @pytest.mark.usefixtures("verl_modules")
@@ -167,9 +168,10 @@ def test_plain_helper_returns_per_token_values_in_sequence_order():
     from verl.models.mcore.model_forward_fused import unpatch_fused_forward
 
     unpatch_fused_forward(model)  # verl's fused forward returns log-probs, not logits
+    device = next(model.parameters()).device  # Megatron builds on the GPU where there is one
     with torch.no_grad():
-        ids = torch.tensor(sequences[0])[None]
-        logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], attention_mask=None)
+        ids = torch.tensor(sequences[0], device=device)[None]
+        logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None], attention_mask=None)
     log_softmax = torch.log_softmax(logits[0, :-1].double() / 0.8, dim=-1)
     expected = log_softmax.gather(-1, ids[0, 1:, None]).squeeze(-1)
     torch.testing.assert_close(out.log_probs[0].double(), expected, **OUT_TOL)
@@ -263,9 +265,10 @@ def test_verls_real_output_processor_hook_route_with_the_plugin():
     model = _model()
     gen = torch.Generator().manual_seed(next_seed())
     t = 12
-    hidden = torch.randn(t, 1, HIDDEN, generator=gen, dtype=torch.float64)  # verl's packed THD layout
-    labels = torch.randint(0, VOCAB, (1, t), generator=gen)
-    g = torch.randn(2, t, generator=gen, dtype=torch.float64)
+    device = next(model.parameters()).device  # Megatron builds on the GPU where there is one
+    hidden = torch.randn(t, 1, HIDDEN, generator=gen, dtype=torch.float64).to(device)  # verl's packed THD layout
+    labels = torch.randint(0, VOCAB, (1, t), generator=gen).to(device)
+    g = torch.randn(2, t, generator=gen, dtype=torch.float64).to(device)
 
     def run():
         x = hidden.clone().requires_grad_()
