@@ -221,8 +221,13 @@ def peer_versions() -> dict[str, str | None]:
 
 
 def ours(backend: Any, **options: Any) -> HeadFn:
-    """This project's head through its API with ``backend`` (a name or a backend object)."""
+    """This project's head through its API with ``backend`` (a name or a backend object).
+
+    Timed with ``validate=False`` unless told otherwise: the checks' one host sync per call would
+    put the host's launch latency after it into the GPU time (docs/design.md, validation)."""
     from mcore_ppo import fused_log_probs_and_entropy
+
+    options.setdefault("validate", False)
 
     return lambda x, w, labels, t: fused_log_probs_and_entropy(x, w, labels, temperature=t, backend=backend, **options)
 
