@@ -191,7 +191,7 @@ def _autocast_on(device: torch.device) -> bool:
 def check_layout(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_size: int, sequence_parallel: bool
 ) -> None:
-    """Shapes of DESIGN §3: [s,b,h]+[b,s], [t,1,h]+[1,t], [n,h]+[n]; SP shards dim 0 of hidden."""
+    """Shapes of docs/design.md §3: [s,b,h]+[b,s], [t,1,h]+[1,t], [n,h]+[n]; SP shards dim 0 of hidden."""
     if weight.dim() != 2 or weight.shape[0] < 1:
         raise ValueError(f"weight must be this rank's [vocab_shard, hidden] shard, got shape {tuple(weight.shape)}")
     if weight.shape[1] < 1:

@@ -293,7 +293,7 @@ def check_invariants(
         assert torch.isfinite(out).all(), f"{name} has non-finite values"
     assert (log_prob <= 0).all(), f"log_prob > 0: max {log_prob.max().item()}"
     assert (entropy >= 0).all(), f"entropy < 0: min {entropy.min().item()}"
-    # Exactly, in fp64: the fp32 entropy may not exceed the real log V (DESIGN §2).
+    # Exactly, in fp64: the fp32 entropy may not exceed the real log V (docs/design.md §1.1).
     log_v = math.log(vocab_size)
     excess = (entropy.double() - log_v).max().item() if entropy.numel() else 0.0
     assert excess <= 0, f"entropy > log V={log_v!r} by {excess:.3g}"

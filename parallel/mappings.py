@@ -11,7 +11,7 @@ Function, and its backward is where the partials are summed:
 
 Both are written here rather than taken from Megatron. Megatron's SP gather allocates its
 output on ``torch.cuda.current_device()``, which breaks CPU tensors. Its all-reduce mapping
-would fit, but importing it would tie the head's core to megatron-core (issue 13: the core
+would fit, but importing it would tie the head's core to megatron-core (the core
 runs with torch alone); our copy is the same math and also reduces a non-contiguous gradient,
 which Megatron's ``_reduce`` all-reduces into a temporary copy and drops.
 """

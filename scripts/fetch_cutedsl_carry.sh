@@ -7,7 +7,7 @@
 #   .cute/liger_kernel-0.8.5-py3-none-any.whl
 # Unused parts of cuda-bindings (NVML, cuFile, cuDLA, .pxd headers) are left out.
 #
-# On the GPU machine (docs/benchmarks/gpu_runs/h200_2026-12-01c/README.md, run 2):
+# On the GPU machine (docs/benchmarks/gpu_runs/h200_2026-12-01c/README.md):
 #   python -m pip install --no-deps --no-index .cute/liger_kernel-*.whl
 #   mkdir -p /tmp/cute && tar -xJf .cute/cutesite.tar.xz -C /tmp/cute
 #   export PYTHONPATH=$PWD:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages

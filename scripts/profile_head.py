@@ -5,7 +5,7 @@ For each shape and TP size (per-rank shard V/tp, one GPU) it profiles a few call
 no-grad forward and of forward+backward of ``fused_log_probs_and_entropy`` (bf16, N tokens,
 T = 0.7), and prints per phase: the wall time per call (CUDA events), the summed GPU time of
 every kernel per call, the gap between the two (host latency and idle GPU), and the kernels
-sorted by time. ``--buffer`` also profiles the budgeted probability buffer of issue 6.
+sorted by time. ``--buffer`` also profiles the budgeted probability buffer.
 
 ``--sweep`` instead times forward+backward (API call, CUDA events, medians of interleaved
 rounds) under variants of the triton backend's settings (the TMA stores, the buffer's dz
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--buffer", action="store_true", help="also profile the issue-6 probability buffer")
+    parser.add_argument("--buffer", action="store_true", help="also profile the budgeted probability buffer")
     parser.add_argument("--sweep", action="store_true", help="time forward+backward under setting variants")
     parser.add_argument("--sweep-forward", action="store_true", help="time the no-grad forward under tile configs")
     parser.add_argument(

@@ -117,3 +117,18 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.section(title)
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session) -> None:
+    # Under pytest-xdist each worker ran some modules: hand their sections to the controller,
+    # which prints the summary (scripts/test.sh runs with --dist loadfile, so a module's
+    # report is whole on one worker).
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["mcore_ppo_summary_sections"] = dict(_SUMMARY_SECTIONS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: a worker's report sections join this process's."""
+    _SUMMARY_SECTIONS.update(getattr(node, "workeroutput", {}).get("mcore_ppo_summary_sections", {}))

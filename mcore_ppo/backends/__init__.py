@@ -100,7 +100,7 @@ def resolve_backend(name: str | Backend, device: torch.device) -> Backend:
     ``auto`` picks the fused Triton kernels on CUDA when they are available and the chunked
     torch reference elsewhere: in the benchmark (docs/benchmarks) ``triton`` is the fastest
     backend that meets the head's accuracy contract at every shape. Liger's CuTe kernel is
-    about as fast, but its log-prob error is above that contract and its entropy is computed
+    1.1-1.4x slower in the forward, and its log-prob error is above that contract and its entropy is computed
     in bf16 (docs/benchmarks), so ``auto`` never picks it (ask for ``"liger"``). An explicitly
     named backend that is not available raises.
 

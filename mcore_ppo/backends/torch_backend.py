@@ -1,8 +1,9 @@
 """Chunked PyTorch backend: the oracle every faster backend is checked against.
 
-It follows DESIGN §1 literally, in fp32 (fp64 for fp64 inputs), on any device, and never holds more than one
-``[token_chunk, vocab_chunk]`` block of logits. No host synchronisation: ignored tokens are
-computed and masked rather than compacted (that needs a device-to-host count).
+It follows the math of docs/design.md §1 literally, in fp32 (fp64 for fp64 inputs), on any
+device, and never holds more than one ``[token_chunk, vocab_chunk]`` block of logits. No host
+synchronisation: ignored tokens are computed and masked rather than compacted (that needs a
+device-to-host count).
 
 Backward, per token with upstream ``g`` (log-prob) and ``e`` (entropy), ``p = exp(z - lse)``:
 

@@ -10,7 +10,7 @@ Backward, recompute: per vocab chunk ``dz_kernel`` recomputes the logits and wri
 ``d_W`` comes from one fp32-accumulated GEMM over all tokens (so a weight-dtype buffer rounds
 once) and ``x_c`` has zeros past the valid rows (no inf padding reaches ``d_W``).
 
-Backward, buffer (issue 6; the option is documented on :class:`mcore_ppo.pipeline.HeadOptions`):
+Backward, buffer (the option is documented on :class:`mcore_ppo.pipeline.HeadOptions`):
 when a gradient will be needed and the buffer fits the budget, the forward also stores
 ``2^(z₂ − tile max)`` and the tile maxima and returns them as its residual
 (:class:`ProbabilityBuffer`); the backward forms ``dz`` from it in place and runs the two GEMMs

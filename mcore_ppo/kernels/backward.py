@@ -1,7 +1,7 @@
 """Backward kernel: recompute one vocab chunk's logits tile by tile and write ``dz / T``.
 
 With ``t = z₂ - lse₂`` (base-2 log-probability, ``z₂ = x·w·log2e/T``), ``p = 2^t`` and
-upstream ``g`` (log-prob) and ``e`` (entropy) per token (DESIGN §1):
+upstream ``g`` (log-prob) and ``e`` (entropy) per token (docs/design.md §1):
 
     dz_j / T = g/T·1[j = label] - p_j·(g/T + e/T·(ln2·t_j + H))
 
@@ -200,7 +200,7 @@ def dz_from_buffer_kernel(
     FAST_LOG2: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
 ):
-    """In place: the forward's ``2^(z₂ - tile max)`` buffer becomes ``dz / T`` (issue 6).
+    """In place: the forward's ``2^(z₂ - tile max)`` buffer becomes ``dz / T`` (buffer mode, docs/kernels.md).
 
     ``p = buf · 2^(tile max - lse₂)``, ``log p = ln2·(log2 buf + tile max - lse₂)``; the
     tile is one forward tile (same ``BLOCK_N``), so one tile max per row. No GEMM: the

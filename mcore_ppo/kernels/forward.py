@@ -155,7 +155,7 @@ def stats_kernel(
             y_i += tl.sum(tl.where(hit, acc, 0.0), 1)
         z2 = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
         if STORE_P:
-            # Budgeted buffer (issue 6): 2^(z₂ - tile max) in bf16 (p keeps bf16 *relative*
+            # Budgeted buffer (docs/kernels.md): 2^(z₂ - tile max) in bf16 (p keeps bf16 *relative*
             # precision) and the fp32 tile max; the tile's statistics come from the same values.
             t_max = tl.max(z2, 1)
             d = z2 - t_max[:, None]

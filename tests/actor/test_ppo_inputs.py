@@ -1,4 +1,4 @@
-"""Bad inputs of the PPO loss helpers and the rollout batching, found by fuzzing (issue 12).
+"""Bad inputs of the PPO loss helpers and the rollout batching, found by fuzzing.
 
 Before, each of these gave a silent wrong answer (a negative ``log_ratio_clamp`` pinned every
 log-ratio to a constant, a NaN ``clip_ratio_high`` made every loss NaN, float ``seq_index`` was

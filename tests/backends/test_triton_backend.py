@@ -448,7 +448,7 @@ def test_tma_operands(monkeypatch):
 
 @pytest.mark.parametrize("which", ["both", "log_prob"])
 def test_buffer_mode(monkeypatch, buffer_backwards, which):
-    """Issue 6: with a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""
+    """With a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
     hidden, weight, labels, g, e = make_case(29, 24, 130, seed=next_seed())
     if which == "log_prob":

@@ -1,4 +1,4 @@
-"""The head inside ``torch.autocast`` and under ``create_graph=True`` (issue 12).
+"""The head inside ``torch.autocast`` and under ``create_graph=True``.
 
 Autocast: with fp32 inputs the head must give inside an autocast region exactly what it gives
 outside (autocast would run the torch backend's logit GEMMs in bf16: log-probs off by ~0.1,

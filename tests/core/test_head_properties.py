@@ -1,4 +1,4 @@
-"""Property-based test of the head against the one fp64 reference (issue 12), with hypothesis.
+"""Property-based test of the head against the one fp64 reference, with hypothesis.
 
 Drawn per example: the backend (``torch``; ``triton`` in the interpreter, fp32 only), the dtype
 (fp32, fp64; bf16 on the torch backend), the layout ([s,b,h]+[b,s], packed [t,1,h]+[1,t],

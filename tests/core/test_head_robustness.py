@@ -1,4 +1,4 @@
-"""What fuzzing the head's API beyond issue 12's list turned up, and what it confirmed (both backends).
+"""What fuzzing the head's API beyond the documented bad inputs turned up, and what it confirmed (both backends).
 
 - NaN/inf in a valid row of ``hidden``: that token's outputs and ``d_hidden`` row are NaN, every
   other token is exactly what it is without it. Before: the triton buffer mode masked the NaN

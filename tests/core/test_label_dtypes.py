@@ -1,4 +1,4 @@
-"""Labels narrower than int64 (issue 12): compared with ``ignore_index`` and the vocab in int64.
+"""Labels narrower than int64: compared with ``ignore_index`` and the vocab in int64.
 
 Before: the comparison ran in the labels' own dtype, so ``ignore_index`` wrapped (-100 is 156 in
 uint8, 2**32 is 0 in int32): real tokens were silently ignored (or the label-range check

@@ -1,4 +1,4 @@
-"""The head's core imports and runs without megatron-core (issue 13).
+"""The head's core imports and runs without megatron-core.
 
 A fresh interpreter gets a ``sys.meta_path`` finder that refuses ``megatron`` and every
 ``megatron.*`` module, as in an environment where megatron-core is not installed. It imports

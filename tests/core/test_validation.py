@@ -1,4 +1,4 @@
-"""Every bad input of issue 2 item 5 raises the documented exception, naming the argument.
+"""Every documented bad input raises the documented exception, naming the argument.
 
 ``TypeError`` for wrong Python types and dtypes, ``ValueError`` for wrong values, shapes,
 layouts and devices (see :mod:`mcore_ppo.validation`). The checks must run before any compute.

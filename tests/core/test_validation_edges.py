@@ -1,7 +1,7 @@
-"""Finite extremes, CP metadata and the environment (issue 12): a clear ValueError/TypeError naming
+"""Finite extremes, CP metadata and the environment: a clear ValueError/TypeError naming
 the argument (or the environment variable), or the fp64-correct result.
 
-Complements ``test_validation.py`` (issue 2's bad inputs). Each case here was a silent wrong
+Complements ``test_validation.py`` (the documented bad inputs). Each case here was a silent wrong
 answer or an error that did not say what was wrong: a temperature of 1e-38 (NaN), a huge Python
 int temperature or ``ignore_index = 2**70`` (a bare OverflowError), hidden size 0 (a reshape
 error), a ``tp_group`` of the wrong type (AttributeError), ``MCORE_PPO_BUFFER_BUDGET_BYTES=1GiB``

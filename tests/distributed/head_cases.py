@@ -38,7 +38,7 @@ DTYPES = (torch.float64, torch.float32)
 TOL_SAME_DTYPE = {torch.float64: 1e-13, torch.float32: 1e-5}
 TOL_FP32_VS_FP64 = 1e-5
 
-# Global (unsharded) shapes of the three layouts of DESIGN §3; every sequence length divides
+# Global (unsharded) shapes of the three layouts of docs/design.md §3; every sequence length divides
 # by 8 (TP 8 with SP), and the three token counts differ so a reshape bug cannot hide.
 SBH = "sbh"  # hidden [s, b, h], labels [b, s]
 THD = "thd"  # packed: hidden [t, 1, h], labels [1, t]

@@ -1,4 +1,4 @@
-"""Issue 12 under TP 2 and 4 (SP off and on), every layout: what a single rank guarantees holds
+"""The single-rank reliability cases under TP 2 and 4 (SP off and on), every layout: what a single rank guarantees holds
 across ranks too.
 
 - Labels narrower than int64 (int16 with -100, uint8 with 255 as the ignore index) give what

@@ -1,4 +1,4 @@
-"""The head inside CUDA autocast gives what it gives outside (issue 12; marked ``gpu``).
+"""The head inside CUDA autocast gives what it gives outside (marked ``gpu``).
 
 The CPU suite checks CPU autocast (``tests/test_autocast_and_double_backward.py``); this is the
 same check for ``torch.autocast("cuda")`` on both per-shard backends, at a small shape.

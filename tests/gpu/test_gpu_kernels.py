@@ -195,7 +195,7 @@ def test_cuda_graph_capture(use_tma, budget):
 
 @pytest.mark.parametrize(("h", "v"), [(3584, 152064), (3584, 19008)], ids=["qwen7b-tp1", "qwen7b-tp8"])
 def test_buffer_mode_full_shape(h, v, monkeypatch):
-    """Issue 6: the budgeted bf16 probability buffer (no recompute) at full shapes vs fp64."""
+    """The budgeted bf16 probability buffer (no recompute) at full shapes vs fp64."""
     from mcore_ppo.backends import triton_backend as tb
 
     monkeypatch.setattr(tb, "BUFFER_BUDGET_BYTES", 1 << 40)
