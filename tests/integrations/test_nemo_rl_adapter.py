@@ -1,6 +1,6 @@
 """The NeMo-RL adapter on one rank, against NeMo-RL's logits-path contract
 (``mcore_ppo_testing.nemo_rl_reference``). TP, SP and CP layouts:
-``tests/distributed/test_nemo_rl_adapter_tp_cp.py``."""
+``tests/distributed/test_nemo_rl_tp_cp.py``."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ patched ``GPTModel.forward``, three ways on the same weights and batch:
   T ≠ 1 can fail.
 
 The switch itself: the import hook, ``disable``, the ``.pth`` line in fresh interpreters.
-TP 2 with and without SP: ``tests/distributed/test_nemo_rl_real_tp.py``.
+TP 2 with and without SP: ``tests/distributed/test_nemo_rl_tp_cp.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``mcore_ppo.integrations.verl.kernel.linear_cross_entropy`` keeps verl's contract (flattening, reductions,
 defaults, partial ``d_hidden``), checked against float64 math and the project's own API; and,
 where verl and CUDA are installed, against verl's own kernel (the multi-rank part of the contract
-is in ``tests/distributed/test_model_verl_compat.py``)."""
+is in ``tests/distributed/test_verl_tp_cp.py``)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ with (a) the same verl code with an fp64 full-logits kernel bound where verl bin
 kernel (which needs CUDA) and (b) verl's non-fused path: log-probs, entropy and every
 parameter's gradient. Then what the plugin adds to verl's path: per-sample temperatures,
 ``calculate_entropy=False``, and the WARNING when verl's engine never takes the fused path.
-TP 2 with SP on and off and CP 2: ``tests/distributed/test_verl_live_tp.py``.
+TP 2 with SP on and off and CP 2: ``tests/distributed/test_verl_tp_cp.py``.
 """
 
 from __future__ import annotations

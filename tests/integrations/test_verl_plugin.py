@@ -3,7 +3,7 @@ loading, both ways (the ``verl.plugins`` entry points of verl >= 0.9 and the
 ``VERL_USE_EXTERNAL_MODULES`` list of verl <= 0.8, which later verl still honours), and its
 modules' import-time binding of ``linear_cross_entropy``, read from verl's source). verl's real
 engine path: ``tests/integrations/test_verl_live.py``; under TP/SP/CP:
-``tests/distributed/test_verl_live_tp.py``."""
+``tests/distributed/test_verl_tp_cp.py``."""
 
 from __future__ import annotations
 
