@@ -39,5 +39,5 @@ sys.exit(0 if cpu_name or not cuda_deps else 1)
   fi
   rm -f "$report"
 fi
-python -m pip install -q "${stack[@]}" liger-kernel==0.8.5 pytest hypothesis ruff import-linter pyyaml
+python -m pip install -q "${stack[@]}" liger-kernel==0.8.5 pytest pytest-xdist hypothesis ruff import-linter pyyaml
 python -m pip install -q --no-deps -e .

@@ -13,3 +13,7 @@ set -euo pipefail
 python -m pip install -q "transformers>=5.5.3,<5.11" "tensordict==0.15.3" "omegaconf==2.4.0" "codetiming==1.4.0" orjson \
     "peft==0.21.2" "datasets==5.2.0" pillow
 python -m pip install -q --no-deps "verl==0.9.1"
+# mbridge, verl's Hugging Face -> Megatron bridge (pure Python; --no-deps: its get_model needs
+# TransformerEngine and CUDA, which tests/megatron/test_hf_model.py replaces with the local spec),
+# so the HF model tests also check this project's conversion against mbridge's own.
+python -m pip install -q --no-deps "mbridge==0.15.1" "einops==0.8.2"
