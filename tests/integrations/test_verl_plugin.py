@@ -121,13 +121,13 @@ def test_install_rebinds_loaded_modules_and_later_imports_idempotently(fake_verl
     assert plugin.is_installed() and fused.linear_cross_entropy is plugin.linear_cross_entropy
     processor = fused.fused_output_processor
     assert processor.__mcore_ppo_original__.__module__ == FUSED  # wrapped once, verl's inside
-    assert sum(isinstance(f, plugin._RebindAfterImport) for f in sys.meta_path) == 1
+    assert sum(f is plugin._HOOK for f in sys.meta_path) == 1
     import verl.models.mcore.model_forward_1f1b_overlap as overlap  # imported after install: not a target
 
     assert overlap.linear_cross_entropy is verls
     plugin.uninstall()
     assert fused.linear_cross_entropy is verls and fused.fused_output_processor is processor.__mcore_ppo_original__
-    assert not any(isinstance(f, plugin._RebindAfterImport) for f in sys.meta_path)
+    assert plugin._HOOK not in sys.meta_path
 
 
 @pytest.mark.usefixtures("megatron_tp1")

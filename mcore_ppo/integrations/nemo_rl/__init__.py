@@ -32,9 +32,6 @@ modules are rebound or the adapter is used.
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import sys
@@ -43,6 +40,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+from mcore_ppo.integrations.import_hook import AfterImportHook
 
 if TYPE_CHECKING:
     from mcore_ppo.integrations.nemo_rl.adapter import from_parallel_hidden_states_to_logprobs
@@ -75,7 +74,6 @@ _logger = logging.getLogger("mcore_ppo")
 _LOCK = threading.RLock()
 _ORIGINALS: dict[str, Any] = {}  # module name -> NeMo-RL's object this replaced
 _REPLACEMENTS: dict[str, Any] = {}  # module name -> what is bound there now
-_finder: _RebindAfterImport | None = None
 
 
 def __getattr__(name: str) -> Any:
@@ -118,41 +116,8 @@ def _rebind(module: ModuleType) -> None:
     _logger.info("mcore_ppo NeMo-RL integration: %s.%s -> %s", name, attribute, replacement.__qualname__)
 
 
-class _RebindingLoader(importlib.abc.Loader):
-    """Runs the real loader, then rebinds the freshly executed module."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        if _finder is not None:  # not disabled meanwhile
-            _rebind(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... of the real loader
-        return getattr(self._loader, name)
-
-
-class _RebindAfterImport(importlib.abc.MetaPathFinder):
-    """Import hook for :data:`TARGETS`: the other finders find them, a wrapping loader rebinds
-    them right after they execute."""
-
-    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
-        if fullname not in TARGETS:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RebindingLoader(spec.loader)
-                return spec
-        return None
+# Modules imported after switching on are patched as they load.
+_HOOK = AfterImportHook(TARGETS, _rebind)
 
 
 def enable() -> None:
@@ -163,15 +128,12 @@ def enable() -> None:
     Raises:
         ValueError: ``MCORE_PPO_NEMO_RL_BACKEND`` is not a backend name.
     """
-    global _finder
     from mcore_ppo.backends import check_backend
 
     backend = os.environ.get(ENV_BACKEND, "auto").strip() or "auto"
     check_backend(backend)
     with _LOCK:
-        if _finder is None:
-            _finder = _RebindAfterImport()
-            sys.meta_path.insert(0, _finder)
+        _HOOK.install()
         loaded = [sys.modules[name] for name in TARGETS if name in sys.modules]
     for module in loaded:
         _rebind(module)
@@ -185,11 +147,8 @@ def enable() -> None:
 
 def disable() -> None:
     """Give NeMo-RL's modules their own functions back and remove the import hook (idempotent)."""
-    global _finder
     with _LOCK:
-        if _finder is not None and _finder in sys.meta_path:
-            sys.meta_path.remove(_finder)
-        _finder = None
+        _HOOK.remove()
         for name, original in list(_ORIGINALS.items()):
             module = sys.modules.get(name)
             if module is not None and getattr(module, TARGETS[name], None) is _REPLACEMENTS[name]:
@@ -200,7 +159,7 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     """Whether :func:`enable` is in force (the import hook is in place)."""
-    return _finder is not None
+    return _HOOK.installed
 
 
 def activate_from_environment() -> bool:

@@ -41,8 +41,6 @@ actually run for verl, a WARNING when verl's engine runs its non-fused path inst
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import sys
@@ -53,6 +51,7 @@ from typing import Any
 
 import torch
 
+from mcore_ppo.integrations.import_hook import AfterImportHook
 from mcore_ppo.integrations.verl.engine import WRAPPERS, current_call_site
 from mcore_ppo.logs import log_once, logger
 
@@ -78,7 +77,6 @@ _ORIGINAL_ATTR = "__mcore_ppo_original__"
 
 _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 _LOCK = threading.RLock()
-_finder: _RebindAfterImport | None = None
 
 
 def linear_cross_entropy(
@@ -225,41 +223,8 @@ def _unpatch(module: ModuleType) -> None:
 _KERNEL_ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
-class _RebindingLoader(importlib.abc.Loader):
-    """Runs the real loader, then rebinds the freshly executed module."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        if _finder is not None:  # not uninstalled meanwhile
-            _patch(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... of the real loader
-        return getattr(self._loader, name)
-
-
-class _RebindAfterImport(importlib.abc.MetaPathFinder):
-    """Import hook for :data:`TARGET_MODULES`: the other finders find them, a wrapper loader
-    patches them right after they execute (their import-time ``from ... import`` has run)."""
-
-    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
-        if fullname not in TARGET_MODULES:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RebindingLoader(spec.loader)
-                return spec
-        return None
+# Modules imported after switching on are patched as they load.
+_HOOK = AfterImportHook(TARGET_MODULES, _patch)
 
 
 def install() -> None:
@@ -270,15 +235,12 @@ def install() -> None:
     Raises:
         ValueError: ``MCORE_PPO_VERL_BACKEND`` is not a backend name.
     """
-    global _finder
     from mcore_ppo.backends import check_backend
 
     backend = os.environ.get(ENV_BACKEND, "auto").strip() or "auto"
     check_backend(backend)
     with _LOCK:
-        if _finder is None:
-            _finder = _RebindAfterImport()
-            sys.meta_path.insert(0, _finder)
+        _HOOK.install()
         loaded = [sys.modules[name] for name in TARGET_MODULES if name in sys.modules]
     for module in loaded:
         _patch(module)
@@ -294,11 +256,8 @@ def install() -> None:
 
 def uninstall() -> None:
     """Give verl's modules their own functions back and remove the import hook."""
-    global _finder
     with _LOCK:
-        if _finder is not None and _finder in sys.meta_path:
-            sys.meta_path.remove(_finder)
-        _finder = None
+        _HOOK.remove()
         for name in TARGET_MODULES:
             if name in sys.modules:
                 _unpatch(sys.modules[name])
@@ -307,7 +266,7 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     """Whether the plugin is on (the import hook is in place)."""
-    return _finder is not None
+    return _HOOK.installed
 
 
 def _named_in_external_modules() -> bool:

@@ -1,0 +1,82 @@
+"""An import hook that patches named modules right after they execute, shared by the integrations.
+
+verl and NeMo-RL bind the functions the integrations replace either at import time (``from ...
+import name``) or as module attributes; either way a module imported after the integration is
+switched on must be patched as soon as its own code has run. :class:`AfterImportHook` does that
+without editing the framework: it lets the other finders find the module and wraps their loader,
+so ``on_import(module)`` runs right after ``exec_module``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Collection
+from types import ModuleType
+from typing import Any
+
+__all__ = ["AfterImportHook"]
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then the hook's callback on the freshly executed module."""
+
+    def __init__(self, loader: importlib.abc.Loader, hook: AfterImportHook) -> None:
+        self._loader = loader
+        self._hook = hook
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        if self._hook.installed:  # not removed meanwhile
+            self._hook.on_import(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... of the real loader
+        return getattr(self._loader, name)
+
+
+class AfterImportHook(importlib.abc.MetaPathFinder):
+    """``on_import(module)`` right after any module named in ``names`` executes.
+
+    :meth:`install` puts the hook first on ``sys.meta_path``; :meth:`remove` takes it off (a
+    module whose import is under way when it is removed is not patched).
+    """
+
+    def __init__(self, names: Collection[str], on_import: Callable[[ModuleType], None]) -> None:
+        self.names = frozenset(names)
+        self.on_import = on_import
+        self._installed = False
+
+    @property
+    def installed(self) -> bool:
+        """Whether :meth:`install` is in force (not yet :meth:`remove`-d)."""
+        return self._installed
+
+    def install(self) -> None:
+        """Put the hook first on ``sys.meta_path`` (idempotent)."""
+        if not self._installed:
+            sys.meta_path.insert(0, self)
+            self._installed = True
+
+    def remove(self) -> None:
+        """Take the hook off ``sys.meta_path`` (idempotent)."""
+        self._installed = False
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        if fullname not in self.names:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, self)
+                return spec
+        return None
