@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.pipeline import HeadOptions, run_head
+from mcore_ppo.pipeline import call_options, run_head
 from parallel.groups import ProcessGroup, resolve_tp_group
 
 
@@ -61,14 +60,8 @@ def fused_log_probs_and_entropy(
         (``entropy`` None with ``return_entropy=False``).
         Gradients flow to ``hidden`` (reduced over TP exactly once) and to ``weight``.
     """
-    row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
-    default = 1.0 if row_temperature is not None else temperature
-    options = HeadOptions(
-        temperature=default,
-        ignore_index=ignore_index,
-        backend=backend,
-        return_entropy=return_entropy,
-        validate=validation.VALIDATE_DEFAULT if validate is None else validate,
+    options, row_temperature = call_options(
+        temperature, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
     )
     return run_head(
         hidden,

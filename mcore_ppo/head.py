@@ -10,7 +10,6 @@ import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.pipeline import HeadOptions, run_head
 
@@ -85,7 +84,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             ignore_index=ignore_index,
             backend=backend,
             return_entropy=return_entropy,
-            validate=validation.VALIDATE_DEFAULT if validate is None else validate,
+            validate=validate,
         )
         if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
             raise TypeError(f"output_dtype must be a torch.dtype or None, got {type(output_dtype).__name__}")

@@ -13,7 +13,6 @@ import logging
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.head import VocabParallelFusedPPOHead
 from mcore_ppo.logs import log_once
@@ -120,7 +119,7 @@ def install_fused_head(
         ignore_index=ignore_index,
         backend=backend,
         return_entropy=return_entropy,
-        validate=validation.VALIDATE_DEFAULT if validate is None else validate,
+        validate=validate,
     )
     gpt = unwrap_gpt_model(model)
     if not gpt.post_process:

@@ -68,12 +68,37 @@ class HeadOptions:
     validate: bool = validation.VALIDATE_DEFAULT
 
     def __post_init__(self) -> None:
+        if self.validate is None:  # the entry points' "not given": the documented default
+            object.__setattr__(self, "validate", validation.VALIDATE_DEFAULT)
         object.__setattr__(self, "temperature", validation.check_temperature(self.temperature))
         for name in ("return_entropy", "validate"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {validation.type_name(getattr(self, name))}")
         validation.check_ignore_index(self.ignore_index)
         check_backend(self.backend)
+
+
+def call_options(
+    temperature: float | torch.Tensor,
+    *,
+    ignore_index: int,
+    backend: str | Backend,
+    return_entropy: bool,
+    validate: bool | None,
+) -> tuple[HeadOptions, torch.Tensor | None]:
+    """An entry point's arguments as :class:`HeadOptions` and the per-call temperature tensor.
+
+    A number goes into the options; a tensor is returned for :func:`run_head`'s ``temperature``
+    (the options then hold 1.0, unused). ``validate=None`` is the documented default."""
+    row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
+    options = HeadOptions(
+        temperature=1.0 if row_temperature is not None else temperature,
+        ignore_index=ignore_index,
+        backend=backend,
+        return_entropy=return_entropy,
+        validate=validate,
+    )
+    return options, row_temperature
 
 
 def run_head(

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.pipeline import HeadOptions, run_head
+from mcore_ppo.pipeline import call_options, run_head
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -92,14 +92,8 @@ def linear_cross_entropy(
     reduction = reduction.lower()
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
-    default = 1.0 if row_temperature is not None else temperature
-    options = HeadOptions(
-        temperature=default,
-        ignore_index=ignore_index,
-        backend=backend,
-        return_entropy=return_entropy,
-        validate=validation.VALIDATE_DEFAULT if validate is None else validate,
+    options, row_temperature = call_options(
+        temperature, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
     )
     validation.check_process_group(dist_process_group, "dist_process_group")
     # By default no TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
