@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 echo "== single-process suite"
 # pytest-xdist, one worker per core (MCORE_PPO_TEST_WORKERS overrides; 0 = in this process); a
 # module's tests stay on one worker (--dist loadfile), so its fixtures and reports stay whole.
-python -m pytest tests --ignore=tests/distributed -q -rs -n "${MCORE_PPO_TEST_WORKERS:-auto}" --dist loadfile "$@"
+# pytest-benchmark, where installed, is not used here and only warns under xdist.
+python -m pytest tests --ignore=tests/distributed -q -rs -n "${MCORE_PPO_TEST_WORKERS:-auto}" --dist loadfile -p no:benchmark "$@"
 
 echo "== multi-rank suite: ${MCORE_PPO_TEST_RANKS:-4} ranks (${MCORE_PPO_TEST_DIST_BACKEND:-gloo})"
 python scripts/run_distributed_tests.py --nproc "${MCORE_PPO_TEST_RANKS:-4}" -- "$@"
