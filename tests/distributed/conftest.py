@@ -29,6 +29,7 @@ Outside torchrun (no ``WORLD_SIZE``) the whole folder is skipped at collection, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -37,7 +38,7 @@ import os
 import signal
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -81,6 +82,26 @@ def rendezvous_timeout() -> datetime.timedelta:
 def megatron_timeout_minutes() -> int:
     """:func:`collective_timeout` for Megatron's ``initialize_model_parallel(distributed_timeout_minutes=)``."""
     return max(1, math.ceil(collective_timeout().total_seconds() / 60))
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int, cp: int = 1) -> Iterator[None]:
+    """Megatron's parallel_state for TP × CP over the world (a ``GPTModel`` reads it); a state
+    leaked by an earlier test is dropped first (module globals only, no collective)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        create_gloo_process_groups=False,
+        distributed_timeout_minutes=megatron_timeout_minutes(),
+    )
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 # ---------------------------------------------------------------------------------------------

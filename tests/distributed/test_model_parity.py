@@ -18,13 +18,10 @@ all-gathered over CP, Megatron's load-balanced chunks) against the cp=1 model.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, fitting, megatron_timeout_minutes, require_ranks, shared_seed
+from conftest import DEVICE, fitting, model_parallel, require_ranks, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
@@ -63,24 +60,6 @@ def shims(gpt_cpu_shims):
     yield
     if dist.get_rank() == 0 and MAX_DIFF:
         print("\nmodel parity max |diff|: " + ", ".join(f"{k}={v:.2e}" for k, v in sorted(MAX_DIFF.items())))
-
-
-@contextlib.contextmanager
-def model_parallel(tp: int, cp: int = 1) -> Iterator[None]:
-    """Megatron's parallel_state for TP × CP over the 4-rank world (GPTModel reads it); a state
-    leaked by an earlier test is dropped first (module globals only, no collective)."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        create_gloo_process_groups=False,
-        distributed_timeout_minutes=megatron_timeout_minutes(),
-    )
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def _model(*, tied: bool, sp: bool, attention: str = "reference", **overrides):

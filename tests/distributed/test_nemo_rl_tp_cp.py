@@ -22,15 +22,11 @@ One rank: ``tests/integrations/test_nemo_rl_real.py``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, fitting, megatron_timeout_minutes, require_ranks, shared_seed, tp_cp_groups
+from conftest import DEVICE, fitting, model_parallel, require_ranks, shared_seed, tp_cp_groups
 from head_cases import BACKEND
-from megatron.core import parallel_state
 
 import mcore_ppo.integrations.nemo_rl as nemo_rl_switch
 from mcore_ppo import build_gpt_model
@@ -113,20 +109,6 @@ def shims(gpt_cpu_shims):
     yield
 
 
-@contextlib.contextmanager
-def _tp2() -> Iterator[None]:
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=2, create_gloo_process_groups=False,
-        distributed_timeout_minutes=megatron_timeout_minutes(),
-    )  # fmt: skip
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
 def _step(nemo_rl, model, batch, weights, params, fused):
     log_probs = log_prob_pass(nemo_rl, model, batch, params, fused)
     train_log_probs = train_pass(nemo_rl, model, batch, params, fused, weights)
@@ -143,7 +125,7 @@ def test_enable_matches_nemo_rls_logits_path_tp2(sp):
     positions = torch.arange(GPT_SEQ).expand(GPT_BATCH, GPT_SEQ).contiguous().to(DEVICE)
     weights = torch.randn(GPT_BATCH, GPT_SEQ - 1, dtype=torch.float64, generator=gen).to(DEVICE)
     batch = microbatch(ids, positions)
-    with _tp2(), vendored_nemo_rl() as nemo_rl:
+    with model_parallel(2), vendored_nemo_rl() as nemo_rl:
         from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
 
         params = TrainingSamplingParams(temperature=GPT_TEMPERATURE)

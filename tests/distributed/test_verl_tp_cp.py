@@ -24,16 +24,13 @@ does with the SP gather's reduce-scatter.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, fitting, megatron_timeout_minutes, shared_seed, tp_cp_groups
+from conftest import DEVICE, fitting, model_parallel, shared_seed, tp_cp_groups
 from head_cases import BACKEND
-from megatron.core import parallel_state
 
 from mcore_ppo import build_gpt_model
 from mcore_ppo.integrations import verl as plugin
@@ -62,22 +59,6 @@ def shims(gpt_cpu_shims):
     verl_engine.import_verl_engine()
     yield
     plugin.uninstall()
-
-
-@contextlib.contextmanager
-def model_parallel(tp: int, cp: int) -> Iterator[None]:
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        create_gloo_process_groups=False,
-        distributed_timeout_minutes=megatron_timeout_minutes(),
-    )
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def _describe(layout) -> str:
