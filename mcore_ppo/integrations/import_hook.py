@@ -11,12 +11,27 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from collections.abc import Callable, Collection
 from types import ModuleType
 from typing import Any
 
-__all__ = ["AfterImportHook"]
+__all__ = ["AfterImportHook", "backend_from_environment"]
+
+
+def backend_from_environment(variable: str) -> str:
+    """The head backend an integration's environment variable names (unset or empty: ``auto``).
+
+    Raises:
+        ValueError: the value is not a backend name (the message names ``variable``).
+    """
+    from mcore_ppo.backends import BACKENDS
+
+    backend = os.environ.get(variable, "auto").strip() or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"{variable} must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    return backend
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -55,11 +70,16 @@ class AfterImportHook(importlib.abc.MetaPathFinder):
         """Whether :meth:`install` is in force (not yet :meth:`remove`-d)."""
         return self._installed
 
-    def install(self) -> None:
-        """Put the hook first on ``sys.meta_path`` (idempotent)."""
+    def install(self) -> list[ModuleType]:
+        """Put the hook first on ``sys.meta_path`` (idempotent) and run ``on_import`` on the named
+        modules already imported; returns those."""
         if not self._installed:
             sys.meta_path.insert(0, self)
             self._installed = True
+        loaded = [sys.modules[name] for name in sorted(self.names) if name in sys.modules]
+        for module in loaded:
+            self.on_import(module)
+        return loaded
 
     def remove(self) -> None:
         """Take the hook off ``sys.meta_path`` (idempotent)."""

@@ -186,6 +186,6 @@ def test_bad_switch_and_backend_values(fake_verl, monkeypatch, caplog):
     assert "is not one of" in caplog.text
     monkeypatch.setenv("MCORE_PPO_VERL", "1")
     monkeypatch.setenv("MCORE_PPO_VERL_BACKEND", "fastest")
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="MCORE_PPO_VERL_BACKEND must be one of"):
         plugin.activate_from_environment()
     assert not plugin.is_installed()

@@ -41,7 +41,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from mcore_ppo.integrations.import_hook import AfterImportHook
+from mcore_ppo.integrations.import_hook import AfterImportHook, backend_from_environment
 
 if TYPE_CHECKING:
     from mcore_ppo.integrations.nemo_rl.adapter import from_parallel_hidden_states_to_logprobs
@@ -128,15 +128,9 @@ def enable() -> None:
     Raises:
         ValueError: ``MCORE_PPO_NEMO_RL_BACKEND`` is not a backend name.
     """
-    from mcore_ppo.backends import check_backend
-
-    backend = os.environ.get(ENV_BACKEND, "auto").strip() or "auto"
-    check_backend(backend)
+    backend = backend_from_environment(ENV_BACKEND)
     with _LOCK:
-        _HOOK.install()
-        loaded = [sys.modules[name] for name in TARGETS if name in sys.modules]
-    for module in loaded:
-        _rebind(module)
+        loaded = _HOOK.install()
     _logger.info(
         "mcore_ppo NeMo-RL integration: on (backend=%r); NeMo-RL's fused log-prob path runs on the fused head: "
         "%s rebound now, the rest when imported",

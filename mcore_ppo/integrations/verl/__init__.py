@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from mcore_ppo.integrations.import_hook import AfterImportHook
+from mcore_ppo.integrations.import_hook import AfterImportHook, backend_from_environment
 from mcore_ppo.integrations.verl.engine import WRAPPERS, current_call_site
 from mcore_ppo.logs import log_once, logger
 
@@ -235,15 +235,9 @@ def install() -> None:
     Raises:
         ValueError: ``MCORE_PPO_VERL_BACKEND`` is not a backend name.
     """
-    from mcore_ppo.backends import check_backend
-
-    backend = os.environ.get(ENV_BACKEND, "auto").strip() or "auto"
-    check_backend(backend)
+    backend = backend_from_environment(ENV_BACKEND)
     with _LOCK:
-        _HOOK.install()
-        loaded = [sys.modules[name] for name in TARGET_MODULES if name in sys.modules]
-    for module in loaded:
-        _patch(module)
+        loaded = _HOOK.install()
     log_once(
         logging.INFO,
         ("verl-install", backend),
