@@ -30,12 +30,12 @@ import contextvars
 import functools
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from mcore_ppo.integrations.import_hook import backend_from_environment
 from mcore_ppo.integrations.nemo_rl import ENV_BACKEND
 from mcore_ppo.integrations.nemo_rl.adapter import from_parallel_hidden_states_to_logprobs
 from mcore_ppo.logs import log_once
@@ -123,7 +123,7 @@ def fused_hidden_states_to_logprobs(
             f"or {total} / tp={tp} (sequence parallelism)"
         )
     temperature = step_temperature()
-    backend = os.environ.get(ENV_BACKEND, "auto").strip() or "auto"
+    backend = backend_from_environment(ENV_BACKEND)
     log_once(
         logging.INFO,
         ("nemo-rl-fused", tp, sequence_parallel, temperature),

@@ -124,7 +124,7 @@ def linear_cross_entropy(
         temperature = site.temperature  # per token; verl's call passed a placeholder float
     if site is not None and not site.return_entropy:
         extra["return_entropy"] = False
-    backend = os.environ.get(ENV_BACKEND, "auto").strip() or "auto"
+    backend = backend_from_environment(ENV_BACKEND)
     outputs = compat_linear_cross_entropy(
         hidden,
         weight,
