@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mcore_ppo.api import fused_log_probs_and_entropy
     from mcore_ppo.backends import BACKENDS
+    from mcore_ppo.distill.student import fused_log_probs_at
     from mcore_ppo.distill.topk import fused_topk
     from mcore_ppo.head import VocabParallelFusedPPOHead
     from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
@@ -29,6 +30,7 @@ _EXPORTS = {
     "VocabParallelFusedPPOHead": "mcore_ppo.head",
     "build_gpt_model": "mcore_ppo.model",
     "fused_log_probs_and_entropy": "mcore_ppo.api",
+    "fused_log_probs_at": "mcore_ppo.distill.student",
     "fused_topk": "mcore_ppo.distill.topk",
     "gpt_log_probs_and_entropy": "mcore_ppo.model",
     "install_fused_head": "mcore_ppo.model",
@@ -41,6 +43,7 @@ __all__ = [
     "VocabParallelFusedPPOHead",
     "build_gpt_model",
     "fused_log_probs_and_entropy",
+    "fused_log_probs_at",
     "fused_topk",
     "gpt_log_probs_and_entropy",
     "install_fused_head",

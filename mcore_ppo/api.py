@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mcore_ppo.backends.base import Backend
+from mcore_ppo.distill.student import fused_log_probs_at
 from mcore_ppo.pipeline import call_options, run_head
 from parallel.groups import ProcessGroup, resolve_tp_group
 
@@ -34,7 +35,10 @@ def fused_log_probs_and_entropy(
             the global vocab (Megatron's ``ColumnParallelLinear`` layout). Same dtype as hidden.
         labels: global vocab ids, ``[b, s]`` for 3-D hidden (``[1, t]`` packed) or ``[n]``,
             covering the whole (gathered) sequence; ``ignore_index`` marks tokens to skip. Any
-            dtype of :data:`mcore_ppo.validation.LABEL_DTYPES`, compared in int64.
+            dtype of :data:`mcore_ppo.validation.LABEL_DTYPES`, compared in int64. With a
+            trailing dim, ``[b, s, k]`` / ``[n, k]``: ``k`` ids per token (a teacher's top-k),
+            computed by :func:`mcore_ppo.distill.student.fused_log_probs_at`, whose log-probs are
+            ``[..., k]`` (the entropy per token).
         temperature: logits are divided by it; a Python number in ``[1e-4, inf)``
             (:data:`mcore_ppo.validation.MIN_TEMPERATURE` says why the floor), or a per-token
             floating-point tensor shaped like ``labels`` or broadcastable to them (``[b, 1]``:
@@ -60,6 +64,11 @@ def fused_log_probs_and_entropy(
         (``entropy`` None with ``return_entropy=False``).
         Gradients flow to ``hidden`` (reduced over TP exactly once) and to ``weight``.
     """
+    if isinstance(labels, torch.Tensor) and isinstance(hidden, torch.Tensor) and labels.dim() == hidden.dim():
+        return fused_log_probs_at(
+            hidden, weight, labels, temperature=temperature, tp_group=tp_group, sequence_parallel=sequence_parallel,
+            ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate,
+        )  # fmt: skip
     options, row_temperature = call_options(
         temperature, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
     )
