@@ -25,6 +25,8 @@ answers ``import ray`` (:mod:`mcore_ppo_testing.real_verl`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import io
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -76,14 +78,17 @@ def make_engine(
     use_fused_kernels: bool = True,
     use_remove_padding: bool = True,
     mtp: bool = False,
+    mtp_train: bool = False,
     value_model: bool = False,
     pad_token_id: int = 0,
 ) -> Any:
     """A verl ``MegatronEngineWithLMHead`` (``MegatronEngineWithValueHead`` for ``value_model``)
     holding ``model``, with verl's own ``_maybe_enable_fused_kernels`` run on it as verl's
     ``initialize`` does (it patches the model's forward for the fused path, or turns the fused
-    path off for MTP, value models and runs without remove-padding). A model verl patched
-    before is unpatched first."""
+    path off for MTP, value models and runs without remove-padding), then, with ``mtp``
+    (``actor_rollout_ref.model.mtp.enable``; ``mtp_train``: ``mtp.enable_train``), verl's MTP
+    patches (``patch_engine_mtp``), as ``initialize`` applies them. A model verl patched before is
+    unpatched first."""
     transformer_impl = import_verl_engine()
     cls = transformer_impl.MegatronEngineWithValueHead if value_model else transformer_impl.MegatronEngineWithLMHead
     engine = object.__new__(cls)
@@ -100,7 +105,7 @@ def make_engine(
     engine.model_config = SimpleNamespace(
         hf_config=SimpleNamespace(architectures=[ARCHITECTURE]),
         tokenizer=SimpleNamespace(pad_token_id=pad_token_id),
-        mtp=SimpleNamespace(enable=mtp, enable_train=False),
+        mtp=SimpleNamespace(enable=mtp, enable_train=mtp_train, detach_encoder=False),
     )
     engine.is_value_model = value_model
     engine.enable_routing_replay = False
@@ -111,8 +116,25 @@ def make_engine(
     # One engine per model, set up once, as in verl: a model reused here gets its own forward
     # back first, so verl binds its fused forward as it is now (the plugin on or off).
     unpatch_fused_forward(model)
+    _unpatch_mtp(model)
     engine._maybe_enable_fused_kernels()
+    if mtp:
+        from verl.utils.megatron_utils import patch_engine_mtp
+
+        with contextlib.redirect_stdout(io.StringIO()):  # verl prints the whole module here
+            patch_engine_mtp(engine.module, engine.model_config)
     return engine
+
+
+def _unpatch_mtp(model: torch.nn.Module) -> None:
+    """verl's MTP patch of ``_postprocess`` taken off (verl's ``patch_postprocess`` would back up
+    an already patched one), so each engine binds the postprocess in place now."""
+    from verl.models.mcore.mtp_patch import _get_patching_model
+
+    gpt = _get_patching_model(model)
+    if gpt is not None and hasattr(gpt, "_postprocess_backup"):
+        del gpt._postprocess_backup
+        gpt.__dict__.pop("_postprocess", None)
 
 
 def make_batch(
@@ -248,6 +270,7 @@ class GradRun:
     log_probs: torch.Tensor
     entropy: torch.Tensor | None
     grads: dict[str, torch.Tensor]
+    mtp_losses: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def forward_backward(
@@ -258,16 +281,26 @@ def forward_backward(
     use_fused_kernels: bool = True,
     calculate_entropy: bool = True,
     grad_seed: int = 0,
+    mtp: bool = False,
+    mtp_train: bool = False,
 ) -> GradRun:
     """verl's ``forward_step`` on ``sequences`` (whatever kernel and plugin state is in place),
     then a backward of ``sum(a * log_probs + b * entropy)`` with fixed random per-token ``a``,
     ``b`` drawn from ``grad_seed`` (the same for every run and rank). Under CP verl gathers the
     outputs of every rank (the others' detached), so every token's values come back on each rank
-    and each rank's gradients are its share, as in verl."""
+    and each rank's gradients are its share, as in verl.
+
+    With ``mtp`` the engine has verl's MTP settings (``mtp_train``: ``mtp.enable_train``): the
+    MTP losses Megatron's tracker collected in the forward come back as verl reads them
+    (``get_megatron_mtp_loss``, a collective over the data-parallel group), and parameters that
+    get no gradient (the MTP layers when MTP does not train) are left out of ``grads``."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
     from mcore_ppo_testing.gpt_reference import pop_parameter_grads
 
     device = next(model.parameters()).device
-    engine = make_engine(model, use_fused_kernels=use_fused_kernels)
+    engine = make_engine(model, use_fused_kernels=use_fused_kernels, mtp=mtp, mtp_train=mtp_train)
+    MTPLossLoggingHelper.tracker.clear()
     batch = make_batch(sequences, temperature, calculate_entropy=calculate_entropy, device=device)
     for param in model.parameters():
         param.grad = None
@@ -282,7 +315,20 @@ def forward_backward(
         loss = loss + (entropy.double() * b).sum()
         entropy = entropy.detach().double()
     loss.backward()
-    return GradRun(log_probs.detach().double(), entropy, pop_parameter_grads(model))
+    mtp_losses: dict[str, float] = {}
+    if mtp:
+        from verl.utils.megatron_utils import get_megatron_mtp_loss
+
+        mtp_losses = get_megatron_mtp_loss(1)
+        MTPLossLoggingHelper.tracker.clear()
+        grads = {}
+        for name, param in model.named_parameters():
+            if param.grad is not None:  # None: the MTP layers when MTP does not train
+                grads[name] = param.grad.detach().clone()
+                param.grad = None
+    else:
+        grads = pop_parameter_grads(model)
+    return GradRun(log_probs.detach().double(), entropy, grads, mtp_losses)
 
 
 def fp64_kernel(

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -45,6 +46,7 @@ from typing import Any
 
 import torch
 
+from mcore_ppo.integrations.verl import mtp
 from mcore_ppo.logs import log_once
 
 __all__ = ["WRAPPERS", "CallSite", "call_site", "current_call_site", "fused_path_off_reason"]
@@ -122,6 +124,9 @@ def wrap_fused_gpt_model_forward(original: Callable[..., Any]) -> Callable[..., 
     def _fused_GPTModel_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
         sp = _sequence_parallel(getattr(model, "config", None), "_fused_GPTModel_forward")
         with call_site("_fused_GPTModel_forward", sequence_parallel=sp):
+            if mtp.reroutes_legacy_forward(model):
+                # MTP trains: Megatron's forward and verl's MTP postprocess, the head as its processor.
+                return mtp.legacy_forward_through_postprocess(model, original, *args, **kwargs)
             return original(model, *args, **kwargs)
 
     return _fused_GPTModel_forward
@@ -147,7 +152,7 @@ def wrap_fused_forward_model_engine(original: Callable[..., Any]) -> Callable[..
                 per_token = _per_token_temperature(temperature, arguments)
                 arguments["temperature"] = 1.0  # verl's own code sees a float; the head reads per_token
             known = {"return_entropy": bool(arguments.get("calculate_entropy", True)), "temperature": per_token}
-            with call_site("fused_forward_model_engine", **known):
+            with call_site("fused_forward_model_engine", **known), mtp.fused_engine_inputs(arguments):
                 return inner(*bound.args, **bound.kwargs)
 
         return fused_forward_model_engine_inner
@@ -217,6 +222,8 @@ def wrap_maybe_enable_fused_kernels(original: Callable[..., Any]) -> Callable[..
     @functools.wraps(original)
     def _maybe_enable_fused_kernels(self: Any, *args: Any, **kwargs: Any) -> Any:
         _ASKED[self] = bool(self.engine_config.use_fused_kernels)
+        if mtp.lift_applies(self):  # MCORE_PPO_VERL_MTP=1: only verl's MTP condition is lifted
+            return mtp.enable_fused_with_mtp(self)
         return original(self, *args, **kwargs)
 
     return _maybe_enable_fused_kernels
@@ -244,6 +251,7 @@ def fused_path_off_reason(engine: Any) -> tuple[str, str] | None:
     if getattr(mtp, "enable", False):
         return (
             "verl turned use_fused_kernels off: its fused path does not run with MTP",
+            f"{mtp.ENV_MTP}=1 in the workers' environment (the plugin then keeps verl's fused path with MTP), or "
             "actor_rollout_ref.model.mtp.enable=False (or keep MTP and verl's non-fused path)",
         )
     return "verl turned use_fused_kernels off", "actor_rollout_ref.model.use_fused_kernels=True"
@@ -281,7 +289,20 @@ def wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         _check_first_forward(self)
-        return original(self, *args, **kwargs)
+        if getattr(self, "is_value_model", False) or not bool(self.engine_config.use_fused_kernels):
+            return original(self, *args, **kwargs)
+        # The fused path with MTP needs the micro-batch's loss mask, which verl hands only to its
+        # non-fused path: the batch is read here and handed on unchanged.
+        args = list(args)
+        batch_iter = args[0] if args else kwargs["batch_iter"]
+        batch = next(batch_iter)
+        replay = itertools.chain([batch], batch_iter)
+        if args:
+            args[0] = replay
+        else:
+            kwargs["batch_iter"] = replay
+        with mtp.engine_step(self, batch):
+            return original(self, *args, **kwargs)
 
     return forward_step
 
@@ -295,6 +316,7 @@ WRAPPERS: dict[str, tuple[tuple[str, Callable[[Callable[..., Any]], Callable[...
         ("fused_forward_model_engine", wrap_fused_forward_model_engine),
     ),
     "verl.models.mcore.registry": (("fused_forward_model_engine", wrap_fused_forward_model_engine),),
+    "verl.models.mcore.mtp_patch": (("_megatron_gptmodel_postprocess", mtp.wrap_mtp_postprocess),),
     "verl.workers.engine.megatron.transformer_impl": (
         ("_resolve_fused_temperature", wrap_resolve_fused_temperature),
         ("MegatronEngine._maybe_enable_fused_kernels", wrap_maybe_enable_fused_kernels),
