@@ -8,6 +8,12 @@ deterministic repair of ties at the k-th value), merged with the rank's running 
 entry that is not (or stops being) a candidate is folded into the softmax statistics ``(m, s)`` of
 the shard's rest. The ranks then merge (:func:`parallel.topk.merge_topk_over_ranks`).
 
+On CUDA (fp16/bf16/fp32) the shard's pass is one fused Triton kernel instead
+(:mod:`mcore_ppo.kernels.topk`): logits tiles in registers, filtered by a per-row threshold into
+a small candidate buffer, the rest folded into ``(m, s)`` on the fly; the exact top ``k`` of the
+candidates is then selected here by a packed key (:func:`_split_candidates_topk`). The torch
+path stays the CPU/fp64 path and the exactness reference (``impl="torch"``).
+
 No gradient: the teacher is not trained, so the call runs under ``torch.no_grad()`` and its
 outputs never require grad, whatever ``hidden`` and ``weight`` do.
 """
@@ -20,6 +26,8 @@ from typing import NamedTuple
 import torch
 
 from mcore_ppo import validation
+from mcore_ppo.backends.triton_host import GemmConfig, cdiv, descriptor, for_dtype, interpreting, kernel_flags
+from mcore_ppo.backends.triton_host import operands_by_tma, rowmajor
 from mcore_ppo.function import autocast_off
 from parallel.groups import resolve_tp_group
 from parallel.mappings import all_gather_first_dim
@@ -32,6 +40,28 @@ MAX_TOPK = 128
 #: Block of logits held at once, ``[TOKEN_CHUNK, VOCAB_CHUNK]`` fp32 (32 MiB), read at each call.
 TOKEN_CHUNK = 2048
 VOCAB_CHUNK = 4096
+
+#: Which shard pass ``impl="auto"`` takes: the Triton kernel for fp16/bf16/fp32 CUDA tensors
+#: (where Triton is installed), the torch path otherwise.
+IMPLS = ("auto", "torch", "triton")
+#: Tiles of the fused kernel on a GPU: the head's forward tiles (128 × 256 logits, TMA operands).
+TRITON_CONFIG = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, use_tma=True)
+#: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
+TRITON_INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
+#: Rows per step of the in-kernel compaction (a ``[ROW_GROUP, CAP]`` block in registers).
+TRITON_ROW_GROUP = 16
+TRITON_INTERPRETER_ROW_GROUP = 4
+#: Bisection steps of the threshold: mid-sweep (only needs to be good) and final (near-exact).
+TRITON_BISECT_MID = 10
+TRITON_BISECT_FINAL = 24
+#: Vocab splits per row block: enough programs for about this many waves over the SMs, at most
+#: what :data:`TRITON_SCRATCH_BYTES` allows (the candidate buffers are ``splits · n · CAP · 8`` bytes).
+TRITON_WAVES = 2
+TRITON_SCRATCH_BYTES = 512 * 2**20
+#: Forces the number of vocab splits (tests); None: the rule above.
+TRITON_SPLITS: int | None = None
+#: Rows per launch (bounds the candidate buffers for very long batches).
+TRITON_TOKEN_CHUNK = 65536
 
 
 class TopK(NamedTuple):
@@ -72,6 +102,7 @@ def fused_topk(
     sequence_parallel: bool = False,
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
+    impl: str = "auto",
 ) -> TopK:
     """Per-token top-``k`` ids, log-probs and tail mass of ``softmax(hidden @ W.T / temperature)``.
 
@@ -93,6 +124,10 @@ def fused_topk(
             ``ids = ignore_index``, ``log_probs = 0``, ``tail_log_mass = 0``. None: every token
             counts.
         ignore_index: the label value of tokens to skip.
+        impl: the shard pass: ``"auto"`` (the fused Triton kernel for fp16/bf16/fp32 CUDA
+            tensors, the torch path otherwise), ``"torch"`` (chunked cuBLAS GEMMs +
+            ``torch.topk``, any device), ``"triton"`` (CUDA tensors, or any under
+            ``TRITON_INTERPRET=1``; not fp64). Every choice returns the same ids.
 
     Returns:
         :class:`TopK` ``(ids, log_probs, tail_log_mass)``: ``[b, s, k]`` / ``[b, s]`` for hidden
@@ -103,10 +138,11 @@ def fused_topk(
         TypeError: ``k`` not an int, non-tensor inputs, a non-float ``hidden``, ``weight`` of
             another dtype, ``labels`` not an integer tensor, a flag that is not a bool.
         ValueError: ``k`` out of range, shapes that do not fit a layout, unequal weight shards,
-            a bad temperature or ``ignore_index``.
+            a bad temperature or ``ignore_index``, an unknown ``impl`` or ``"triton"`` where it
+            cannot run.
     """
     with torch.no_grad():
-        return _fused_topk(hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index)
+        return _fused_topk(hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl)
 
 
 def _fused_topk(
@@ -118,6 +154,7 @@ def _fused_topk(
     sequence_parallel: bool,
     labels: torch.Tensor | None,
     ignore_index: int,
+    impl: str = "auto",
 ) -> TopK:
     k = check_k(k)
     temperature = validation.check_temperature(temperature)
@@ -139,12 +176,14 @@ def _fused_topk(
         layout_error = err
     validation.check_equal_shards(weight, tp_group, layout_error)
     check_k(k, weight.shape[0] * tp_size)
+    use_triton = _use_triton(impl, hidden)
 
     if sequence_parallel and tp_size > 1:
         hidden = all_gather_first_dim(hidden, tp_group)
     tokens = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
     with autocast_off(hidden.device):
-        values, ids, rest_max, rest_sum = _shard_topk(
+        shard_pass = _shard_topk_triton if use_triton else _shard_topk
+        values, ids, rest_max, rest_sum = shard_pass(
             tokens, weight, k, temperature, vocab_start=group_rank(tp_group) * weight.shape[0]
         )
         top_values, top_ids, lse, tail_lse = merge_topk_over_ranks(values, ids, rest_max, rest_sum, k, tp_group)
@@ -251,3 +290,165 @@ def _shard_topk(
                 m, s = fold_into_statistics(m, s, dropped)
         values[t0:t1], ids[t0:t1], rest_max[t0:t1], rest_sum[t0:t1] = run_values, run_ids, m, s
     return values, ids, rest_max, rest_sum
+
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(impl: object, hidden: torch.Tensor) -> bool:
+    """Whether the shard pass is the Triton kernel: by ``impl``, the device and the dtype."""
+    if not isinstance(impl, str):
+        raise TypeError(f"impl must be a str, got {validation.type_name(impl)}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return False
+    runnable = hidden.dtype in _TRITON_DTYPES and (hidden.is_cuda or interpreting()) and _triton_importable()
+    if impl == "triton" and not runnable:
+        raise ValueError(
+            "impl='triton' needs fp16/bf16/fp32 CUDA tensors (or TRITON_INTERPRET=1) and triton, got "
+            f"{hidden.dtype} tensors on {hidden.device}; use impl='torch' or 'auto'"
+        )
+    return runnable and (impl == "triton" or hidden.is_cuda)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _triton_splits(n: int, n_tiles: int, cap: int, block_m: int, device: torch.device) -> int:
+    """Vocab splits per row block (see :data:`TRITON_WAVES`), between 1 and the tiles."""
+    if TRITON_SPLITS is not None:
+        return max(1, min(TRITON_SPLITS, n_tiles))
+    wanted = cdiv(TRITON_WAVES * _num_sms(device), cdiv(n, block_m))
+    affordable = TRITON_SCRATCH_BYTES // max(1, n * cap * 8)
+    return max(1, min(wanted, affordable, n_tiles))
+
+
+def _shard_topk_triton(
+    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, *, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_shard_topk`'s outputs from the fused kernel, token chunk by token chunk."""
+    n, v = tokens.shape[0], weight.shape[0]
+    c = min(k, v)
+    device = tokens.device
+    values = torch.empty(n, c, dtype=torch.float32, device=device)
+    ids = torch.empty(n, c, dtype=torch.int64, device=device)
+    rest_max = torch.empty(n, dtype=torch.float32, device=device)
+    rest_sum = torch.empty(n, dtype=torch.float32, device=device)
+    tokens, weight = rowmajor(tokens), rowmajor(weight)
+    for t0, t1 in _chunks(n, TRITON_TOKEN_CHUNK):
+        out = _triton_chunk(tokens[t0:t1], weight, k, temperature)
+        values[t0:t1], ids[t0:t1], rest_max[t0:t1], rest_sum[t0:t1] = out
+    ids += vocab_start
+    return values, ids, rest_max, rest_sum
+
+
+def _triton_chunk(
+    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch over ``tokens [n, h]``; ids local to the shard. Rows whose candidate buffer
+    overflowed (exact ties at the threshold) are recomputed by the torch path."""
+    from mcore_ppo.kernels.topk import topk_filter_kernel
+
+    n, h = tokens.shape
+    v = weight.shape[0]
+    device = tokens.device
+    interp = interpreting()
+    cfg = for_dtype(TRITON_INTERPRETER_CONFIG if interp else TRITON_CONFIG, tokens.dtype)
+    row_group = min(TRITON_INTERPRETER_ROW_GROUP if interp else TRITON_ROW_GROUP, cfg.block_m)
+    cap = _next_pow2(k + cfg.block_n + 1)
+    kout = min(cap, k + max(32, k // 2))
+    n_tiles = cdiv(v, cfg.block_n)
+    splits = _triton_splits(n, n_tiles, cap, cfg.block_m, device)
+    tiles_per_split = cdiv(n_tiles, splits)
+    splits = cdiv(n_tiles, tiles_per_split)
+    buf_v = torch.empty(splits, n, cap, dtype=torch.float32, device=device)
+    buf_i = torch.empty(splits, n, cap, dtype=torch.int32, device=device)
+    state = torch.empty(3, splits, n, dtype=torch.float32, device=device)  # theta, m (base 2), s
+    count = torch.empty(splits, n, dtype=torch.int32, device=device)
+    use_tma = operands_by_tma(tokens, weight, cfg) and tokens.data_ptr() % 16 == 0
+    x_desc = descriptor(tokens, [cfg.block_m, cfg.block_k]) if use_tma else tokens
+    w_desc = descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
+    topk_filter_kernel[(cdiv(n, cfg.block_m) * splits,)](
+        tokens, weight, x_desc, w_desc, buf_v, buf_i, count, state[0], state[1], state[2],
+        n, v, h, tokens.stride(0), weight.stride(0), splits, tiles_per_split, 1.0 / temperature, k, kout,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, CAP=cap,
+        ROW_GROUP=row_group, BISECT_MID=TRITON_BISECT_MID, BISECT_FINAL=TRITON_BISECT_FINAL,
+        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kernel_flags(tokens, cfg),
+    )  # fmt: skip
+    values, ids, rest_max, rest_sum = _split_candidates_topk(
+        buf_v[..., :kout], buf_i[..., :kout], count, state[1] * math.log(2.0), state[2], min(k, v)
+    )
+    overflow = (count > kout).any(dim=0)
+    if bool(overflow.any()):  # one host sync per launch; rare: only exact ties keep a buffer full
+        rows = overflow.nonzero().squeeze(1)
+        fixed = _shard_topk(tokens[rows], weight, k, temperature, vocab_start=0)
+        for out, new in zip((values, ids, rest_max, rest_sum), fixed, strict=True):
+            out[rows] = new.to(out.dtype)
+    return values, ids, rest_max, rest_sum
+
+
+_ID_BIAS = 2**31 - 1
+
+
+def _order_key(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as the tie rule: larger fp32 value first, then the smaller id.
+
+    The fp32 bits map to an order-preserving int32 (negative values get their magnitude bits
+    flipped; ``+ 0.0`` turns ``-0.0`` into ``+0.0``, which compare equal), shifted above
+    ``2**31 - 1 - id``.
+    """
+    bits = (values.float() + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    return (ordered << 32) | (_ID_BIAS - ids.to(torch.int64))
+
+
+def _split_candidates_topk(
+    buf_v: torch.Tensor,
+    buf_i: torch.Tensor,
+    count: torch.Tensor,
+    rest_m: torch.Tensor,
+    rest_s: torch.Tensor,
+    c: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top ``c`` of the kernel's per-split candidates, and the rest's ``(m, s)``.
+
+    ``buf_v``, ``buf_i``: ``[splits, n, w]`` (the first ``count [splits, n]`` valid), ``rest_m``
+    (natural units) and ``rest_s``: ``[splits, n]``. Candidates not selected are folded into
+    the rest; the splits' rests are combined by the usual rescaling.
+    """
+    splits, n, w = buf_v.shape
+    valid = torch.arange(w, device=buf_v.device)[None, None, :] < count[..., None]
+    values = buf_v.permute(1, 0, 2).reshape(n, splits * w)
+    ids = buf_i.permute(1, 0, 2).reshape(n, splits * w).to(torch.int64)
+    valid = valid.permute(1, 0, 2).reshape(n, splits * w)
+    keys = torch.where(valid, _order_key(values, ids), torch.iinfo(torch.int64).min)
+    _, picked = torch.topk(keys, c, dim=1)  # keys are distinct among valid entries: no tie
+    top_values, top_ids = values.gather(1, picked), ids.gather(1, picked)
+    dropped = valid.scatter(1, picked, False)
+    m, s = _combine_splits(rest_m, rest_s)
+    m, s = fold_into_statistics(m, s, torch.where(dropped, values, -torch.inf))
+    return top_values, top_ids, m, s
+
+
+def _combine_splits(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, s)`` over ``[splits, n]`` partial statistics (``(-inf, 0)`` where a split has none)."""
+    top = m.amax(dim=0)
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    scale = torch.where(s > 0, torch.exp(m - safe[None, :]), torch.zeros_like(s))
+    return top, (s * scale).sum(dim=0)

@@ -1,0 +1,235 @@
+"""Teacher top-k kernel: fused ``x @ W.T / T`` tiles, a per-row threshold filter, rest statistics.
+
+``topk_filter_kernel``: one program per (block of ``BLOCK_M`` rows, vocab split). It computes
+each ``[BLOCK_M, BLOCK_N]`` logit tile in fp32 registers (the head's ``tile_dot``) and keeps, per
+(split, row), in global memory:
+
+- a candidate buffer of ``CAP`` slots (values ``z`` and local column ids) holding every entry
+  of the split that can still be among its ``K`` best, in column order within a tile;
+- ``theta``: a threshold such that at least ``K`` buffered entries are ``>= theta``. Later
+  tiles hold larger column ids, which lose every tie, so an entry ``z <= theta`` of a later tile
+  can never enter the top ``K``: only ``z > theta`` is appended;
+- the softmax statistics ``(m, s)`` (base 2: ``m = max z₂``, ``s = Σ 2^(z₂-m)``, ``z₂ = z·log2 e``)
+  of every entry that is *not* a candidate: filtered entries as they stream by, and entries the
+  compaction drops. The tail mass is then a sum of its own terms, never a difference of totals.
+
+When a row's buffer could not take another full tile (``count > CAP - BLOCK_N``), the program
+compacts its rows (:func:`compact_rows`): per row a bisection on the value finds the largest
+``theta`` with at least ``K`` buffered entries ``>= theta``; entries below it are folded into
+``(m, s)`` and the rest are moved to the front of the buffer. With ``theta`` near the k-th
+value, a row appends about ``K·BLOCK_N/seen`` entries per tile, so compactions grow rare
+(roughly one each time the columns seen grow e-fold for the largest ``K``). At the end a final
+compaction leaves at most ``KOUT`` entries where the values allow it.
+
+A row whose buffer overflows (exact ties at the threshold can keep more than ``CAP - BLOCK_N``
+entries) keeps counting past ``CAP`` without writing there: its count is the host's signal to
+recompute that row by the torch path. The host selects the exact top ``K`` of the buffered
+entries of all splits by the packed key (value, then smaller id) and folds the other ones into
+the rest.
+
+Every row's state lives in global memory across a compaction (the compaction walks the
+program's rows in groups of ``ROW_GROUP``, which cannot index the block's register vectors);
+``tl.debug_barrier`` orders the program's own stores and loads around it.
+"""
+
+import triton
+import triton.language as tl
+
+from mcore_ppo.kernels.common import grouped_tile, tile_dot
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _fold(m, s, z2):
+    """``(m, s)`` (base 2) extended by the entries of ``z2 [rows, cols]`` (``-inf`` adds nothing)."""
+    m_new = tl.maximum(m, tl.max(z2, 1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    s = s * tl.exp2(m - ref) + tl.sum(tl.exp2(z2 - ref[:, None]), 1)
+    return m_new, s
+
+
+@triton.jit
+def compact_rows(
+    buf_v_ptr,
+    buf_i_ptr,
+    cnt_ptr,
+    theta_ptr,
+    m_ptr,
+    s_ptr,
+    state0,
+    row_start,
+    N,
+    K,
+    target,
+    BLOCK_M: tl.constexpr,
+    CAP: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
+    BISECT: tl.constexpr,
+):
+    """Compact the buffers of rows ``row_start ..`` whose count exceeds ``target`` (and fits ``CAP``).
+
+    Per row: ``theta`` = the largest value found by ``BISECT`` halvings with at least ``K``
+    buffered entries ``>= theta``; entries below it are folded into ``(m, s)``, the others move
+    to the front (in their order). State ``(count, theta, m, s)`` is read and written at
+    ``state0 + row``.
+    """
+    offs_c = tl.arange(0, CAP)
+    for g in range(0, BLOCK_M, ROW_GROUP):
+        r = row_start + g + tl.arange(0, ROW_GROUP)
+        r_ok = r < N
+        st = state0 + r
+        c = tl.load(cnt_ptr + st, mask=r_ok, other=0)
+        theta = tl.load(theta_ptr + st, mask=r_ok, other=float("-inf"))
+        m = tl.load(m_ptr + st, mask=r_ok, other=float("-inf"))
+        s = tl.load(s_ptr + st, mask=r_ok, other=0.0)
+        need = (c > target) & (c > K) & (c <= CAP) & r_ok
+        if tl.max(need.to(tl.int32), 0) > 0:
+            valid = (offs_c[None, :] < c[:, None]) & need[:, None]
+            slot = st.to(tl.int64)[:, None] * CAP + offs_c[None, :]
+            v = tl.load(buf_v_ptr + slot, mask=valid, other=float("-inf"))
+            ids = tl.load(buf_i_ptr + slot, mask=valid, other=0)
+            hi = tl.max(v, 1)
+            lo = tl.min(tl.where(valid, v, float("inf")), 1)
+            # Invariant: at least K entries >= lo; fewer than K entries >= hi unless the top ties.
+            top_ties = tl.sum((v >= hi[:, None]).to(tl.int32), 1) >= K
+            lo = tl.where(top_ties, hi, lo)
+            for _ in tl.static_range(BISECT):
+                mid = lo + (hi - lo) * 0.5
+                ok = tl.sum((v >= mid[:, None]).to(tl.int32), 1) >= K
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid)
+            new_theta = tl.where(need, tl.maximum(lo, theta), theta)
+            keep = valid & (v >= new_theta[:, None])
+            m, s = _fold(m, s, tl.where(valid & ~keep, v * LOG2E, float("-inf")))
+            k_int = keep.to(tl.int32)
+            pos = tl.cumsum(k_int, 1) - k_int
+            dest = st.to(tl.int64)[:, None] * CAP + pos
+            # Every thread has read its entries before any is overwritten.
+            tl.debug_barrier()
+            tl.store(buf_v_ptr + dest, v, mask=keep)
+            tl.store(buf_i_ptr + dest, ids, mask=keep)
+            tl.store(cnt_ptr + st, tl.where(need, tl.sum(k_int, 1), c), mask=r_ok)
+            tl.store(theta_ptr + st, new_theta, mask=r_ok)
+            tl.store(m_ptr + st, m, mask=r_ok)
+            tl.store(s_ptr + st, s, mask=r_ok)
+
+
+@triton.jit(
+    do_not_specialize=["N"],
+    do_not_specialize_on_alignment=["cnt_ptr", "theta_ptr", "m_ptr", "s_ptr"],
+)
+def topk_filter_kernel(
+    x_ptr,
+    w_ptr,
+    x_desc,
+    w_desc,
+    buf_v_ptr,
+    buf_i_ptr,
+    cnt_ptr,
+    theta_ptr,
+    m_ptr,
+    s_ptr,
+    N,
+    V,
+    H,
+    stride_x,
+    stride_w,
+    num_splits,
+    tiles_per_split,
+    inv_temp,
+    K,
+    KOUT,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    CAP: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
+    BISECT_MID: tl.constexpr,
+    BISECT_FINAL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """Per-(split, row) candidate buffer, count, threshold and rest ``(m, s)``; see the module doc.
+
+    Outputs (``[num_splits, N]`` state, ``[num_splits, N, CAP]`` buffers): ``cnt`` entries of
+    the buffer are valid (``cnt > CAP``: overflowed); ``m`` is in base-2 units.
+    """
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < N
+    rows = tl.minimum(offs_m, N - 1)
+    state0 = pid_n * N
+    st = state0 + offs_m
+    slot0 = st.to(tl.int64) * CAP
+
+    theta = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    cnt = tl.zeros((BLOCK_M,), tl.int32)
+    m_r = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    s_r = tl.zeros((BLOCK_M,), tl.float32)
+    split_lo = pid_n * tiles_per_split * BLOCK_N
+    n_tiles = tl.minimum(tiles_per_split, tl.cdiv(V - split_lo, BLOCK_N))
+    for t in range(0, n_tiles):
+        n0 = split_lo + t * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < V
+        acc = tile_dot(
+            x_ptr,
+            w_ptr,
+            x_desc,
+            w_desc,
+            rows,
+            tl.minimum(offs_n, V - 1),
+            row0,
+            n0,
+            H,
+            stride_x,
+            stride_w,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            UPCAST,
+            DOT_IEEE,
+            USE_TMA,
+        )
+        z = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
+        emit = z > theta[:, None]
+        m_r, s_r = _fold(m_r, s_r, tl.where(emit, float("-inf"), z * LOG2E))
+        e = emit.to(tl.int32)
+        pos = cnt[:, None] + tl.cumsum(e, 1) - e
+        ok = emit & (pos < CAP) & row_ok[:, None]
+        dest = slot0[:, None] + pos
+        tl.store(buf_v_ptr + dest, z, mask=ok)
+        tl.store(buf_i_ptr + dest, offs_n[None, :], mask=ok)
+        cnt += tl.sum(e, 1)
+        if tl.max(tl.where(row_ok, cnt, 0), 0) > CAP - BLOCK_N:
+            tl.store(cnt_ptr + st, cnt, mask=row_ok)
+            tl.store(theta_ptr + st, theta, mask=row_ok)
+            tl.store(m_ptr + st, m_r, mask=row_ok)
+            tl.store(s_ptr + st, s_r, mask=row_ok)
+            tl.debug_barrier()
+            compact_rows(
+                buf_v_ptr, buf_i_ptr, cnt_ptr, theta_ptr, m_ptr, s_ptr, state0, row0, N, K, K,
+                BLOCK_M, CAP, ROW_GROUP, BISECT_MID,
+            )  # fmt: skip
+            tl.debug_barrier()
+            cnt = tl.load(cnt_ptr + st, mask=row_ok, other=0)
+            theta = tl.load(theta_ptr + st, mask=row_ok, other=float("-inf"))
+            m_r = tl.load(m_ptr + st, mask=row_ok, other=float("-inf"))
+            s_r = tl.load(s_ptr + st, mask=row_ok, other=0.0)
+
+    tl.store(cnt_ptr + st, cnt, mask=row_ok)
+    tl.store(theta_ptr + st, theta, mask=row_ok)
+    tl.store(m_ptr + st, m_r, mask=row_ok)
+    tl.store(s_ptr + st, s_r, mask=row_ok)
+    tl.debug_barrier()
+    compact_rows(
+        buf_v_ptr, buf_i_ptr, cnt_ptr, theta_ptr, m_ptr, s_ptr, state0, row0, N, K, KOUT,
+        BLOCK_M, CAP, ROW_GROUP, BISECT_FINAL,
+    )  # fmt: skip
