@@ -26,8 +26,16 @@ from typing import NamedTuple
 import torch
 
 from mcore_ppo import validation
-from mcore_ppo.backends.triton_host import GemmConfig, cdiv, descriptor, for_dtype, interpreting, kernel_flags
-from mcore_ppo.backends.triton_host import operands_by_tma, rowmajor
+from mcore_ppo.backends.triton_host import (
+    GemmConfig,
+    cdiv,
+    descriptor,
+    for_dtype,
+    interpreting,
+    kernel_flags,
+    operands_by_tma,
+    rowmajor,
+)
 from mcore_ppo.function import autocast_off
 from parallel.groups import resolve_tp_group
 from parallel.mappings import all_gather_first_dim
