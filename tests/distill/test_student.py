@@ -1,0 +1,261 @@
+"""The student's log-probs at k ids per token (``fused_log_probs_and_entropy`` with ``[..., k]``
+labels, i.e. ``mcore_ppo.fused_log_probs_at``) on one rank, against the fp64 full-logits
+reference (``mcore_ppo_testing.student_reference``).
+
+Every layout ([s,b,h], packed [t,1,h], [n,h]) × k ∈ {1, 8, 64} × fp64/fp32/bf16 × the torch and
+triton backends, with the chunks shrunk (torch backend 5 × 32, gather chunks of a few tokens),
+ignored slots, fully ignored tokens and duplicate ids in a row; per-token temperatures; entropy
+off and unused outputs; V = 262,144 at a few tokens; bad inputs.
+
+Tolerances as for the head (tests/core/head_checks.py): outputs 1e-5 relative to the tensor's
+max; gradients 1e-5 relative to the magnitudes of the terms they sum (bf16: plus the final
+cast, 2^-8 per element).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mcore_ppo
+from mcore_ppo.backends import TorchBackend, import_optional
+from mcore_ppo.distill import student as student_module
+from mcore_ppo_testing.reference import assert_close
+from mcore_ppo_testing.seeds import generator, next_seed
+from mcore_ppo_testing.student_reference import student_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TRITON_ON_CPU = pytest.mark.skipif(
+    import_optional("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the triton backend runs CPU tensors only in the interpreter (TRITON_INTERPRET=1)",
+)
+IGNORE = -100
+HIDDEN = 16
+OUT_RTOL = 1e-5
+BF16_CAST_RTOL = 2.0**-8
+# layout -> (hidden's leading shape, the per-token shape of the ids)
+LAYOUTS = {"sbh": ((5, 3), (3, 5)), "thd": ((13, 1), (1, 13)), "nh": ((14,), (14,))}
+
+
+def small_torch() -> TorchBackend:
+    return TorchBackend(token_chunk=5, vocab_chunk=32)
+
+
+def make_case(layout: str, vocab: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    """Random hidden/weight, ids with ignored slots (a quarter), one token fully ignored, a
+    duplicate id in every row (slot 1 repeats slot 0), and upstream gradients."""
+    lead, token_shape = LAYOUTS[layout]
+    hidden = torch.randn(*lead, HIDDEN, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (0.5 * torch.randn(vocab, HIDDEN, generator=gen, dtype=torch.float64)).to(dtype)
+    ids = torch.randint(0, vocab, (*token_shape, k), generator=gen)
+    if k > 1:
+        ids[..., 1] = ids[..., 0]
+        flat = ids.view(-1)
+        flat[torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 4]] = IGNORE
+    ids.view(-1, k)[2] = IGNORE
+    g = torch.randn(ids.shape, generator=gen, dtype=torch.float64)
+    e = torch.randn(token_shape, generator=gen, dtype=torch.float64)
+    return {"hidden": hidden, "weight": weight, "ids": ids, "g": g, "e": e}
+
+
+def run(case: dict, temperature=0.7, *, use_entropy=True, **kwargs) -> dict:
+    hidden = case["hidden"].detach().requires_grad_(True)
+    weight = case["weight"].detach().requires_grad_(True)
+    log_q, entropy = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, case["ids"], temperature=temperature, **kwargs
+    )
+    loss = (log_q * case["g"].to(log_q.dtype)).sum()
+    if use_entropy and entropy is not None:
+        loss = loss + (entropy * case["e"].to(entropy.dtype)).sum()
+    loss.backward()
+    return {"log_q": log_q, "entropy": entropy, "d_hidden": hidden.grad, "d_weight": weight.grad}
+
+
+def compare(out: dict, ref: dict, dtype: torch.dtype, *, with_entropy=True, grad_rtol=OUT_RTOL, cast=None) -> None:
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out["log_q"].dtype == acc
+    names = ("log_q", "entropy") if with_entropy else ("log_q",)
+    for name in names:
+        assert_close(out[name], ref[name], name=f"student {name}", dtype=dtype, rtol=OUT_RTOL)
+    if cast is None:
+        cast = BF16_CAST_RTOL if dtype == torch.bfloat16 else 0.0
+    for name in ("d_hidden", "d_weight"):
+        assert out[name] is not None and out[name].dtype == dtype, name
+        assert_close(
+            out[name],
+            ref[name],
+            name=f"student {name}",
+            dtype=dtype,
+            rtol=grad_rtol,
+            atol=1e-30,
+            elementwise_rtol=cast,
+            terms=ref[name + "_terms"],
+        )
+
+
+def reference_of(case: dict, temperature=0.7, *, use_entropy=True) -> dict:
+    return student_reference(
+        case["hidden"], case["weight"], case["ids"], temperature, case["g"], case["e"] if use_entropy else None
+    )
+
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+# The torch backend in every combination; the triton one (Triton's interpreter: slow) in fp32 and
+# bf16, k in {1, 8}, the [s, b, h] and [n, h] layouts.
+CASES = [pytest.param("torch", layout, dtype, k, id=f"torch-{layout}-{dtype}-k{k}")
+         for layout in LAYOUTS for dtype in DTYPES for k in (1, 8, 64)] + [
+    pytest.param("triton", layout, dtype, k, id=f"triton-{layout}-{dtype}-k{k}", marks=TRITON_ON_CPU)
+    for layout in ("sbh", "nh") for dtype in ("fp32", "bf16") for k in (1, 8)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend,layout,dtype_name,k", CASES)
+def test_matches_fp64_reference(backend, layout, dtype_name, k, monkeypatch):
+    """V = 100 (4 torch vocab chunks, the last ragged), gather chunks of 2-3 tokens."""
+    dtype = DTYPES[dtype_name]
+    monkeypatch.setattr(student_module, "GATHER_ELEMENTS", 3 * k * HIDDEN - 1)
+    case = make_case(layout, 100, k, dtype, generator(next_seed()))
+    out = run(case, backend=small_torch() if backend == "torch" else "triton")
+    grad_rtol, cast = OUT_RTOL, None
+    if backend == "triton" and dtype == torch.bfloat16:
+        # The triton backend rounds dz to 16 bits before its GEMMs and returns d_hidden rounded
+        # once (the head's own test_head_options bounds for this case).
+        grad_rtol, cast = 1e-2, 8e-3
+    compare(out, reference_of(case), dtype, grad_rtol=grad_rtol, cast=cast)
+    ids = case["ids"]
+    assert out["log_q"].shape == ids.shape and out["entropy"].shape == ids.shape[:-1]
+    assert (out["log_q"][ids == IGNORE] == 0).all()
+    assert (out["entropy"][(ids == IGNORE).all(-1)] == 0).all()
+    assert (out["log_q"] <= 0).all()
+    if k > 1:  # a duplicate id gets the same value in both slots
+        both = (ids[..., 0] != IGNORE) & (ids[..., 1] != IGNORE)
+        assert both.any() and torch.equal(out["log_q"][..., 0][both], out["log_q"][..., 1][both])
+
+
+@pytest.mark.parametrize("layout", ["sbh", "nh"])
+def test_k1_slot_equals_the_head(layout):
+    """Labels ``[..., 1]`` give the head's log-prob of the same label (labels ``[...]``),
+    entropy and gradients, to fp32 rounding (the k-path gathers the label logit separately)."""
+    gen = generator(next_seed())
+    case = make_case(layout, 300, 1, torch.float32, gen)
+    out = run(case, backend="torch")
+    head_case = dict(case, ids=case["ids"][..., 0], g=case["g"][..., 0])
+    head = run(head_case, backend="torch")
+    torch.testing.assert_close(out["log_q"][..., 0], head["log_q"], rtol=0, atol=2e-6)
+    torch.testing.assert_close(out["entropy"], head["entropy"], rtol=0, atol=2e-6)
+    for name in ("d_hidden", "d_weight"):
+        torch.testing.assert_close(out[name], head[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["token", "sequence"])
+def test_per_token_temperature(kind):
+    """A temperature per token (``[b, s]``) or per sequence (``[b, 1]``) divides each token's logits."""
+    gen = generator(next_seed())
+    case = make_case("sbh", 100, 8, torch.float32, gen)
+    shape = (3, 5) if kind == "token" else (3, 1)
+    temperature = 0.3 + 2.2 * torch.rand(shape, generator=gen)
+    out = run(case, temperature, backend=small_torch())
+    compare(out, reference_of(case, temperature), torch.float32)
+
+
+def test_entropy_off_and_unused_outputs():
+    """``return_entropy=False`` → ``(log_q, None)`` with the log-q gradients alone; a loss on the
+    entropy alone gives the entropy's gradients alone."""
+    gen = generator(next_seed())
+    case = make_case("nh", 100, 8, torch.float32, gen)
+    out = run(case, backend=small_torch(), return_entropy=False)
+    assert out["entropy"] is None
+    compare(out, reference_of(case, use_entropy=False), torch.float32, with_entropy=False)
+    entropy_only = dict(case, g=torch.zeros_like(case["g"]))
+    hidden = case["hidden"].detach().requires_grad_(True)
+    weight = case["weight"].detach().requires_grad_(True)
+    _, entropy = mcore_ppo.fused_log_probs_at(hidden, weight, case["ids"], temperature=0.7, backend=small_torch())
+    (entropy * case["e"].float()).sum().backward()
+    ref = reference_of(entropy_only)
+    assert_close(hidden.grad, ref["d_hidden"], name="student d_hidden", dtype=torch.float32, rtol=OUT_RTOL,
+                 atol=1e-30, terms=ref["d_hidden_terms"])  # fmt: skip
+
+
+def test_large_vocab_few_tokens():
+    """V = 262,144 (several default vocab chunks), k = 64, 6 tokens, fp32."""
+    gen = generator(next_seed())
+    vocab, k = 262_144, 64
+    hidden = torch.randn(3, 2, HIDDEN, generator=gen)
+    weight = torch.randn(vocab, HIDDEN, generator=gen) * 0.5
+    ids = torch.randint(0, vocab, (2, 3, k), generator=gen)
+    ids[0, 1, 5:] = IGNORE
+    case = {
+        "hidden": hidden,
+        "weight": weight,
+        "ids": ids,
+        "g": torch.randn(ids.shape, generator=gen, dtype=torch.float64),
+        "e": torch.randn(2, 3, generator=gen, dtype=torch.float64),
+    }
+    out = run(case, 1.0, backend="torch")
+    compare(out, reference_of(case, 1.0), torch.float32)
+
+
+def test_ignored_tokens_with_inf_hidden_are_skipped():
+    """A token whose slots are all ignored may carry inf/NaN hidden states (padding): its outputs
+    are 0 and no NaN reaches a gradient."""
+    gen = generator(next_seed())
+    case = make_case("nh", 100, 8, torch.float32, gen)
+    case["hidden"][2] = torch.inf  # token 2 is fully ignored (make_case)
+    out = run(case, backend=small_torch())
+    for name in ("log_q", "entropy", "d_hidden", "d_weight"):
+        assert torch.isfinite(out[name]).all(), name
+    assert (out["d_hidden"][2] == 0).all()
+
+
+def test_no_grad_and_double_backward():
+    gen = generator(next_seed())
+    case = make_case("nh", 50, 4, torch.float32, gen)
+    hidden = case["hidden"].detach().requires_grad_(True)
+    with torch.no_grad():
+        log_q, _ = mcore_ppo.fused_log_probs_at(hidden, case["weight"], case["ids"])
+    assert not log_q.requires_grad
+    log_q, _ = mcore_ppo.fused_log_probs_at(hidden, case["weight"], case["ids"])
+    with pytest.raises(NotImplementedError, match="differentiable once"):
+        torch.autograd.grad(log_q.sum(), hidden, create_graph=True)
+
+
+def test_bad_inputs():
+    gen = generator(next_seed())
+    case = make_case("sbh", 50, 4, torch.float32, gen)
+    hidden, weight, ids = case["hidden"], case["weight"], case["ids"]
+    api = mcore_ppo.fused_log_probs_and_entropy
+    with pytest.raises(TypeError, match="labels must be an integer tensor"):
+        api(hidden, weight, ids.float())
+    with pytest.raises(TypeError, match="hidden must be a floating-point"):
+        api(hidden.long(), weight, ids)
+    bad = ids.clone()
+    bad[1, 2, 0] = 50
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 50\)"):
+        api(hidden, weight, bad)
+    bad[1, 2, 0] = -3
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 50\)"):
+        api(hidden, weight, bad)
+    # Without validation the bad slot is NaN, the others are values.
+    log_q, _ = api(hidden, weight, bad, validate=False)
+    assert torch.isnan(log_q[1, 2, 0]) and torch.isfinite(log_q[0]).all()
+    with pytest.raises(ValueError, match="k >= 1"):
+        api(hidden, weight, ids[..., :0])
+    with pytest.raises(ValueError, match=r"labels must have shape .*k=4 ids per token"):
+        api(hidden, weight, ids.transpose(0, 1))
+    with pytest.raises(ValueError, match="temperature must be shaped like labels"):
+        api(hidden, weight, ids, temperature=torch.ones(3, 5, 4))
+    with pytest.raises(ValueError, match="temperature values"):
+        api(hidden, weight, ids, temperature=torch.zeros(3, 1))
+    with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
+        mcore_ppo.fused_log_probs_at(hidden, weight, ids, sequence_parallel=1)
+
+
+@pytest.mark.skipif(import_optional("liger_kernel") is None, reason="liger-kernel is not installed")
+def test_liger_is_refused():
+    gen = generator(next_seed())
+    case = make_case("nh", 50, 4, torch.float32, gen)
+    with pytest.raises(ValueError, match="per-shard backend"):
+        mcore_ppo.fused_log_probs_at(case["hidden"], case["weight"], case["ids"], backend="liger")
