@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import os
 from collections.abc import Iterator, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "kernel_in_place_of_verls",
     "make_batch",
     "make_engine",
+    "megatron_hook_route",
     "plugin_on",
     "run_forward_step",
     "verl_log_probs",
@@ -143,10 +145,12 @@ def make_batch(
     *,
     calculate_entropy: bool = True,
     device: torch.device | str = "cpu",
+    loss_mask: Sequence[Sequence[int] | torch.Tensor] | None = None,
 ) -> Any:
     """One micro-batch as verl's Megatron engine receives it: a TensorDict with nested jagged
-    ``input_ids`` and ``loss_mask`` (``[b, j]``), a per-sample fp32 ``temperature`` ``[b]``
-    (a float is repeated), and the non-tensor flags ``forward_step`` reads."""
+    ``input_ids`` and ``loss_mask`` (``[b, j]``; ``loss_mask`` one 0/1 row per sequence, its
+    length, default all ones), a per-sample fp32 ``temperature`` ``[b]`` (a float is repeated),
+    and the non-tensor flags ``forward_step`` reads."""
     from tensordict import NonTensorData, TensorDict
 
     rows = [torch.as_tensor(seq, dtype=torch.long).reshape(-1).cpu() for seq in sequences]
@@ -160,7 +164,13 @@ def make_batch(
     if temps.numel() != len(rows):
         raise ValueError(f"temperature must be a float or one value per sequence ({len(rows)}), got {temps.numel()}")
     input_ids = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-    loss_mask = torch.nested.as_nested_tensor([torch.ones_like(row) for row in rows], layout=torch.jagged)
+    if loss_mask is None:
+        masks = [torch.ones_like(row) for row in rows]
+    else:
+        masks = [torch.as_tensor(mask, dtype=torch.long).reshape(-1).cpu() for mask in loss_mask]
+        if [m.numel() for m in masks] != [row.numel() for row in rows]:
+            raise ValueError("loss_mask must have one row per sequence, as long as the sequence")
+    loss_mask = torch.nested.as_nested_tensor(masks, layout=torch.jagged)
     batch = TensorDict(
         {"input_ids": input_ids, "loss_mask": loss_mask, "temperature": temps}, batch_size=[len(rows)]
     ).to(device)
@@ -283,6 +293,7 @@ def forward_backward(
     grad_seed: int = 0,
     mtp: bool = False,
     mtp_train: bool = False,
+    loss_mask: Sequence[Sequence[int] | torch.Tensor] | None = None,
 ) -> GradRun:
     """verl's ``forward_step`` on ``sequences`` (whatever kernel and plugin state is in place),
     then a backward of ``sum(a * log_probs + b * entropy)`` with fixed random per-token ``a``,
@@ -301,7 +312,7 @@ def forward_backward(
     device = next(model.parameters()).device
     engine = make_engine(model, use_fused_kernels=use_fused_kernels, mtp=mtp, mtp_train=mtp_train)
     MTPLossLoggingHelper.tracker.clear()
-    batch = make_batch(sequences, temperature, calculate_entropy=calculate_entropy, device=device)
+    batch = make_batch(sequences, temperature, calculate_entropy=calculate_entropy, device=device, loss_mask=loss_mask)
     for param in model.parameters():
         param.grad = None
     raw = run_forward_step(engine, model, batch)
@@ -362,3 +373,50 @@ def kernel_in_place_of_verls(kernel: Any) -> Iterator[None]:
         yield
     finally:
         fused.linear_cross_entropy = saved
+
+
+class _PostprocessHookGPT:
+    """Mixed into a ``GPTModel`` subclass by :func:`megatron_hook_route`: ``forward`` takes
+    megatron-core >= 0.18's ``output_processor`` / ``output_processor_context`` and hands them to
+    ``self._postprocess`` (verl's MTP patch, where the engine applied it), as megatron-core >= 0.18's
+    ``GPTModel.forward`` does; the rest is the installed ``GPTModel.forward``."""
+
+    def forward(self, *args: Any, output_processor: Any = None, output_processor_context: Any = None, **kwargs: Any):
+        if output_processor is None:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        had_own = "_postprocess" in self.__dict__
+        postprocess = self._postprocess
+        self._postprocess = functools.partial(
+            postprocess, output_processor=output_processor, output_processor_context=output_processor_context
+        )
+        try:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if had_own:
+                self._postprocess = postprocess
+            else:
+                del self._postprocess
+
+
+@contextlib.contextmanager
+def megatron_hook_route(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, verl sees ``model`` (an unwrapped ``GPTModel``) as megatron-core >= 0.18 shows it:
+    ``forward`` takes ``output_processor``, so verl's engines set up inside take the hook route
+    (``fused_output_processor`` through ``GPTModel._postprocess``) instead of patching ``forward``.
+    On megatron-core >= 0.18 nothing changes. Engines made inside belong inside."""
+    from verl.models.mcore.model_forward_fused import _FUSED_FORWARD_MODE_ATTR, unpatch_fused_forward
+
+    from mcore_ppo.model import supports_output_processor
+
+    if supports_output_processor(model):
+        yield
+        return
+    original = type(model)
+    unpatch_fused_forward(model)
+    model.__dict__.pop(_FUSED_FORWARD_MODE_ATTR, None)
+    model.__class__ = type(f"PostprocessHook{original.__name__}", (_PostprocessHookGPT, original), {})
+    try:
+        yield
+    finally:
+        model.__dict__.pop(_FUSED_FORWARD_MODE_ATTR, None)
+        model.__class__ = original

@@ -247,8 +247,8 @@ def fused_path_off_reason(engine: Any) -> tuple[str, str] | None:
             "verl turned use_fused_kernels off: its fused path needs remove-padding",
             "actor_rollout_ref.model.use_remove_padding=True",
         )
-    mtp = getattr(getattr(engine, "model_config", None), "mtp", None)
-    if getattr(mtp, "enable", False):
+    mtp_config = getattr(getattr(engine, "model_config", None), "mtp", None)
+    if getattr(mtp_config, "enable", False):
         return (
             "verl turned use_fused_kernels off: its fused path does not run with MTP",
             f"{mtp.ENV_MTP}=1 in the workers' environment (the plugin then keeps verl's fused path with MTP), or "

@@ -217,9 +217,7 @@ def reroutes_legacy_forward(model: Any) -> bool:
     return True
 
 
-def legacy_forward_through_postprocess(
-    model: Any, fused_forward: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Any:
+def legacy_forward_through_postprocess(model: Any, fused_forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """verl's ``_fused_GPTModel_forward(model, ...)`` as Megatron's ``forward`` plus the MTP postprocess:
     the processor verl's fused forward stands for is handed to the postprocess."""
     import verl.models.mcore.model_forward_fused as fused
@@ -437,7 +435,12 @@ def _save_to_tracker(
 
     avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     save_metrics = getattr(MTPLossLoggingHelper, "save_metrics_to_tracker", None)
-    if save_metrics is not None and list(inspect.signature(save_metrics).parameters)[:3] == ["loss", "correct", "total"]:
+    metrics_api = save_metrics is not None and list(inspect.signature(save_metrics).parameters)[:3] == [
+        "loss",
+        "correct",
+        "total",
+    ]
+    if metrics_api:
         from mcore_ppo import fused_topk
 
         # Megatron's acceptance counts: the top-1 id against the label where the mask counts.
