@@ -13,17 +13,24 @@ and under CP its load-balanced part. Two kinds of data:
   across shards and chunks, so the ids must equal the reference's bitwise (ties to the smaller id).
 
 k ∈ {1, 8, 64, 96 = V} (96 is more than a shard holds: the merge needs every rank's candidates).
+
+The student side (``fused_log_probs_at``: log-probs at k ids per token, with gradients) under
+TP 2 (SP off and on) and TP 2 × CP 2 is at the end of the file.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import DEVICE, layout_id, shared_seed, tp_cp_groups
 from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, TEMPERATURE, VOCAB, draw_ids
 
-from mcore_ppo import fused_topk
+from mcore_ppo import fused_log_probs_at, fused_topk
 from mcore_ppo.distill import topk as topk_module
+from mcore_ppo_testing.student_reference import student_reference
 from mcore_ppo_testing.topk_reference import topk_reference
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
 
@@ -197,4 +204,142 @@ def test_bad_k_raises_on_every_rank(check):
         )
         check.case("tp=4 k = 0")
         check.raises(ValueError, "k must be in", fused_topk, hidden, weight, 0, tp_group=layout.tp_group)
+    check.done()
+
+
+# --- The student's log-probs at k ids per token (fused_log_probs_at), with gradients ------------
+#
+# The same global data on every rank; the single-rank call (full weight, tp_group=None) and the
+# fp64 full-logits reference (mcore_ppo_testing.student_reference) on the whole batch; then this
+# rank's vocab shard (and SP sequence shard, CP part). The ids cover the first and last id of every
+# shard (head_cases.draw_ids) with a quarter of the slots ignored; outputs, d_hidden (this rank's
+# part) and d_weight (this rank's rows; under CP summed over the CP ranks) are compared.
+
+STUDENT_KS = (8, 64)
+STUDENT_TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def student_case(dtype: torch.dtype, lead: tuple[int, ...], token_shape: tuple[int, ...], k: int) -> dict:
+    hidden = torch.randn(*lead, HIDDEN, dtype=torch.float64).to(dtype)
+    weight = (0.5 * torch.randn(VOCAB, HIDDEN, dtype=torch.float64)).to(dtype)
+    count = math.prod(token_shape)
+    ids = draw_ids(count * k).view(*token_shape, k)
+    g = torch.randn(ids.shape, dtype=torch.float64)
+    e = torch.randn(token_shape, dtype=torch.float64)
+    return {"hidden": hidden, "weight": weight, "ids": ids, "g": g, "e": e}
+
+
+def student_run(hidden, weight, ids, g, e, **kwargs) -> dict:
+    hidden = hidden.detach().requires_grad_(True)
+    weight = weight.detach().requires_grad_(True)
+    log_q, entropy = fused_log_probs_at(hidden, weight, ids, temperature=TEMPERATURE, **kwargs)
+    ((log_q * g.to(log_q)).sum() + (entropy * e.to(entropy)).sum()).backward()
+    return {"log_q": log_q, "entropy": entropy, "d_hidden": hidden.grad, "d_weight": weight.grad}
+
+
+def student_compare(check, out: dict, single: dict, ref: dict, dtype: torch.dtype, suite: str) -> None:
+    tol = STUDENT_TOL[dtype]
+    for name in ("log_q", "entropy", "d_hidden", "d_weight"):
+        actual = out[name].detach().cpu()
+        check.close(name, actual, single[name].detach(), tol=tol, kind=f"{suite}: vs single-rank")
+        check.close(name, actual.double(), ref[name], tol=max(tol, 1e-5 if dtype != torch.float64 else tol),
+                    kind=f"{suite}: vs fp64")  # fmt: skip
+
+
+@pytest.fixture
+def small_student_chunks(monkeypatch):
+    from mcore_ppo.backends import torch_backend
+    from mcore_ppo.distill import student as student_module
+
+    monkeypatch.setattr(student_module, "GATHER_ELEMENTS", 3 * 64 * HIDDEN - 1)
+    monkeypatch.setattr(torch_backend, "TOKEN_CHUNK", 10)
+    monkeypatch.setattr(torch_backend, "VOCAB_CHUNK", 16)
+
+
+@pytest.mark.usefixtures("small_student_chunks")
+@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
+def test_student_tp2_matches_single_rank_and_fp64(sp, check):
+    """TP 2 in every layout, SP off and on, fp64 and fp32, k ∈ {8, 64} (64 > a 48-row shard)."""
+    tp = 2
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    for name, (seq, batch) in LAYOUT_SHAPES.items():
+        lead = (seq,) if batch is None else (seq, batch)
+        token_shape = (seq,) if batch is None else (batch, seq)
+        for dtype in (torch.float64, torch.float32):
+            for k in STUDENT_KS:
+                case = student_case(dtype, lead, token_shape, k)
+                single = student_run(**case, tp_group=None, backend="torch")
+                ref = student_reference(case["hidden"], case["weight"], case["ids"], TEMPERATURE, case["g"], case["e"])
+                if layout.tp_group is None:
+                    continue
+                check.case(f"student tp={tp} sp={sp} layout={name} {dtype} k={k}")
+                r = layout.tp_rank
+                local_hidden = case["hidden"].chunk(tp, dim=0)[r] if sp else case["hidden"]
+                out = student_run(
+                    local_hidden.to(DEVICE),
+                    case["weight"].chunk(tp, dim=0)[r].to(DEVICE),
+                    case["ids"].to(DEVICE),
+                    case["g"].to(DEVICE),
+                    case["e"].to(DEVICE),
+                    tp_group=layout.tp_group,
+                    sequence_parallel=sp,
+                )
+                for result in (single, ref):
+                    if sp:
+                        result["d_hidden"] = result["d_hidden"].chunk(tp, dim=0)[r]
+                    result["d_weight"] = result["d_weight"].chunk(tp, dim=0)[r]
+                student_compare(check, out, single, ref, dtype, f"student TP{tp} sp={sp}")
+    check.done()
+
+
+@pytest.mark.usefixtures("small_student_chunks")
+def test_student_tp2_cp2_matches_single_rank_and_fp64(check):
+    """TP 2 × CP 2, padded [s, b, h] and packed THD, SP off and on: each CP rank passes its
+    load-balanced part of the tokens (and of their ids); d_weight is summed over CP."""
+    tp, cp = 2, 2
+    layout = tp_cp_groups(tp, cp)
+    torch.manual_seed(shared_seed())
+    for packed in (False, True):
+        if packed:
+            lengths = (4 * cp, 2 * cp, 6 * cp)
+            cu_seqlens = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            lead, token_shape = (cu_seqlens[-1], 1), (1, cu_seqlens[-1])
+        else:
+            cu_seqlens, lead, token_shape = None, (16, 2), (2, 16)
+        for dtype in (torch.float64, torch.float32):
+            k = 8
+            case = student_case(dtype, lead, token_shape, k)
+            single = student_run(**case, tp_group=None, backend="torch")
+            ref = student_reference(case["hidden"], case["weight"], case["ids"], TEMPERATURE, case["g"], case["e"])
+            if layout.cp_group is None:
+                continue
+            r = layout.cp_rank
+
+            def part(t: torch.Tensor, r=r, cu_seqlens=cu_seqlens, seq_dim=1) -> torch.Tensor:
+                return split_for_cp(t, cp, r, seq_dim=seq_dim, cu_seqlens=cu_seqlens)
+
+            local_hidden = part(case["hidden"], seq_dim=0)
+            for sp in (False, True):
+                check.case(f"student tp={tp} cp={cp} sp={sp} packed={packed} {dtype} k={k}")
+                shard = local_hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else local_hidden
+                out = student_run(
+                    shard.to(DEVICE),
+                    case["weight"].chunk(tp, dim=0)[layout.tp_rank].to(DEVICE),
+                    part(case["ids"]).to(DEVICE),
+                    part(case["g"]).to(DEVICE),
+                    part(case["e"]).to(DEVICE),
+                    tp_group=layout.tp_group,
+                    sequence_parallel=sp,
+                )
+                dist.all_reduce(out["d_weight"], group=layout.cp_group)
+                expected = []
+                for result in (single, ref):
+                    local = dict(result)
+                    local["log_q"], local["entropy"] = part(result["log_q"]), part(result["entropy"])
+                    d_hidden = part(result["d_hidden"], seq_dim=0)
+                    local["d_hidden"] = d_hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else d_hidden
+                    local["d_weight"] = result["d_weight"].chunk(tp, dim=0)[layout.tp_rank]
+                    expected.append(local)
+                student_compare(check, out, *expected, dtype, f"student TP{tp}xCP{cp} sp={sp}")
     check.done()
