@@ -58,10 +58,13 @@ TRITON_CONFIG = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=16, num
 TRITON_INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 #: Rows per step of the in-kernel compaction (a ``[ROW_GROUP, CAP]`` block in registers).
 TRITON_ROW_GROUP = 16
-TRITON_INTERPRETER_ROW_GROUP = 4
-#: Bisection steps of the threshold: mid-sweep (only needs to be good) and final (near-exact).
+#: Bisection steps of the threshold: mid-sweep (only needs to be good) and final (near-exact:
+#: a final count above ``KOUT`` sends the row to the torch path).
 TRITON_BISECT_MID = 10
 TRITON_BISECT_FINAL = 24
+#: The interpreter pays ~20 ms per nested ``@triton.jit`` call (reductions included): one row
+#: group per block and fewer bisection steps keep the CPU tests short.
+TRITON_INTERPRETER_BISECT = (6, 12)
 #: Vocab splits per row block: enough programs for about this many waves over the SMs, at most
 #: what :data:`TRITON_SCRATCH_BYTES` allows (the candidate buffers are ``splits · n · CAP · 8`` bytes).
 TRITON_WAVES = 2
@@ -378,7 +381,8 @@ def _triton_chunk(
     device = tokens.device
     interp = interpreting()
     cfg = for_dtype(TRITON_INTERPRETER_CONFIG if interp else TRITON_CONFIG, tokens.dtype)
-    row_group = min(TRITON_INTERPRETER_ROW_GROUP if interp else TRITON_ROW_GROUP, cfg.block_m)
+    row_group = cfg.block_m if interp else min(TRITON_ROW_GROUP, cfg.block_m)
+    bisect_mid, bisect_final = TRITON_INTERPRETER_BISECT if interp else (TRITON_BISECT_MID, TRITON_BISECT_FINAL)
     cap = _next_pow2(k + cfg.block_n + 1)
     kout = min(cap, k + max(32, k // 2))
     n_tiles = cdiv(v, cfg.block_n)
@@ -396,7 +400,7 @@ def _triton_chunk(
         tokens, weight, x_desc, w_desc, buf_v, buf_i, count, state[0], state[1], state[2],
         n, v, h, tokens.stride(0), weight.stride(0), splits, tiles_per_split, 1.0 / temperature, k, kout,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, CAP=cap,
-        ROW_GROUP=row_group, BISECT_MID=TRITON_BISECT_MID, BISECT_FINAL=TRITON_BISECT_FINAL,
+        ROW_GROUP=row_group, BISECT_MID=bisect_mid, BISECT_FINAL=bisect_final,
         USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kernel_flags(tokens, cfg),
     )  # fmt: skip
     values, ids, rest_max, rest_sum = _split_candidates_topk(

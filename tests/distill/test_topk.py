@@ -12,6 +12,8 @@ id can).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -266,3 +268,147 @@ def test_cuda_path(dtype, monkeypatch):
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     ties = fused_topk(hidden.cuda(), weight.cuda(), 128)
     assert torch.equal(ties.ids.cpu(), topk_reference(hidden, weight, 128).ids)
+
+
+# ----------------------------------------------------------------------------- the Triton kernel
+# Under TRITON_INTERPRET=1 (tests/conftest.py) with the interpreter's tiles (16 rows × 32 vocab
+# columns): against the fp64 reference and the torch path, with the vocab split across programs.
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    """A record of the torch-path calls (the kernel's overflow rows, or a test's own impl="torch")."""
+    pytest.importorskip("triton")
+    fallback_rows = []
+    original = topk_module._shard_topk
+
+    def spy(tokens, *args, **kwargs):
+        fallback_rows.append(tokens.shape[0])
+        return original(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(topk_module, "_shard_topk", spy)
+    return fallback_rows
+
+
+def triton_topk(hidden, weight, k, splits, monkeypatch, **kwargs):
+    monkeypatch.setattr(topk_module, "TRITON_SPLITS", splits)
+    return fused_topk(hidden, weight, k, impl="triton", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "k", "vocab", "splits"),
+    [(torch.float32, 8, 600, 3), (torch.float16, 64, 500, 2), (torch.float32, 128, 400, 1)],
+    ids=["fp32-k8-3splits", "fp16-k64-2splits", "fp32-k128-1split"],
+)
+def test_triton_matches_fp64_and_torch(dtype, k, vocab, splits, triton_path, monkeypatch):
+    """Random logits (T = 0.7, a quarter of the tokens ignored): the kernel's top-k against fp64
+    (ids up to fp32 near-ties, log-probs and tail to fp32 rounding) and the torch path."""
+    gen = generator(next_seed())
+    hidden = torch.randn(14, HIDDEN, generator=gen).to(dtype)
+    weight = torch.randn(vocab, HIDDEN, generator=gen).to(dtype)
+    labels = torch.randint(0, vocab, (14,), generator=gen)
+    labels[::4] = IGNORE
+    out = triton_topk(hidden, weight, k, splits, monkeypatch, temperature=0.7, labels=labels)
+    assert triton_path == []  # no row needed the torch path
+    ref = topk_reference(hidden.float(), weight.float(), k, 0.7, labels, IGNORE)
+    check_against_reference(out, ref, torch.float32, exact_ids=False)
+    chunked = fused_topk(hidden, weight, k, temperature=0.7, labels=labels, impl="torch")
+    torch.testing.assert_close(out.tail_log_mass, chunked.tail_log_mass, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("k", [1, 8, 24])
+def test_triton_ties_across_tiles_and_splits(k, triton_path, monkeypatch):
+    """Each weight row repeated every 37 columns (across tiles of 32 and 3 splits), integer
+    entries (logits exact in any summation order): every value ties at least 11 times; the
+    top-k takes the smaller ids among equal values, exactly as fp64 does."""
+    gen = generator(next_seed())
+    hidden = torch.randint(-4, 5, (16, HIDDEN), generator=gen).float()
+    weight = torch.randint(-4, 5, (37, HIDDEN), generator=gen).float().repeat(11, 1)
+    out = triton_topk(hidden, weight, k, 3, monkeypatch)
+    assert triton_path == []
+    ref = topk_reference(hidden, weight, k)
+    assert torch.equal(out.ids, ref.ids)
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=2e-5)
+    assert torch.equal(out.ids, fused_topk(hidden, weight, k, impl="torch").ids)
+
+
+@pytest.mark.parametrize("k", [31, 32, 33, 64])
+def test_triton_k_at_tile_boundaries(k, triton_path, monkeypatch):
+    """k at and around the tile width (32) and the compaction's trigger, integer logits (ties)."""
+    gen = generator(next_seed())
+    hidden = torch.randint(-3, 4, (12, 8), generator=gen).float()
+    weight = torch.randint(-3, 4, (300, 8), generator=gen).float()
+    out = triton_topk(hidden, weight, k, 2, monkeypatch)
+    assert triton_path == []
+    ref = topk_reference(hidden, weight, k)
+    assert torch.equal(out.ids, ref.ids)
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=2e-5)
+    sorted_full = ref.full_log_probs.sort(dim=-1, descending=True).values
+    assert (sorted_full[..., k - 1] == sorted_full[..., k]).any()  # ties at the k-th place
+
+
+def test_triton_k_equal_to_vocab(triton_path, monkeypatch):
+    """k = V over 2 splits: every id, probabilities summing to 1, tail -inf."""
+    hidden, weight, labels = random_case("nh", 40, torch.float32)
+    out = triton_topk(hidden, weight, 40, 2, monkeypatch, labels=labels)
+    valid = labels != IGNORE
+    assert torch.isneginf(out.tail_log_mass[valid]).all()
+    total = out.log_probs[valid].double().exp().sum(-1)
+    torch.testing.assert_close(total, torch.ones_like(total), rtol=0, atol=2e-5)
+    ref = topk_reference(hidden, weight, 40, 1.0, labels, IGNORE)
+    check_against_reference(out, ref, torch.float32, exact_ids=False)
+
+
+def test_triton_ignored_tokens_and_layout(triton_path, monkeypatch):
+    """[s, b, h] with ignored tokens: ignore_index / 0 there, the torch path's ids elsewhere
+    (integer logits: no rounding can separate the two paths)."""
+    gen = generator(next_seed())
+    hidden = torch.randint(-2, 3, (6, 2, 8), generator=gen).float()
+    weight = torch.randint(-2, 3, (150, 8), generator=gen).float()
+    labels = torch.randint(0, 150, (2, 6), generator=gen)
+    labels[0, 1:4] = IGNORE
+    out = triton_topk(hidden, weight, 16, 2, monkeypatch, labels=labels)
+    chunked = fused_topk(hidden, weight, 16, labels=labels, impl="torch")
+    assert (out.ids[labels == IGNORE] == IGNORE).all() and (out.log_probs[labels == IGNORE] == 0).all()
+    for a, b in zip(out, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    assert torch.equal(out.ids, chunked.ids)
+
+
+def test_triton_buffer_overflow_goes_to_the_torch_path(triton_path, monkeypatch):
+    """Every logit equal (zero hidden): ties at the threshold fill the candidate buffers, so
+    those rows are recomputed by the torch path: ids 0..k-1, log p = -log V, exact tail."""
+    vocab, k = 300, 8
+    hidden = torch.zeros(5, 8)
+    weight = torch.randn(vocab, 8, generator=generator(next_seed()))
+    out = triton_topk(hidden, weight, k, 2, monkeypatch)
+    assert triton_path == [5]
+    assert torch.equal(out.ids, torch.arange(k).expand(5, k))
+    torch.testing.assert_close(out.log_probs.double(), torch.full((5, k), -math.log(vocab), dtype=torch.float64))
+    expected_tail = torch.full((5,), math.log((vocab - k) / vocab), dtype=torch.float64)
+    torch.testing.assert_close(out.tail_log_mass.double(), expected_tail, rtol=0, atol=2e-6)
+
+
+def test_order_key_is_the_tie_rule():
+    """The packed int64 key sorts as (larger value, then smaller id), over signs, zeros and
+    magnitudes; -0.0 and +0.0 tie."""
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 1.0, -1.0, 2.5, 0.0])
+    ids = torch.tensor([5, 3, 7, 0, 11, 2, 9, 4, 1, 6, 10, 8])
+    order = topk_module._order_key(values, ids).argsort(descending=True)
+    expected = sorted(range(len(ids)), key=lambda i: (-values[i].item(), ids[i].item()))
+    assert order.tolist() == expected
+
+
+def test_impl_argument():
+    """impl: a TypeError for a non-str, a ValueError naming the choices or the tensors it needs."""
+    hidden, weight, _ = random_case("nh", 50, torch.float64)
+    with pytest.raises(TypeError, match="impl must be a str"):
+        fused_topk(hidden, weight, 4, impl=1)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        fused_topk(hidden, weight, 4, impl="cuda")
+    with pytest.raises(ValueError, match="impl='triton' needs fp16/bf16/fp32"):
+        fused_topk(hidden, weight, 4, impl="triton")
+    # On CPU tensors "auto" is the torch path, whatever the interpreter.
+    assert not topk_module._use_triton("auto", hidden.float())

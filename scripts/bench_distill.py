@@ -1,0 +1,289 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark of the teacher's top-k (``mcore_ppo.fused_topk``) on one GPU.
+
+Per (global V, TP, k) on the same bf16 inputs (``n`` tokens, hidden ``h``, this rank's vocab
+shard ``V/tp``), in one process, every implementation equally warmed and timed in the order
+A B C D D C B A (medians of ``--reps`` calls per visit, both visits pooled):
+
+- ``gemm``: one cuBLAS GEMM ``hidden @ W_shard.T`` with bf16 inputs and an fp32 output (the floor);
+- ``triton``: ``fused_topk(..., impl="triton")`` (the fused kernel + the candidates' selection);
+- ``torch``: ``fused_topk(..., impl="torch")`` (chunked cuBLAS GEMMs + ``torch.topk``);
+- ``naive``: full fp32 logits per token chunk of ``--naive-chunk`` tokens, ``log_softmax``,
+  ``torch.topk``, tail ``log(1 - Σ p_topk)`` (what a plain PyTorch teacher does).
+
+Reported: median ms, ratio to ``gemm``, peak memory above the inputs (the outputs included), and
+against float64 on ``--check-rows`` random tokens: the fraction of tokens whose ``k`` ids equal
+the fp64 top-k's (a near-tie within fp32 rounding may legitimately differ), the largest
+``|Δ log p|`` and the largest relative error of the tail mass ``Σ_{j∉S} p_j``. The fused kernel's
+candidate counts (mean / max per row and split) and a profile of one call are recorded too.
+
+Usage (GPU): ``python scripts/bench_distill.py --out DIR [--vocab 151936,262144] [--tp 1,8]
+[--k 8,64,128] [--reps 5]``. Writes ``DIR/bench_distill.json`` (after every configuration) and
+``DIR/bench_distill.md``. ``--triton-variants waves=1,waves=4`` also times the kernel with
+other module settings (``TRITON_<NAME>`` of :mod:`mcore_ppo.distill.topk`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mcore_ppo.distill import topk as topk_module
+from mcore_ppo.distill.topk import fused_topk
+
+GIB = 2**30
+
+
+def gemm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError):  # a torch without out_dtype: the bf16 GEMM, noted in the JSON
+        return torch.mm(x, w.t())
+
+
+def naive_topk(x: torch.Tensor, w: torch.Tensor, k: int, temperature: float, chunk: int):
+    """Plain PyTorch: fp32 logits per token chunk, log_softmax, topk, tail as 1 - Σ p."""
+    n = x.shape[0]
+    ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    logp = torch.empty(n, k, dtype=torch.float32, device=x.device)
+    tail = torch.empty(n, dtype=torch.float32, device=x.device)
+    for t0 in range(0, n, chunk):
+        t1 = min(n, t0 + chunk)
+        z = gemm_fp32(x[t0:t1], w).float().div_(temperature)
+        lp = torch.log_softmax(z, dim=-1)
+        del z
+        vals, idx = torch.topk(lp, k, dim=-1)
+        ids[t0:t1], logp[t0:t1] = idx, vals
+        tail[t0:t1] = torch.log(torch.clamp(1.0 - vals.exp().sum(-1), min=0.0))
+    return ids, logp, tail
+
+
+def time_visit(fn, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def peak_extra_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def fp64_reference(x, w, k, temperature, rows):
+    z = (x[rows].double() @ w.double().t()) / temperature
+    lp = torch.log_softmax(z, dim=-1)
+    vals, ids = lp.sort(dim=-1, descending=True, stable=True)
+    return ids[:, :k], vals[:, :k], torch.logsumexp(vals[:, k:], dim=-1), lp
+
+
+def errors(out, ref, rows) -> dict:
+    ids, logp, tail = (t[rows] for t in out)
+    ref_ids, ref_logp, ref_tail, full = ref
+    same = (ids == ref_ids).all(dim=-1).double().mean().item()
+    # log p at the returned ids, from fp64: a near-tie swapped by rounding is not an error there.
+    at_ids = full.gather(1, ids)
+    d_logp = max((logp.double() - at_ids).abs().max().item(), (logp.double() - ref_logp).abs().max().item())
+    finite = torch.isfinite(ref_tail)
+    rel_tail = ((tail.double().exp() - ref_tail.exp()).abs() / ref_tail.exp()).where(finite, 0.0).max().item()
+    return {"ids_equal_fraction": same, "max_abs_logp_err": d_logp, "max_rel_tail_err": rel_tail}
+
+
+def candidate_stats(x, w, k, temperature) -> dict:
+    """Counts of the fused kernel's per-(row, split) candidates after its final compaction."""
+    seen = {}
+    original = topk_module._split_candidates_topk
+
+    def spy(buf_v, buf_i, count, *rest):
+        c = count.float()
+        seen.update(splits=count.shape[0], cap=buf_v.shape[-1], count_mean=c.mean().item(), count_max=c.max().item())
+        return original(buf_v, buf_i, count, *rest)
+
+    topk_module._split_candidates_topk = spy
+    try:
+        fused_topk(x, w, k, temperature=temperature, impl="triton")
+    finally:
+        topk_module._split_candidates_topk = original
+    return seen
+
+
+def profile_once(fn) -> str:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=8)
+
+
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+    variants = []
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        variants.append((f"triton[{item}]", {"TRITON_" + name.upper(): int(value)}))
+    return variants
+
+
+def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
+    v = vocab // tp
+    shard = w[:v]
+    temperature = args.temperature
+    impls = {
+        "gemm": lambda: gemm_fp32(x, shard),
+        "triton": lambda: fused_topk(x, shard, k, temperature=temperature, impl="triton"),
+        "torch": lambda: fused_topk(x, shard, k, temperature=temperature, impl="torch"),
+        "naive": lambda: naive_topk(x, shard, k, temperature, args.naive_chunk),
+    }
+    variants = parse_variants(args.triton_variants)
+    settings = {}
+    for name, overrides in variants:
+        settings[name] = overrides
+
+        def variant(overrides=overrides):
+            saved = {key: getattr(topk_module, key) for key in overrides}
+            for key, value in overrides.items():
+                setattr(topk_module, key, value)
+            try:
+                return fused_topk(x, shard, k, temperature=temperature, impl="triton")
+            finally:
+                for key, value in saved.items():
+                    setattr(topk_module, key, value)
+
+        impls[name] = variant
+    names = list(impls)
+    for name in names:  # warm-up: compile, cuBLAS heuristics, allocator
+        for _ in range(args.warmup):
+            impls[name]()
+    torch.cuda.synchronize()
+    times = {name: [] for name in names}
+    for name in names + names[::-1]:
+        times[name] += time_visit(impls[name], args.reps)
+    result = {"vocab": vocab, "tp": tp, "v_shard": v, "k": k, "n": x.shape[0], "h": x.shape[1], "impls": {}}
+    gemm_ms = statistics.median(times["gemm"])
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    rows = torch.randperm(x.shape[0], generator=g)[: args.check_rows].to(x.device)
+    ref = fp64_reference(x, shard, k, temperature, rows)
+    for name in names:
+        ms = statistics.median(times[name])
+        entry = {"median_ms": ms, "ratio_to_gemm": ms / gemm_ms, "times_ms": times[name]}
+        if name in settings:
+            entry["settings"] = settings[name]
+        entry["peak_extra_gib"] = peak_extra_bytes(impls[name]) / GIB
+        if name != "gemm":
+            out = impls[name]()
+            entry.update(errors(tuple(out), ref, rows))
+            del out
+        result["impls"][name] = entry
+    del ref
+    result["triton_candidates"] = candidate_stats(x, shard, k, temperature)
+    if args.profile and k == max(args.k_list):
+        result["triton_profile"] = profile_once(impls["triton"])
+    return result
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| V | tp | V/tp | k | impl | median ms | × GEMM | peak extra GiB | ids = fp64 | max abs Δlog p "
+        "| max rel Δtail |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for name, e in r["impls"].items():
+            err = (
+                f"{e['ids_equal_fraction']:.4f} | {e['max_abs_logp_err']:.2e} | {e['max_rel_tail_err']:.2e}"
+                if "ids_equal_fraction" in e
+                else "- | - | -"
+            )
+            lines.append(
+                f"| {r['vocab']} | {r['tp']} | {r['v_shard']} | {r['k']} | {name} | {e['median_ms']:.3f} | "
+                f"{e['ratio_to_gemm']:.3f} | {e['peak_extra_gib']:.3f} | {err} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vocab", default="151936,262144")
+    parser.add_argument("--tp", default="1,8")
+    parser.add_argument("--k", default="8,64,128")
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--h", type=int, default=3584)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--check-rows", type=int, default=256)
+    parser.add_argument("--naive-chunk", type=int, default=2048)
+    parser.add_argument("--triton-variants", default="", help="e.g. waves=1,waves=4,bisect_mid=6")
+    parser.add_argument("--profile", action="store_true", help="profile one fused call at the largest k")
+    args = parser.parse_args()
+    args.k_list = [int(v) for v in args.k.split(",")]
+    if not torch.cuda.is_available():
+        print("bench_distill: needs a CUDA device", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "args": {key: str(value) for key, value in vars(args).items()},
+        "results": [],
+    }
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+    vocabs = [int(v) for v in args.vocab.split(",")]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(args.n, args.h, device="cuda", generator=g).to(torch.bfloat16)
+    w_full = (torch.randn(max(vocabs), args.h, device="cuda", generator=g) * (2 / math.sqrt(args.h))).to(torch.bfloat16)
+    started = time.time()
+    for vocab in vocabs:
+        for tp in (int(t) for t in args.tp.split(",")):
+            for k in args.k_list:
+                try:
+                    result = run_config(args, vocab, tp, k, x, w_full, report)
+                except Exception:
+                    result = {"vocab": vocab, "tp": tp, "k": k, "error": traceback.format_exc(), "impls": {}}
+                    print(result["error"], file=sys.stderr)
+                report["results"].append(result)
+                summary = ", ".join(
+                    f"{name} {e['median_ms']:.2f} ms ({e['ratio_to_gemm']:.2f}x)" for name, e in result["impls"].items()
+                )
+                print(f"[{time.time() - started:6.1f}s] V {vocab} tp {tp} k {k}: {summary}", flush=True)
+                if "triton_candidates" in result:
+                    print(f"    candidates {result['triton_candidates']}", flush=True)
+                if "triton_profile" in result:
+                    print(result["triton_profile"], flush=True)
+                (args.out / "bench_distill.json").write_text(json.dumps(report, indent=1))
+                torch.cuda.empty_cache()
+    table = markdown([r for r in report["results"] if r["impls"]])
+    (args.out / "bench_distill.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
