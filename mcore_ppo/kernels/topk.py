@@ -89,8 +89,9 @@ def compact_rows(
             slot = st.to(tl.int64)[:, None] * CAP + offs_c[None, :]
             v = tl.load(buf_v_ptr + slot, mask=valid, other=float("-inf"))
             ids = tl.load(buf_i_ptr + slot, mask=valid, other=0)
-            hi = tl.max(v, 1)
-            lo = tl.min(tl.where(valid, v, float("inf")), 1)
+            # Rows left alone bisect [0, 0] (no inf - inf).
+            hi = tl.where(need, tl.max(v, 1), 0.0)
+            lo = tl.where(need, tl.min(tl.where(valid, v, float("inf")), 1), 0.0)
             # Invariant: at least K entries >= lo; fewer than K entries >= hi unless the top ties.
             top_ties = tl.sum((v >= hi[:, None]).to(tl.int32), 1) >= K
             lo = tl.where(top_ties, hi, lo)
@@ -166,7 +167,11 @@ def topk_filter_kernel(
     rows = tl.minimum(offs_m, N - 1)
     state0 = pid_n * N
     st = state0 + offs_m
-    slot0 = st.to(tl.int64) * CAP
+    # The program's buffers as one base pointer and int32 offsets (BLOCK_M · CAP < 2**31):
+    # half the registers of per-entry 64-bit addresses in the tile's scatter.
+    prog_v = buf_v_ptr + (state0 + row0).to(tl.int64) * CAP
+    prog_i = buf_i_ptr + (state0 + row0).to(tl.int64) * CAP
+    local = tl.arange(0, BLOCK_M) * CAP
 
     theta = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     cnt = tl.zeros((BLOCK_M,), tl.int32)
@@ -204,9 +209,9 @@ def topk_filter_kernel(
         e = emit.to(tl.int32)
         pos = cnt[:, None] + tl.cumsum(e, 1) - e
         ok = emit & (pos < CAP) & row_ok[:, None]
-        dest = slot0[:, None] + pos
-        tl.store(buf_v_ptr + dest, z, mask=ok)
-        tl.store(buf_i_ptr + dest, offs_n[None, :], mask=ok)
+        dest = local[:, None] + pos
+        tl.store(prog_v + dest, z, mask=ok)
+        tl.store(prog_i + dest, offs_n[None, :], mask=ok)
         cnt += tl.sum(e, 1)
         if tl.max(tl.where(row_ok, cnt, 0), 0) > CAP - BLOCK_N:
             tl.store(cnt_ptr + st, cnt, mask=row_ok)
