@@ -21,11 +21,22 @@ Usage (GPU): ``python scripts/bench_distill.py --out DIR [--vocab 151936,262144]
 [--k 8,64,128] [--reps 5]``. Writes ``DIR/bench_distill.json`` (after every configuration) and
 ``DIR/bench_distill.md``. ``--triton-variants waves=1,waves=4`` also times the kernel with
 other module settings (``TRITON_<NAME>`` of :mod:`mcore_ppo.distill.topk`).
+
+One call on the lent H200 (device tool, ``carry=[".whl", ".carry"]``), the GPU test and then
+the benchmark, logs under ``$OUT`` (about 5 minutes)::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl .carry/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1;
+    timeout 170 python3 -m pytest tests/gpu/test_gpu_topk.py -q -p no:cacheprovider -rA 2>&1 \
+      | tee $OUT/topk_gpu_test.log;
+    timeout 300 python3 scripts/bench_distill.py --out $OUT --profile \
+      --triton-variants 'waves=1,waves=4,bisect_mid=6,block_n=128' 2>&1 | tee $OUT/bench_distill.log
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -137,10 +148,22 @@ def profile_once(fn) -> str:
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
+    """``name=value`` items, ``;``-joined within a variant: a field of ``TRITON_CONFIG``
+    (``block_n=128``, ``num_stages=4``, ``use_tma=0``) or a module setting ``TRITON_<NAME>``."""
+    fields = {f.name for f in dataclasses.fields(topk_module.TRITON_CONFIG)}
     variants = []
     for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        variants.append((f"triton[{item}]", {"TRITON_" + name.upper(): int(value)}))
+        overrides: dict = {}
+        for part in item.split(";"):
+            name, _, value = part.partition("=")
+            if name in fields:
+                config = overrides.get("TRITON_CONFIG", topk_module.TRITON_CONFIG)
+                overrides["TRITON_CONFIG"] = dataclasses.replace(
+                    config, **{name: type(getattr(config, name))(int(value))}
+                )
+            else:
+                overrides["TRITON_" + name.upper()] = int(value)
+        variants.append((f"triton[{item}]", overrides))
     return variants
 
 
@@ -170,15 +193,23 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
                     setattr(topk_module, key, value)
 
         impls[name] = variant
+    failed = {}
+    for name in list(impls):  # warm-up: compile, cuBLAS heuristics, allocator
+        try:
+            for _ in range(args.warmup):
+                impls[name]()
+            torch.cuda.synchronize()
+        except Exception:  # one failing implementation must not lose the others' numbers
+            failed[name] = traceback.format_exc()
+            print(f"{name} failed:\n{failed[name]}", file=sys.stderr)
+            del impls[name]
     names = list(impls)
-    for name in names:  # warm-up: compile, cuBLAS heuristics, allocator
-        for _ in range(args.warmup):
-            impls[name]()
-    torch.cuda.synchronize()
     times = {name: [] for name in names}
     for name in names + names[::-1]:
         times[name] += time_visit(impls[name], args.reps)
     result = {"vocab": vocab, "tp": tp, "v_shard": v, "k": k, "n": x.shape[0], "h": x.shape[1], "impls": {}}
+    if failed:
+        result["failed"] = failed
     gemm_ms = statistics.median(times["gemm"])
     g = torch.Generator(device="cpu").manual_seed(1234)
     rows = torch.randperm(x.shape[0], generator=g)[: args.check_rows].to(x.device)
@@ -195,6 +226,8 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
             del out
         result["impls"][name] = entry
     del ref
+    if "triton" not in impls:
+        return result
     result["triton_candidates"] = candidate_stats(x, shard, k, temperature)
     if args.profile and k == max(args.k_list):
         result["triton_profile"] = profile_once(impls["triton"])
@@ -234,7 +267,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--check-rows", type=int, default=256)
     parser.add_argument("--naive-chunk", type=int, default=2048)
-    parser.add_argument("--triton-variants", default="", help="e.g. waves=1,waves=4,bisect_mid=6")
+    parser.add_argument(
+        "--triton-variants", default="", help="e.g. waves=1,waves=4,bisect_mid=6,block_n=128;num_warps=4"
+    )
     parser.add_argument("--profile", action="store_true", help="profile one fused call at the largest k")
     args = parser.parse_args()
     args.k_list = [int(v) for v in args.k.split(",")]
