@@ -11,6 +11,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from mcore_ppo.backends.base import Backend
+from mcore_ppo.distill.student import fused_log_probs_at
 from mcore_ppo.pipeline import HeadOptions, run_head
 
 # megatron-core >= 0.20 gives ColumnParallelLinear an ``output_dtype`` (the logits GEMM's output
@@ -130,7 +131,9 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             input_: hidden states ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism),
                 ``[t, 1, h]`` packed, or ``[n, h]``.
             labels: global vocab ids ``[b, s]`` / ``[1, t]`` / ``[n]`` (already rolled, and
-                split for CP with :func:`parallel.roll_and_split_labels`), or None.
+                split for CP with :func:`parallel.roll_and_split_labels`), or None. With a
+                trailing ``k`` dim (``[b, s, k]``, ...): ``k`` ids per token, log-probs
+                ``[..., k]`` (:func:`mcore_ppo.distill.student.fused_log_probs_at`).
             weight: the weight to use instead of ``self.weight`` (tied embeddings: the
                 embedding's shard, as Megatron's ``GPTModel`` passes it).
             runtime_gather_output: as for ``ColumnParallelLinear`` (logits path only).
@@ -200,6 +203,12 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         options: HeadOptions,
         temperature: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if labels.dim() == input_.dim():  # [..., k]: k ids per token (distillation's student side)
+            return fused_log_probs_at(
+                input_, weight, labels, temperature=options.temperature if temperature is None else temperature,
+                tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, ignore_index=options.ignore_index,
+                backend=options.backend, return_entropy=options.return_entropy, validate=options.validate,
+            )  # fmt: skip
         return run_head(
             input_,
             weight,

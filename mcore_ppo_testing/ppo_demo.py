@@ -246,6 +246,10 @@ def verdict(config: DemoConfig, worst: _Worst, name: str) -> tuple[bool, str]:
 
 def run_demo(config: DemoConfig) -> int:
     """Run the demo (inside torchrun) and print its verdict; returns the exit status (0 = PASS)."""
+    if config.ppo.actor.distill:  # ppo.distill_coeff > 0: the distillation demo
+        from mcore_ppo_testing.distill_demo import run_distill_demo
+
+        return run_distill_demo(config)
     device = init_distributed()
     layout = config.layout
     parallel = init_layout(layout.tp, layout.cp, layout.pp, cp_at_head=layout.cp_at_head)

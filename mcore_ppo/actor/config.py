@@ -5,9 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mcore_ppo.actor.distill_loss import TOPK_KL_MODES
 from mcore_ppo.actor.ppo_loss import check_loss_agg_mode
 
 __all__ = ["PPOActorConfig"]
+
+# mcore_ppo.distill.MAX_TOPK, repeated so that the config imports without the kernels (the demo
+# launcher checks configs before torchrun); tests/actor checks that the two agree.
+_MAX_TOPK = 128
 
 
 @dataclass
@@ -29,6 +34,19 @@ class PPOActorConfig:
         max_tokens_per_micro_batch: padded-token budget per micro-batch (dynamic batch size).
         ignore_index: label value of positions not trained on.
         pad_token_id: token id used to pad sequences to the packing alignment.
+        distill_coeff: weight of the distillation loss, the forward ``KL(teacher ‖ student)``
+            over the teacher's top-k ids per response token
+            (:func:`~mcore_ppo.actor.distill_loss.topk_forward_kl`), aggregated by
+            ``loss_agg_mode``: ``loss = pg_loss - entropy_coeff · entropy + distill_coeff · kl``.
+            0 (default): off. When > 0, ``update_policy`` needs the teacher's top-k
+            (``teacher=``; :meth:`~mcore_ppo.actor.MegatronPPOActor.compute_teacher_topk`
+            computes it from a teacher model).
+        distill_topk: ``k``, the teacher's ids per token that ``compute_teacher_topk`` keeps
+            (``1 <= k <= 128``, ``mcore_ppo.distill.MAX_TOPK``).
+        distill_kl_mode: ``"tail_bucket"`` (default: the top-k plus one bucket for the rest)
+            or ``"renormalized"`` (both distributions renormalised on the top-k).
+        policy_loss: False drops the PPO terms (pure distillation: the rollout then needs no
+            ``advantages`` or ``old_log_probs``); needs ``distill_coeff > 0``.
     """
 
     clip_ratio: float = 0.2
@@ -43,6 +61,10 @@ class PPOActorConfig:
     max_tokens_per_micro_batch: int | None = None
     ignore_index: int = -100
     pad_token_id: int = 0
+    distill_coeff: float = 0.0
+    distill_topk: int = 64
+    distill_kl_mode: str = "tail_bucket"
+    policy_loss: bool = True
 
     def __post_init__(self) -> None:
         check_loss_agg_mode(self.loss_agg_mode)
@@ -60,6 +82,23 @@ class PPOActorConfig:
             self.micro_batch_size = None
         if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
             raise ValueError("give exactly one of micro_batch_size and max_tokens_per_micro_batch")
+        if not (math.isfinite(self.distill_coeff) and self.distill_coeff >= 0):
+            raise ValueError(f"distill_coeff must be finite and >= 0, got {self.distill_coeff}")
+        if isinstance(self.distill_topk, bool) or not isinstance(self.distill_topk, int):
+            raise TypeError(f"distill_topk must be an int, got {type(self.distill_topk).__name__}")
+        if not 1 <= self.distill_topk <= _MAX_TOPK:
+            raise ValueError(f"distill_topk must be in [1, {_MAX_TOPK}], got {self.distill_topk}")
+        if self.distill_kl_mode not in TOPK_KL_MODES:
+            raise ValueError(f"distill_kl_mode must be one of {TOPK_KL_MODES}, got {self.distill_kl_mode!r}")
+        if not isinstance(self.policy_loss, bool):
+            raise TypeError(f"policy_loss must be a bool, got {type(self.policy_loss).__name__}")
+        if not self.policy_loss and self.distill_coeff == 0:
+            raise ValueError("policy_loss=False trains on the distillation loss alone: it needs distill_coeff > 0")
+
+    @property
+    def distill(self) -> bool:
+        """Whether the distillation loss is on (``distill_coeff > 0``)."""
+        return self.distill_coeff > 0
 
     @property
     def low(self) -> float:

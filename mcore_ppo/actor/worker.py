@@ -15,10 +15,18 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from mcore_ppo.actor.batching import MicroBatch, PackedRollout, make_micro_batches, pack_micro_batch, padded_length
 from mcore_ppo.actor.config import PPOActorConfig
+from mcore_ppo.actor.distill import (
+    check_teacher_topk,
+    distill_loss,
+    reduce_distill_metrics,
+    teacher_topk_forward,
+    with_teacher,
+)
 from mcore_ppo.actor.grads import ActorGradients
 from mcore_ppo.actor.layout import ActorParallel, all_reduce, broadcast_from_last_stage, cp_split_at_head
 from mcore_ppo.actor.loss import assign_loss_weights, policy_loss, reduce_metrics
 from mcore_ppo.actor.ppo_loss import schedule_loss_scale
+from mcore_ppo.distill import TopK
 from mcore_ppo.model import gpt_log_probs_and_entropy, unwrap_gpt_model
 from parallel.groups import group_size
 
@@ -135,17 +143,26 @@ class MegatronPPOActor:
                 packed_seq_params=mb.packed_seq_params if self.packed_attention else None,
             )
 
-    def _run_schedule(self, mbs: list[MicroBatch], loss_fn: Callable[..., Any], forward_only: bool) -> list[Any]:
+    def _run_schedule(
+        self,
+        mbs: list[MicroBatch],
+        loss_fn: Callable[..., Any],
+        forward_only: bool,
+        *,
+        model: torch.nn.Module | None = None,
+        forward: Callable[[torch.nn.Module, MicroBatch], Any] | None = None,
+    ) -> list[Any]:
         data = iter(mbs)
+        forward = self._forward if forward is None else forward
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            return self._forward(model, mb), partial(loss_fn, mb)
+            return forward(model, mb), partial(loss_fn, mb)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=data,
-            model=self.model,
+            model=self.model if model is None else model,
             num_microbatches=len(mbs),
             seq_length=max(mb.input_ids.shape[1] for mb in mbs),
             micro_batch_size=1,
@@ -194,9 +211,79 @@ class MegatronPPOActor:
         return out[0], (out[1] if calculate_entropy else None)
 
     # -----------------------------------------------------------------------------------------
+    # The teacher's top-k (distillation)
+
+    def compute_teacher_topk(self, teacher: torch.nn.Module, rollout: PackedRollout, *, k: int | None = None) -> TopK:
+        """The teacher's top-``k`` ids, log-probs and tail mass of every response token.
+
+        ``teacher``: a GPT on the same TP/CP/PP layout as the actor's model (e.g. a larger or
+        differently trained one of the same vocabulary), possibly wrapped; with CP at the head
+        its decoder output is split as the actor's is. It runs under ``no_grad`` in eval mode,
+        micro-batch by micro-batch through Megatron's schedule; per micro-batch
+        :func:`mcore_ppo.actor.distill.teacher_topk_forward` (its hidden states, then
+        :func:`mcore_ppo.fused_topk`), at the actor's temperature.
+
+        Args:
+            k: ids per token (default ``config.distill_topk``).
+
+        Returns:
+            :class:`~mcore_ppo.distill.TopK`, token-aligned with ``rollout.tokens``: ``ids [T, k]``
+            (``ignore_index`` off the response), ``log_probs [T, k]`` and ``tail_log_mass [T]``
+            (0 off the response), the same on every rank; what ``update_policy(teacher=)`` takes.
+        """
+        cfg = self.config
+        k = cfg.distill_topk if k is None else k
+        teacher_gpt = unwrap_gpt_model(teacher)
+        mbs = self.micro_batches(rollout)
+
+        def forward(model: torch.nn.Module, mb: MicroBatch):
+            with cp_split_at_head(
+                teacher_gpt, self.parallel, mb.cu_seqlens_padded, sequence_parallel=self.sequence_parallel
+            ):
+                return teacher_topk_forward(
+                    model,
+                    mb.input_ids,
+                    mb.position_ids,
+                    None if self.packed_attention else mb.attention_mask,
+                    mb.labels,
+                    k=k,
+                    temperature=cfg.temperature,
+                    packed_seq_params=mb.packed_seq_params if self.packed_attention else None,
+                    ignore_index=cfg.ignore_index,
+                )
+
+        was_training = teacher.training
+        teacher.eval()
+        try:
+            with torch.no_grad():
+                store = self._run_schedule(mbs, _collect_topk, forward_only=True, model=teacher, forward=forward)
+        finally:
+            teacher.train(was_training)
+        total = rollout.tokens.shape[0]
+        dtype = torch.float64 if teacher_gpt.config.params_dtype == torch.float64 else torch.float32
+        device = self._device()
+        # ids shifted by one so that 0 means "no value here": the CP sum then adds zeros only.
+        ids = torch.zeros(total, k, dtype=torch.int64, device=device)
+        values = torch.zeros(total, k + 1, dtype=dtype, device=device)
+        if self.is_last_stage:
+            for mb, top in zip(mbs, store, strict=True):
+                index = mb.token_index.view(-1)
+                keep = mb.loss_mask.view(-1)
+                rows = index[keep]
+                ids[rows] = top["ids"].view(-1, k)[keep] + 1
+                values[rows, :k] = top["log_probs"].view(-1, k)[keep].to(dtype)
+                values[rows, k] = top["tail_log_mass"].view(-1)[keep].to(dtype)
+        # Each response token lives on exactly one CP rank; the last stage has the values.
+        for tensor in (ids, values):
+            all_reduce(tensor, self.parallel.cp)
+            broadcast_from_last_stage(tensor, self.parallel.pp)
+        ids = torch.where(ids > 0, ids - 1, cfg.ignore_index)
+        return TopK(ids, values[:, :k].contiguous(), values[:, k].contiguous())
+
+    # -----------------------------------------------------------------------------------------
     # Policy update
 
-    def update_policy(self, rollout: PackedRollout) -> dict[str, float]:
+    def update_policy(self, rollout: PackedRollout, *, teacher: TopK | None = None) -> dict[str, float]:
         """One optimizer step of PPO on ``rollout`` (which needs ``advantages`` and ``old_log_probs``).
 
         Loss per token: the clipped surrogate (dual-clip when ``clip_ratio_c`` is set) minus
@@ -204,16 +291,37 @@ class MegatronPPOActor:
         gradients through Megatron's schedule, then reduced, clipped to ``max_grad_norm`` and
         applied.
 
+        With distillation (``config.distill_coeff > 0``), ``teacher`` is the teacher's top-k of
+        every response token, token-aligned (:meth:`compute_teacher_topk`, or computed elsewhere
+        and passed with the rollout), and the loss adds ``distill_coeff`` × the forward
+        ``KL(teacher ‖ student)`` over those ids (``config.distill_kl_mode``), aggregated like
+        the PPO loss; one fused-head pass gives the sampled token's log-prob and the student's
+        log-probs at the teacher's ids (:mod:`mcore_ppo.actor.distill`). With
+        ``policy_loss=False`` the PPO terms are dropped and the rollout needs no advantages or
+        old log-probs.
+
         Returns:
             Metrics, identical on every rank: ``loss``, ``pg_loss``, ``entropy`` (token mean),
             ``pg_clipfrac``, ``pg_clipfrac_lower`` (dual-clip), ``ppo_kl`` (token mean of
             ``old - new`` log-prob, verl's), ``kl_k3`` (token mean of the k3 estimate of
             KL(old‖new) over the old policy's samples), ``grad_norm`` (before clipping),
-            ``num_tokens``, ``num_seqs``, ``update_successful``.
+            ``num_tokens``, ``num_seqs``, ``update_successful``; with distillation also
+            ``distill_kl`` (token mean of the top-k forward KL; the PPO ones are 0 for terms
+            that are off).
         """
-        if rollout.advantages is None or rollout.old_log_probs is None:
+        cfg = self.config
+        if cfg.policy_loss and (rollout.advantages is None or rollout.old_log_probs is None):
             raise ValueError("update_policy needs rollout.advantages and rollout.old_log_probs")
+        if cfg.distill and teacher is None:
+            raise ValueError(
+                "config.distill_coeff > 0: update_policy needs teacher= (the teacher's top-k, compute_teacher_topk)"
+            )
+        if not cfg.distill and teacher is not None:
+            raise ValueError("teacher= is given but config.distill_coeff is 0: set distill_coeff to train on it")
         mbs = self.micro_batches(rollout)
+        if teacher is not None:
+            teacher = check_teacher_topk(teacher, rollout.tokens.shape[0])
+            mbs = [with_teacher(mb, teacher, cfg.ignore_index) for mb in mbs]
         num_tokens, num_seqs = assign_loss_weights(mbs, self.parallel, self.config.loss_agg_mode)
         loss_scale = schedule_loss_scale(
             num_microbatches=len(mbs),
@@ -222,11 +330,14 @@ class MegatronPPOActor:
         )
         self.model.train()
         self.grads.zero()
-        store = self._run_schedule(mbs, partial(policy_loss, self.config, loss_scale), forward_only=False)
+        loss_fn, reduce = policy_loss, reduce_metrics
+        if teacher is not None:
+            loss_fn, reduce = distill_loss, reduce_distill_metrics
+        store = self._run_schedule(mbs, partial(loss_fn, self.config, loss_scale), forward_only=False)
         self.grads.finalize()
         update_successful, grad_norm = self.grads.step()
 
-        result = reduce_metrics(store, self.parallel, is_last_stage=self.is_last_stage, device=self._device())
+        result = reduce(store, self.parallel, is_last_stage=self.is_last_stage, device=self._device())
         result.update(
             grad_norm=float(grad_norm),
             num_tokens=float(num_tokens),
@@ -240,3 +351,8 @@ def _collect_outputs(mb: MicroBatch, output: tuple[torch.Tensor, torch.Tensor]):
     """Megatron ``loss_func`` of the log-prob pass: no loss, the outputs kept for the caller."""
     log_probs, entropy = output
     return torch.zeros((), device=log_probs.device), {"log_probs": log_probs.detach(), "entropy": entropy.detach()}
+
+
+def _collect_topk(mb: MicroBatch, output):
+    """Megatron ``loss_func`` of the teacher's pass: no loss, its top-k kept for the caller."""
+    return torch.zeros((), device=output.ids.device), output._asdict()
