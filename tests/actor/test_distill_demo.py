@@ -1,0 +1,167 @@
+"""The actor's distillation option: its config keys, the per-micro-batch teacher packing and loss
+(single process), and the demo (``scripts/launch.sh --config configs/distill_demo.yaml``: TP 2 +
+SP × CP 2 on 4 CPU ranks, one short step; its parity lines and PASS verdict)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mcore_ppo.actor import PPOActorConfig
+from mcore_ppo_testing.demo_config import load_demo_config
+from mcore_ppo_testing.seeds import generator, next_seed
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "distill_demo.yaml"
+TIMEOUT = int(os.environ.get("MCORE_PPO_LAUNCH_TEST_TIMEOUT", "600"))
+
+
+def test_shipped_config_loads_typed():
+    config = load_demo_config(CONFIG)
+    actor = config.ppo.actor
+    assert actor.distill and actor.distill_coeff == 1.0 and actor.distill_topk == 16
+    assert actor.distill_kl_mode == "tail_bucket" and actor.policy_loss
+    assert (config.layout.tp, config.layout.cp, config.layout.sp) == (2, 2, True)
+
+
+def test_distill_keys_are_checked():
+    from mcore_ppo.actor import config as config_module
+    from mcore_ppo.distill import MAX_TOPK
+
+    assert config_module._MAX_TOPK == MAX_TOPK
+    assert not PPOActorConfig().distill
+    for kwargs, error, match in [
+        ({"distill_coeff": -1.0}, ValueError, "distill_coeff"),
+        ({"distill_coeff": float("nan")}, ValueError, "distill_coeff"),
+        ({"distill_topk": 0}, ValueError, "distill_topk"),
+        ({"distill_topk": MAX_TOPK + 1}, ValueError, "distill_topk"),
+        ({"distill_topk": True}, TypeError, "distill_topk"),
+        ({"distill_kl_mode": "reverse"}, ValueError, "distill_kl_mode"),
+        ({"policy_loss": 0}, TypeError, "policy_loss"),
+        ({"policy_loss": False}, ValueError, "needs distill_coeff > 0"),
+    ]:
+        with pytest.raises(error, match=match):
+            PPOActorConfig(**kwargs)
+    assert PPOActorConfig(distill_coeff=0.5, policy_loss=False).distill
+
+
+def _micro_batch_and_teacher(k: int):
+    from mcore_ppo.actor.batching import pack_micro_batch
+    from mcore_ppo.distill import TopK
+    from mcore_ppo_testing.ppo_harness import synthetic_rollout
+
+    rollout = synthetic_rollout(
+        num_seqs=3, vocab_size=50, prompt_len=(2, 4), response_len=(3, 6), seed=next_seed(), device="cpu"
+    )
+    gen = generator(next_seed())
+    total = rollout.tokens.shape[0]
+    rollout = rollout.with_fields(old_log_probs=-torch.rand(total, generator=gen))
+    log_p = torch.log_softmax(torch.randn(total, 50, generator=gen, dtype=torch.float64), dim=-1)
+    values, ids = log_p.topk(k, dim=-1)
+    tail = torch.logsumexp(log_p.scatter(-1, ids, -torch.inf), dim=-1)
+    teacher = TopK(ids, values.float(), tail.float())
+    mb = pack_micro_batch(rollout, [0, 1, 2], align=2)
+    return rollout, mb, teacher, log_p
+
+
+def test_with_teacher_puts_the_teachers_ids_at_the_label_positions():
+    from mcore_ppo.actor.distill import check_teacher_topk, with_teacher
+
+    rollout, mb, teacher, _ = _micro_batch_and_teacher(4)
+    check_teacher_topk(teacher, rollout.tokens.shape[0])
+    dmb = with_teacher(mb, teacher, -100)
+    keep = mb.loss_mask[0]
+    assert dmb.labels.shape == (1, mb.labels.shape[1], 5)
+    assert torch.equal(dmb.labels[0, :, 0], mb.labels[0])
+    rows = mb.token_index[0][keep]
+    assert torch.equal(dmb.labels[0][keep][:, 1:], teacher.ids[rows])
+    assert (dmb.labels[0][~keep] == -100).all()
+    assert torch.equal(dmb.teacher_log_probs[0][keep], teacher.log_probs[rows])
+    assert (dmb.teacher_tail_log_mass[0][~keep] == 0).all()
+    with pytest.raises(ValueError, match=r"teacher.ids must be \[T, k\]"):
+        check_teacher_topk(teacher._replace(ids=teacher.ids[:-1]), rollout.tokens.shape[0])
+    with pytest.raises(TypeError, match="TopK"):
+        check_teacher_topk((teacher.ids, teacher.log_probs), rollout.tokens.shape[0])
+
+
+@pytest.mark.parametrize("policy", [True, False], ids=["with_ppo", "distill_only"])
+def test_distill_loss_matches_the_formula(policy):
+    """``distill_loss`` on student log-probs taken from a full distribution: the top-k forward
+    KL (tail bucket) token-mean, computed here in fp64 from the definitions, plus the PPO
+    surrogate on the sampled token when on."""
+    from mcore_ppo.actor.distill import distill_loss, with_teacher
+    from mcore_ppo.actor.ppo_loss import compute_policy_loss, loss_weights, sequence_token_counts
+
+    _, mb, teacher, _ = _micro_batch_and_teacher(4)
+    config = PPOActorConfig(distill_coeff=0.7, policy_loss=policy, distill_topk=4)
+    dmb = with_teacher(mb, teacher, -100)
+    counts = sequence_token_counts(mb.loss_mask, mb.seq_index, 3)
+    n = float(counts.sum())
+    dmb.weights = dmb.metric_weights = loss_weights(
+        mb.loss_mask, mb.seq_index, "token-mean", seq_token_counts=counts, num_tokens=n, num_seqs=3.0
+    )
+    gen = generator(next_seed())
+    student = torch.log_softmax(torch.randn(*mb.labels.shape, 50, generator=gen, dtype=torch.float64), dim=-1)
+    labels = dmb.labels.clamp(min=0)
+    log_q = torch.where(dmb.labels >= 0, student.gather(-1, labels), 0.0).requires_grad_(True)
+    entropy = torch.zeros(mb.labels.shape, dtype=torch.float64)
+    dmb.advantages = torch.where(mb.loss_mask, 1.0, 0.0).double()
+    dmb.old_log_probs = dmb.old_log_probs.double()
+    loss, metrics = distill_loss(config, 1.0, dmb, (log_q, entropy))
+
+    keep = mb.loss_mask[0]
+    p_log = dmb.teacher_log_probs[0][keep].double()
+    q_log = log_q[0, :, 1:][keep].detach()
+    p_tail = dmb.teacher_tail_log_mass[0][keep].double()
+    q_tail = torch.log1p(-q_log.exp().sum(-1))
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1) + p_tail.exp() * (p_tail - q_tail)
+    expected = 0.7 * kl.sum() / n
+    # The loss weights are fp32 (loss_weights): fp32 rounding of the per-token products.
+    torch.testing.assert_close(metrics["distill_kl"].double(), kl.sum() / n, rtol=1e-6, atol=0)
+    if policy:
+        terms = compute_policy_loss(
+            log_q[..., 0].detach(), dmb.old_log_probs, dmb.advantages, clip_ratio_low=0.2, clip_ratio_high=0.2
+        )
+        expected = expected + (terms.pg_losses * dmb.weights).sum()
+    torch.testing.assert_close(loss.detach().double(), expected, rtol=1e-6, atol=0)
+    loss.backward()
+    assert log_q.grad is not None and (log_q.grad[0][~keep] == 0).all()
+
+
+@pytest.mark.slow
+def test_demo_passes_with_parity_lines(tmp_path):
+    """The demo config under launch.sh (TP 2 + SP × CP 2, 4 ranks on the CPUs), one step of a
+    smaller rollout: a teacher line, an update line, a parity line, and PASS."""
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["rollout"]["num_seqs"] = 4
+    path = tmp_path / "distill.yaml"
+    path.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    env = dict(os.environ, MCORE_PPO_LAUNCH_TIMEOUT=str(TIMEOUT - 30), CUDA_VISIBLE_DEVICES="")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(path), "--steps", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"launch.sh exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert "distillation demo: 4 ranks" in out and "layout TP2+SP × CP2" in out, out
+    tol = cfg["run"]["tolerance"]
+    teacher = re.findall(r"step 1/1 teacher \| .*max\|Δlog_prob\| (\S+), max\|Δtail_log_mass\| (\S+),", out)
+    assert len(teacher) == 1 and all(float(v) <= tol["log_prob"] for v in teacher[0]), out
+    parity = re.findall(r"step 1/1 parity \| distill loss: .*max\|Δ\| (\S+) \(KL (\S+)\)", out)
+    assert len(parity) == 1 and float(parity[0][0]) <= tol["log_prob"] and float(parity[0][1]) > 0, out
+    assert re.search(r"step 1/1 update 1/1 \| loss \S+ distill_kl \S+", out), out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("PASS: distillation under TP2+SP × CP2"), last
