@@ -48,6 +48,7 @@ __all__ = [
     "make_batch",
     "make_engine",
     "megatron_hook_route",
+    "mtp_block_spec",
     "plugin_on",
     "run_forward_step",
     "verl_log_probs",
@@ -420,3 +421,19 @@ def megatron_hook_route(model: torch.nn.Module) -> Iterator[None]:
     finally:
         model.__dict__.pop(_FUSED_FORWARD_MODE_ATTR, None)
         model.__class__ = original
+
+
+def mtp_block_spec(config: Any, spec: Any) -> Any:
+    """Megatron's local (no TransformerEngine) MTP block spec with norms that run under sequence
+    parallelism (:class:`mcore_ppo_testing.norms.SequenceParallelTorchNorm`; Megatron's local
+    ``WrappedTorchNorm`` refuses SP). For ``build_gpt_model(mtp_block_spec=...)``."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+
+    from mcore_ppo_testing.norms import SequenceParallelTorchNorm
+
+    class _SequenceParallelNorms(LocalSpecProvider):
+        def layer_norm(self, *args: Any, **kwargs: Any) -> type:
+            return SequenceParallelTorchNorm
+
+    return get_gpt_mtp_block_spec_for_backend(config=config, spec=spec, backend=_SequenceParallelNorms())

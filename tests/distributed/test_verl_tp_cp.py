@@ -16,6 +16,10 @@ and CP-split by the plugin as verl's non-fused path does).
 Layouts on the 4-rank world: TP 2 (SP off, on; the other two ranks a second data-parallel
 replica) and TP 2 x CP 2 (SP off, on).
 
+With ``MCORE_PPO_VERL_MTP=1`` and an MTP model (depth 2, ``mtp.enable_train``, a loss mask with
+zeros), TP 2 with SP off and on: the fused path kept on with MTP against verl's logits path with
+MTP (outputs, the MTP losses verl logs, every gradient).
+
 Last, verl's kernel contract under TP (``mcore_ppo.integrations.verl.kernel``): with a TP group
 ``linear_cross_entropy`` returns the full-vocab values on every rank and a *partial* ``d_hidden``
 (this rank's vocab shard's contribution) that the caller reduces over TP, as verl's Megatron path
@@ -100,6 +104,64 @@ def test_verl_live_fused_path_tp_sp_cp_equals_verls_non_fused_path(check):
             if error > worst:
                 worst, where = error, name
         print(f"{_describe((tp, cp, sp))}: worst normwise grad error {worst:.2e} ({where})")
+        if worst > GRAD_TOL:
+            check.fail(f"grad {where}: normwise relative error {worst:.2e} > {GRAD_TOL}")
+    check.done()
+
+
+MTP_LAYOUTS = [(2, 1, False), (2, 1, True)]
+
+
+def test_verl_live_fused_path_with_mtp_tp_sp_equals_verls_logits_path_with_mtp(check, monkeypatch):
+    """``MCORE_PPO_VERL_MTP=1``: verl's fused path kept on with MTP (depth 2, ``enable_train``); the
+    main head and each MTP depth's loss on the head (SP gather / TP reduction of ``d_hidden`` by the
+    model's SP setting) against verl's logits path with MTP: outputs, MTP losses, every gradient."""
+    from mcore_ppo.integrations.verl.mtp import ENV_MTP
+
+    monkeypatch.setenv(ENV_MTP, "1")
+    seed = shared_seed()
+    gen = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+    masks = [[0] * (n // 3) + [1] * (n - n // 3) for n in LENGTHS]
+    kind = "verl fused path with MTP and the plugin vs verl's logits path with MTP"
+    for tp, cp, sp in fitting(MTP_LAYOUTS, lambda layout: layout[0] * layout[1], _describe):
+        check.case(_describe((tp, cp, sp)) + " MTP depth 2")
+        with model_parallel(tp, cp):
+            model = build_gpt_model(
+                num_layers=LAYERS,
+                hidden_size=HIDDEN,
+                num_attention_heads=HEADS,
+                vocab_size=VOCAB,
+                max_sequence_length=MAX_LEN,
+                sequence_parallel=sp,
+                params_dtype=torch.float64,
+                seed=seed % 100_000,
+                transformer_layer_spec=local_gpt_spec(attention="sdpa"),
+                device=DEVICE,
+                position_embedding_type="rope",
+                mtp_block_spec=verl_engine.mtp_block_spec,
+                mtp_num_layers=2,
+                mtp_loss_scaling_factor=0.3,
+            )
+            run = dict(grad_seed=seed, mtp=True, mtp_train=True, loss_mask=masks)
+            theirs = verl_engine.forward_backward(model, sequences, list(TEMPERATURES), use_fused_kernels=False, **run)
+            with verl_engine.plugin_on("torch"):
+                mine = verl_engine.forward_backward(model, sequences, list(TEMPERATURES), **run)
+        check.close("log_prob", mine.log_probs, theirs.log_probs, tol=OUT_TOL, kind=kind)
+        check.close("entropy", mine.entropy, theirs.entropy, tol=OUT_TOL, kind=kind)
+        if sorted(mine.mtp_losses) != sorted(theirs.mtp_losses) or len(theirs.mtp_losses) != 2:
+            check.fail(f"MTP losses logged: {mine.mtp_losses} vs verl's {theirs.mtp_losses}")
+        for key, value in theirs.mtp_losses.items():
+            if abs(mine.mtp_losses.get(key, float("nan")) - value) > 2e-6 * abs(value):
+                check.fail(f"{key}: {mine.mtp_losses.get(key)} vs verl's {value}")
+        if mine.grads.keys() != theirs.grads.keys() or not any(n.startswith("mtp.") for n in theirs.grads):
+            check.fail(f"gradients of different parameters: {set(mine.grads) ^ set(theirs.grads)}")
+        worst, where = 0.0, ""
+        for name, grad in mine.grads.items():
+            error = normwise_relative_error(grad, theirs.grads[name])
+            if error > worst:
+                worst, where = error, name
+        print(f"{_describe((tp, cp, sp))} MTP: worst normwise grad error {worst:.2e} ({where}); {mine.mtp_losses}")
         if worst > GRAD_TOL:
             check.fail(f"grad {where}: normwise relative error {worst:.2e} > {GRAD_TOL}")
     check.done()

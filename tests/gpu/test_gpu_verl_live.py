@@ -7,6 +7,8 @@ plugin's ``triton`` backend, one rank (NCCL), as verl runs it: the TP 1 comparis
   bound in place of verl's kernel, and against verl's non-fused logits path: log-probs, entropy,
   every parameter's gradient; per-sample temperatures (which verl alone refuses on this path).
 - bf16 model: the plugin against verl's own kernel (``use_fused_kernels=True`` without the plugin).
+- MTP (``MCORE_PPO_VERL_MTP=1``, depth 2, ``enable_train`` on and off), fp32: the plugin's fused
+  path against verl's logits path with MTP (outputs, MTP losses, gradients).
 
 Skips without CUDA or without verl (``bash scripts/install_verl_for_tests.sh``).
 """
@@ -125,3 +127,54 @@ def test_live_path_triton_bf16_equals_verls_own_kernel(verl_on_cuda):
         mine = verl_engine.forward_backward(model, sequences, 0.8, grad_seed=seed)
     # Both fp32 results from the same bf16 hidden states; the gradients flow back through bf16 layers.
     _assert_same(mine, verls, "plugin vs verl's Triton kernel (bf16 model)", {"rtol": 2e-3, "atol": 2e-3}, 1e-2)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["enable_train", "no-train"])
+def test_live_path_with_mtp_triton_fp32_equals_verls_logits_path_with_mtp(verl_on_cuda, monkeypatch, train):
+    """``MCORE_PPO_VERL_MTP=1``: verl's fused path kept on with MTP (depth 2) on the installed
+    megatron-core's route (the ``output_processor`` hook through verl's MTP ``_postprocess`` on
+    >= 0.18), against verl's logits path with MTP: outputs, the MTP losses verl logs, every
+    gradient; the output layer is never called on the fused path (no logits)."""
+    verl_engine = verl_on_cuda
+    import verl.models.mcore.model_forward_fused as fused
+
+    from mcore_ppo.integrations.verl.mtp import ENV_MTP
+
+    monkeypatch.setenv(ENV_MTP, "1")
+    try:
+        model = build_gpt_model(
+            num_layers=LAYERS,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            vocab_size=VOCAB,
+            max_sequence_length=MAX_LEN,
+            params_dtype=torch.float32,
+            seed=next_seed(),
+            transformer_layer_spec=local_gpt_spec(attention="sdpa"),
+            device="cuda",
+            position_embedding_type="rope",
+            mtp_block_spec=verl_engine.mtp_block_spec,
+            mtp_num_layers=2,
+            mtp_loss_scaling_factor=0.3,
+        )
+    except TypeError as err:
+        if "isinstance() arg 2" not in str(err):
+            raise
+        pytest.skip(f"this megatron-core cannot build an MTP layer without TransformerEngine ({err})")
+    sequences, seed = _sequences(), next_seed()
+    masks = [[0] * (n // 3) + [1] * (n - n // 3) for n in LENGTHS]
+    run = dict(grad_seed=seed, mtp=True, mtp_train=train, loss_mask=masks)
+    calls = []
+    handle = model.output_layer.register_forward_hook(lambda *args: calls.append(1))
+    theirs = verl_engine.forward_backward(model, sequences, [0.6, 1.0, 1.6, 0.9], use_fused_kernels=False, **run)
+    assert len(calls) == 1 + (2 if train else 0)
+    calls.clear()
+    with verl_engine.plugin_on("triton"):
+        mine = verl_engine.forward_backward(model, sequences, [0.6, 1.0, 1.6, 0.9], **run)
+        print(f"verl fused route with MTP: {fused._get_fused_forward_mode(model)}; MTP losses {mine.mtp_losses}")
+    handle.remove()
+    assert not calls, "the fused path called the output layer (logits)"
+    assert sorted(mine.mtp_losses) == sorted(theirs.mtp_losses) and len(theirs.mtp_losses) == (2 if train else 0)
+    for key, value in theirs.mtp_losses.items():
+        assert mine.mtp_losses[key] == pytest.approx(value, rel=1e-4), key
+    _assert_same(mine, theirs, f"MTP train={train}: plugin vs verl's logits path", {"rtol": 1e-4, "atol": 1e-4}, 1e-4)

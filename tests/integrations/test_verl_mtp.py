@@ -60,8 +60,6 @@ def mtp_on(monkeypatch):
 
 
 def _model(depths: int, *, tied: bool = False) -> torch.nn.Module:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
     return build_gpt_model(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -73,7 +71,7 @@ def _model(depths: int, *, tied: bool = False) -> torch.nn.Module:
         seed=next_seed(),
         transformer_layer_spec=local_gpt_spec(attention="sdpa"),
         position_embedding_type="rope",
-        mtp_block_spec=lambda config, spec: get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+        mtp_block_spec=verl_engine.mtp_block_spec,
         mtp_num_layers=depths,
         mtp_loss_scaling_factor=0.3,
     )
