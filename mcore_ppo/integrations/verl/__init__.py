@@ -34,6 +34,8 @@ Switching it on (off unless asked):
   ``MCORE_PPO_VERL=0``.
 - ``MCORE_PPO_VERL=0`` keeps it off in both cases; :func:`install` / :func:`uninstall` do it
   from code. ``MCORE_PPO_VERL_BACKEND`` picks the head's backend (default ``auto``).
+- ``MCORE_PPO_VERL_MTP=1`` (off by default) keeps verl's fused path on with multi-token
+  prediction, which verl turns off: :mod:`mcore_ppo.integrations.verl.mtp`.
 
 It logs on the ``mcore_ppo`` logger: "installed" when switched on, "on" (INFO) once the head has
 actually run for verl, a WARNING when verl's engine runs its non-fused path instead.

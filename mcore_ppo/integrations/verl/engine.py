@@ -24,11 +24,14 @@ And in ``verl.workers.engine.megatron.transformer_impl``:
 - ``_resolve_fused_temperature``: verl refuses non-uniform temperatures on the fused path
   (its kernel takes one float); with the plugin the per-sample tensor goes through;
 - ``MegatronEngine._maybe_enable_fused_kernels``: records whether the fused path was asked for
-  before verl turns it off (MTP, value models, no remove-padding);
+  before verl turns it off (MTP, value models, no remove-padding); with ``MCORE_PPO_VERL_MTP=1``
+  it keeps the path on with MTP (:mod:`mcore_ppo.integrations.verl.mtp`, which also wraps verl's
+  MTP ``_postprocess`` in ``verl.models.mcore.mtp_patch``);
 - ``MegatronEngineWithLMHead.forward_step`` / ``MegatronEngineWithValueHead.forward_step``: at an
   engine's first forward, a WARNING naming the verl setting to change when the engine runs its
   non-fused logits path (where the plugin does nothing); INFO for a value model, which computes
-  no log-probs.
+  no log-probs; on the fused path, the micro-batch's MTP state (its loss mask) for
+  the MTP postprocess.
 """
 
 from __future__ import annotations
