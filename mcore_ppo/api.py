@@ -64,7 +64,7 @@ def fused_log_probs_and_entropy(
         (``entropy`` None with ``return_entropy=False``).
         Gradients flow to ``hidden`` (reduced over TP exactly once) and to ``weight``.
     """
-    if isinstance(labels, torch.Tensor) and isinstance(hidden, torch.Tensor) and labels.dim() == hidden.dim():
+    if isinstance(labels, torch.Tensor) and isinstance(hidden, torch.Tensor) and labels.dim() == hidden.dim() in (2, 3):
         return fused_log_probs_at(
             hidden, weight, labels, temperature=temperature, tp_group=tp_group, sequence_parallel=sequence_parallel,
             ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate,

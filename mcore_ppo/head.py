@@ -203,7 +203,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         options: HeadOptions,
         temperature: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if labels.dim() == input_.dim():  # [..., k]: k ids per token (distillation's student side)
+        if labels.dim() == input_.dim() in (2, 3):  # [..., k]: k ids per token (distillation's student side)
             return fused_log_probs_at(
                 input_, weight, labels, temperature=options.temperature if temperature is None else temperature,
                 tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, ignore_index=options.ignore_index,
