@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import ClassVar
 
 import pytest
 import torch
@@ -183,3 +184,74 @@ def test_the_variable_is_off_unless_set(monkeypatch, value, on):
     else:
         monkeypatch.setenv(plugin_mtp.ENV_MTP, value)
     assert plugin_mtp.mtp_enabled() is on
+
+
+@pytest.mark.usefixtures("verl_modules", "mtp_on")
+def test_per_token_loss_scaling_of_the_mtp_loss_equals_verls():
+    """``calculate_per_token_loss``: each depth's loss times ``original / depth`` token counts
+    (Megatron then divides every gradient by the main loss's tokens), on both paths."""
+    model = _model(2)
+    (sequences, masks), seed = _batch(next_seed()), next_seed()
+    run = dict(grad_seed=seed, mtp=True, mtp_train=True, loss_mask=masks)
+    model.config.calculate_per_token_loss = True
+    try:
+        theirs = verl_engine.forward_backward(model, sequences, 1.0, use_fused_kernels=False, **run)
+        with verl_engine.plugin_on("torch"):
+            mine = verl_engine.forward_backward(model, sequences, 1.0, **run)
+    finally:
+        model.config.calculate_per_token_loss = False
+    _assert_same(mine, theirs, "calculate_per_token_loss: plugin vs verl's logits path with MTP", 2, True)
+    per_sequence = verl_engine.forward_backward(model, sequences, 1.0, use_fused_kernels=False, **run)
+    # Not a no-op: the MTP layers' gradients differ by the token-count ratio.
+    assert not torch.allclose(
+        per_sequence.grads["mtp.layers.1.eh_proj.weight"], theirs.grads["mtp.layers.1.eh_proj.weight"]
+    )
+
+
+class _NewestTracker:
+    calls: ClassVar[list] = []
+
+    @staticmethod
+    def save_loss_to_tracker(
+        loss_sum, num_tokens, layer_number, num_layers, correct=None, total=None, reduce_group=None,
+        avg_group=None, calculate_per_token_loss=False,
+    ):  # fmt: skip
+        _NewestTracker.calls.append((loss_sum, num_tokens, layer_number, num_layers, correct, total))
+
+
+class _MetricsTracker:
+    calls: ClassVar[list] = []
+
+    @staticmethod
+    def save_metrics_to_tracker(loss, correct, total, layer_number, num_layers, reduce_group=None, avg_group=None):
+        _MetricsTracker.calls.append((loss, correct, total, layer_number, num_layers))
+
+
+@pytest.mark.usefixtures("verl_modules")
+@pytest.mark.parametrize("api", [_NewestTracker, _MetricsTracker], ids=["loss_sum-api", "metrics-api"])
+def test_mtp_tracker_apis_get_megatrons_loss_and_acceptance_counts(api, monkeypatch):
+    """Newer megatron-core trackers (raw sums; loss plus acceptance counts): the values their MTP
+    loss passes, the acceptance counts from the top-1 id against an argmax of full logits."""
+    from megatron.core.transformer import multi_token_prediction
+
+    monkeypatch.setattr(multi_token_prediction, "MTPLossLoggingHelper", api)
+    api.calls.clear()
+    gen = torch.Generator().manual_seed(next_seed())
+    t = 11
+    hidden = torch.randn(t, 1, HIDDEN, generator=gen, dtype=torch.float64)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64)
+    preds = (hidden[:, 0] @ weight.t()).argmax(-1)[None]
+    labels = torch.where(torch.rand(1, t, generator=gen) < 0.5, preds, torch.randint(0, VOCAB, (1, t), generator=gen))
+    loss_mask = torch.rand(1, t, generator=gen) < 0.7
+    loss_sum, num_tokens = torch.tensor(3.5), loss_mask.sum()
+    config = type("Config", (), {"sequence_parallel": False, "calculate_per_token_loss": False})()
+    plugin_mtp._save_to_tracker(loss_sum, num_tokens, hidden, weight, labels, loss_mask, 1, 2, config)
+    correct = float(((preds == labels) & loss_mask).sum())
+    assert 0 < correct < float(num_tokens)  # the case distinguishes right from wrong counts
+    (call,) = api.calls
+    if api is _NewestTracker:
+        assert call[:4] == (loss_sum, num_tokens, 1, 2)
+        assert (float(call[4]), float(call[5])) == (correct, float(num_tokens))
+    else:
+        assert float(call[0]) == pytest.approx(3.5 / float(num_tokens))
+        assert (float(call[1]), float(call[2]), call[3], call[4]) == (correct, float(num_tokens), 1, 2)

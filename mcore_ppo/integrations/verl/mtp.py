@@ -407,8 +407,9 @@ def _attach_mtp_losses(
         )
         mtp_loss = loss_mask * -log_probs.reshape(mtp_labels.shape)
         if model.training:
-            loss_for_log = mtp_loss.sum() / num_tokens.clamp(min=1)
-            _save_to_tracker(loss_for_log, chunks[depth + 1], weight, mtp_labels, loss_mask, depth, depths, config)
+            _save_to_tracker(
+                mtp_loss.sum(), num_tokens, chunks[depth + 1], weight, mtp_labels, loss_mask, depth, depths, config
+            )
         scale = config.mtp_loss_scaling_factor / depths
         safe_num_tokens = num_tokens.clamp(min=1)
         if config.calculate_per_token_loss:
@@ -420,7 +421,8 @@ def _attach_mtp_losses(
 
 
 def _save_to_tracker(
-    loss: torch.Tensor,
+    loss_sum: torch.Tensor,
+    num_tokens: torch.Tensor,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -429,21 +431,26 @@ def _save_to_tracker(
     depths: int,
     config: Any,
 ) -> None:
-    """The depth's loss into Megatron's MTP tracker, by whichever API this megatron-core has."""
+    """The depth's loss into Megatron's MTP tracker (what verl's ``get_megatron_mtp_loss`` reads),
+    by whichever of its APIs this megatron-core has, as its MTP loss calls it:
+
+    - ``save_loss_to_tracker(loss_sum, num_tokens, layer_number, num_layers, correct, total, ...,
+      calculate_per_token_loss)`` (raw sums; newest);
+    - ``save_metrics_to_tracker(loss, correct, total, layer_number, num_layers, ...)``;
+    - ``save_loss_to_tracker(loss, layer_number, num_layers, ...)`` (0.16).
+
+    ``correct`` / ``total`` are Megatron's acceptance counts: the top-1 id
+    (:func:`mcore_ppo.fused_topk`, no logits) against the label where the mask counts.
+    """
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    save_metrics = getattr(MTPLossLoggingHelper, "save_metrics_to_tracker", None)
-    metrics_api = save_metrics is not None and list(inspect.signature(save_metrics).parameters)[:3] == [
-        "loss",
-        "correct",
-        "total",
-    ]
-    if metrics_api:
+    mean = loss_sum / num_tokens.clamp(min=1)
+
+    def acceptance() -> tuple[torch.Tensor, torch.Tensor]:
         from mcore_ppo import fused_topk
 
-        # Megatron's acceptance counts: the top-1 id against the label where the mask counts.
         top = fused_topk(
             hidden.detach(),
             weight.detach(),
@@ -453,15 +460,29 @@ def _save_to_tracker(
         )
         valid = loss_mask.bool()
         correct = ((top.ids[..., 0].reshape(labels.shape) == labels) & valid).sum().float()
-        save_metrics(loss, correct, valid.sum().float(), depth, depths, avg_group=avg_group)
-        return
-    save_loss = getattr(MTPLossLoggingHelper, "save_loss_to_tracker", None)
-    if save_loss is not None:
-        save_loss(loss, depth, depths, avg_group=avg_group)
-        return
-    log_once(
-        logging.WARNING,
-        ("verl-mtp-tracker",),
-        "mcore_ppo verl plugin: this megatron-core's MTPLossLoggingHelper has neither save_loss_to_tracker nor "
-        "save_metrics_to_tracker(loss, correct, total, ...); the MTP losses are trained but not logged",
-    )
+        return correct, valid.sum().float()
+
+    def parameters(name: str) -> list[str]:
+        function = getattr(MTPLossLoggingHelper, name, None)
+        return [] if function is None else list(inspect.signature(function).parameters)
+
+    save_loss, save_metrics = parameters("save_loss_to_tracker"), parameters("save_metrics_to_tracker")
+    if save_loss[:2] == ["loss_sum", "num_tokens"]:
+        extra: dict[str, Any] = {"avg_group": avg_group}
+        if "correct" in save_loss and "total" in save_loss:
+            extra["correct"], extra["total"] = acceptance()
+        if "calculate_per_token_loss" in save_loss:
+            extra["calculate_per_token_loss"] = bool(config.calculate_per_token_loss)
+        MTPLossLoggingHelper.save_loss_to_tracker(loss_sum, num_tokens, depth, depths, **extra)
+    elif save_metrics[:3] == ["loss", "correct", "total"]:
+        correct, total = acceptance()
+        MTPLossLoggingHelper.save_metrics_to_tracker(mean, correct, total, depth, depths, avg_group=avg_group)
+    elif save_loss[:1] == ["loss"]:
+        MTPLossLoggingHelper.save_loss_to_tracker(mean, depth, depths, avg_group=avg_group)
+    else:
+        log_once(
+            logging.WARNING,
+            ("verl-mtp-tracker",),
+            "mcore_ppo verl plugin: this megatron-core's MTPLossLoggingHelper has none of the tracker APIs the "
+            "plugin knows (save_loss_to_tracker, save_metrics_to_tracker); the MTP losses are trained, not logged",
+        )
