@@ -5,6 +5,9 @@ Forward (one rank, its vocab shard ``[vocab_start, vocab_start + v)``):
      the backend returns a residual for its backward (the triton buffer);
   2. the cross-rank combine (:func:`parallel.combine_shard_statistics`): MAX, then one SUM;
   3. ``log_prob = y - lse`` and ``entropy = H``, zero for ignored tokens.
+A backend with ``head_forward`` (:class:`~mcore_ppo.backends.base.FusedHeadBackend`: the
+triton backend) runs the three steps itself, the label preparation and step 3 inside its
+kernels, with the same results; the generic path (:func:`_generic_forward`) runs otherwise.
 Saved for backward: the inputs and the fp32 per-token ``lse`` and ``entropy`` (saved tensors;
 no entropy when it is off), the per-token temperature when there is one, and the backend's
 residual (on ``ctx``, handed to the one backward that consumes it).
@@ -34,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_ppo.backends.base import Backend, GradientRequest, SavedTokens
+from mcore_ppo.backends.base import Backend, GradientRequest, HeadForward, SavedTokens
 from parallel.combine import combine_shard_statistics
-from parallel.ranks import ProcessGroup
+from parallel.ranks import ProcessGroup, group_size
 
 NO_DOUBLE_BACKWARD = (
     "mcore_ppo's fused PPO head is differentiable once: backward(create_graph=True) through it "
@@ -132,6 +135,56 @@ def _weight_grad_buffer(weight: torch.Tensor, accumulate_into_main_grad: bool, b
     return torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
 
 
+def _combine(m, s, u, y, *, tp_group: ProcessGroup):
+    return combine_shard_statistics(m, s, u, y, tp_group)
+
+
+def _generic_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    plan: ShardPlan,
+    grad_needed: bool,
+    temperature: float | torch.Tensor,
+) -> HeadForward:
+    """The forward over the :class:`Backend` protocol: labels prepared and outputs finished by
+    torch ops around ``shard_statistics`` (any backend; what ``head_forward`` fuses)."""
+    # Compared in int64: in a narrower dtype ignore_index would wrap (-100 is 156 in uint8).
+    labels = labels.long()
+    valid = labels != plan.ignore_index
+    if plan.labels_checked and plan.vocab_start == 0 and weight.shape[0] == plan.vocab_size:
+        # One shard holding the whole vocab and labels known to lie in it: every valid label
+        # is its own local row (each small op costs tens of microseconds of host time).
+        local_labels = torch.where(valid, labels, -1)
+    else:
+        local_labels = labels - plan.vocab_start
+        in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
+        local_labels = torch.where(in_shard, local_labels, -1)
+
+    # Passed only when off: a backend object written before the option keeps working.
+    entropy_off = {} if plan.return_entropy else {"with_entropy": False}
+    stats = plan.backend.shard_statistics(
+        hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, **entropy_off
+    )
+    m, s, u, y = stats.tensors()
+    lse, entropy, label_logit = combine_shard_statistics(m, s, u if plan.return_entropy else None, y, plan.tp_group)
+
+    # Rounding can push log p a hair above 0 or H a hair below 0; the math forbids both.
+    log_prob = torch.where(valid, (label_logit - lse).clamp_(max=0.0), 0.0)
+    if not plan.labels_checked:
+        # A label outside [0, vocab_size) that was not caught by validation (validate=False)
+        # poisons its log-prob instead of returning a plausible number.
+        out_of_range = valid & ((labels < 0) | (labels >= plan.vocab_size))
+        log_prob = log_prob.masked_fill(out_of_range, torch.nan)
+    if entropy is None:
+        entropy_out = None
+    else:
+        # Near-uniform logits: H rounds to within an ulp of log V, possibly above it.
+        max_entropy = _max_entropy(plan.vocab_size, entropy.dtype)
+        entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=max_entropy), 0.0)
+    return HeadForward(log_prob, entropy_out, SavedTokens(local_labels, valid, lse, entropy, stats.residual))
+
+
 class FusedPPOHeadFunction(torch.autograd.Function):
     """``(hidden [n,h], weight [v,h], labels [n], plan, grad_needed, temperature [n] or None)
     → (log_prob [n], entropy [n] or None)``, fp32.
@@ -158,45 +211,36 @@ class FusedPPOHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, hidden, weight, labels, plan: ShardPlan, grad_needed: bool, row_temperature):
-        # Compared in int64: in a narrower dtype ignore_index would wrap (-100 is 156 in uint8).
-        labels = labels.long()
-        valid = labels != plan.ignore_index
-        if plan.labels_checked and plan.vocab_start == 0 and weight.shape[0] == plan.vocab_size:
-            # One shard holding the whole vocab and labels known to lie in it: every valid label
-            # is its own local row (each small op costs tens of microseconds of host time).
-            local_labels = torch.where(valid, labels, -1)
-        else:
-            local_labels = labels - plan.vocab_start
-            in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
-            local_labels = torch.where(in_shard, local_labels, -1)
-
         temperature = plan.temperature if row_temperature is None else row_temperature
-        # Passed only when off: a backend object written before the option keeps working.
-        entropy_off = {} if plan.return_entropy else {"with_entropy": False}
-        stats = plan.backend.shard_statistics(
-            hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, **entropy_off
+        fused = getattr(plan.backend, "head_forward", None)
+        result = None
+        if fused is not None:
+            combine = None
+            if plan.tp_group is not None and group_size(plan.tp_group) > 1:
+                combine = functools.partial(_combine, tp_group=plan.tp_group)
+            result = fused(
+                hidden,
+                weight,
+                labels,
+                temperature,
+                ignore_index=plan.ignore_index,
+                vocab_start=plan.vocab_start,
+                vocab_size=plan.vocab_size,
+                labels_checked=plan.labels_checked,
+                grad_needed=grad_needed,
+                with_entropy=plan.return_entropy,
+                max_entropy=_max_entropy(plan.vocab_size, torch.float32),
+                combine=combine,
+            )
+        if result is None:
+            result = _generic_forward(hidden, weight, labels, plan, grad_needed, temperature)
+        log_prob, entropy_out, saved = result
+        ctx.save_for_backward(
+            hidden, weight, saved.local_labels, saved.valid, saved.lse, saved.entropy, row_temperature
         )
-        m, s, u, y = stats.tensors()
-        lse, entropy, label_logit = combine_shard_statistics(m, s, u if plan.return_entropy else None, y, plan.tp_group)
-
-        # Rounding can push log p a hair above 0 or H a hair below 0; the math forbids both.
-        log_prob = torch.where(valid, (label_logit - lse).clamp_(max=0.0), 0.0)
-        if not plan.labels_checked:
-            # A label outside [0, vocab_size) that was not caught by validation (validate=False)
-            # poisons its log-prob instead of returning a plausible number.
-            out_of_range = valid & ((labels < 0) | (labels >= plan.vocab_size))
-            log_prob = log_prob.masked_fill(out_of_range, torch.nan)
-        if entropy is None:
-            entropy_out = None
-        else:
-            # Near-uniform logits: H rounds to within an ulp of log V, possibly above it.
-            max_entropy = _max_entropy(plan.vocab_size, entropy.dtype)
-            entropy_out = torch.where(valid, entropy.clamp(min=0.0, max=max_entropy), 0.0)
-
-        ctx.save_for_backward(hidden, weight, local_labels, valid, lse, entropy, row_temperature)
         ctx.plan = plan
         # Not a saved tensor: the one backward that uses it takes it (see backward).
-        ctx.residual = stats.residual
+        ctx.residual = saved.residual
         return log_prob, entropy_out
 
     @staticmethod

@@ -11,6 +11,10 @@ the forward that keeps a backward, and the backward; then a cProfile of one forw
 The head runs with ``validate=False`` (``--validate`` turns it on): the value checks read labels
 and temperatures back, one host sync per call, which would wait for the spin.
 
+It also records, per call, the aten ops the host issued (a ``TorchDispatchMode``) and the kernel
+launches of the triton backend (``triton_launch.launch_count``), and which launch level each
+kernel reached (``fast_launch_levels``: ``raw`` / ``compiled`` / ``normal``).
+
 Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--out DIR]
 Without CUDA it times the torch backend on small CPU tensors (the Python around the kernels only).
 """
@@ -25,9 +29,11 @@ import pstats
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,6 +55,44 @@ def _host_ms(fn, reps: int, cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counts(fn) -> dict:
+    """Aten ops and kernel launches of one call of ``fn``."""
+    try:
+        from mcore_ppo.backends import triton_launch
+    except ImportError:  # pragma: no cover - no triton
+        triton_launch = None
+    before = triton_launch.launch_count() if triton_launch else 0
+    mode = _CountOps()
+    with mode:
+        fn()
+    launches = (triton_launch.launch_count() - before) if triton_launch else 0
+    return {"aten_ops": sum(mode.ops.values()), "launches": launches, "ops": dict(sorted(mode.ops.items()))}
+
+
+def _levels() -> dict:
+    try:
+        import mcore_ppo.kernels as kernels
+        from mcore_ppo.backends import triton_launch
+    except ImportError:  # pragma: no cover - no triton
+        return {}
+    out = {}
+    for name in kernels.__all__:
+        levels = sorted(set(triton_launch.fast_level(getattr(kernels, name)).values()))
+        if levels:
+            out[name] = levels
+    return out
 
 
 def _profile(name: str, fn, reps: int, cuda: bool) -> str:
@@ -136,6 +180,10 @@ def main() -> None:
         times.append(_host_ms(backward, 1, cuda))
         x.grad = w.grad = None
     result["backward_host_ms"] = statistics.median(times)
+    result["per_call_counts"] = {"nograd_forward": _counts(nograd), "forward": _counts(forward)}
+    result["per_call_counts"]["backward"] = _counts(backward)
+    x.grad = w.grad = None
+    result["fast_launch_levels"] = _levels()
 
     text = io.StringIO()
     for name, fn in (("no-grad forward", nograd), ("forward + backward", lambda: (forward(), backward()))):

@@ -23,8 +23,9 @@ Arguments shared by both per-shard methods:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -128,6 +129,47 @@ class Backend(Protocol):
         returned (None when it is None). A residual in ``saved`` is consumed (it may be
         overwritten in place).
         """
+        ...
+
+
+class HeadForward(NamedTuple):
+    """What :meth:`FusedHeadBackend.head_forward` returns: the head's outputs (fp32 ``[n]``,
+    ``entropy`` None when it is off) and what its backward needs (the ``SavedTokens`` that
+    :meth:`Backend.shard_gradients` receives; ``lse`` / ``entropy`` the combined values)."""
+
+    log_prob: torch.Tensor
+    entropy: torch.Tensor | None
+    saved: SavedTokens
+
+
+class FusedHeadBackend(Backend, Protocol):
+    """A per-shard backend that may also run the whole forward of its shard itself (the triton
+    backend: labels prepared and outputs finished in its kernels, so the autograd Function
+    issues no per-token tensor op of its own). Optional: the Function uses it when a backend
+    has it, else the generic path over :meth:`Backend.shard_statistics`."""
+
+    def head_forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float | torch.Tensor,
+        *,
+        ignore_index: int,
+        vocab_start: int,
+        vocab_size: int,
+        labels_checked: bool,
+        grad_needed: bool,
+        with_entropy: bool,
+        max_entropy: float,
+        combine: Callable | None,
+    ) -> HeadForward | None:
+        """The generic path's results for global int64 ``labels [n]``: ``log_prob = min(y -
+        lse, 0)``, NaN for a label outside ``[0, vocab_size)`` unless ``labels_checked``;
+        entropy clamped to ``[0, max_entropy]``; both 0 for ignored tokens. ``combine``: None
+        when this shard is the whole vocab, else :func:`parallel.combine_shard_statistics`
+        over the TP group as ``combine(m, s, u, y) -> (lse, entropy, label_logit)``. None:
+        this case is not handled here (the caller runs the generic path)."""
         ...
 
 

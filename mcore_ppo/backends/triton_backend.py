@@ -31,13 +31,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-from mcore_ppo.backends.base import GradientRequest, SavedTokens, ShardStatistics
+from mcore_ppo.backends.base import GradientRequest, HeadForward, SavedTokens, ShardStatistics
 from mcore_ppo.backends.torch_backend import TorchBackend
 from mcore_ppo.backends.triton_host import (
+    COMPACT_BLOCK,
+    COMPACT_WARPS,
+    MERGE_BLOCK_S,
+    MERGE_BLOCK_T,
     ElementwiseConfig,
     GemmConfig,
     ProbabilityBuffer,
@@ -45,7 +50,6 @@ from mcore_ppo.backends.triton_host import (
     budget_bytes,
     cdiv,
     compact_rows,
-    descriptor,
     descriptor_ok,
     for_dtype,
     gathered_rows,
@@ -60,6 +64,7 @@ from mcore_ppo.backends.triton_host import (
     upstream_gradients,
     with_tma_store,
 )
+from mcore_ppo.backends.triton_launch import TmaDesc, launch
 from mcore_ppo.logs import log_once
 
 try:  # the package itself is optional; anything else broken in it should raise
@@ -111,6 +116,12 @@ BUFFER_BUDGET_ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
 BUFFER_STORE_TMA = True
 DZ_STORE_TMA = True
 BUFFER_DZ_CONFIG = ElementwiseConfig()
+# The whole forward through head_forward (labels prepared and outputs finished in kernels);
+# False: the Function's generic path over shard_statistics (tests compare the two).
+FUSED_HEAD = True
+# Forward plans kept per backend (one per shape and option set a process uses).
+PLAN_CACHE_SIZE = 64
+_TOKENS_OPTIONS = {save: {"BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS, "SAVE": save} for save in (False, True)}
 
 
 def environment_budget() -> int | None:
@@ -167,7 +178,9 @@ class TritonBackend:
         self.buffer_store_tma = BUFFER_STORE_TMA if buffer_store_tma is None else buffer_store_tma
         self.dz_store_tma = DZ_STORE_TMA if dz_store_tma is None else dz_store_tma
         self.buffer_dz_config = buffer_dz_config or BUFFER_DZ_CONFIG
+        self.fused_head = FUSED_HEAD
         self._reference = TorchBackend()
+        self._plans: dict[tuple, _ForwardPlan] = {}
 
     def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         # fp64 (gradcheck), empty problems and meta tensors (shape inference) go to the chunked reference.
@@ -199,57 +212,155 @@ class TritonBackend:
             return self._reference.shard_statistics(
                 hidden, weight, local_labels, valid, temperature, with_entropy=with_entropy
             )
-        from mcore_ppo.kernels import stats_kernel
-
         hidden, weight = rowmajor(hidden), rowmajor(weight)
-        n, h = hidden.shape
-        v = weight.shape[0]
-        cfg = for_dtype(self.forward_config_for(v), hidden.dtype)
+        plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, isinstance(temperature, torch.Tensor))
         perm, count = compact_rows(valid)
-        num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
-        parts = torch.empty(3 if with_entropy else 2, num_splits, n, dtype=torch.float32, device=hidden.device)
-        y = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, y)
-        n_tiles_v = cdiv(v, cfg.block_n)
-        buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
-        store = grad_needed and buffer_bytes <= self.buffer_budget_bytes
-        log_buffer_decision(grad_needed, store, buffer_bytes, self.buffer_budget_bytes)
-        use_tma = operands_by_tma(hidden, weight, cfg)
-        w_desc = descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
-        buf_tma = False
-        if store:
-            buf = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)
-            tmax = torch.empty(n, n_tiles_v, dtype=torch.float32, device=hidden.device)
-            buf_tma, cfg = with_tma_store(self.buffer_store_tma, buf, cfg)
-        else:
-            buf = tmax = y  # unused (STORE_P off)
-        buf_desc = descriptor(buf, [cfg.block_m, cfg.block_n]) if buf_tma else buf
-        # Blocks of consecutive valid rows are read in place (a first launch), the others from
-        # a gathered copy of only their rows (a second): no row copy when nothing is ignored.
-        direct = use_tma and descriptor_ok(hidden)
-
-        # The default variant is launched without the new flags: its compile is the same as before.
-        variant = {**({"ROW_TEMP": True} if row_temp else {}), **({} if with_entropy else {"WITH_U": False})}
-
-        def launch(x_rows: torch.Tensor, direct_pass: int) -> None:
-            x_desc = descriptor(x_rows, [cfg.block_m, cfg.block_k]) if use_tma else x_rows
-            stats_kernel[(cdiv(n, cfg.block_m) * num_splits,)](
-                x_rows, weight, x_desc, w_desc, perm, count, local_labels, parts[0], parts[1], parts[-1], y,
-                buf, buf_desc, tmax, n, v, h, x_rows.stride(0), weight.stride(0), num_splits, inv_temp,
-                n_tiles_v, direct_pass, inv_temp_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, TILES_PER_SPLIT=cfg.tiles_per_split, GROUP_M=cfg.group_m,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_TMA=use_tma, STORE_P=store,
-                BUF_TMA=buf_tma, DIRECT_ROWS=direct, **kernel_flags(hidden, cfg), **variant,
-            )  # fmt: skip
-
-        if direct:
-            launch(hidden, 1)
-            launch(gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m), 0)
-        else:
-            launch(gathered_rows(hidden, perm, count) if use_tma else hidden, 0)
-        residual = ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count) if store else None
+        y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
+        parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature)
         m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy)
         return ShardStatistics(m, sum_exp, u, y, residual)
+
+    def head_forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float | torch.Tensor,
+        *,
+        ignore_index: int,
+        vocab_start: int,
+        vocab_size: int,
+        labels_checked: bool,
+        grad_needed: bool,
+        with_entropy: bool,
+        max_entropy: float,
+        combine: Callable | None,
+    ) -> HeadForward | None:
+        """The whole forward of the head on this shard in four to six launches (see
+        :class:`~mcore_ppo.backends.base.FusedHeadBackend`): the per-token preparation from the
+        global labels (``tokens_kernel``), the statistics, and, on one shard, the merge with
+        the outputs' epilogue in one kernel (``merge_finish_kernel``); over TP the merge, the
+        caller's ``combine`` and the epilogue (``finish_kernel``). None (the caller runs the
+        generic path) where :meth:`shard_statistics` would fall back to the reference, or with
+        :data:`FUSED_HEAD` off."""
+        if not self.fused_head or self._fallback(hidden, weight):
+            return None
+        from mcore_ppo import kernels
+
+        hidden, weight = rowmajor(hidden), rowmajor(weight)
+        row_temp = isinstance(temperature, torch.Tensor)
+        plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp)
+        n, device = plan.n, hidden.device
+        local_labels = torch.empty(n, dtype=torch.int64, device=device)
+        perm = torch.empty(n, dtype=torch.int32, device=device)
+        count = torch.empty(1, dtype=torch.int32, device=device)
+        y = torch.empty(n, dtype=torch.float32, device=device)
+        # Kept for the backward only: without one, placeholders the kernels never write (SAVE off).
+        valid = torch.empty(n, dtype=torch.bool, device=device) if grad_needed else None
+        stride_l = labels.stride(0)
+        launch(
+            kernels.tokens_kernel,
+            (1,),
+            (labels, local_labels, perm if valid is None else valid, perm, count, y, n, stride_l, ignore_index,
+             vocab_start, plan.v),
+            _TOKENS_OPTIONS[grad_needed],
+        )  # fmt: skip
+        parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature)
+        log_prob = torch.empty(n, dtype=torch.float32, device=device)
+        entropy_out = torch.empty(n, dtype=torch.float32, device=device) if with_entropy else None
+        ent_out = log_prob if entropy_out is None else entropy_out  # never written without WITH_U
+        merge_grid = (cdiv(n, MERGE_BLOCK_T),)
+        if combine is None:
+            lse = torch.empty(n, dtype=torch.float32, device=device) if grad_needed else None
+            entropy = torch.empty(n, dtype=torch.float32, device=device) if grad_needed and with_entropy else None
+            lse_arg = log_prob if lse is None else lse
+            launch(
+                kernels.merge_finish_kernel,
+                merge_grid,
+                (
+                    parts[0], parts[1], parts[-1], perm, count, y, labels, lse_arg,
+                    lse_arg if entropy is None else entropy, log_prob, ent_out, n, plan.num_splits, stride_l,
+                    vocab_size, max_entropy,
+                ),
+                plan.finish_options[labels_checked, grad_needed],
+            )  # fmt: skip
+        else:
+            m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy)
+            lse, entropy, label_logit = combine(m, sum_exp, u, y)
+            launch(
+                kernels.finish_kernel,
+                merge_grid,
+                (
+                    lse, lse if entropy is None else entropy, label_logit, labels, log_prob, ent_out, n, stride_l,
+                    ignore_index, vocab_size, max_entropy,
+                ),
+                plan.combined_options[labels_checked],
+            )  # fmt: skip
+        if residual is None and grad_needed:
+            residual = RowOrder(perm, count)
+        return HeadForward(log_prob, entropy_out, SavedTokens(local_labels, valid, lse, entropy, residual))
+
+    def _forward_plan(
+        self, hidden: torch.Tensor, weight: torch.Tensor, grad_needed: bool, with_entropy: bool, row_temp: bool
+    ) -> _ForwardPlan:
+        """The forward's per-shape decisions, made once per key (shapes, dtype, strides, 16-byte
+        alignment of the operands, device, gradient and options)."""
+        key = (
+            tuple(hidden.shape), weight.shape[0], hidden.dtype, hidden.stride(0), weight.stride(0),
+            hidden.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0, hidden.device, grad_needed,
+            with_entropy, row_temp,
+        )  # fmt: skip
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= PLAN_CACHE_SIZE:
+                self._plans.clear()
+            plan = self._plans[key] = _ForwardPlan.build(self, hidden, weight, grad_needed, with_entropy, row_temp)
+        return plan
+
+    def _statistics(
+        self,
+        plan: _ForwardPlan,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        local_labels: torch.Tensor,
+        perm: torch.Tensor,
+        count: torch.Tensor,
+        y: torch.Tensor,
+        temperature: float | torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, ...], ProbabilityBuffer | None]:
+        """The forward kernel's launches: per-split partials ``(m, s[, u])`` (views of one
+        buffer) and the label logits into ``y``; the probability buffer as residual when the
+        plan stores it."""
+        from mcore_ppo import kernels
+
+        n, v, device = plan.n, plan.v, hidden.device
+        parts = torch.empty(plan.n_parts, plan.num_splits, n, dtype=torch.float32, device=device).unbind(0)
+        inv_temp, inv_temp_rows, _ = _inverse_temperature(temperature, y)
+        if plan.store:
+            buf = torch.empty(n, v, dtype=hidden.dtype, device=device)
+            tmax = torch.empty(n, plan.n_tiles_v, dtype=torch.float32, device=device)
+        else:
+            buf = tmax = y  # unused (STORE_P off)
+        cfg = plan.cfg
+        w_desc = TmaDesc(weight, (cfg.block_n, cfg.block_k)) if plan.use_tma else weight
+        buf_desc = TmaDesc(buf, (cfg.block_m, cfg.block_n)) if plan.buf_tma else buf
+
+        def run(x_rows: torch.Tensor, direct_pass: int) -> None:
+            x_desc = TmaDesc(x_rows, (cfg.block_m, cfg.block_k)) if plan.use_tma else x_rows
+            args = (
+                x_rows, weight, x_desc, w_desc, perm, count, local_labels, parts[0], parts[1], parts[-1], y, buf,
+                buf_desc, tmax, n, v, plan.h, x_rows.stride(0), weight.stride(0), plan.num_splits, inv_temp,
+                plan.n_tiles_v, direct_pass, inv_temp_rows,
+            )  # fmt: skip
+            launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options)
+
+        if plan.direct:
+            run(hidden, 1)
+            run(gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m), 0)
+        else:
+            run(gathered_rows(hidden, perm, count) if plan.use_tma else hidden, 0)
+        residual = ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count) if plan.store else None
+        return parts, residual
 
     def forward_config_for(self, v: int) -> GemmConfig:
         """The forward's tile config for a shard of ``v`` vocab rows (one per shard size, so
@@ -308,7 +419,10 @@ class TritonBackend:
         n, h = hidden.shape
         v = weight.shape[0]
         device = hidden.device
-        perm, count = compact_rows(valid)
+        if isinstance(saved.residual, RowOrder):  # the forward's, when it kept it
+            perm, count = saved.residual.perm, saved.residual.count
+        else:
+            perm, count = compact_rows(valid)
         has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
         inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, lse)
         entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
@@ -319,55 +433,31 @@ class TritonBackend:
         chunk = self.vocab_chunk(n, v, hidden.element_size())
         workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
         flags = kernel_flags(hidden, cfg)
-        x_desc = descriptor(x_c, [cfg.block_m, cfg.block_k]) if use_tma else hidden
-        w_desc = descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
+        x_desc = TmaDesc(x_c, (cfg.block_m, cfg.block_k)) if use_tma else hidden
+        w_desc = TmaDesc(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
         dz_tma, cfg = with_tma_store(self.dz_store_tma, workspace, cfg)
+        options = {
+            "HAS_G": has_g, "HAS_E": has_e, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "USE_TMA": use_tma,
+            "DZ_TMA": dz_tma, **flags, **({"ROW_TEMP": True} if row_temp else {}),
+        }  # fmt: skip
+        x_arg = x_c if use_tma else hidden
         for v0 in range(0, v, chunk):
             vc = min(chunk, v - v0)
-            dz = workspace[:, :vc]
-            dz_desc = descriptor(dz, [cfg.block_m, cfg.block_n]) if dz_tma else dz
-            dz_kernel[(cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),)](
-                x_c if use_tma else hidden,
-                weight,
-                x_desc,
-                w_desc,
-                perm,
-                count,
-                local_labels,
-                lse,
-                entropy,
-                g,
-                e,
-                dz,
-                dz_desc,
-                n,
-                vc,
-                v0,
-                h,
-                hidden.stride(0),
-                weight.stride(0),
-                workspace.stride(0),
-                inv_temp,
-                inv_temp_rows,
-                HAS_G=has_g,
-                HAS_E=has_e,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k,
-                GROUP_M=cfg.group_m,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-                USE_TMA=use_tma,
-                DZ_TMA=dz_tma,
-                **flags,
-                **({"ROW_TEMP": True} if row_temp else {}),
-            )
+            dz = workspace[:, :vc] if vc < chunk else workspace
+            dz_desc = TmaDesc(dz, (cfg.block_m, cfg.block_n)) if dz_tma else dz
+            args = (
+                x_arg, weight, x_desc, w_desc, perm, count, local_labels, lse, entropy, g, e, dz, dz_desc, n, vc, v0,
+                h, hidden.stride(0), weight.stride(0), workspace.stride(0), inv_temp, inv_temp_rows,
+            )  # fmt: skip
+            launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options)
+            w_rows = weight if vc == v else weight[v0 : v0 + vc]
             if request.need_hidden_grad and hidden_grad_c is None:
-                hidden_grad_c = mm_fp32(dz, weight[v0 : v0 + vc])
+                hidden_grad_c = mm_fp32(dz, w_rows)
             elif request.need_hidden_grad:
-                addmm_fp32(hidden_grad_c, dz, weight[v0 : v0 + vc])
+                addmm_fp32(hidden_grad_c, dz, w_rows)
             if weight_grad is not None:
-                addmm_fp32(weight_grad[v0 : v0 + vc], dz.t(), x_c)
+                addmm_fp32(weight_grad if vc == v else weight_grad[v0 : v0 + vc], dz.t(), x_c)
         del workspace, x_c, dz, dz_desc, x_desc  # before the rows of d_hidden get a second buffer
         hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype) if hidden_grad_c is not None else None
         return hidden_grad, weight_grad
@@ -397,29 +487,16 @@ class TritonBackend:
         entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
         cfg = self.buffer_dz_config
         n_tiles_v = tmax.shape[1]
-        dz_from_buffer_kernel[(cdiv(n, cfg.block_m) * n_tiles_v,)](
-            buf,
-            tmax,
-            perm,
-            count,
-            local_labels,
-            lse,
-            entropy,
-            g,
-            e,
-            n,
-            v,
-            n_tiles_v,
-            inv_temp,
-            inv_temp_rows,
-            HAS_G=has_g,
-            HAS_E=has_e,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=block_n,
-            FAST_LOG2=cfg.fast_log2 and buf.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps,
-            **({"ROW_TEMP": True} if row_temp else {}),
-        )
+        launch(
+            dz_from_buffer_kernel,
+            (cdiv(n, cfg.block_m) * n_tiles_v,),
+            (buf, tmax, perm, count, local_labels, lse, entropy, g, e, n, v, n_tiles_v, inv_temp, inv_temp_rows),
+            {
+                "HAS_G": has_g, "HAS_E": has_e, "BLOCK_M": cfg.block_m, "BLOCK_N": block_n,
+                "FAST_LOG2": cfg.fast_log2 and buf.dtype == torch.bfloat16, "num_warps": cfg.num_warps,
+                **({"ROW_TEMP": True} if row_temp else {}),
+            },
+        )  # fmt: skip
         del tmax
         hidden_grad = None
         if request.need_hidden_grad:
@@ -432,6 +509,84 @@ class TritonBackend:
         if request.need_hidden_grad:
             hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype)
         return hidden_grad, weight_grad
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """The forward's compacted row order, kept for a backward that recomputes (no buffer)."""
+
+    perm: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _ForwardPlan:
+    """What the forward decides from shapes, dtypes, strides, alignment and options alone."""
+
+    n: int
+    h: int
+    v: int
+    cfg: GemmConfig
+    num_splits: int
+    n_tiles_v: int
+    n_parts: int
+    store: bool
+    use_tma: bool
+    buf_tma: bool
+    direct: bool
+    stats_grid: tuple[int]
+    stats_options: dict
+    finish_options: dict  # by (labels_checked, grad_needed): the launch options of merge_finish_kernel
+    combined_options: dict  # by labels_checked: those of finish_kernel
+
+    @staticmethod
+    def build(
+        backend: TritonBackend,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        grad_needed: bool,
+        with_entropy: bool,
+        row_temp: bool,
+    ) -> _ForwardPlan:
+        n, h = hidden.shape
+        v = weight.shape[0]
+        cfg = for_dtype(backend.forward_config_for(v), hidden.dtype)
+        num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
+        n_tiles_v = cdiv(v, cfg.block_n)
+        buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
+        store = grad_needed and buffer_bytes <= backend.buffer_budget_bytes
+        log_buffer_decision(grad_needed, store, buffer_bytes, backend.buffer_budget_bytes)
+        use_tma = operands_by_tma(hidden, weight, cfg)
+        buf_tma = False
+        if store:
+            buf_tma, cfg = with_tma_store(backend.buffer_store_tma, hidden, cfg, row_elements=v)
+        # Blocks of consecutive valid rows are read in place (a first launch), the others from
+        # a gathered copy of only their rows (a second): no row copy when nothing is ignored.
+        direct = use_tma and descriptor_ok(hidden)
+        # The default variant is launched without the new flags: its compile is the same as before.
+        variant = {**({"ROW_TEMP": True} if row_temp else {}), **({} if with_entropy else {"WITH_U": False})}
+        stats_options = {
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "TILES_PER_SPLIT": cfg.tiles_per_split, "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages, "USE_TMA": use_tma, "STORE_P": store, "BUF_TMA": buf_tma,
+            "DIRECT_ROWS": direct, **kernel_flags(hidden, cfg), **variant,
+        }  # fmt: skip
+        libdevice = not interpreting()
+        finish_options = {
+            (checked, grad_needed): {
+                "BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_entropy,
+                "CHECK_RANGE": not checked, "LIBDEVICE": libdevice, "SAVE": grad_needed,
+            }
+            for checked in (False, True)
+        }  # fmt: skip
+        combined_options = {
+            checked: {"BLOCK_T": MERGE_BLOCK_T, "WITH_U": with_entropy, "CHECK_RANGE": not checked}
+            for checked in (False, True)
+        }
+        return _ForwardPlan(
+            n, h, v, cfg, num_splits, n_tiles_v, 3 if with_entropy else 2, store, use_tma, buf_tma, direct,
+            (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
+        )  # fmt: skip
 
 
 def _inverse_temperature(temperature: float | torch.Tensor, placeholder: torch.Tensor):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mcore_ppo.backends.triton_launch import launch
 from mcore_ppo.logs import log_once
 
 COMPACT_BLOCK = 4096  # rows per step of the one-program compaction: 4 dependent steps at n = 16384
@@ -121,36 +122,31 @@ def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = valid.shape[0]
     perm = torch.empty(n, dtype=torch.int32, device=valid.device)
     count = torch.empty(1, dtype=torch.int32, device=valid.device)
-    compact_kernel[(1,)](
-        valid.contiguous().view(torch.uint8), perm, count, n, BLOCK=COMPACT_BLOCK, num_warps=COMPACT_WARPS
+    launch(
+        compact_kernel,
+        (1,),
+        (valid.contiguous().view(torch.uint8), perm, count, n),
+        {"BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS},
     )
     return perm, count
 
 
 def merge_splits(
-    parts: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, *, with_u: bool = True
+    parts: torch.Tensor | tuple[torch.Tensor, ...], perm: torch.Tensor, count: torch.Tensor, *, with_u: bool = True
 ) -> tuple[torch.Tensor, ...]:
     """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [3, splits, n]``
-    (``with_u`` False: ``(m, s, None)``, the ``u`` partials are neither read nor merged)."""
+    (or its three ``[splits, n]`` rows; ``with_u`` False: ``(m, s, None)``, the ``u`` partials
+    are neither read nor merged)."""
     from mcore_ppo.kernels import merge_splits_kernel
 
-    _, num_splits, n = parts.shape
-    stats = torch.empty(3 if with_u else 2, n, dtype=torch.float32, device=parts.device)
-    u_out = stats[2] if with_u else stats[1]  # not written without WITH_U
-    merge_splits_kernel[(cdiv(n, MERGE_BLOCK_T),)](
-        parts[0],
-        parts[1],
-        parts[-1],
-        perm,
-        count,
-        stats[0],
-        stats[1],
-        u_out,
-        n,
-        num_splits,
-        BLOCK_T=MERGE_BLOCK_T,
-        BLOCK_S=MERGE_BLOCK_S,
-        WITH_U=with_u,
+    num_splits, n = parts[0].shape
+    stats = torch.empty(3 if with_u else 2, n, dtype=torch.float32, device=parts[0].device).unbind(0)
+    u_out = stats[-1]  # not written without WITH_U
+    launch(
+        merge_splits_kernel,
+        (cdiv(n, MERGE_BLOCK_T),),
+        (parts[0], parts[1], parts[-1], perm, count, stats[0], stats[1], u_out, n, num_splits),
+        {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_u},
     )
     return stats[0], stats[1], (stats[2] if with_u else None)
 
@@ -196,16 +192,24 @@ def _tma_store_fits(tensor: torch.Tensor, config: GemmConfig) -> bool:
     return 3 * stage + staging <= _shared_memory_per_block(_device_index(tensor))
 
 
-def with_tma_store(enabled: bool, tensor: torch.Tensor, config: GemmConfig) -> tuple[bool, GemmConfig]:
+def with_tma_store(
+    enabled: bool, tensor: torch.Tensor, config: GemmConfig, *, row_elements: int | None = None
+) -> tuple[bool, GemmConfig]:
     """Whether ``[BLOCK_M, BLOCK_N]`` tiles of ``tensor`` are stored by the copy engine, and the
     kernel config to use: with the 64 KiB staging tile the operand pipeline keeps 3 stages (a
     fourth overflows shared memory). Only 16-bit tiles, on rows the engine can address, where
-    the staging tile fits (:func:`_tma_store_fits`)."""
+    the staging tile fits (:func:`_tma_store_fits`). ``row_elements``: decide for a buffer not
+    yet allocated, of ``tensor``'s dtype and device, with contiguous rows of that many
+    elements (a fresh allocation is 16-byte aligned)."""
+    if row_elements is None:
+        addressable = descriptor_ok(tensor)
+    else:
+        addressable = (row_elements * tensor.element_size()) % 16 == 0
     ok = (
         enabled
         and tensor.element_size() == 2
         and tma_capable(tensor)
-        and descriptor_ok(tensor)
+        and addressable
         and _tma_store_fits(tensor, config)
     )
     return ok, (replace(config, num_stages=min(config.num_stages, 3)) if ok else config)
@@ -253,8 +257,11 @@ def gathered_rows(
     n, h = hidden.shape
     rows = torch.empty(n, h, dtype=hidden.dtype, device=hidden.device)
     if n:
-        gather_rows_kernel[(n,)](
-            hidden, perm, count, rows, n, h, hidden.stride(0), skip_direct_blocks, BLOCK_H=ROW_BLOCK
+        launch(
+            gather_rows_kernel,
+            (n,),
+            (hidden, perm, count, rows, n, h, hidden.stride(0), skip_direct_blocks),
+            {"BLOCK_H": ROW_BLOCK},
         )
     return rows
 
@@ -267,7 +274,7 @@ def scatter_rows(compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype
     n, h = compacted.shape
     out = torch.empty(n, h, dtype=dtype, device=compacted.device)
     if n:
-        scatter_rows_kernel[(n,)](compacted, perm, out, h, BLOCK_H=ROW_BLOCK)
+        launch(scatter_rows_kernel, (n,), (compacted, perm, out, h), {"BLOCK_H": ROW_BLOCK})
     return out
 
 

@@ -5,19 +5,23 @@
   of its per-split partial statistics.
 - :mod:`.backward`: the fused GEMM whose epilogue writes ``dz / T`` for one vocab chunk.
 - :mod:`.compact`: valid rows first, and their count, on the device in one launch; rows
-  gathered into that order (ignored ones zeroed) and scattered back.
+  gathered into that order (ignored ones zeroed) and scattered back; the forward's per-token
+  preparation from the global labels (``tokens_kernel``).
 """
 
 from mcore_ppo.kernels.backward import dz_from_buffer_kernel, dz_kernel
-from mcore_ppo.kernels.compact import compact_kernel, gather_rows_kernel, scatter_rows_kernel
-from mcore_ppo.kernels.forward import merge_splits_kernel, stats_kernel
+from mcore_ppo.kernels.compact import compact_kernel, gather_rows_kernel, scatter_rows_kernel, tokens_kernel
+from mcore_ppo.kernels.forward import finish_kernel, merge_finish_kernel, merge_splits_kernel, stats_kernel
 
 __all__ = [
     "compact_kernel",
     "dz_from_buffer_kernel",
     "dz_kernel",
+    "finish_kernel",
     "gather_rows_kernel",
+    "merge_finish_kernel",
     "merge_splits_kernel",
     "scatter_rows_kernel",
     "stats_kernel",
+    "tokens_kernel",
 ]

@@ -76,3 +76,58 @@ def scatter_rows_kernel(src_ptr, perm_ptr, dst_ptr, H, BLOCK_H: tl.constexpr):
         in_h = offs < H
         values = tl.load(src_ptr + r.to(tl.int64) * H + offs, mask=in_h, other=0.0)
         tl.store(dst_ptr + dst_row * H + offs, values.to(dst_ptr.dtype.element_ty), mask=in_h)
+
+
+@triton.jit(
+    do_not_specialize=["N", "stride_l", "ignore_index", "vocab_start", "V"],
+    do_not_specialize_on_alignment=["labels_ptr", "local_ptr", "valid_ptr", "perm_ptr", "count_ptr", "y_ptr"],
+)
+def tokens_kernel(
+    labels_ptr,
+    local_ptr,
+    valid_ptr,
+    perm_ptr,
+    count_ptr,
+    y_ptr,
+    N,
+    stride_l,
+    ignore_index,
+    vocab_start,
+    V,
+    BLOCK: tl.constexpr,
+    SAVE: tl.constexpr,
+):
+    """One program: the per-token preparation of a forward, from the global ``labels``.
+
+    ``valid = label != ignore_index``; ``local = label - vocab_start`` where that lies in this
+    shard's ``[0, V)`` and the token is valid, else -1 (int64); ``perm`` and ``count`` as
+    :func:`compact_kernel`; ``y`` (the label logits the forward kernel stores into) zeroed.
+    Labels are compared in int64 (``ignore_index`` never wraps). ``valid`` is written only with
+    ``SAVE`` (a backward will read it).
+    """
+    total = 0
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        in_n = offs < N
+        label = tl.load(labels_ptr + offs.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
+        ok = in_n & (label != ignore_index)
+        local = label - vocab_start
+        in_shard = ok & (local >= 0) & (local < V)
+        tl.store(local_ptr + offs, tl.where(in_shard, local, -1), mask=in_n)
+        if SAVE:
+            tl.store(valid_ptr + offs, ok, mask=in_n)
+        tl.store(y_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=in_n)
+        total += tl.sum(ok.to(tl.int32), 0)
+    tl.store(count_ptr, total)
+    valid_before = 0
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        in_n = offs < N
+        label = tl.load(labels_ptr + offs.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
+        flags = (in_n & (label != ignore_index)).to(tl.int32)
+        inclusive = tl.cumsum(flags, 0)
+        ranks_valid = valid_before + inclusive - flags
+        ranks_ignored = total + (offs - valid_before - (inclusive - flags))
+        dest = tl.where(flags != 0, ranks_valid, ranks_ignored)
+        tl.store(perm_ptr + dest, offs, mask=in_n)
+        valid_before += tl.sum(flags, 0)

@@ -26,6 +26,7 @@ per row from ``inv_temp_ptr`` (a per-token temperature) instead of the scalar ``
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from mcore_ppo.kernels.common import grouped_tile, tile_dot
 from mcore_ppo.kernels.compact import contiguous_block
@@ -203,6 +204,37 @@ def stats_kernel(
     tl.store(y_ptr + rows, y_i * inv_t, mask=mine)
 
 
+@triton.jit
+def _merge_rows(
+    part_m_ptr, part_s_ptr, part_u_ptr, offs_t, valid, N, num_splits,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, WITH_U: tl.constexpr,
+):  # fmt: skip
+    """``(m, s, u)`` of the compacted tokens ``offs_t`` merged over the splits (0 where not ``valid``)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    m_all = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
+        idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
+        m_all = tl.maximum(m_all, tl.max(tl.load(part_m_ptr + idx, mask=mask, other=float("-inf")), 1))
+    m_safe = tl.where(valid, m_all, 0.0)
+
+    s_all = tl.zeros((BLOCK_T,), tl.float32)
+    u_all = tl.zeros((BLOCK_T,), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
+        idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
+        pm = tl.load(part_m_ptr + idx, mask=mask, other=0.0)
+        ps = tl.load(part_s_ptr + idx, mask=mask, other=0.0)
+        if WITH_U:
+            pu = tl.load(part_u_ptr + idx, mask=mask, other=0.0)
+        shift = tl.where(ps > 0, pm - m_safe[:, None], 0.0)
+        scale = tl.where(ps > 0, tl.exp(shift), 0.0)
+        s_all += tl.sum(ps * scale, 1)
+        if WITH_U:
+            u_all += tl.sum((pu + ps * shift) * scale, 1)
+    return m_safe, s_all, u_all
+
+
 @triton.jit(
     do_not_specialize=["N"],
     do_not_specialize_on_alignment=[
@@ -238,31 +270,157 @@ def merge_splits_kernel(
     count = tl.load(count_ptr)
     valid = offs_t < count
     rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
-    offs_s = tl.arange(0, BLOCK_S)
-
-    m_all = tl.full((BLOCK_T,), float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
-        idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
-        m_all = tl.maximum(m_all, tl.max(tl.load(part_m_ptr + idx, mask=mask, other=float("-inf")), 1))
-    m_safe = tl.where(valid, m_all, 0.0)
-
-    s_all = tl.zeros((BLOCK_T,), tl.float32)
-    u_all = tl.zeros((BLOCK_T,), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
-        idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
-        pm = tl.load(part_m_ptr + idx, mask=mask, other=0.0)
-        ps = tl.load(part_s_ptr + idx, mask=mask, other=0.0)
-        if WITH_U:
-            pu = tl.load(part_u_ptr + idx, mask=mask, other=0.0)
-        shift = tl.where(ps > 0, pm - m_safe[:, None], 0.0)
-        scale = tl.where(ps > 0, tl.exp(shift), 0.0)
-        s_all += tl.sum(ps * scale, 1)
-        if WITH_U:
-            u_all += tl.sum((pu + ps * shift) * scale, 1)
-
+    m_safe, s_all, u_all = _merge_rows(
+        part_m_ptr, part_s_ptr, part_u_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U
+    )
     tl.store(m_ptr + rows, m_safe, mask=in_n)
     tl.store(s_ptr + rows, tl.where(valid, s_all, 1.0), mask=in_n)
     if WITH_U:
         tl.store(u_ptr + rows, tl.where(valid, u_all, 0.0), mask=in_n)
+
+
+@triton.jit
+def _log(x, LIBDEVICE: tl.constexpr):
+    # libdevice's logf is what torch.log computes on CUDA (bit for bit); the interpreter has no libdevice.
+    if LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _finish_rows(
+    lse,
+    entropy,
+    rows,
+    valid,
+    in_n,
+    y_ptr,
+    labels_ptr,
+    stride_l,
+    lp_ptr,
+    ent_out_ptr,
+    vocab_size,
+    max_entropy,
+    WITH_U: tl.constexpr,
+    CHECK_RANGE: tl.constexpr,
+):
+    """The outputs of rows ``rows``: ``log p = min(y - lse, 0)`` (NaN for a label outside
+    ``[0, vocab_size)`` with ``CHECK_RANGE``), ``H`` clamped to ``[0, max_entropy]``, both 0
+    where not ``valid`` (NaN kept by the clamps, as torch's clamp keeps it)."""
+    y = tl.load(y_ptr + rows, mask=in_n, other=0.0)
+    log_p = y - lse
+    log_p = tl.where(log_p > 0.0, 0.0, log_p)
+    log_p = tl.where(valid, log_p, 0.0)
+    if CHECK_RANGE:
+        label = tl.load(labels_ptr + rows.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
+        log_p = tl.where(valid & ((label < 0) | (label >= vocab_size)), float("nan"), log_p)
+    tl.store(lp_ptr + rows, log_p, mask=in_n)
+    if WITH_U:
+        h = tl.where(entropy < 0.0, 0.0, entropy)
+        h = tl.where(h > max_entropy, max_entropy, h)
+        tl.store(ent_out_ptr + rows, tl.where(valid, h, 0.0), mask=in_n)
+
+
+@triton.jit(
+    do_not_specialize=["N", "stride_l", "vocab_size"],
+    do_not_specialize_on_alignment=[
+        "part_m_ptr",
+        "part_s_ptr",
+        "part_u_ptr",
+        "perm_ptr",
+        "count_ptr",
+        "y_ptr",
+        "labels_ptr",
+        "lse_ptr",
+        "ent_ptr",
+        "lp_ptr",
+        "ent_out_ptr",
+    ],
+)
+def merge_finish_kernel(
+    part_m_ptr,
+    part_s_ptr,
+    part_u_ptr,
+    perm_ptr,
+    count_ptr,
+    y_ptr,
+    labels_ptr,
+    lse_ptr,
+    ent_ptr,
+    lp_ptr,
+    ent_out_ptr,
+    N,
+    num_splits,
+    stride_l,
+    vocab_size,
+    max_entropy,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WITH_U: tl.constexpr,
+    CHECK_RANGE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    SAVE: tl.constexpr,
+):
+    """One shard holding the whole vocab: the merge of :func:`merge_splits_kernel` and then the
+    head's outputs in the same pass, as the torch epilogue computes them from the merged
+    ``(m, s, u)``: ``lse = m + log s``, ``H = log s - u/s`` (stored with ``SAVE``, for the
+    backward), then :func:`_finish_rows`. Ignored tokens get ``lse = H = 0`` and zero outputs."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_n = offs_t < N
+    count = tl.load(count_ptr)
+    valid = offs_t < count
+    rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
+    m_safe, s_all, u_all = _merge_rows(
+        part_m_ptr, part_s_ptr, part_u_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U
+    )
+    s = tl.where(valid, s_all, 1.0)
+    log_s = _log(s, LIBDEVICE)
+    lse = m_safe + log_s
+    if SAVE:
+        tl.store(lse_ptr + rows, lse, mask=in_n)
+    entropy = lse
+    if WITH_U:
+        entropy = log_s - tl.math.div_rn(tl.where(valid, u_all, 0.0), s)
+        if SAVE:
+            tl.store(ent_ptr + rows, entropy, mask=in_n)
+    _finish_rows(
+        lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
+        max_entropy, WITH_U, CHECK_RANGE,
+    )  # fmt: skip
+
+
+@triton.jit(
+    do_not_specialize=["N", "stride_l", "ignore_index", "vocab_size"],
+    do_not_specialize_on_alignment=["lse_ptr", "ent_ptr", "y_ptr", "labels_ptr", "lp_ptr", "ent_out_ptr"],
+)
+def finish_kernel(
+    lse_ptr,
+    ent_ptr,
+    y_ptr,
+    labels_ptr,
+    lp_ptr,
+    ent_out_ptr,
+    N,
+    stride_l,
+    ignore_index,
+    vocab_size,
+    max_entropy,
+    BLOCK_T: tl.constexpr,
+    WITH_U: tl.constexpr,
+    CHECK_RANGE: tl.constexpr,
+):
+    """The head's outputs from the combined (over TP) ``lse``, ``H`` and label logit ``y``,
+    per token in place order: :func:`_finish_rows` with ``valid = label != ignore_index``."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_n = rows < N
+    label = tl.load(labels_ptr + rows.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
+    valid = in_n & (label != ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=in_n, other=0.0)
+    entropy = lse
+    if WITH_U:
+        entropy = tl.load(ent_ptr + rows, mask=in_n, other=0.0)
+    _finish_rows(
+        lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
+        max_entropy, WITH_U, CHECK_RANGE,
+    )  # fmt: skip

@@ -462,15 +462,15 @@ def test_buffer_not_kept_without_grad(monkeypatch):
     hidden, weight, labels, _, _ = make_case(9, 16, 40, seed=next_seed())
     backend = triton_backend.TritonBackend()
     monkeypatch.setattr(triton_backend, "TritonBackend", lambda: backend)
-    forwards = []  # (grad_needed, residual) of every statistics call: the backend keeps nothing itself
-    statistics = backend.shard_statistics
+    forwards = []  # (grad_needed, residual) of every forward: the backend keeps nothing itself
+    head_forward = backend.head_forward
 
-    def spied_statistics(*args, grad_needed=False):
-        stats = statistics(*args, grad_needed=grad_needed)
-        forwards.append((grad_needed, stats.residual))
-        return stats
+    def spied_forward(*args, grad_needed, **kwargs):
+        out = head_forward(*args, grad_needed=grad_needed, **kwargs)
+        forwards.append((grad_needed, out.saved.residual))
+        return out
 
-    monkeypatch.setattr(backend, "shard_statistics", spied_statistics)
+    monkeypatch.setattr(backend, "head_forward", spied_forward)
     with torch.no_grad():
         fused_log_probs_and_entropy(hidden.requires_grad_(True), weight, labels, backend="triton")
     ((grad_needed, buffer),) = forwards

@@ -1,0 +1,259 @@
+"""Kernel launches of the triton backend without Triton's per-call dispatch.
+
+``kernel[grid](*args, **kwargs)`` re-derives on every call what a kernel's arguments specialise
+to (one native call per argument), hashes that into the cache key, builds launch metadata and,
+for host TMA descriptors, encodes every descriptor anew: ~0.1 ms of host time per launch on an
+H200, several times the head's whole budget. :func:`launch` does that once per *specialisation
+key* and keeps the :class:`CompiledKernel` that Triton returned; later calls with the same key
+call its launcher directly.
+
+The key is computed here from the arguments, finer than Triton's own (so two calls that share
+it always share Triton's compiled variant): per tensor its dtype and 16-byte alignment, per
+int whether it is 1, fits int32, is a multiple of 16; per :class:`TmaDesc` its dtype and block;
+the keyword constexprs and launch options by value; the current device.
+
+Three levels, decided per compiled kernel from what the installed Triton offers, never by
+catching errors of a real launch:
+
+- ``raw``: Triton 3.6's launcher layout (its C launch function behind the descriptor wrapper,
+  13 base arguments): the descriptors' encoded TMA maps are cached per (tensor address, shape,
+  strides, block), so a weight's map is encoded once.
+- ``compiled``: any Triton whose ``CompiledKernel.run`` takes ``(gx, gy, gz, stream, function,
+  metadata, launch_metadata, enter_hook, exit_hook, *args)`` (3.4 to 3.7): that call, with the
+  descriptors Triton encodes per launch.
+- ``normal``: ``kernel[grid](...)`` itself: under ``TRITON_INTERPRET`` (there is no compiled
+  kernel), with launch hooks installed (profilers), for a new key, and when
+  :data:`FAST_LAUNCH` is False.
+
+:func:`launch_count` counts launches (all levels), for tests that bound the launches per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.knobs
+except ModuleNotFoundError as err:  # pragma: no cover - exercised only without triton
+    if err.name != "triton":
+        raise
+    triton = None
+
+# False: every launch goes through ``kernel[grid](...)`` (tests compare the two paths).
+FAST_LAUNCH = True
+# Encoded TMA maps kept per compiled kernel and descriptor argument (addresses the allocator
+# hands out again are hits; a new one past the bound clears the table).
+DESCRIPTOR_CACHE_SIZE = 32
+
+_launches = 0
+
+
+def launch_count() -> int:
+    """Kernel launches through :func:`launch` since the process started."""
+    return _launches
+
+
+class TmaDesc:
+    """A host TMA descriptor to be: the tensor and block shape.
+
+    The normal launch turns it into Triton's ``TensorDescriptor``; the ``raw`` level reuses an
+    encoded map with the same address and geometry, so nothing is built per call."""
+
+    __slots__ = ("base", "block_shape")
+
+    def __init__(self, base: torch.Tensor, block_shape: tuple[int, ...]):
+        self.base = base
+        self.block_shape = tuple(block_shape)
+
+    def build(self):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor.from_tensor(self.base, list(self.block_shape))
+
+
+def _arg_key(arg: Any) -> Any:
+    kind = type(arg)
+    if kind is int:
+        return (arg == 1, -(2**31) <= arg < 2**31, arg & 15 == 0)
+    if kind is float:
+        return 0.0
+    if kind is TmaDesc:
+        return (arg.base.dtype, arg.block_shape)
+    if kind is bool or arg is None:
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() & 15 == 0)
+    raise TypeError(f"triton_launch.launch: unsupported kernel argument of type {kind.__name__}")
+
+
+def _normal_args(args: tuple) -> list:
+    return [a.build() if type(a) is TmaDesc else a for a in args]
+
+
+class _Fast:
+    """One (kernel, key)'s compiled kernel and how to call it."""
+
+    __slots__ = ("base", "desc_at", "desc_meta", "function", "level", "maps", "packed", "raw", "run", "tail")
+
+    def __init__(self, kernel, compiled, n_args: int, kwargs: dict):
+        self.level = "normal"
+        params = kernel.params
+        # Parameters after the positional ones must all be constexprs (fixed by the key); their
+        # values, passed or default, travel as the launcher's tail arguments.
+        tail = []
+        for param in params[n_args:]:
+            if not param.is_constexpr:
+                return
+            tail.append(kwargs[param.name] if param.name in kwargs else param.default)
+        if any(p.name in kwargs and not p.is_constexpr for p in params):
+            return
+        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            return
+        self.tail = tuple(tail)
+        self.run = compiled.run  # initialises the handles (the launch has happened)
+        self.function = compiled.function
+        self.packed = compiled.packed_metadata
+        self.maps: dict = {}
+        self.level = "compiled"
+        raw = _raw_launcher(self.run)
+        if raw is not None:
+            self.raw, self.desc_at, self.desc_meta, self.base = raw
+            self.level = "raw"
+
+    def call(self, grid: tuple, stream: int, args: tuple) -> None:
+        g0 = grid[0]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        if self.level == "compiled":
+            self.run(g0, g1, g2, stream, self.function, self.packed, None, None, None, *_normal_args(args), *self.tail)
+            return
+        final = [g0, g1, g2, stream, self.function, *self.base, self.packed, None, None, None]
+        if self.desc_at:
+            for i, arg in enumerate(itertools.chain(args, self.tail)):
+                if i in self.desc_at:
+                    final.extend(self._encoded(i, arg))
+                else:
+                    final.append(arg)
+        else:
+            final.extend(args)
+            final.extend(self.tail)
+        self.raw(*final)
+
+    def _encoded(self, index: int, desc: TmaDesc) -> list:
+        base = desc.base
+        key = (index, base.data_ptr(), base.dtype, tuple(base.shape), base.stride(), desc.block_shape)
+        found = self.maps.get(key)
+        if found is None:
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+
+            meta = self.desc_meta[self.desc_at[index]] if self.desc_meta else None
+            found = make_tensordesc_arg(desc.build(), meta)
+            if meta is None:  # the tensor itself travels: nothing to reuse
+                return found
+            if len(self.maps) >= DESCRIPTOR_CACHE_SIZE:
+                self.maps.clear()
+            self.maps[key] = found
+        return found
+
+
+def _raw_launcher(launcher) -> tuple | None:
+    """``(launch, {arg index: descriptor ordinal}, descriptor metadata, base args)`` when
+    ``launcher`` has Triton 3.6's layout (a ``CudaLauncher`` whose ``launch`` is the C function
+    or the descriptor wrapper around it, taking 13 base arguments) and needs no scratch
+    memory; None otherwise (then the ``compiled`` level runs)."""
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+    except ImportError:  # pragma: no cover - a build without the NVIDIA backend
+        return None
+    if not triton.__version__.startswith("3.6.") or getattr(nvidia_driver, "_BASE_ARGS_FORMAT_LEN", None) != 13:
+        return None
+    if not hasattr(nvidia_driver, "make_tensordesc_arg"):
+        return None
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    base = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
+    fn = launcher.launch
+    code = getattr(fn, "__code__", None)
+    if code is None:  # the C launch function itself: no descriptor arguments
+        return fn, {}, None, base
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ()), strict=False))
+    if code.co_name != "inner" or not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+        return None
+    ordinal = {i: k for k, i in enumerate(sorted(cells["tensordesc_indices"]))}
+    return cells["launcher"], ordinal, cells["tensordesc_meta"], base
+
+
+_TABLES: dict[int, tuple[Any, dict]] = {}
+_STREAM = None
+
+
+def _hooks_idle() -> bool:
+    runtime = triton.knobs.runtime
+    return all(
+        hook is None or not getattr(hook, "calls", True)
+        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    )
+
+
+@functools.cache
+def _compiled_kernels() -> bool:
+    from mcore_ppo.backends.triton_host import interpreting
+
+    return triton is not None and not interpreting()
+
+
+def fast_available() -> bool:
+    """The fast levels can run here: compiled kernels exist (not the interpreter) and
+    :data:`FAST_LAUNCH` is on."""
+    return FAST_LAUNCH and _compiled_kernels()
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)``, through the kept compiled kernel when this key was
+    launched before (module doc). ``args`` are the positional (non-constexpr) arguments, with
+    :class:`TmaDesc` for host descriptors; ``kwargs`` the constexprs and launch options."""
+    global _launches, _STREAM
+    _launches += 1
+    if not (fast_available() and _hooks_idle()):
+        kernel[grid](*_normal_args(args), **kwargs)
+        return
+    device = torch.cuda.current_device()
+    key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
+    table = _TABLES.get(id(kernel))
+    if table is None:
+        table = _TABLES[id(kernel)] = (kernel, {})
+    fast = table[1].get(key)
+    if fast is None:
+        compiled = kernel[grid](*_normal_args(args), **kwargs)
+        table[1][key] = _Fast(kernel, compiled, len(args), kwargs)
+        return
+    if fast.level == "normal":
+        kernel[grid](*_normal_args(args), **kwargs)
+        return
+    if _STREAM is None:
+        _STREAM = torch._C._cuda_getCurrentRawStream
+    fast.call(grid, _STREAM(device), args)
+
+
+def fast_level(kernel) -> dict:
+    """``{key: level}`` of the keys ``kernel`` was launched with (tests)."""
+    table = _TABLES.get(id(kernel))
+    return {} if table is None else {key: fast.level for key, fast in table[1].items()}
+
+
+@contextlib.contextmanager
+def normal_launches() -> Iterator[None]:
+    """Every launch inside goes through ``kernel[grid](...)`` (tests compare both paths)."""
+    global FAST_LAUNCH
+    before, FAST_LAUNCH = FAST_LAUNCH, False
+    try:
+        yield
+    finally:
+        FAST_LAUNCH = before

@@ -1,0 +1,273 @@
+"""Host work per head call, counted: aten ops and kernel launches of the triton backend.
+
+The host time of a call is mostly its number of small torch ops and Triton launches (each costs
+microseconds of Python and dispatch, whatever the tensor sizes). Timing them would flake; their
+number does not. At fixed shapes these tests count, for a no-grad forward, a forward that keeps
+a backward, and the backward, every aten op the host issues (a ``TorchDispatchMode``; the ops
+Triton's CPU interpreter runs inside a launch are not the host's and are left out) and every
+launch (:func:`mcore_ppo.backends.triton_launch.launch_count`), and hold them to upper bounds.
+
+They also check that the fused forward (``head_forward``: labels prepared and outputs finished
+inside the kernels) equals the generic path over ``shard_statistics`` (to the last bit of the
+interpreter's ``log``), and the fp64 reference, including ignored tokens, out-of-range labels
+(NaN with ``validate=False``), the entropy off, a per-token temperature and the TP combine's
+epilogue (``finish_kernel``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_SET_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _SET_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
+import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
+from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
+from mcore_ppo.backends import triton_launch  # noqa: E402
+from mcore_ppo.backends.base import SavedTokens  # noqa: E402
+from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
+from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
+from parallel.combine import combine_shard_statistics  # noqa: E402
+
+if _SET_INTERPRET:
+    del os.environ["TRITON_INTERPRET"]
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNELS = [name for name in kernels.__all__ if name.endswith("_kernel")]
+pytestmark = pytest.mark.skipif(DEVICE.type == "cuda", reason="counts of the CPU interpreter's configs")
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    if _SET_INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("MCORE_PPO_BUFFER_BUDGET_BYTES", raising=False)
+
+
+class _Counting(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active, except inside a kernel launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.inside_kernel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside_kernel:
+            self.ops[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """``measure(fn) -> (aten ops, launches)`` of one call of ``fn``."""
+    mode = _Counting()
+    for name in KERNELS:
+        kernel = getattr(kernels, name)
+        original = kernel.run
+
+        def run(*args, _original=original, **kwargs):
+            mode.inside_kernel += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                mode.inside_kernel -= 1
+
+        monkeypatch.setattr(kernel, "run", run)
+
+    def measure(fn):
+        mode.ops.clear()
+        before = triton_launch.launch_count()
+        with mode:
+            fn()
+        return dict(mode.ops), triton_launch.launch_count() - before
+
+    return measure
+
+
+def _case(n=37, h=16, v=40, *, dtype=torch.float32, seed=None, ignored=0.3, bad_label=False):
+    gen = generator(next_seed() if seed is None else seed)
+    hidden = (torch.randn(n, h, generator=gen, dtype=torch.float64) * 2).to(dtype).to(DEVICE)
+    weight = (torch.randn(v, h, generator=gen, dtype=torch.float64) / h**0.5).to(dtype).to(DEVICE)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < ignored] = IGNORE_INDEX
+    if bad_label:
+        labels[1], labels[2] = v + 3, -7
+    grads = [torch.randn(n, generator=gen).to(DEVICE) for _ in range(2)]
+    return hidden.requires_grad_(True), weight.requires_grad_(True), labels.to(DEVICE), grads
+
+
+def _tma(monkeypatch):
+    """bf16 operands and dz through host TMA descriptors (what the H200 runs), in the interpreter."""
+    for name in ("INTERPRETER_CONFIG",):
+        monkeypatch.setattr(triton_backend, name, replace(getattr(triton_backend, name), use_tma=True))
+
+
+# (no-grad forward, forward, backward): most aten ops, launches. The fused forward's ops are its
+# allocations and two views (the split partials); the backward's its buffers and GEMMs.
+BOUNDS = {
+    ("fp32", "recompute"): ((10, 3), (13, 3), (11, 3)),
+    ("bf16-tma", "buffer"): ((11, 5), (16, 5), (13, 3)),
+}
+
+
+@pytest.mark.parametrize(("dtype", "mode"), list(BOUNDS), ids=["-".join(k) for k in BOUNDS])
+def test_ops_and_launches_per_call(counting, monkeypatch, dtype, mode):
+    if dtype == "bf16-tma":
+        _tma(monkeypatch)
+    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", (1 << 30) if mode == "buffer" else 0)
+    torch_dtype = torch.bfloat16 if dtype == "bf16-tma" else torch.float32
+    hidden, weight, labels, grads = _case(dtype=torch_dtype, seed=7)
+    backend = triton_backend.TritonBackend()
+
+    def call():
+        return fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.7, backend=backend, validate=False)
+
+    def nograd():
+        with torch.no_grad():
+            call()
+
+    kept = {}
+    for _ in range(2):  # every plan and compile made
+        nograd()
+        torch.autograd.backward(list(call()), grads)
+    counts = [counting(nograd), counting(lambda: kept.setdefault("out", call()))]
+    counts.append(counting(lambda: torch.autograd.backward(list(kept.pop("out")), grads)))
+    for (ops, launches), (max_ops, max_launches), what in zip(
+        counts, BOUNDS[(dtype, mode)], ("no-grad forward", "forward", "backward"), strict=True
+    ):
+        assert sum(ops.values()) <= max_ops, f"{what}: {sum(ops.values())} aten ops > {max_ops}: {ops}"
+        assert launches <= max_launches, f"{what}: {launches} launches > {max_launches}"
+    # No host sync and no per-token torch arithmetic in the forward: allocations and views only.
+    forward_ops = set(counts[0][0]) | set(counts[1][0])
+    assert forward_ops <= {"empty.memory_format", "unbind.int", "view.default", "alias.default"}, forward_ops
+
+
+def test_fused_forward_has_fewer_ops_than_the_generic_path(counting, monkeypatch):
+    hidden, weight, labels, _ = _case(seed=11)
+
+    def nograd():
+        with torch.no_grad():
+            fused_log_probs_and_entropy(hidden, weight, labels, backend=triton_backend.TritonBackend(), validate=False)
+
+    nograd()
+    fused_ops, fused_launches = counting(nograd)
+    monkeypatch.setattr(triton_backend, "FUSED_HEAD", False)
+    nograd()
+    generic_ops, generic_launches = counting(nograd)
+    assert sum(fused_ops.values()) * 2 < sum(generic_ops.values()), (fused_ops, generic_ops)
+    assert fused_launches <= generic_launches
+
+
+def _run(backend, hidden, weight, labels, temperature, grads, return_entropy, validate):
+    h, w = (t.detach().clone().requires_grad_(True) for t in (hidden, weight))
+    logp, ent = fused_log_probs_and_entropy(
+        h, w, labels, temperature=temperature, backend=backend, return_entropy=return_entropy, validate=validate
+    )
+    outs = [logp] if ent is None else [logp, ent]
+    torch.autograd.backward(outs, grads[: len(outs)])
+    return logp.detach(), None if ent is None else ent.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
+@pytest.mark.parametrize(
+    "options",
+    ["default", "bad-labels", "no-entropy", "T-tensor"],
+)
+def test_fused_forward_equals_generic_path_and_reference(monkeypatch, budget, options):
+    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", budget)
+    hidden, weight, labels, grads = _case(bad_label=options == "bad-labels")
+    temperature = 0.8
+    if options == "T-tensor":
+        temperature = 0.5 + torch.rand(labels.shape[0], generator=generator(next_seed())).to(DEVICE)
+    return_entropy = options != "no-entropy"
+    validate = options != "bad-labels"
+    fused = _run(triton_backend.TritonBackend(), hidden, weight, labels, temperature, grads, return_entropy, validate)
+    monkeypatch.setattr(triton_backend, "FUSED_HEAD", False)
+    generic = _run(triton_backend.TritonBackend(), hidden, weight, labels, temperature, grads, return_entropy, validate)
+    for name, a, b in zip(("log_prob", "entropy", "d_hidden", "d_weight"), fused, generic, strict=True):
+        if a is None:
+            assert b is None
+            continue
+        # The interpreter's log (numpy's) and torch's CPU log may differ in the last bit, and so
+        # may everything downstream of lse; on CUDA both are libdevice's logf (bitwise there:
+        # tests/gpu/test_gpu_fast_launch.py).
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True, msg=name)
+    ok = labels != IGNORE_INDEX
+    if options == "bad-labels":
+        assert fused[0][1:3].isnan().all() and not fused[0][3:].isnan().any()
+        ok[1:3] = False
+    safe = torch.where(ok, labels, IGNORE_INDEX)
+    e = grads[1].double() if return_entropy else None
+    ref = reference(hidden.detach().double(), weight.detach().double(), safe, temperature, grads[0].double(), e)
+    keep = ok | (labels == IGNORE_INDEX)
+    tol = {"dtype": torch.float32, "rtol": 2e-6, "atol": 1e-6}
+    assert_close(fused[0][keep].cpu(), ref["log_prob"][keep], name="log_prob", **tol)
+    if return_entropy:
+        assert_close(fused[1][keep].cpu(), ref["entropy"][keep], name="entropy", **tol)
+    if options != "bad-labels":  # a NaN log-prob poisons its token's gradients, as it should
+        assert_close(fused[2].cpu(), ref["d_hidden"], name="d_hidden", dtype=torch.float32, rtol=1e-5, atol=1e-6)
+        assert_close(fused[3].cpu(), ref["d_weight"], name="d_weight", dtype=torch.float32, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab_start", [0, 24])
+def test_combined_epilogue_equals_generic(vocab_start):
+    """The TP branch of ``head_forward`` (merge, the caller's combine, ``finish_kernel``) on one
+    rank's shard of a larger vocab: the generic path's outputs bit for bit."""
+    hidden, weight, labels, _ = _case(bad_label=True)
+    labels = torch.where(labels == IGNORE_INDEX, labels, labels + vocab_start)
+    vocab_size = weight.shape[0] + 24
+    backend = triton_backend.TritonBackend()
+    kw = {"ignore_index": IGNORE_INDEX, "vocab_start": vocab_start, "vocab_size": vocab_size, "grad_needed": True}
+    max_entropy = 3.0
+
+    def combine(m, s, u, y):
+        return combine_shard_statistics(m, s, u, y, None)
+
+    with torch.no_grad():
+        fused = backend.head_forward(
+            hidden, weight, labels, 0.9, labels_checked=False, with_entropy=True, max_entropy=max_entropy,
+            combine=combine, **kw,
+        )  # fmt: skip
+        one_shard = backend.head_forward(
+            hidden, weight, labels, 0.9, labels_checked=False, with_entropy=True, max_entropy=max_entropy,
+            combine=None, **kw,
+        )  # fmt: skip
+        valid = labels != IGNORE_INDEX
+        local = labels - vocab_start
+        local = torch.where(valid & (local >= 0) & (local < weight.shape[0]), local, -1)
+        stats = backend.shard_statistics(hidden, weight, local, valid, 0.9, grad_needed=True)
+        lse, entropy, y = combine_shard_statistics(*stats.tensors(), None)
+    want = torch.where(valid, (y - lse).clamp(max=0.0), 0.0)
+    want = want.masked_fill(valid & ((labels < 0) | (labels >= vocab_size)), torch.nan)
+    want_h = torch.where(valid, entropy.clamp(min=0.0, max=max_entropy), 0.0)
+    assert torch.equal(fused.log_prob.isnan(), want.isnan())
+    assert torch.equal(fused.log_prob.nan_to_num(), want.nan_to_num())
+    assert torch.equal(fused.entropy, want_h)
+    assert torch.equal(fused.saved.lse, lse) and torch.equal(fused.saved.entropy, entropy)
+    # One shard: the log inside the kernel (numpy's in the interpreter) may differ from torch's CPU log by an ulp.
+    close = {"rtol": 1e-6, "atol": 1e-6, "equal_nan": True}
+    torch.testing.assert_close(one_shard.log_prob, want, **close)
+    torch.testing.assert_close(one_shard.entropy, want_h, **close)
+    torch.testing.assert_close(one_shard.saved.lse, lse, **close)
+    torch.testing.assert_close(one_shard.saved.entropy, entropy, **close)
+    for got in (fused, one_shard):
+        assert isinstance(got.saved, SavedTokens)
+        assert torch.equal(got.saved.local_labels, local) and torch.equal(got.saved.valid, valid)
+
+
+def test_no_fast_launch_under_the_interpreter():
+    """The interpreter has no compiled kernels: every launch takes ``kernel[grid](...)``."""
+    assert not triton_launch.fast_available()
+    hidden, weight, labels, _ = _case(seed=3)
+    with torch.no_grad():
+        fused_log_probs_and_entropy(hidden, weight, labels, backend=triton_backend.TritonBackend())
+    assert all(not triton_launch.fast_level(getattr(kernels, name)) for name in KERNELS)

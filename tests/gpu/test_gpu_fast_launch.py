@@ -1,0 +1,149 @@
+"""The triton backend's fast launches and fused forward on a GPU (marked ``gpu``; skipped without CUDA).
+
+:mod:`mcore_ppo.backends.triton_launch` launches a kernel through Triton's ``kernel[grid]`` the
+first time a specialisation key is seen and through the kept compiled kernel afterwards
+(caching the weight's TMA map on Triton 3.6). These tests check, at a few shapes and with the
+key changing between calls (token count, a misaligned ``hidden``, the dtype), that the fast
+path gives the normal path's outputs and gradients bit for bit, that the fused forward
+(``head_forward``) gives the generic path's bit for bit, and both the fp64 reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mcore_ppo_testing.reference import normwise_relative_error as rel
+from mcore_ppo_testing.reference import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _make(n, h, v, dtype=torch.bfloat16, ignored=0.0, seed=0, offset=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    # ``offset`` elements into a larger buffer: a hidden whose rows are not 16-byte aligned.
+    base = torch.randn(n * h + offset, device="cuda", generator=gen).to(dtype)
+    x = base[offset:].view(n, h)
+    w = (torch.randn(v, h, device="cuda", generator=gen) * (2 / math.sqrt(h))).to(dtype)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    if ignored:
+        labels[torch.rand(n, device="cuda", generator=gen) < ignored] = -100
+    g = torch.randn(n, device="cuda", generator=gen)
+    e = torch.randn(n, device="cuda", generator=gen)
+    return x, w, labels, g, e
+
+
+def _run(backend, x, w, labels, g, e, temperature=0.7, validate=False):
+    from mcore_ppo import fused_log_probs_and_entropy
+
+    xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    logp, ent = fused_log_probs_and_entropy(xg, wg, labels, temperature=temperature, backend=backend, validate=validate)
+    torch.autograd.backward([logp, ent], [g, e])
+    with torch.no_grad():
+        nograd = fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend=backend, validate=validate)
+    return logp.detach(), ent.detach(), xg.grad, wg.grad, *nograd
+
+
+NAMES = ("log_prob", "entropy", "d_hidden", "d_weight", "nograd log_prob", "nograd entropy")
+
+
+def _assert_bitwise(a, b, what):
+    for name, x, y in zip(NAMES, a, b, strict=True):
+        assert torch.equal(x, y), f"{what}: {name} differs (max {(x.float() - y.float()).abs().max().item():.3e})"
+
+
+# (n, h, v, dtype, ignored, offset, budget): the key changes from one case to the next
+# (token count, alignment of hidden, dtype, buffer or recompute).
+CASES = [
+    (4096, 3584, 19008, torch.bfloat16, 0.0, 0, 1 << 40),
+    (4093, 3584, 19008, torch.bfloat16, 0.3, 0, 1 << 40),
+    (4093, 3584, 19008, torch.bfloat16, 0.3, 3, 0),
+    (1001, 1000, 5003, torch.float32, 0.2, 0, 0),
+]
+
+
+def test_fast_path_equals_normal_path_and_fp64():
+    from mcore_ppo.backends import triton_launch
+    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.kernels import stats_kernel, tokens_kernel
+
+    assert triton_launch.fast_available()
+    for n, h, v, dtype, ignored, offset, budget in CASES:
+        backend = TritonBackend(buffer_budget_bytes=budget)
+        x, w, labels, g, e = _make(n, h, v, dtype, ignored, seed=n + offset, offset=offset)
+        with triton_launch.normal_launches():
+            normal = _run(backend, x, w, labels, g, e)
+        before = triton_launch.launch_count()
+        first = _run(backend, x, w, labels, g, e)  # new keys compile or take the normal launch once
+        per_call = triton_launch.launch_count() - before
+        fast = _run(backend, x, w, labels, g, e)  # every key seen: the fast levels
+        assert triton_launch.launch_count() - before == 2 * per_call
+        case = f"n={n} h={h} v={v} {dtype} ignored={ignored} offset={offset} budget={budget}"
+        _assert_bitwise(first, normal, f"{case}, first call")
+        _assert_bitwise(fast, normal, f"{case}, fast path")
+        ref = reference(x.double(), w.double(), labels, 0.7, g.double(), e.double(), rows_per_chunk=1024)
+        valid = labels != -100
+        tol = 1e-5 if dtype == torch.bfloat16 else 1e-6
+        gtol = 5e-3 if dtype == torch.bfloat16 else 1e-5
+        assert rel(fast[0][valid], ref["log_prob"][valid]) <= tol
+        assert rel(fast[1][valid], ref["entropy"][valid]) <= tol
+        assert rel(fast[2], ref["d_hidden"]) <= gtol and rel(fast[3], ref["d_weight"]) <= gtol
+        assert (fast[0][~valid] == 0).all() and (fast[2][~valid] == 0).all()
+    levels = {**triton_launch.fast_level(stats_kernel), **triton_launch.fast_level(tokens_kernel)}
+    print("fast launch levels:", sorted(set(levels.values())), "triton", __import__("triton").__version__)
+    assert len(triton_launch.fast_level(stats_kernel)) >= 3  # dtypes, alignment, buffer: several keys
+    assert "normal" not in levels.values()
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])
+def test_fused_forward_equals_generic_path(budget, monkeypatch):
+    """``head_forward`` (labels and epilogue in the kernels, libdevice's log) against the
+    Function's generic path (torch ops around ``shard_statistics``): bit for bit."""
+    from mcore_ppo.backends import triton_backend
+
+    x, w, labels, g, e = _make(3000, 3584, 19008, ignored=0.3, seed=5)
+    labels[7], labels[11] = 19008 + 5, -3  # out of range with validate=False: NaN log-probs
+    fused = _run(triton_backend.TritonBackend(buffer_budget_bytes=budget), x, w, labels, g, e)
+    monkeypatch.setattr(triton_backend, "FUSED_HEAD", False)
+    generic = _run(triton_backend.TritonBackend(buffer_budget_bytes=budget), x, w, labels, g, e)
+    for name, a, b in zip(NAMES, fused, generic, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name}: {(a - b).nan_to_num().abs().max().item():.3e}"
+    assert fused[0][[7, 11]].isnan().all()
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])
+def test_cuda_graph_capture_of_fused_forward_and_backward(budget):
+    """No host synchronisation on the fast path: ``head_forward`` and the backward capture in a
+    CUDA graph, and its replay equals the eager calls."""
+    from mcore_ppo.backends.base import GradientRequest
+    from mcore_ppo.backends.triton_backend import TritonBackend
+
+    x, w, labels, g, e = _make(2048, 1024, 20000, ignored=0.3, seed=6)
+    backend = TritonBackend(buffer_budget_bytes=budget)
+    kw = {"ignore_index": -100, "vocab_start": 0, "vocab_size": 20000, "labels_checked": False}
+
+    def step():
+        out = backend.head_forward(
+            x, w, labels, 0.7, grad_needed=True, with_entropy=True, max_entropy=math.log(20000) - 1e-6,
+            combine=None, **kw,
+        )  # fmt: skip
+        request = GradientRequest(g, e, need_hidden_grad=True, weight_grad=torch.zeros_like(w))
+        grads = backend.shard_gradients(x, w, out.saved, request, temperature=0.7)
+        return out.log_prob, out.entropy, *grads
+
+    eager = step()
+    step()  # every key seen: the capture runs the fast path
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager, strict=True):
+        assert torch.equal(a, b)
