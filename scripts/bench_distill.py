@@ -271,12 +271,22 @@ def main() -> int:
         "--triton-variants", default="", help="e.g. waves=1,waves=4,bisect_mid=6,block_n=128;num_warps=4"
     )
     parser.add_argument("--profile", action="store_true", help="profile one fused call at the largest k")
+    parser.add_argument(
+        "--student",
+        action="store_true",
+        help="the student's fwd+bwd at k ids instead (mcore_ppo_testing/bench_student.py: vs the four-GEMM "
+        "floor, a chunked PyTorch peer and Liger's fused-linear KL/JSD); writes bench_distill_student.*",
+    )
     args = parser.parse_args()
     args.k_list = [int(v) for v in args.k.split(",")]
     if not torch.cuda.is_available():
         print("bench_distill: needs a CUDA device", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.student:
+        from mcore_ppo_testing.bench_student import run_student_bench
+
+        return run_student_bench(args)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

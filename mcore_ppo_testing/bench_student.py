@@ -1,0 +1,244 @@
+"""The student side of ``scripts/bench_distill.py --student``: forward + backward of the student's
+log-probs at a teacher's ``k`` ids per token, side by side on one GPU.
+
+Per (global V, TP, k), this rank's vocab shard ``V/tp`` (one process: the shard stands for the
+rank's whole work; the ids are drawn inside it), ``n`` tokens of bf16 hidden size ``h``, upstream
+gradients ``g [n, k]``, every implementation warmed and timed in the order A B C ... C B A
+(medians of ``reps`` calls per visit, both visits pooled):
+
+- ``gemm4``: the four-GEMM floor of a recompute design (logits GEMM in the forward, again in the
+  backward, then ``dz @ W`` and ``dzᵀ @ x``), bf16 inputs, fp32 logits;
+- ``fused``: ``mcore_ppo.fused_log_probs_at`` (``backend="auto"``: the triton backend) + backward;
+- ``fused_torch``: the same with ``backend="torch"`` (chunked cuBLAS);
+- ``chunked``: plain PyTorch, token chunks of ``chunk`` rows under ``torch.utils.checkpoint``:
+  fp32 logits, ``log_softmax``, ``gather`` at the ids (a peer that holds one chunk of logits);
+- ``liger_kl``: Liger's ``LigerFusedLinearKLDivLoss`` against the dense ``[n, V]`` target made
+  of the top-k probabilities (what it needs: the target is materialised; not the same loss:
+  its KL is over the whole vocab with zeros off the top-k);
+- ``liger_jsd``: Liger's ``LigerFusedLinearJSD`` (``jsd_beta=0``), which also runs the teacher's
+  projection (twice the GEMM work of the others), for reference.
+
+Reported: median ms, ratio to ``gemm4``, peak memory above the inputs, and for ``fused`` /
+``fused_torch`` / ``chunked`` the relative error of ``log q`` and ``d_hidden`` on ``check_rows``
+tokens against float64 (``d_hidden`` of those rows only, from the fp64 full-vocab graph).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from mcore_ppo.distill.student import fused_log_probs_at
+
+__all__ = ["run_student_bench"]
+
+GIB = 2**30
+DEVICE = "cuda"  # a CPU smoke run of the code sets "cpu" (and stubs the CUDA timers)
+
+
+def _time(fn: Callable[[], object], reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _peak(fn: Callable[[], object]) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        return torch.mm(a, b).float()
+
+
+def _chunked_log_q(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, temperature: float, chunk: int):
+    def part(x_c, w_, ids_c):
+        return torch.log_softmax(_mm32(x_c, w_.t()) / temperature, dim=-1).gather(-1, ids_c)
+
+    return torch.cat(
+        [
+            checkpoint(part, x[t0 : t0 + chunk], w, ids[t0 : t0 + chunk], use_reentrant=False)
+            for t0 in range(0, x.shape[0], chunk)
+        ]
+    )
+
+
+def _implementations(x, w, ids, g, teacher, temperature: float, chunk: int):
+    """``({name: call}, the hidden leaf whose .grad the calls with a backward leave)``."""
+    n = ids.shape[0]
+    xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+
+    def zero():
+        xg.grad = wg.grad = None
+
+    def gemm4():
+        _mm32(x, w.t())
+        dz = _mm32(x, w.t()).to(x.dtype)
+        torch.mm(dz, w)
+        torch.mm(dz.t(), x)
+
+    def fused(backend: str):
+        def run():
+            zero()
+            log_q, _ = fused_log_probs_at(
+                xg, wg, ids, temperature=temperature, backend=backend, return_entropy=False, validate=False
+            )
+            log_q.backward(g)
+            return log_q
+
+        return run
+
+    def chunked():
+        zero()
+        log_q = _chunked_log_q(xg, wg, ids, temperature, chunk)
+        log_q.backward(g)
+        return log_q
+
+    impls = {"gemm4": gemm4, "fused": fused("auto"), "fused_torch": fused("torch"), "chunked": chunked}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearJSD, LigerFusedLinearKLDivLoss
+    except ImportError:
+        return impls, xg
+    t_ids, t_probs, t_hidden, t_weight = teacher
+    kl_loss = LigerFusedLinearKLDivLoss(reduction="sum", temperature=temperature)
+    jsd = LigerFusedLinearJSD(jsd_beta=0.0, temperature=temperature)
+    target = torch.zeros(n, w.shape[0], dtype=x.dtype, device=x.device).scatter_(1, t_ids, t_probs.to(x.dtype))
+
+    def liger_kl():
+        zero()
+        kl_loss(xg, wg, target).backward()
+
+    def liger_jsd():
+        zero()
+        jsd(xg, wg, t_hidden, t_weight, None).backward()
+
+    impls.update(liger_kl=liger_kl, liger_jsd=liger_jsd)
+    return impls, xg
+
+
+def _errors(x, w, ids, g, temperature: float, rows: torch.Tensor, out: torch.Tensor, d_hidden: torch.Tensor) -> dict:
+    x64 = x[rows].double().requires_grad_(True)
+    log_p = torch.log_softmax(x64 @ w.double().t() / temperature, dim=-1)
+    ref = log_p.gather(-1, ids[rows])
+    (d_ref,) = torch.autograd.grad((ref * g[rows].double()).sum(), x64)
+
+    def rel(a, b):
+        return float((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+    return {"log_q_rel_err": rel(out[rows], ref.detach()), "d_hidden_rel_err": rel(d_hidden[rows], d_ref)}
+
+
+def run_config(args, vocab: int, tp: int, k: int, x: torch.Tensor, w_full: torch.Tensor) -> dict:
+    shard = vocab // tp
+    w = w_full[:shard]
+    gen = torch.Generator(device=DEVICE).manual_seed(vocab * 131 + tp * 17 + k)
+    # The teacher's top-k of a nearby distribution: a perturbed student stands in for it.
+    t_hidden = (x.float() + 0.1 * torch.randn(x.shape, device=DEVICE, generator=gen)).to(x.dtype)
+    t_weight = w
+    with torch.no_grad():
+        top = torch.topk(_mm32(t_hidden[:2048], w.t()), k, dim=-1).indices
+    ids = top.repeat((x.shape[0] + 2047) // 2048, 1)[: x.shape[0]].contiguous()
+    t_probs = torch.full(ids.shape, 1.0 / (k + 1), device=DEVICE)
+    g = -torch.rand(ids.shape, device=DEVICE, generator=gen)
+    impls, leaf = _implementations(x, w, ids, g, (ids, t_probs, t_hidden, t_weight), args.temperature, args.naive_chunk)
+    result: dict = {"vocab": vocab, "tp": tp, "k": k, "shard": shard, "impls": {}}
+    names = list(impls)
+    for name in names:
+        try:
+            for _ in range(args.warmup):
+                impls[name]()
+            torch.cuda.synchronize()
+        except Exception:
+            result["impls"][name] = {"error": traceback.format_exc(limit=3)}
+            print(f"  {name}: failed\n{result['impls'][name]['error']}", file=sys.stderr, flush=True)
+    working = [name for name in names if name not in result["impls"]]
+    samples: dict[str, list[float]] = {name: [] for name in working}
+    for name in working + working[::-1]:
+        samples[name] += _time(impls[name], args.reps)
+    floor = statistics.median(samples["gemm4"]) if "gemm4" in samples else math.nan
+    rows = torch.randperm(x.shape[0], device=DEVICE, generator=gen)[: args.check_rows]
+    for name in working:
+        median = statistics.median(samples[name])
+        entry = {"median_ms": median, "ratio_to_gemm4": median / floor, "peak_extra_gib": _peak(impls[name]) / GIB}
+        if name in ("fused", "fused_torch", "chunked"):
+            out = impls[name]()
+            entry.update(_errors(x, w, ids, g, args.temperature, rows, out.detach(), leaf.grad))
+        result["impls"][name] = entry
+        torch.cuda.empty_cache()
+    return result
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| V | tp | k | impl | ms | × four-GEMM floor | peak extra GiB | log q rel err | d_hidden rel err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for name, e in r["impls"].items():
+            if "error" in e:
+                lines.append(f"| {r['vocab']} | {r['tp']} | {r['k']} | {name} | failed | | | | |")
+                continue
+            errs = [f"{e[key]:.1e}" if key in e else "" for key in ("log_q_rel_err", "d_hidden_rel_err")]
+            lines.append(
+                f"| {r['vocab']} | {r['tp']} | {r['k']} | {name} | {e['median_ms']:.2f} | {e['ratio_to_gemm4']:.2f} "
+                f"| {e['peak_extra_gib']:.2f} | {errs[0]} | {errs[1]} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run_student_bench(args) -> int:
+    """``scripts/bench_distill.py --student``: every (V, tp, k) of the arguments; writes
+    ``bench_distill_student.json`` (after every configuration) and ``.md`` under ``args.out``."""
+    out: Path = args.out
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    report = {"device": device, "torch": torch.__version__, "results": []}
+    vocabs = [int(v) for v in args.vocab.split(",")]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(args.n, args.h, device=DEVICE, generator=gen).to(torch.bfloat16)
+    w_full = (torch.randn(max(vocabs), args.h, device=DEVICE, generator=gen) * (2 / math.sqrt(args.h))).to(
+        torch.bfloat16
+    )
+    started = time.time()
+    for vocab in vocabs:
+        for tp in (int(t) for t in args.tp.split(",")):
+            for k in args.k_list:
+                try:
+                    result = run_config(args, vocab, tp, k, x, w_full)
+                except Exception:
+                    result = {"vocab": vocab, "tp": tp, "k": k, "error": traceback.format_exc(), "impls": {}}
+                    print(result["error"], file=sys.stderr, flush=True)
+                report["results"].append(result)
+                summary = ", ".join(
+                    f"{name} {e['median_ms']:.2f} ms ({e['ratio_to_gemm4']:.2f}x)"
+                    for name, e in result["impls"].items()
+                    if "median_ms" in e
+                )
+                print(f"[{time.time() - started:6.1f}s] student V {vocab} tp {tp} k {k}: {summary}", flush=True)
+                (out / "bench_distill_student.json").write_text(json.dumps(report, indent=1))
+                torch.cuda.empty_cache()
+    table = markdown([r for r in report["results"] if r["impls"]])
+    (out / "bench_distill_student.md").write_text(table)
+    print(table, flush=True)
+    return 0
