@@ -17,8 +17,9 @@ Layouts on the 4-rank world: TP 2 (SP off, on; the other two ranks a second data
 replica) and TP 2 x CP 2 (SP off, on).
 
 With ``MCORE_PPO_VERL_MTP=1`` and an MTP model (depth 2, ``mtp.enable_train``, a loss mask with
-zeros), TP 2 with SP off and on: the fused path kept on with MTP against verl's logits path with
-MTP (outputs, the MTP losses verl logs, every gradient).
+zeros), TP 2 with SP off and on and TP 2 x CP 2 (the per-depth rolls cross CP ranks): the fused
+path kept on with MTP against verl's logits path with MTP (outputs, the MTP losses verl logs,
+every gradient).
 
 Last, verl's kernel contract under TP (``mcore_ppo.integrations.verl.kernel``): with a TP group
 ``linear_cross_entropy`` returns the full-vocab values on every rank and a *partial* ``d_hidden``
@@ -109,7 +110,7 @@ def test_verl_live_fused_path_tp_sp_cp_equals_verls_non_fused_path(check):
     check.done()
 
 
-MTP_LAYOUTS = [(2, 1, False), (2, 1, True)]
+MTP_LAYOUTS = [(2, 1, False), (2, 1, True), (2, 2, False)]
 
 
 def test_verl_live_fused_path_with_mtp_tp_sp_equals_verls_logits_path_with_mtp(check, monkeypatch):

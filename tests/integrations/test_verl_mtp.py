@@ -115,11 +115,15 @@ def _assert_same(mine, theirs, what, depths, train):
     assert worst <= GRAD_TOL, f"{what}: {where}: normwise relative error {worst:.2e} > {GRAD_TOL:.0e}"
 
 
+# Every depth x training case on the installed megatron-core's route; the hook route for two.
+CASES = [("installed", d, t) for d in (1, 2) for t in (True, False)] + [("hook", 2, True), ("hook", 1, False)]
+
+
 @pytest.mark.usefixtures("verl_modules", "mtp_on")
-@pytest.mark.parametrize("train", [True, False], ids=["enable_train", "no-train"])
-@pytest.mark.parametrize("depths", [1, 2])
-@pytest.mark.parametrize("route", ["installed", "hook"])
-def test_fused_path_with_mtp_equals_verls_logits_path_with_mtp(depths, train, route, caplog):
+@pytest.mark.parametrize(
+    "route, depths, train", CASES, ids=[f"{r}-depth{d}-{'train' if t else 'no-train'}" for r, d, t in CASES]
+)
+def test_fused_path_with_mtp_equals_verls_logits_path_with_mtp(route, depths, train, caplog):
     import verl.models.mcore.model_forward_fused as fused
 
     model = _model(depths, tied=depths == 2)
