@@ -3,9 +3,10 @@
 # on CPU; the same tests run over NCCL on GPUs, scripts/multi_gpu_suite.sh). Extra args go to
 # both pytests.
 #
-# The multi-rank suite runs one torchrun per test file (scripts/run_distributed_tests.py): every
-# rank's failure report and stack is printed even if another rank hangs, and tests a failure
-# kept from running are run again in a fresh torchrun.
+# The multi-rank suite runs every test file in one torchrun (scripts/run_distributed_tests.py:
+# one Megatron import and one rendezvous per rank): every rank's failure report and stack is
+# printed even if another rank hangs, and tests a failure kept from running are run again in a
+# fresh torchrun; the summary still reports each file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

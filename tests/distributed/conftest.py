@@ -1,4 +1,4 @@
-"""Multi-rank tests, run under torchrun by ``scripts/run_distributed_tests.py`` (one torchrun per file).
+"""Multi-rank tests, run under torchrun by ``scripts/run_distributed_tests.py`` (every file in one torchrun).
 
 Every rank runs the same tests in the same order, so collectives line up. The world is 4
 ranks on CPU (gloo) or one rank per GPU (NCCL: ``MCORE_PPO_TEST_DIST_BACKEND=nccl``); each test
@@ -18,7 +18,11 @@ Isolation, so that one failure neither hides nor breaks another test:
 - A per-test watchdog (``MCORE_PPO_TEST_TIMEOUT`` seconds, default 300) dumps every thread's
   stack into that file and ends the rank; ``SIGTERM`` (torchrun stopping the other ranks after
   one failed) dumps the stack too. The watchdog counts only the tests: Megatron's import and the
-  rendezvous happen before it starts. Collectives time out later than the watchdog.
+  rendezvous happen before it starts. Collectives time out later than the watchdog. A test
+  marked ``watchdog(seconds)`` has its own (the runner's self-tests give their deadlocks a short one).
+- Several files share one session (one torchrun): each file cleans up what it installs (module
+  fixtures), and a file that fails to import stops the round before any test; the runner reports
+  it and runs the other files again without it.
 
 Seeds: :func:`shared_seed` is ``MCORE_PPO_TEST_SEED`` (default 1234) mixed with the test's name,
 identical on every rank and printed, so a failure can be replayed.
@@ -37,6 +41,7 @@ import math
 import os
 import signal
 import sys
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -130,24 +135,47 @@ def _record(line: str) -> None:
         results.flush()
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "watchdog(seconds): this test's own watchdog (default MCORE_PPO_TEST_TIMEOUT)")
+
+
 def pytest_collection_finish(session) -> None:
     """Every test this run will run, so the runner knows which ones a failure kept from running."""
     for item in session.items:
         _record(f"COLLECTED {item.nodeid}")
 
 
+# The running test's watchdog, s: MCORE_PPO_TEST_TIMEOUT, or the test's ``watchdog(seconds)`` mark.
+_WATCHDOG_S = {"now": 0}
+
+
 def _arm_watchdog() -> None:
     """Dump every thread's stack and end the rank if the running test outlives the watchdog."""
-    faulthandler.dump_traceback_later(test_timeout_s(), exit=True, file=_results_file() or sys.stderr)
+    seconds = _WATCHDOG_S["now"] or test_timeout_s()
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_results_file() or sys.stderr)
+
+
+_STARTED_AT: dict[str, float] = {}
 
 
 def pytest_runtest_logstart(nodeid, location) -> None:
     _record(f"START {nodeid}")
+    _STARTED_AT[nodeid] = time.monotonic()
     _arm_watchdog()
 
 
 def pytest_runtest_logfinish(nodeid, location) -> None:
     faulthandler.cancel_dump_traceback_later()
+    _record(f"TIME {time.monotonic() - _STARTED_AT.pop(nodeid, time.monotonic()):.2f} {nodeid}")
+
+
+def pytest_collectreport(report) -> None:
+    """A test file that fails to import, or skips itself whole: its outcome, under the file's node
+    id (the runner reports it with the file and does not run that file again)."""
+    if report.failed or report.skipped:
+        _record(f"{report.outcome.upper()} collect {report.nodeid}")
+    if report.failed:
+        _record(f"--- rank {os.environ.get('RANK', '0')} {report.nodeid} (collect)\n{report.longreprtext}\n---")
 
 
 _FAILED_HERE = False  # a test failed on this rank (see process_group's teardown)
@@ -196,6 +224,7 @@ def process_group():
         else:
             dist.init_process_group(DIST_BACKEND, timeout=rendezvous_timeout())
     install_parallel_state_cache()
+    _STARTED_AT[_CURRENT_TEST["nodeid"]] = time.monotonic()  # the test's time starts here too
     _arm_watchdog()
     yield dist.group.WORLD
     if _FAILED_HERE:
@@ -313,8 +342,14 @@ ACTOR_GPT = {
 _CURRENT_TEST = {"nodeid": ""}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item) -> None:
     _CURRENT_TEST["nodeid"] = item.nodeid
+    # A test marked ``watchdog(seconds)`` runs under its own watchdog (the runner's self-tests give
+    # their deadlocks, which never finish, a short one); the rest under MCORE_PPO_TEST_TIMEOUT.
+    mark = item.get_closest_marker("watchdog")
+    _WATCHDOG_S["now"] = int(mark.args[0]) if mark else 0
+    _arm_watchdog()
 
 
 def shared_seed() -> int:

@@ -2,14 +2,18 @@
 
 A throwaway test folder with the suite's own conftest holds a test that fails on one rank only
 (its peer then waits in a collective), one that hangs on every rank, one that hangs on one rank
-whose peer then fails with the connection gone, and one that passes. The runner must report
-exactly that (1 failed, 2 hung, 1 passed; exit 1), print the failing rank's
-traceback and the hung ranks' stacks, and still run the passing test after them.
+whose peer then fails with the connection gone, and one that passes; beside it a second file
+that passes and a third that fails to import, all three in one torchrun. The runner must report
+exactly that, per file (1 failed, 2 hung, 1 passed; 1 passed; 1 failed: 2 failed, 2 hung, 2
+passed in all; exit 1), print the failing rank's traceback, the import error and the hung
+ranks' stacks, and still run the passing tests after them.
 
 Nothing here depends on the machine's speed: every hang is a deadlock (a rank waits for a
-message nobody sends), the tests that must pass do one collective after the rendezvous, and
-start-up (imports, the rendezvous) is outside the watchdog. A slow start is simulated outright
-(a rank that starts late, a Megatron import slower than the watchdog).
+message nobody sends), so its short watchdog (the ``watchdog`` mark) can never cut a test that
+would have finished; every test that must finish runs under the suite's default watchdog
+(300 s) and does one collective after the rendezvous; start-up (imports, the rendezvous) is
+outside the watchdog. A slow start is simulated outright (a rank that starts late, a Megatron
+import slower than the watchdog).
 """
 
 from __future__ import annotations
@@ -25,15 +29,19 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-# The per-test watchdog of these runs, s. Each hang costs it once; everything that must not hang
-# is one collective, far inside it even on a loaded machine.
-WATCHDOG_S = 20
+# The watchdog of the deadlocked tests, s: they never finish, so any value is safe; each hang costs it once.
+DEADLOCK_WATCHDOG_S = 5
+# The slow-start case's watchdog (MCORE_PPO_TEST_TIMEOUT), s: start-up takes longer than it, and the
+# test after it is one collective between two ranks that have both passed the rendezvous.
+SLOW_START_WATCHDOG_S = 20
 
 CASES = """
 import faulthandler
 import os
 import signal
 
+import conftest
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -41,20 +49,22 @@ import torch.distributed as dist
 def test_a_fails_on_rank1_only():
     if dist.get_rank() == 1:
         raise AssertionError("rank 1 alone fails here")
-    dist.all_reduce(torch.ones(1))  # rank 1 never joins: rank 0 waits
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins: rank 0 waits until rank 1's process is gone
 
 
+@pytest.mark.watchdog(DEADLOCK_WATCHDOG_S)
 def test_b_hangs_on_every_rank():
     dist.recv(torch.empty(1), src=1 - dist.get_rank())  # each waits for a message its peer never sends
 
 
+@pytest.mark.watchdog(DEADLOCK_WATCHDOG_S)
 def test_b2_hangs_and_the_peer_sees_it_go():
     # Rank 1 hangs; rank 0 outlives rank 1's watchdog (and torchrun's SIGTERM once rank 1 is gone),
     # so its collective fails with the peer gone. On a slow machine that happens without the help;
     # here it happens every time. The failure is the hang's consequence: still a hang, not a failure.
     # (Should rank 0's own timer fire first, both ranks are left unfinished: a hang all the same.)
     if dist.get_rank() == 0:
-        faulthandler.dump_traceback_later(10 * WATCHDOG_S, exit=True)
+        faulthandler.dump_traceback_later(conftest.test_timeout_s(), exit=True)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         dist.all_reduce(torch.ones(1))
     else:
@@ -68,6 +78,21 @@ def test_c_passes():
     assert total.item() == dist.get_world_size()
 """
 
+MORE_CASES = """
+import torch
+import torch.distributed as dist
+
+
+def test_d_in_the_same_torchrun_passes():
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == dist.get_world_size()
+"""
+
+BROKEN = """
+import a_module_that_does_not_exist_anywhere  # fails at import: the file's tests never run
+"""
+
 
 SLOW_START = """
 import importlib.abc
@@ -78,7 +103,7 @@ import time
 import torch
 import torch.distributed as dist
 
-DELAY_S = WATCHDOG_S + 5
+DELAY_S = SLOW_START_WATCHDOG_S + 5
 
 
 class SlowMegatronImport(importlib.abc.MetaPathFinder):
@@ -105,39 +130,54 @@ def test_after_a_slow_start():
 """
 
 
-def run_cases(tmp_path, cases: str) -> subprocess.CompletedProcess:
-    """``cases`` as a test file beside the suite's conftest, through the runner on 2 gloo ranks
-    with a ``WATCHDOG_S`` watchdog."""
+def run_cases(tmp_path, files: dict[str, str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``files`` (name -> source) as test files beside the suite's conftest, through the runner on
+    2 gloo ranks, whatever this process's environment says about the multi-rank suite."""
     folder = tmp_path / "cases"
     folder.mkdir()
     shutil.copy(ROOT / "tests" / "distributed" / "conftest.py", folder / "conftest.py")
-    (folder / "test_cases.py").write_text(f"WATCHDOG_S = {WATCHDOG_S}\n{cases}")
-    env = dict(
-        os.environ,
-        MCORE_PPO_TEST_TIMEOUT=str(WATCHDOG_S),
-        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    )
+    constants = f"DEADLOCK_WATCHDOG_S = {DEADLOCK_WATCHDOG_S}\nSLOW_START_WATCHDOG_S = {SLOW_START_WATCHDOG_S}\n"
+    for name, source in files.items():
+        (folder / name).write_text(constants + source)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_PPO_TEST_")}
+    clean.update(MCORE_PPO_TEST_DIST_BACKEND="gloo", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     command = [sys.executable, str(ROOT / "scripts" / "run_distributed_tests.py"), "--nproc", "2"]
+    paths = [str(folder / name) for name in sorted(files)]
     return subprocess.run(
-        [*command, str(folder / "test_cases.py")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+        [*command, *paths], cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=1800
     )
 
 
 def test_a_slow_start_is_not_a_hang(tmp_path):
     """A rank that starts late, and a Megatron import slower than the watchdog, are start-up:
     the first test's watchdog starts after them."""
-    proc = run_cases(tmp_path, SLOW_START)
+    proc = run_cases(
+        tmp_path, {"test_slow_start.py": SLOW_START}, env={"MCORE_PPO_TEST_TIMEOUT": str(SLOW_START_WATCHDOG_S)}
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("1 passed (2 ranks, gloo)"), proc.stdout
 
 
+def _file_line(out: str, name: str) -> str:
+    """The summary's line of the test file ``name``."""
+    lines = [line for line in out.split("distributed suite summary", 1)[-1].splitlines() if f"/{name} " in line]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
 def test_runner_isolates_failures_and_hangs(tmp_path):
-    proc = run_cases(tmp_path, CASES)
+    proc = run_cases(
+        tmp_path, {"test_cases.py": CASES, "test_cases_more.py": MORE_CASES, "test_cases_broken.py": BROKEN}
+    )
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
-    assert out.strip().splitlines()[-1].startswith("1 failed, 2 hung, 1 passed (2 ranks, gloo)"), out
+    assert out.strip().splitlines()[-1].startswith("2 failed, 2 hung, 2 passed (2 ranks, gloo)"), out
+    assert "1 failed, 2 hung, 1 passed" in _file_line(out, "test_cases.py"), out
+    assert "1 passed" in _file_line(out, "test_cases_more.py"), out
+    assert "1 failed" in _file_line(out, "test_cases_broken.py"), out
     assert "FAILED: " in out and "test_a_fails_on_rank1_only" in out, out
     assert "HUNG: " in out and "test_b_hangs_on_every_rank" in out, out
     assert "test_b2_hangs_and_the_peer_sees_it_go" in out.split("HUNG: ", 1)[1], out
     assert "rank 1 alone fails here" in out and "--- rank(s) 1:" in out, out
-    assert f"Timeout (0:00:{WATCHDOG_S})!" in out, out  # the watchdog's stack dump of the hung ranks
+    assert "a_module_that_does_not_exist_anywhere" in out and "(collect)" in out, out  # the import error
+    assert f"Timeout (0:00:{DEADLOCK_WATCHDOG_S:02d})!" in out, out  # the hung ranks' stack dumps
