@@ -27,8 +27,9 @@ default) the plugin:
   ``MTPLossAutoScaler``, and saved to ``MTPLossLoggingHelper``'s tracker (which verl's
   ``get_megatron_mtp_loss`` reads). verl's two branches are followed: without megatron-core's
   ``process_mtp_loss`` the output layer's weight is detached for the MTP loss (it does not
-  update the LM head); with it, the weight gets the MTP loss's gradient and the tracker also
-  gets the acceptance counts (the top-1 id from :func:`mcore_ppo.fused_topk`, again no logits).
+  update the LM head); with it, the weight gets the MTP loss's gradient. Where the tracker's API
+  takes acceptance counts they come from the top-1 id of :func:`mcore_ppo.fused_topk` (again
+  no logits).
 
 The loss mask is the batch's (``prepare_model_inputs``), laid out as verl's non-fused MTP path
 lays it out (``_build_mtp_loss_mask_nested``, then packed and rolled by
