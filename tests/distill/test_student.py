@@ -259,3 +259,13 @@ def test_liger_is_refused():
     case = make_case("nh", 50, 4, torch.float32, gen)
     with pytest.raises(ValueError, match="per-shard backend"):
         mcore_ppo.fused_log_probs_at(case["hidden"], case["weight"], case["ids"], backend="liger")
+
+
+@TRITON_ON_CPU
+def test_triton_recompute_mode():
+    """The triton backend with no probability buffer (its backward recomputes the logits)."""
+    from mcore_ppo.backends import TritonBackend
+
+    case = make_case("sbh", 100, 8, torch.float32, generator(next_seed()))
+    out = run(case, backend=TritonBackend(buffer_budget_bytes=0))
+    compare(out, reference_of(case), torch.float32)
