@@ -47,9 +47,11 @@ from parallel.ranks import ProcessGroup, group_rank, group_size
 
 __all__ = ["GATHER_ELEMENTS", "fused_log_probs_at"]
 
-#: Gathered weight rows held at once, in elements (``tokens × k × h``; 64 MiB of fp32): the
-#: sparse part walks the tokens in chunks of ``max(1, GATHER_ELEMENTS // (k·h))``. Read at each call.
-GATHER_ELEMENTS = 1 << 24
+#: Gathered weight rows held at once, in elements (``tokens × k × h``; 128 MiB of fp32, the
+#: same again for ``d_W``'s rows in the backward): the sparse part walks the tokens in chunks of
+#: ``max(1, GATHER_ELEMENTS // (k·h))`` (146 at k = 64, h = 3584), few enough launches per call
+#: to stay off the host's critical path. Read at each call.
+GATHER_ELEMENTS = 1 << 25
 
 
 def fused_log_probs_at(
