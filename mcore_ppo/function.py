@@ -49,11 +49,15 @@ NO_DOUBLE_BACKWARD = (
 )
 
 
+_NOTHING_TO_DISABLE = contextlib.nullcontext()
+
+
 def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast disabled for ``device``'s type (a no-op where autocast does not exist, e.g. meta)."""
-    if torch.amp.is_autocast_available(device.type):
+    """Autocast disabled for ``device``'s type: a no-op where it is not on (or does not exist,
+    e.g. meta), which is most calls, and costs no context of its own there."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+    return _NOTHING_TO_DISABLE
 
 
 def _refuse_double_backward() -> None:

@@ -265,7 +265,7 @@ class TritonBackend:
              vocab_start, plan.v),
             _TOKENS_OPTIONS[grad_needed],
         )  # fmt: skip
-        parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature)
+        parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature, site=True)
         log_prob = torch.empty(n, dtype=torch.float32, device=device)
         entropy_out = torch.empty(n, dtype=torch.float32, device=device) if with_entropy else None
         ent_out = log_prob if entropy_out is None else entropy_out  # never written without WITH_U
@@ -283,6 +283,9 @@ class TritonBackend:
                     vocab_size, max_entropy,
                 ),
                 plan.finish_options[labels_checked, grad_needed],
+                # The plan fixes every argument's specialisation but the labels' dtype and the
+                # integer class of their stride and of the vocab size.
+                (plan, "finish", labels_checked, labels.dtype, _int_class(stride_l), _int_class(vocab_size)),
             )  # fmt: skip
         else:
             m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy)
@@ -327,10 +330,14 @@ class TritonBackend:
         count: torch.Tensor,
         y: torch.Tensor,
         temperature: float | torch.Tensor,
+        *,
+        site: bool = False,
     ) -> tuple[tuple[torch.Tensor, ...], ProbabilityBuffer | None]:
         """The forward kernel's launches: per-split partials ``(m, s[, u])`` (views of one
         buffer) and the label logits into ``y``; the probability buffer as residual when the
-        plan stores it."""
+        plan stores it. ``site``: the caller's ``local_labels``, ``perm``, ``count`` and ``y``
+        are the fresh int64 / int32 / int32 / fp32 tensors of :meth:`head_forward`, so the plan
+        fixes every argument's specialisation (the launch skips the per-argument key)."""
         from mcore_ppo import kernels
 
         n, v, device = plan.n, plan.v, hidden.device
@@ -352,7 +359,8 @@ class TritonBackend:
                 buf_desc, tmax, n, v, plan.h, x_rows.stride(0), weight.stride(0), plan.num_splits, inv_temp,
                 plan.n_tiles_v, direct_pass, inv_temp_rows,
             )  # fmt: skip
-            launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options)
+            key = (plan, "stats", direct_pass) if site else None
+            launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, key)
 
         if plan.direct:
             run(hidden, 1)
@@ -519,9 +527,11 @@ class RowOrder:
     count: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _ForwardPlan:
-    """What the forward decides from shapes, dtypes, strides, alignment and options alone."""
+    """What the forward decides from shapes, dtypes, strides, alignment and options alone.
+
+    Hashed by identity: launches use the cached plan object itself as their site key."""
 
     n: int
     h: int
@@ -587,6 +597,11 @@ class _ForwardPlan:
             n, h, v, cfg, num_splits, n_tiles_v, 3 if with_entropy else 2, store, use_tma, buf_tma, direct,
             (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
         )  # fmt: skip
+
+
+def _int_class(value: int) -> int:
+    """Triton's integer classes of a non-specialised int argument: int32, int64, uint64."""
+    return 0 if -(2**31) <= value < 2**31 else (1 if value < 2**63 else 2)
 
 
 def _inverse_temperature(temperature: float | torch.Tensor, placeholder: torch.Tensor):

@@ -47,9 +47,11 @@ pytestmark = pytest.mark.skipif(DEVICE.type == "cuda", reason="counts of the CPU
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
+    """The interpreter on; every launch site's key checked against the per-argument key."""
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("MCORE_PPO_BUFFER_BUDGET_BYTES", raising=False)
+    monkeypatch.setattr(triton_launch, "CHECK_SITES", True)
 
 
 class _Counting(TorchDispatchMode):
