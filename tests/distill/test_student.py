@@ -269,3 +269,17 @@ def test_triton_recompute_mode():
     case = make_case("sbh", 100, 8, torch.float32, generator(next_seed()))
     out = run(case, backend=TritonBackend(buffer_budget_bytes=0))
     compare(out, reference_of(case), torch.float32)
+
+
+def test_empty_and_all_ignored_batches():
+    """No tokens: empty outputs and gradients; every slot ignored: exact zeros, no NaN."""
+    weight = torch.randn(20, 8, requires_grad=True)
+    hidden = torch.randn(0, 8, requires_grad=True)
+    log_q, entropy = mcore_ppo.fused_log_probs_at(hidden, weight, torch.zeros(0, 4, dtype=torch.long))
+    (log_q.sum() + entropy.sum()).backward()
+    assert log_q.shape == (0, 4) and entropy.shape == (0,) and hidden.grad.shape == (0, 8)
+    hidden = torch.randn(3, 2, 8, requires_grad=True)
+    log_q, entropy = mcore_ppo.fused_log_probs_at(hidden, weight, torch.full((2, 3, 4), IGNORE))
+    (log_q.sum() + entropy.sum()).backward()
+    for value in (log_q, entropy, hidden.grad, weight.grad):
+        assert torch.equal(value, torch.zeros_like(value))
