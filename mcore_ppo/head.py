@@ -208,6 +208,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
                 input_, weight, labels, temperature=options.temperature if temperature is None else temperature,
                 tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, ignore_index=options.ignore_index,
                 backend=options.backend, return_entropy=options.return_entropy, validate=options.validate,
+                accumulate_into_main_grad=self.gradient_accumulation_fusion,
             )  # fmt: skip
         return run_head(
             input_,

@@ -66,6 +66,7 @@ def fused_log_probs_at(
     backend: str | Backend = "auto",
     return_entropy: bool = True,
     validate: bool | None = None,
+    accumulate_into_main_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log q`` at ``k`` global ids, and the entropy, of ``softmax(hidden @ W.T / T)``.
 
@@ -90,6 +91,9 @@ def fused_log_probs_at(
             whole outputs for one label and is refused). ``validate`` checks that every id is
             in ``[0, V)`` or ``ignore_index`` (ValueError naming ``labels``); without it a bad
             id gets a NaN log-prob in its slot.
+        accumulate_into_main_grad: the weight gradient goes into ``weight.main_grad`` (fp32),
+            as Megatron's gradient-accumulation fusion does (the head module passes its
+            ``gradient_accumulation_fusion``); the returned gradient is then zeros.
 
     Returns:
         ``(log_probs, entropy)``: ``log_probs`` ``[..., k]`` shaped like ``labels`` (0 in an
@@ -106,8 +110,12 @@ def fused_log_probs_at(
         temperature, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
     )
     validation.check_tensors(hidden, weight, labels)
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {validation.type_name(sequence_parallel)}")
+    for name, flag in (
+        ("sequence_parallel", sequence_parallel),
+        ("accumulate_into_main_grad", accumulate_into_main_grad),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {validation.type_name(flag)}")
     tp_group = resolve_tp_group(tp_group)
     validation.check_process_group(tp_group)
     tp_size = group_size(tp_group)
@@ -142,6 +150,7 @@ def fused_log_probs_at(
         vocab_size=vocab_size,
         tp_group=tp_group,
         return_entropy=options.return_entropy,
+        accumulate_into_main_grad=accumulate_into_main_grad,
     )
     grad_needed = torch.is_grad_enabled() and (tokens.requires_grad or weight.requires_grad)
     log_probs, entropy = _StudentFunction.apply(tokens, weight, ids, plan, grad_needed, temps)
@@ -216,6 +225,7 @@ class _Plan:
     vocab_size: int
     tp_group: ProcessGroup | None
     return_entropy: bool
+    accumulate_into_main_grad: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -329,7 +339,12 @@ class _StudentFunction(torch.autograd.Function):
         if grad_log_q is not None:
             g = torch.where(slot_ok, grad_log_q.to(acc), 0.0)
             total = g.sum(dim=1)
-        weight_grad = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        main_grad = getattr(weight, "main_grad", None) if plan.accumulate_into_main_grad else None
+        weight_grad = None
+        if need_weight:
+            weight_grad = (
+                main_grad if main_grad is not None else torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            )
         no_label = torch.full((n,), -1, dtype=torch.int64, device=tokens.device)
         d_hidden, d_weight = plan.backend.shard_gradients(
             tokens,
@@ -350,9 +365,18 @@ class _StudentFunction(torch.autograd.Function):
                     d_hidden[t0:t1] += torch.bmm(g_c[:, None, :], rows).squeeze(1)
                 if d_weight is not None:
                     x_c = x_all[t0:t1].to(acc)
-                    d_weight.index_add_(0, local[t0:t1].reshape(-1), (g_c[:, :, None] * x_c[:, None, :]).reshape(-1, h))
+                    d_weight.index_add_(
+                        0,
+                        local[t0:t1].reshape(-1),
+                        (g_c[:, :, None] * x_c[:, None, :]).reshape(-1, h).to(d_weight.dtype),
+                    )
         if d_hidden is not None:
             d_hidden = d_hidden.to(tokens.dtype)
-        if d_weight is not None:
+        if d_weight is not None and main_grad is not None:
+            # Megatron's convention (as the head's Function): the gradient is in main_grad already;
+            # DDP's hook gets a zero tensor.
+            weight.grad_added_to_main_grad = True
+            d_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+        elif d_weight is not None:
             d_weight = d_weight.to(weight.dtype)
         return d_hidden, d_weight, *nones

@@ -283,3 +283,22 @@ def test_empty_and_all_ignored_batches():
     (log_q.sum() + entropy.sum()).backward()
     for value in (log_q, entropy, hidden.grad, weight.grad):
         assert torch.equal(value, torch.zeros_like(value))
+
+
+def test_accumulate_into_main_grad():
+    """Megatron's gradient-accumulation fusion: the weight gradient is added to ``weight.main_grad``
+    (fp32), ``grad_added_to_main_grad`` is set and the returned gradient is zeros."""
+    case = make_case("sbh", 100, 8, torch.float32, generator(next_seed()))
+    hidden = case["hidden"].detach().requires_grad_(True)
+    weight = case["weight"].detach().requires_grad_(True)
+    weight.main_grad = torch.ones(weight.shape, dtype=torch.float32)
+    log_q, entropy = mcore_ppo.fused_log_probs_at(
+        hidden, weight, case["ids"], temperature=0.7, backend=small_torch(), accumulate_into_main_grad=True
+    )
+    ((log_q * case["g"].float()).sum() + (entropy * case["e"].float()).sum()).backward()
+    ref = reference_of(case)
+    assert weight.grad_added_to_main_grad and torch.equal(weight.grad, torch.zeros_like(weight))
+    assert_close(weight.main_grad - 1, ref["d_weight"], name="student d_weight", dtype=torch.float32, rtol=OUT_RTOL,
+                 atol=1e-6, terms=ref["d_weight_terms"])  # fmt: skip
+    assert_close(hidden.grad, ref["d_hidden"], name="student d_hidden", dtype=torch.float32, rtol=OUT_RTOL,
+                 atol=1e-30, terms=ref["d_hidden_terms"])  # fmt: skip
