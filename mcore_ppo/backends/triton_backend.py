@@ -264,6 +264,7 @@ class TritonBackend:
             (labels, local_labels, perm if valid is None else valid, perm, count, y, n, stride_l, ignore_index,
              vocab_start, plan.v),
             _TOKENS_OPTIONS[grad_needed],
+            (plan, "tokens", labels.dtype, _int_class(stride_l), _int_class(ignore_index), _int_class(vocab_start)),
         )  # fmt: skip
         parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature, site=True)
         log_prob = torch.empty(n, dtype=torch.float32, device=device)
@@ -362,12 +363,15 @@ class TritonBackend:
             key = (plan, "stats", direct_pass) if site else None
             launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, key)
 
+        gather_site = (plan, "gather") if site else None
         if plan.direct:
             run(hidden, 1)
-            run(gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m), 0)
+            run(gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m, site=gather_site), 0)
         else:
-            run(gathered_rows(hidden, perm, count) if plan.use_tma else hidden, 0)
-        residual = ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count) if plan.store else None
+            run(gathered_rows(hidden, perm, count, site=gather_site) if plan.use_tma else hidden, 0)
+        residual = (
+            ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count, plan if site else None) if plan.store else None
+        )
         return parts, residual
 
     def forward_config_for(self, v: int) -> GemmConfig:
@@ -495,6 +499,9 @@ class TritonBackend:
         entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
         cfg = self.buffer_dz_config
         n_tiles_v = tmax.shape[1]
+        # The forward's plan (head_forward's buffers) fixes every argument's specialisation but
+        # the upstream gradients' presence and the labels' dtype.
+        plan = buffer.plan
         launch(
             dz_from_buffer_kernel,
             (cdiv(n, cfg.block_m) * n_tiles_v,),
@@ -504,18 +511,21 @@ class TritonBackend:
                 "FAST_LOG2": cfg.fast_log2 and buf.dtype == torch.bfloat16, "num_warps": cfg.num_warps,
                 **({"ROW_TEMP": True} if row_temp else {}),
             },
+            None if plan is None else (plan, "dz_buffer", has_g, has_e, local_labels.dtype),
         )  # fmt: skip
         del tmax
         hidden_grad = None
         if request.need_hidden_grad:
             hidden_grad_c = mm_fp32(buf, weight)
         if weight_grad is not None:
-            x_c = gathered_rows(hidden, perm, count)
+            x_c = gathered_rows(hidden, perm, count, site=None if plan is None else (plan, "gather_backward"))
             addmm_fp32(weight_grad, buf.t(), x_c)
             del x_c
         del buf
         if request.need_hidden_grad:
-            hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype)
+            hidden_grad = scatter_rows(
+                hidden_grad_c, perm, hidden.dtype, site=None if plan is None else (plan, "scatter")
+            )
         return hidden_grad, weight_grad
 
 

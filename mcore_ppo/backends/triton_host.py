@@ -14,6 +14,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -108,6 +109,7 @@ class ProbabilityBuffer:
     block_n: int  # columns per tile of the forward that wrote it
     perm: torch.Tensor  # compacted row order of the forward
     count: torch.Tensor  # valid rows, on the device
+    plan: Any = None  # the forward's cached plan: the backward's launch sites key on it
 
 
 def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +244,12 @@ def operands_by_tma(hidden: torch.Tensor, weight: torch.Tensor, config: GemmConf
 
 
 def gathered_rows(
-    hidden: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, *, skip_direct_blocks: int = 0
+    hidden: torch.Tensor,
+    perm: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    skip_direct_blocks: int = 0,
+    site: object = None,
 ) -> torch.Tensor:
     """``hidden[perm]`` with the rows past the device-side ``count`` zeroed: valid rows first.
 
@@ -250,7 +257,8 @@ def gathered_rows(
     stored, not multiplied in, so an inf in an ignored row (padding) never reaches a GEMM that
     runs over every row (``d_W``) as 0·inf = NaN. ``skip_direct_blocks`` = a kernel's
     ``BLOCK_M``: blocks of valid rows that are consecutive in ``hidden`` (which that kernel
-    reads in place) are left uncopied; every block when no token is ignored.
+    reads in place) are left uncopied; every block when no token is ignored. ``site``: the
+    launch's site key (:func:`triton_launch.launch`) when the caller's plan fixes the arguments.
     """
     from mcore_ppo.kernels import gather_rows_kernel
 
@@ -262,11 +270,14 @@ def gathered_rows(
             (n,),
             (hidden, perm, count, rows, n, h, hidden.stride(0), skip_direct_blocks),
             {"BLOCK_H": ROW_BLOCK},
+            site,
         )
     return rows
 
 
-def scatter_rows(compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scatter_rows(
+    compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype, *, site: object = None
+) -> torch.Tensor:
     """Rows of fp32 ``compacted`` (in ``perm`` order) back to their places, cast to ``dtype``
     in the same pass (the one rounding of ``d_hidden``)."""
     from mcore_ppo.kernels import scatter_rows_kernel
@@ -274,7 +285,7 @@ def scatter_rows(compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype
     n, h = compacted.shape
     out = torch.empty(n, h, dtype=dtype, device=compacted.device)
     if n:
-        launch(scatter_rows_kernel, (n,), (compacted, perm, out, h), {"BLOCK_H": ROW_BLOCK})
+        launch(scatter_rows_kernel, (n,), (compacted, perm, out, h), {"BLOCK_H": ROW_BLOCK}, site)
     return out
 
 
