@@ -30,7 +30,7 @@ the benchmark, logs under ``$OUT`` (about 5 minutes)::
     timeout 170 python3 -m pytest tests/gpu/test_gpu_topk.py -q -p no:cacheprovider -rA 2>&1 \
       | tee $OUT/topk_gpu_test.log;
     timeout 300 python3 scripts/bench_distill.py --out $OUT --profile \
-      --triton-variants 'waves=1,waves=4,bisect_mid=6,block_n=128' 2>&1 | tee $OUT/bench_distill.log
+      --triton-variants 'waves=1,waves=4,bisect_mid=6,block_n=256' 2>&1 | tee $OUT/bench_distill.log
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def main() -> int:
     parser.add_argument("--check-rows", type=int, default=256)
     parser.add_argument("--naive-chunk", type=int, default=2048)
     parser.add_argument(
-        "--triton-variants", default="", help="e.g. waves=1,waves=4,bisect_mid=6,block_n=128;num_warps=4"
+        "--triton-variants", default="", help="e.g. waves=1,waves=4,bisect_mid=6,block_n=256;num_stages=2"
     )
     parser.add_argument("--profile", action="store_true", help="profile one fused call at the largest k")
     parser.add_argument(

@@ -5,13 +5,18 @@ each ``[BLOCK_M, BLOCK_N]`` logit tile in fp32 registers (the head's ``tile_dot`
 (split, row), in global memory:
 
 - a candidate buffer of ``CAP`` slots (values ``z`` and local column ids) holding every entry
-  of the split that can still be among its ``K`` best, in column order within a tile;
+  of the split that can still be among its ``K`` best;
 - ``theta``: a threshold such that at least ``K`` buffered entries are ``>= theta``. Later
   tiles hold larger column ids, which lose every tie, so an entry ``z <= theta`` of a later tile
   can never enter the top ``K``: only ``z > theta`` is appended;
 - the softmax statistics ``(m, s)`` (base 2: ``m = max z₂``, ``s = Σ 2^(z₂-m)``, ``z₂ = z·log2 e``)
   of every entry that is *not* a candidate: filtered entries as they stream by, and entries the
   compaction drops. The tail mass is then a sum of its own terms, never a difference of totals.
+
+Appended entries take their slots from the row's counter by atomic increments, so their order
+within a tile varies from run to run; every result is made independent of that order (the
+compaction's bisection counts, its fold sums in fixed point, the host sorts by key), so the
+outputs are the same bits on every run.
 
 When a row's buffer could not take another full tile (``count > CAP - BLOCK_N``), the program
 compacts its rows (:func:`compact_rows`): per row a bisection on the value finds the largest
@@ -38,6 +43,7 @@ import triton.language as tl
 from mcore_ppo.kernels.common import grouped_tile, tile_dot
 
 LOG2E = tl.constexpr(1.4426950408889634)
+FIXED_ONE = tl.constexpr(1099511627776.0)  # 2**40
 
 
 @triton.jit
@@ -75,8 +81,12 @@ def compact_rows(
     ``state0 + row``.
     """
     offs_c = tl.arange(0, CAP)
+    # The program's buffers as one base pointer and int32 offsets (BLOCK_M · CAP < 2**31).
+    prog_v = buf_v_ptr + (state0 + row_start).to(tl.int64) * CAP
+    prog_i = buf_i_ptr + (state0 + row_start).to(tl.int64) * CAP
     for g in range(0, BLOCK_M, ROW_GROUP):
-        r = row_start + g + tl.arange(0, ROW_GROUP)
+        local = g + tl.arange(0, ROW_GROUP)
+        r = row_start + local
         r_ok = r < N
         st = state0 + r
         c = tl.load(cnt_ptr + st, mask=r_ok, other=0)
@@ -86,9 +96,9 @@ def compact_rows(
         need = (c > target) & (c > K) & (c <= CAP) & r_ok
         if tl.max(need.to(tl.int32), 0) > 0:
             valid = (offs_c[None, :] < c[:, None]) & need[:, None]
-            slot = st.to(tl.int64)[:, None] * CAP + offs_c[None, :]
-            v = tl.load(buf_v_ptr + slot, mask=valid, other=float("-inf"))
-            ids = tl.load(buf_i_ptr + slot, mask=valid, other=0)
+            slot = local[:, None] * CAP + offs_c[None, :]
+            v = tl.load(prog_v + slot, mask=valid, other=float("-inf"))
+            ids = tl.load(prog_i + slot, mask=valid, other=0)
             # Rows left alone bisect [0, 0] (no inf - inf).
             hi = tl.where(need, tl.max(v, 1), 0.0)
             lo = tl.where(need, tl.min(tl.where(valid, v, float("inf")), 1), 0.0)
@@ -102,14 +112,21 @@ def compact_rows(
                 hi = tl.where(ok, hi, mid)
             new_theta = tl.where(need, tl.maximum(lo, theta), theta)
             keep = valid & (v >= new_theta[:, None])
-            m, s = _fold(m, s, tl.where(valid & ~keep, v * LOG2E, float("-inf")))
+            # The buffer's order varies from run to run (atomic slots): the dropped entries'
+            # sum is taken in 2^-40 fixed point, whose integer sum is the same in any order.
+            d2 = tl.where(valid & ~keep, v * LOG2E, float("-inf"))
+            m_new = tl.maximum(m, tl.max(d2, 1))
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            fixed = (tl.exp2(d2 - ref[:, None]) * FIXED_ONE).to(tl.int64)
+            s = s * tl.exp2(m - ref) + tl.sum(fixed, 1).to(tl.float32) * (1.0 / FIXED_ONE)
+            m = m_new
             k_int = keep.to(tl.int32)
             pos = tl.cumsum(k_int, 1) - k_int
-            dest = st.to(tl.int64)[:, None] * CAP + pos
+            dest = local[:, None] * CAP + pos
             # Every thread has read its entries before any is overwritten.
             tl.debug_barrier()
-            tl.store(buf_v_ptr + dest, v, mask=keep)
-            tl.store(buf_i_ptr + dest, ids, mask=keep)
+            tl.store(prog_v + dest, v, mask=keep)
+            tl.store(prog_i + dest, ids, mask=keep)
             tl.store(cnt_ptr + st, tl.where(need, tl.sum(k_int, 1), c), mask=r_ok)
             tl.store(theta_ptr + st, new_theta, mask=r_ok)
             tl.store(m_ptr + st, m, mask=r_ok)
@@ -117,7 +134,8 @@ def compact_rows(
 
 
 @triton.jit(
-    do_not_specialize=["N"],
+    # One compile per dtype and tile config: these only bound loops and masks.
+    do_not_specialize=["N", "V", "num_splits", "tiles_per_split", "K", "KOUT"],
     do_not_specialize_on_alignment=["cnt_ptr", "theta_ptr", "m_ptr", "s_ptr"],
 )
 def topk_filter_kernel(
@@ -206,15 +224,18 @@ def topk_filter_kernel(
         z = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
         emit = z > theta[:, None]
         m_r, s_r = _fold(m_r, s_r, tl.where(emit, float("-inf"), z * LOG2E))
-        e = emit.to(tl.int32)
-        pos = cnt[:, None] + tl.cumsum(e, 1) - e
-        ok = emit & (pos < CAP) & row_ok[:, None]
+        # A slot per appended entry from the row's counter (a prefix sum over the tile would
+        # hold several more [BLOCK_M, BLOCK_N] values in registers and spill). The order within
+        # a tile is then arbitrary; nothing downstream depends on it (module doc).
+        emit = emit & row_ok[:, None]
+        pos = tl.atomic_add(cnt_ptr + tl.broadcast_to(st[:, None], (BLOCK_M, BLOCK_N)), 1, mask=emit, sem="relaxed")
+        ok = emit & (pos < CAP)
         dest = local[:, None] + pos
         tl.store(prog_v + dest, z, mask=ok)
         tl.store(prog_i + dest, offs_n[None, :], mask=ok)
-        cnt += tl.sum(e, 1)
-        if tl.max(tl.where(row_ok, cnt, 0), 0) > CAP - BLOCK_N:
-            tl.store(cnt_ptr + st, cnt, mask=row_ok)
+        cnt += tl.sum(emit.to(tl.int32), 1)
+        if tl.max(cnt, 0) > CAP - BLOCK_N:
+            # The counters in memory are the atomics' (complete after the barrier), not stored here.
             tl.store(theta_ptr + st, theta, mask=row_ok)
             tl.store(m_ptr + st, m_r, mask=row_ok)
             tl.store(s_ptr + st, s_r, mask=row_ok)
@@ -229,7 +250,6 @@ def topk_filter_kernel(
             m_r = tl.load(m_ptr + st, mask=row_ok, other=float("-inf"))
             s_r = tl.load(s_ptr + st, mask=row_ok, other=0.0)
 
-    tl.store(cnt_ptr + st, cnt, mask=row_ok)
     tl.store(theta_ptr + st, theta, mask=row_ok)
     tl.store(m_ptr + st, m_r, mask=row_ok)
     tl.store(s_ptr + st, s_r, mask=row_ok)
