@@ -91,14 +91,40 @@ def call_options(
     A number goes into the options; a tensor is returned for :func:`run_head`'s ``temperature``
     (the options then hold 1.0, unused). ``validate=None`` is the documented default."""
     row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
+    number = 1.0 if row_temperature is not None else temperature
+    plain = (
+        type(number) in (int, float)
+        and type(ignore_index) is int
+        and type(backend) is str
+        and type(return_entropy) is bool
+        and (validate is None or type(validate) is bool)
+    )
+    if plain:  # the common call: built and validated once per distinct set of values
+        validate = validation.VALIDATE_DEFAULT if validate is None else validate
+        return _options(number, ignore_index, backend, return_entropy, validate), row_temperature
     options = HeadOptions(
-        temperature=1.0 if row_temperature is not None else temperature,
+        temperature=number,
         ignore_index=ignore_index,
         backend=backend,
         return_entropy=return_entropy,
         validate=validate,
     )
     return options, row_temperature
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _options(
+    temperature: float, ignore_index: int, backend: str, return_entropy: bool, validate: bool
+) -> HeadOptions:
+    # Frozen, so one object serves every call with these values; a bad value raises each time
+    # (an exception is not cached).
+    return HeadOptions(
+        temperature=temperature,
+        ignore_index=ignore_index,
+        backend=backend,
+        return_entropy=return_entropy,
+        validate=validate,
+    )
 
 
 def run_head(
