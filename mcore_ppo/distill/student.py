@@ -131,11 +131,13 @@ def fused_log_probs_at(
     ids = _token_rows(labels, batch_first)
     temps, bad_temperature = _row_temperature(row_temperature, labels, hidden.dtype, batch_first, vocab_size, options)
 
-    impl = resolve_backend(options.backend, hidden.device)
-    if getattr(impl, "computes_outputs", False):
+    # "liger" is refused by name before it is built (building it imports Liger).
+    impl = None if options.backend == "liger" else resolve_backend(options.backend, hidden.device)
+    if impl is None or getattr(impl, "computes_outputs", False):
+        name = "liger" if impl is None else impl.name
         raise ValueError(
-            f"backend={impl.name!r} computes whole outputs for one label per token; labels with k ids "
-            "need a per-shard backend ('auto', 'torch' or 'triton')"
+            f"backend={name!r} computes whole outputs for one label per token; labels with k ids need a "
+            "per-shard backend ('auto', 'torch' or 'triton')"
         )
     if sequence_parallel and tp_size > 1:
         hidden = gather_sequence_parallel(hidden, tp_group)

@@ -253,7 +253,6 @@ def test_bad_inputs():
         mcore_ppo.fused_log_probs_at(hidden, weight, ids, sequence_parallel=1)
 
 
-@pytest.mark.skipif(import_optional("liger_kernel") is None, reason="liger-kernel is not installed")
 def test_liger_is_refused():
     gen = generator(next_seed())
     case = make_case("nh", 50, 4, torch.float32, gen)
