@@ -29,6 +29,7 @@ at construction (tests patch the constants, benchmarks pass arguments).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -595,7 +596,7 @@ class _ForwardPlan:
         finish_options = {
             (checked, grad_needed): {
                 "BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_entropy,
-                "CHECK_RANGE": not checked, "LIBDEVICE": libdevice, "SAVE": grad_needed,
+                "CHECK_RANGE": not checked, "LIBDEVICE": libdevice, "SAVE": grad_needed, **_exact_libdevice(),
             }
             for checked in (False, True)
         }  # fmt: skip
@@ -607,6 +608,20 @@ class _ForwardPlan:
             n, h, v, cfg, num_splits, n_tiles_v, 3 if with_entropy else 2, store, use_tma, buf_tma, direct,
             (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
         )  # fmt: skip
+
+
+@functools.cache
+def _exact_libdevice() -> dict:
+    """Launch options for the epilogue's ``logf`` / ``div_rn``: libdevice without flushing
+    subnormals (Triton's default flushes them), as torch's CUDA kernels compute them; {} where
+    this Triton has no such option (its default then) or runs the interpreter."""
+    if interpreting():
+        return {}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return {}
+    return {"enable_reflect_ftz": False} if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__ else {}
 
 
 def _int_class(value: int) -> int:
