@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton")
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
 from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
+from mcore_ppo.backends import triton_launch  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 
@@ -48,9 +49,11 @@ def _binder(kernel):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every launch of every kernel: ``{name: [specialisation key, ...]}``."""
+    """Every launch of every kernel: ``{name: [specialisation key, ...]}`` (fast launches off:
+    they would skip ``kernel.run`` for keys an earlier test in the process already launched)."""
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_launch, "FAST_LAUNCH", False)
     seen: dict[str, list[str]] = {name: [] for name in KERNELS}
     for name in KERNELS:
         kernel = getattr(kernels, name)
