@@ -81,6 +81,14 @@ def _counts(fn) -> dict:
     return {"aten_ops": sum(mode.ops.values()), "launches": launches, "ops": dict(sorted(mode.ops.items()))}
 
 
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:  # pragma: no cover - no triton
+        return None
+    return triton.__version__
+
+
 def _levels() -> dict:
     try:
         import mcore_ppo.kernels as kernels
@@ -170,6 +178,7 @@ def main() -> None:
         backward()
     x.grad = w.grad = None
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "n": n, "h": h, "v": v, "dtype": str(dtype)}
+    result["versions"] = {"torch": torch.__version__, "triton": _triton_version()}
     result["nograd_forward_host_ms"] = _host_ms(nograd, args.reps, cuda)
     result["forward_host_ms"] = _host_ms(lambda: (forward(), kept.clear()), args.reps, cuda)
     times = []
