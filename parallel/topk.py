@@ -82,6 +82,8 @@ def merge_topk_over_ranks(
     rest_sum: torch.Tensor,
     k: int,
     group: ProcessGroup | None,
+    *,
+    presorted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The global top ``k`` and the log-sum-exps of everything and of the tail, on every rank.
 
@@ -91,6 +93,8 @@ def merge_topk_over_ranks(
         rest_max, rest_sum: ``[n]`` statistics ``(m, s)`` of this rank's non-candidate entries.
         k: how many to keep (``k <= world · c``).
         group: the TP group (None: one rank).
+        presorted: the candidates are already in the tie rule's order (one rank only needs no
+            selection then: with ``c == k`` they are the top ``k``).
 
     Returns:
         ``(top_values [n, k], top_ids [n, k], lse [n], tail_lse [n])``: the top entries by the
@@ -98,11 +102,14 @@ def merge_topk_over_ranks(
         outside the top ``k`` (``-inf`` when there are none), identical on every rank.
     """
     all_values, all_ids = _gather_candidates(values, ids, group)
-    top_values, top_ids, dropped = select_topk(all_values, all_ids, k)
+    if presorted and group_size(group) == 1:
+        top_values, top_ids, dropped = all_values[:, :k], all_ids[:, :k], all_values[:, k:]
+    else:
+        top_values, top_ids, dropped = select_topk(all_values, all_ids, k)
     # The rest of every shard, combined exactly as the head combines its statistics.
     no_label = torch.zeros_like(rest_sum)
     rest_lse, _, _ = combine_shard_statistics(rest_max, rest_sum, None, no_label, group)
     # Candidates dropped by the merge are the same on every rank: fold them in after the combine.
-    tail_lse = torch.logaddexp(rest_lse, torch.logsumexp(dropped, dim=-1))
+    tail_lse = rest_lse if dropped.shape[-1] == 0 else torch.logaddexp(rest_lse, torch.logsumexp(dropped, dim=-1))
     lse = torch.logaddexp(torch.logsumexp(top_values, dim=-1), tail_lse)
     return top_values, top_ids, lse, tail_lse

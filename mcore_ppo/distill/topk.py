@@ -198,7 +198,9 @@ def _fused_topk(
         values, ids, rest_max, rest_sum = shard_pass(
             tokens, weight, k, temperature, vocab_start=group_rank(tp_group) * weight.shape[0]
         )
-        top_values, top_ids, lse, tail_lse = merge_topk_over_ranks(values, ids, rest_max, rest_sum, k, tp_group)
+        top_values, top_ids, lse, tail_lse = merge_topk_over_ranks(
+            values, ids, rest_max, rest_sum, k, tp_group, presorted=use_triton
+        )
     log_probs = top_values - lse[:, None]
     tail_log_mass = tail_lse - lse
     if labels is not None:
@@ -373,8 +375,9 @@ def _shard_topk_triton(
 def _triton_chunk(
     tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One launch over ``tokens [n, h]``; ids local to the shard. Rows whose candidate buffer
-    overflowed (exact ties at the threshold) are recomputed by the torch path."""
+    """One launch over ``tokens [n, h]``: candidates in the tie rule's order, ids local to the
+    shard. Rows whose candidate buffer overflowed (exact ties at the threshold) are recomputed
+    by the torch path."""
     from mcore_ppo.kernels.topk import topk_filter_kernel
 
     n, h = tokens.shape
@@ -410,7 +413,10 @@ def _triton_chunk(
     overflow = (count > kout).any(dim=0)
     if bool(overflow.any()):  # one host sync per launch; rare: only exact ties keep a buffer full
         rows = overflow.nonzero().squeeze(1)
-        fixed = _shard_topk(tokens[rows], weight, k, temperature, vocab_start=0)
+        fixed_values, fixed_ids, fixed_max, fixed_sum = _shard_topk(tokens[rows], weight, k, temperature, vocab_start=0)
+        # In the tie rule's order, as the kernel's candidates (the torch path leaves that to the merge).
+        fixed_values, fixed_ids, _ = select_topk(fixed_values, fixed_ids, fixed_values.shape[1])
+        fixed = (fixed_values, fixed_ids, fixed_max, fixed_sum)
         for out, new in zip((values, ids, rest_max, rest_sum), fixed, strict=True):
             out[rows] = new.to(out.dtype)
     return values, ids, rest_max, rest_sum
@@ -451,13 +457,26 @@ def _split_candidates_topk(
     ids = buf_i.permute(1, 0, 2).reshape(n, splits * w).to(torch.int64)
     valid = valid.permute(1, 0, 2).reshape(n, splits * w)
     keys = torch.where(valid, _order_key(values, ids), torch.iinfo(torch.int64).min)
-    # Keys are distinct among valid entries: one order whatever the kernel's slot order, so
-    # the dropped entries are summed in the same order on every run.
-    _, order = torch.sort(keys, dim=1, descending=True)
-    values, ids, valid = values.gather(1, order), ids.gather(1, order), valid.gather(1, order)
+    # Keys are distinct among valid entries: the same selection, in the tie rule's order,
+    # whatever the kernel's slot order.
+    top_keys, picked = torch.topk(keys, c, dim=1)
+    dropped = valid & (keys < top_keys[:, -1:])
     m, s = _combine_splits(rest_m, rest_s)
-    m, s = fold_into_statistics(m, s, torch.where(valid[:, c:], values[:, c:], -torch.inf))
-    return values[:, :c], ids[:, :c], m, s
+    m, s = _fold_fixed_point(m, s, torch.where(dropped, values, -torch.inf))
+    return values.gather(1, picked), ids.gather(1, picked), m, s
+
+
+_FIXED_ONE = 2.0**40
+
+
+def _fold_fixed_point(m: torch.Tensor, s: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fold_into_statistics`, with the new terms summed in 2^-40 fixed point: an integer
+    sum, the same bits in any order of ``values``' columns (the kernel's slots vary)."""
+    m_new = torch.maximum(m, values.amax(dim=-1))
+    ref = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    terms = (torch.exp(values - ref[:, None]) * _FIXED_ONE).to(torch.int64).sum(dim=-1)
+    old = torch.where(s > 0, s * torch.exp(m - ref), torch.zeros_like(s))
+    return m_new, old + terms.to(s.dtype) / _FIXED_ONE
 
 
 def _combine_splits(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -412,3 +412,18 @@ def test_impl_argument():
         fused_topk(hidden, weight, 4, impl="triton")
     # On CPU tensors "auto" is the torch path, whatever the interpreter.
     assert not topk_module._use_triton("auto", hidden.float())
+
+
+@pytest.mark.parametrize("k", [8, 64])
+def test_triton_heavy_ties_mix_kernel_and_fallback_rows(k, triton_path, monkeypatch):
+    """Logits in {-4..4} (entries in {-1, 0, 1}): many values tie above and at the k-th place,
+    so (at k = 64, the default seed) some rows overflow their buffers and take the torch path
+    while others stay in the kernel; every row's ids are fp64's exactly, in the tie rule's
+    order, whichever path it took."""
+    hidden, weight = integer_case((37,), 600, 4, generator(next_seed()))
+    out = triton_topk(hidden.float(), weight.float(), k, 3, monkeypatch)
+    print(f"rows recomputed by the torch path: {sum(triton_path)} of 37")
+    ref = topk_reference(hidden, weight, k)
+    assert torch.equal(out.ids, ref.ids)
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=2e-5)
