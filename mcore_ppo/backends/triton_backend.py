@@ -237,7 +237,7 @@ class TritonBackend:
         max_entropy: float,
         combine: Callable | None,
     ) -> HeadForward | None:
-        """The whole forward of the head on this shard in four to six launches (see
+        """The whole forward of the head on this shard in three to six launches (see
         :class:`~mcore_ppo.backends.base.FusedHeadBackend`): the per-token preparation from the
         global labels (``tokens_kernel``), the statistics, and, on one shard, the merge with
         the outputs' epilogue in one kernel (``merge_finish_kernel``); over TP the merge, the
