@@ -70,6 +70,9 @@ TRITON_INTERPRETER_BISECT = (6, 12)
 #: what :data:`TRITON_SCRATCH_BYTES` allows (the candidate buffers are ``splits · n · CAP · 8`` bytes).
 TRITON_WAVES = 2
 TRITON_SCRATCH_BYTES = 512 * 2**20
+#: Candidates per (token, split) the host reads beyond ``k`` (the final bisection leaves about
+#: ``k``; more means exact ties at the threshold, and the token takes the torch path).
+KOUT_SLACK = 16
 #: Forces the number of vocab splits (tests); None: the rule above.
 TRITON_SPLITS: int | None = None
 #: Rows per launch (bounds the candidate buffers for very long batches).
@@ -388,7 +391,7 @@ def _triton_chunk(
     row_group = cfg.block_m if interp else min(TRITON_ROW_GROUP, cfg.block_m)
     bisect_mid, bisect_final = TRITON_INTERPRETER_BISECT if interp else (TRITON_BISECT_MID, TRITON_BISECT_FINAL)
     cap = _next_pow2(k + cfg.block_n + 1)
-    kout = min(cap, k + max(32, k // 2))
+    kout = min(cap, k + KOUT_SLACK)
     n_tiles = cdiv(v, cfg.block_n)
     splits = _triton_splits(n, n_tiles, cap, cfg.block_m, device)
     tiles_per_split = cdiv(n_tiles, splits)
