@@ -113,9 +113,7 @@ def call_options(
 
 
 @functools.lru_cache(maxsize=64, typed=True)
-def _options(
-    temperature: float, ignore_index: int, backend: str, return_entropy: bool, validate: bool
-) -> HeadOptions:
+def _options(temperature: float, ignore_index: int, backend: str, return_entropy: bool, validate: bool) -> HeadOptions:
     # Frozen, so one object serves every call with these values; a bad value raises each time
     # (an exception is not cached).
     return HeadOptions(

@@ -30,15 +30,16 @@ def rescale_statistics(
 
     A shard or chunk with no entries (``m = -inf``, ``s = 0``) contributes exactly zero.
     """
-    scale = _rescale_factor(m, s, new_max)
-    shift = torch.where(s == 0, torch.zeros_like(m), m - new_max)
-    return s * scale, (u + s * shift) * scale
+    shift = m - new_max  # <= 0, or NaN where both are -inf (an empty part: masked below)
+    empty = s == 0
+    scale = torch.exp(shift).masked_fill(empty, 0.0)
+    return s * scale, (u + s * shift.masked_fill(empty, 0.0)) * scale
 
 
 def _rescale_factor(m: torch.Tensor, s: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     """``exp(m - new_max)``, exactly 0 for an empty part (``s = 0``: the shift may be NaN there)."""
-    scale = torch.exp(m - new_max)  # shift <= 0, or -inf for an empty part, or NaN if both are -inf
-    return torch.where(s == 0, torch.zeros_like(scale), scale)
+    # masked_fill, not where(s == 0, zeros_like(...), ...): the same values in fewer ops.
+    return torch.exp(m - new_max).masked_fill(s == 0, 0.0)
 
 
 def merge_statistics(

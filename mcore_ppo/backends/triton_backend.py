@@ -22,9 +22,19 @@ they were before the option existed. Without the entropy (``with_entropy=False``
 kernels skip the ``u`` sums (``WITH_U``) and the backward's entropy term is off (``HAS_E``).
 
 Ignored tokens are compacted on the device (:func:`compact_rows`): programs past the valid count
-exit before any GEMM work, and nothing syncs the host. Nothing is kept on the backend between
-calls; its settings are constructor arguments whose defaults are this module's constants, read
-at construction (tests patch the constants, benchmarks pass arguments).
+exit before any GEMM work, and nothing syncs the host.
+
+Host work per call (docs: ``scripts/host_work.py``): the autograd Function runs the whole forward
+through :meth:`TritonBackend.head_forward`, which prepares the labels (``tokens_kernel``:
+valid flags, local labels, row order, zeroed label logits) and finishes the outputs
+(``merge_finish_kernel``: ``lse``, entropy, log-prob, clamps and masks) in kernels, so the
+forward issues only allocations and launches; what depends on shapes alone is decided once per
+shape (:class:`_ForwardPlan`, cached on the backend by shape, dtype, strides, alignment and
+device); the launches skip Triton's per-call dispatch (:mod:`mcore_ppo.backends.triton_launch`), keyed by the plan.
+
+Nothing is kept on the backend between calls but those plans; its settings are constructor
+arguments whose defaults are this module's constants, read at construction (tests patch the
+constants, benchmarks pass arguments).
 """
 
 from __future__ import annotations

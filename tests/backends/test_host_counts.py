@@ -368,3 +368,25 @@ def test_raw_level_only_for_its_layout(monkeypatch):
     assert triton_launch._Fast(kernel, Compiled(), 1, {"BLOCK": 4}).level == "compiled"
     # A non-constexpr argument passed by keyword would be frozen in the tail: no fast level.
     assert triton_launch._Fast(kernel, Compiled(), 0, {"x": 1, "BLOCK": 4}).level == "normal"
+
+
+def test_rescale_in_fewer_ops_gives_the_same_bits():
+    """The TP combine's rescaling (``masked_fill`` instead of ``where`` against ``zeros_like``)
+    gives the former formula's values bit for bit, empty parts (``s = 0``, ``m = -inf``) too."""
+    from parallel.combine import _rescale_factor, rescale_statistics
+
+    gen = generator(next_seed())
+    m = torch.randn(64, generator=gen) * 30
+    s = torch.rand(64, generator=gen) * 5
+    u = -torch.rand(64, generator=gen) * 3
+    m[:8], s[:8], u[:8] = -torch.inf, 0.0, 0.0
+    new_max = torch.maximum(m, torch.randn(64, generator=gen) * 30)
+    new_max[:4] = -torch.inf  # both -inf: the shift is NaN and must not leak
+    scale = torch.exp(m - new_max)
+    scale = torch.where(s == 0, torch.zeros_like(scale), scale)
+    shift = torch.where(s == 0, torch.zeros_like(m), m - new_max)
+    want = (s * scale, (u + s * shift) * scale)
+    got = rescale_statistics(m, s, u, new_max)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b) and not a.isnan().any()
+    assert torch.equal(_rescale_factor(m, s, new_max), scale)
