@@ -28,9 +28,9 @@ compaction leaves at most ``KOUT`` entries where the values allow it.
 
 A row whose buffer overflows (exact ties at the threshold can keep more than ``CAP - BLOCK_N``
 entries) keeps counting past ``CAP`` without writing there: its count is the host's signal to
-recompute that row by the torch path. The host selects the exact top ``K`` of the buffered
-entries of all splits by the packed key (value, then smaller id) and folds the other ones into
-the rest.
+recompute that row by the torch path. The host selects the
+exact top ``K`` of the buffered entries of all splits by the packed key (value, then smaller id)
+and folds the other ones into the rest.
 
 Every row's state lives in global memory across a compaction (the compaction walks the
 program's rows in groups of ``ROW_GROUP``, which cannot index the block's register vectors);
@@ -191,7 +191,8 @@ def topk_filter_kernel(
     prog_i = buf_i_ptr + (state0 + row0).to(tl.int64) * CAP
     local = tl.arange(0, BLOCK_M) * CAP
 
-    theta = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    # Rows past N never append (theta = inf): no per-entry row mask in the loop.
+    theta = tl.where(row_ok, float("-inf"), float("inf"))
     cnt = tl.zeros((BLOCK_M,), tl.int32)
     m_r = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s_r = tl.zeros((BLOCK_M,), tl.float32)
@@ -227,14 +228,13 @@ def topk_filter_kernel(
         # A slot per appended entry from the row's counter (a prefix sum over the tile would
         # hold several more [BLOCK_M, BLOCK_N] values in registers and spill). The order within
         # a tile is then arbitrary; nothing downstream depends on it (module doc).
-        emit = emit & row_ok[:, None]
-        pos = tl.atomic_add(cnt_ptr + tl.broadcast_to(st[:, None], (BLOCK_M, BLOCK_N)), 1, mask=emit, sem="relaxed")
-        ok = emit & (pos < CAP)
+        pos = tl.atomic_add(tl.broadcast_to((cnt_ptr + st)[:, None], (BLOCK_M, BLOCK_N)), 1, mask=emit, sem="relaxed")
+        fits = emit & (pos < CAP)  # else the row has overflowed: counted, not stored
         dest = local[:, None] + pos
-        tl.store(prog_v + dest, z, mask=ok)
-        tl.store(prog_i + dest, offs_n[None, :], mask=ok)
+        tl.store(prog_v + dest, z, mask=fits)
+        tl.store(prog_i + dest, offs_n[None, :], mask=fits)
         cnt += tl.sum(emit.to(tl.int32), 1)
-        if tl.max(cnt, 0) > CAP - BLOCK_N:
+        if tl.max(tl.where(cnt <= CAP, cnt, 0), 0) > CAP - BLOCK_N:  # overflowed rows: nothing to do
             # The counters in memory are the atomics' (complete after the barrier), not stored here.
             tl.store(theta_ptr + st, theta, mask=row_ok)
             tl.store(m_ptr + st, m_r, mask=row_ok)
@@ -246,7 +246,7 @@ def topk_filter_kernel(
             )  # fmt: skip
             tl.debug_barrier()
             cnt = tl.load(cnt_ptr + st, mask=row_ok, other=0)
-            theta = tl.load(theta_ptr + st, mask=row_ok, other=float("-inf"))
+            theta = tl.load(theta_ptr + st, mask=row_ok, other=float("inf"))
             m_r = tl.load(m_ptr + st, mask=row_ok, other=float("-inf"))
             s_r = tl.load(s_ptr + st, mask=row_ok, other=0.0)
 
