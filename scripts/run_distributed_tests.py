@@ -127,7 +127,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, stdout_path: str) 
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException as stop:  # the backstop, or this runner stopped (Ctrl-C, SIGTERM): no rank outlives it
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
@@ -136,6 +136,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, stdout_path: str) 
                     break
                 except subprocess.TimeoutExpired:
                     continue
+            if not isinstance(stop, subprocess.TimeoutExpired):
+                raise
             return 124
 
 
@@ -288,6 +290,9 @@ def rounds_of(files: list[str], per_round: int) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (scripts/test.sh stopped) ends the runner like Ctrl-C: the running torchrun, in its
+    # own session, is killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with contextlib.ExitStack() as stack:
         workdir = args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="mcore_ppo_dist_"))
         os.makedirs(workdir, exist_ok=True)
