@@ -312,7 +312,7 @@ class TritonBackend:
                 plan.combined_options[labels_checked],
             )  # fmt: skip
         if residual is None and grad_needed:
-            residual = RowOrder(perm, count)
+            residual = RowOrder(perm, count, plan)
         return HeadForward(log_prob, entropy_out, SavedTokens(local_labels, valid, lse, entropy, residual))
 
     def _forward_plan(
@@ -442,8 +442,9 @@ class TritonBackend:
         n, h = hidden.shape
         v = weight.shape[0]
         device = hidden.device
+        plan = None
         if isinstance(saved.residual, RowOrder):  # the forward's, when it kept it
-            perm, count = saved.residual.perm, saved.residual.count
+            perm, count, plan = saved.residual.perm, saved.residual.count, saved.residual.plan
         else:
             perm, count = compact_rows(valid)
         has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
@@ -451,7 +452,10 @@ class TritonBackend:
         entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
         # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
         use_tma = operands_by_tma(hidden, weight, cfg)
-        x_c = gathered_rows(hidden, perm, count) if use_tma or weight_grad is not None else None
+        site = None if plan is None else (plan, "recompute")
+        x_c = None
+        if use_tma or weight_grad is not None:
+            x_c = gathered_rows(hidden, perm, count, site=site and (*site, "gather"))
         hidden_grad_c = None  # fp32 [n, h]: the first chunk's GEMM writes it, the others add
         chunk = self.vocab_chunk(n, v, hidden.element_size())
         workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
@@ -473,7 +477,10 @@ class TritonBackend:
                 x_arg, weight, x_desc, w_desc, perm, count, local_labels, lse, entropy, g, e, dz, dz_desc, n, vc, v0,
                 h, hidden.stride(0), weight.stride(0), workspace.stride(0), inv_temp, inv_temp_rows,
             )  # fmt: skip
-            launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options)
+            # The forward's plan fixes the operands' (and the chunk's) specialisation; the
+            # upstream gradients' presence and the labels' dtype vary by call.
+            key = site and (*site, "dz", has_g, has_e, local_labels.dtype)
+            launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options, key)
             w_rows = weight if vc == v else weight[v0 : v0 + vc]
             if request.need_hidden_grad and hidden_grad_c is None:
                 hidden_grad_c = mm_fp32(dz, w_rows)
@@ -482,7 +489,9 @@ class TritonBackend:
             if weight_grad is not None:
                 addmm_fp32(weight_grad if vc == v else weight_grad[v0 : v0 + vc], dz.t(), x_c)
         del workspace, x_c, dz, dz_desc, x_desc  # before the rows of d_hidden get a second buffer
-        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype) if hidden_grad_c is not None else None
+        hidden_grad = None
+        if hidden_grad_c is not None:
+            hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=site and (*site, "scatter"))
         return hidden_grad, weight_grad
 
     def _gradients_from_buffer(
@@ -542,10 +551,12 @@ class TritonBackend:
 
 @dataclass(frozen=True)
 class RowOrder:
-    """The forward's compacted row order, kept for a backward that recomputes (no buffer)."""
+    """The forward's compacted row order, kept for a backward that recomputes (no buffer), and
+    its plan (the backward's launch sites key on it)."""
 
     perm: torch.Tensor
     count: torch.Tensor
+    plan: _ForwardPlan | None = None
 
 
 @dataclass(frozen=True, eq=False)

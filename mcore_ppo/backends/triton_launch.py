@@ -7,10 +7,12 @@ H200, several times the head's whole budget. :func:`launch` does that once per *
 key* and keeps the :class:`CompiledKernel` that Triton returned; later calls with the same key
 call its launcher directly.
 
-The key is computed here from the arguments, finer than Triton's own (so two calls that share
-it always share Triton's compiled variant): per tensor its dtype and 16-byte alignment, per
-int whether it is 1, fits int32, is a multiple of 16; per :class:`TmaDesc` its dtype and block;
-the keyword constexprs and launch options by value; the current device.
+The key is computed here from the arguments, no coarser than Triton's own (so two calls that
+share it always share Triton's compiled variant): per tensor its dtype and, where the kernel
+specialises on it, its 16-byte alignment; per int its width (int32, int64, uint64) and, where specialised,
+whether it is 1 and a multiple of 16; per :class:`TmaDesc` its dtype and block; the keyword
+constexprs and launch options by value; the current device. A call site whose cached plan
+fixes all of that passes the plan as its ``site`` key instead (no per-argument work).
 
 Three levels, decided per compiled kernel from what the installed Triton offers, never by
 catching errors of a real launch:
@@ -83,10 +85,28 @@ class TmaDesc:
         return TensorDescriptor.from_tensor(self.base, list(self.block_shape))
 
 
-def _arg_key(arg: Any) -> Any:
+def _param_flags(kernel) -> tuple[tuple[bool, bool], ...]:
+    """Per parameter: ``(value specialised, alignment specialised)``, as the kernel's decorator
+    set them (``do_not_specialize`` / ``do_not_specialize_on_alignment``, by name or index)."""
+    options = getattr(kernel, "kwargs", None) or {}  # the interpreter's wrapper keeps them here
+    no_value = getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or ()
+    no_align = getattr(kernel, "do_not_specialize_on_alignment", None)
+    no_align = no_align or options.get("do_not_specialize_on_alignment") or ()
+    flags = []
+    for i, name in enumerate(kernel.arg_names):
+        value = i not in no_value and name not in no_value
+        flags.append((value, value and i not in no_align and name not in no_align))
+    return tuple(flags)
+
+
+def _arg_key(arg: Any, flags: tuple[bool, bool]) -> Any:
+    """What Triton's specialisation of one argument depends on (no coarser than its own)."""
     kind = type(arg)
     if kind is int:
-        return (arg == 1, -(2**31) <= arg < 2**31, arg & 15 == 0)
+        width = 0 if -(2**31) <= arg < 2**31 else (1 if arg < 2**63 else 2)  # Triton's i32 / i64 / u64
+        if not flags[0]:
+            return width
+        return (arg == 1, width, flags[1] and arg & 15 == 0)
     if kind is float:
         return 0.0
     if kind is TmaDesc:
@@ -94,7 +114,7 @@ def _arg_key(arg: Any) -> Any:
     if kind is bool or arg is None:
         return arg
     if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() & 15 == 0)
+        return (arg.dtype, arg.data_ptr() & 15 == 0) if flags[1] else arg.dtype
     raise TypeError(f"triton_launch.launch: unsupported kernel argument of type {kind.__name__}")
 
 
@@ -195,7 +215,7 @@ def _raw_launcher(launcher) -> tuple | None:
     return cells["launcher"], ordinal, cells["tensordesc_meta"], base
 
 
-_TABLES: dict[int, tuple[Any, dict]] = {}
+_TABLES: dict[int, tuple[Any, dict, tuple]] = {}
 _STREAM = None
 
 
@@ -226,12 +246,21 @@ def fast_available() -> bool:
 _SITE_KEYS: dict = {}
 
 
-def _argument_key(args: tuple, kwargs: dict) -> tuple:
-    return tuple(map(_arg_key, args)), tuple(kwargs.items())
+def _table(kernel) -> tuple:
+    """``(kernel, {key: _Fast}, parameter flags)`` of ``kernel`` (kept alive with it: its id
+    is never reused while the entry exists)."""
+    table = _TABLES.get(id(kernel))
+    if table is None:
+        table = _TABLES[id(kernel)] = (kernel, {}, _param_flags(kernel))
+    return table
+
+
+def _argument_key(flags: tuple, args: tuple, kwargs: dict) -> tuple:
+    return tuple(map(_arg_key, args, flags)), tuple(kwargs.items())
 
 
 def _check_site(kernel, site, args: tuple, kwargs: dict) -> None:
-    key = _argument_key(args, kwargs)
+    key = _argument_key(_table(kernel)[2], args, kwargs)
     seen = _SITE_KEYS.setdefault((id(kernel), site), key)
     if seen != key:
         raise AssertionError(f"launch site {site!r} of {kernel} met two argument keys: {seen} and {key}")
@@ -254,10 +283,8 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, site: objec
         kernel[grid](*_normal_args(args), **kwargs)
         return
     device = torch.cuda.current_device()
-    key = (device, site) if site is not None else (device, *_argument_key(args, kwargs))
-    table = _TABLES.get(id(kernel))
-    if table is None:
-        table = _TABLES[id(kernel)] = (kernel, {})
+    table = _table(kernel)
+    key = (device, site) if site is not None else (device, *_argument_key(table[2], args, kwargs))
     fast = table[1].get(key)
     if fast is None:
         compiled = kernel[grid](*_normal_args(args), **kwargs)

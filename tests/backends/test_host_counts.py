@@ -182,7 +182,7 @@ def _run(backend, hidden, weight, labels, temperature, grads, return_entropy, va
 @pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
 @pytest.mark.parametrize(
     "options",
-    ["default", "bad-labels", "no-entropy", "T-tensor"],
+    ["default", "bad-labels", "no-entropy", "T-tensor", "vocab-chunks"],
 )
 def test_fused_forward_equals_generic_path_and_reference(monkeypatch, budget, options):
     monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", budget)
@@ -192,9 +192,12 @@ def test_fused_forward_equals_generic_path_and_reference(monkeypatch, budget, op
         temperature = 0.5 + torch.rand(labels.shape[0], generator=generator(next_seed())).to(DEVICE)
     return_entropy = options != "no-entropy"
     validate = options != "bad-labels"
-    fused = _run(triton_backend.TritonBackend(), hidden, weight, labels, temperature, grads, return_entropy, validate)
+    # "vocab-chunks": a dz workspace of one 32-column chunk, so the recompute runs two chunks.
+    settings = {"workspace_bytes": labels.shape[0] * 4 * 32} if options == "vocab-chunks" else {}
+    args = (hidden, weight, labels, temperature, grads, return_entropy, validate)
+    fused = _run(triton_backend.TritonBackend(**settings), *args)
     monkeypatch.setattr(triton_backend, "FUSED_HEAD", False)
-    generic = _run(triton_backend.TritonBackend(), hidden, weight, labels, temperature, grads, return_entropy, validate)
+    generic = _run(triton_backend.TritonBackend(**settings), *args)
     for name, a, b in zip(("log_prob", "entropy", "d_hidden", "d_weight"), fused, generic, strict=True):
         if a is None:
             assert b is None

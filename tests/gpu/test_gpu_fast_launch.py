@@ -57,13 +57,14 @@ def _assert_bitwise(a, b, what):
         assert torch.equal(x, y), f"{what}: {name} differs (max {(x.float() - y.float()).abs().max().item():.3e})"
 
 
-# (n, h, v, dtype, ignored, offset, budget): the key changes from one case to the next
-# (token count, alignment of hidden, dtype, buffer or recompute).
+# (n, h, v, dtype, ignored, offset, budget, workspace): the key changes from one case to the
+# next (token count, alignment of hidden, dtype, buffer or recompute, vocab chunks).
 CASES = [
-    (4096, 3584, 19008, torch.bfloat16, 0.0, 0, 1 << 40),
-    (4093, 3584, 19008, torch.bfloat16, 0.3, 0, 1 << 40),
-    (4093, 3584, 19008, torch.bfloat16, 0.3, 3, 0),
-    (1001, 1000, 5003, torch.float32, 0.2, 0, 0),
+    (4096, 3584, 19008, torch.bfloat16, 0.0, 0, 1 << 40, None),
+    (4093, 3584, 19008, torch.bfloat16, 0.3, 0, 1 << 40, None),
+    (4093, 3584, 19008, torch.bfloat16, 0.3, 3, 0, None),
+    (4093, 3584, 19008, torch.bfloat16, 0.3, 0, 0, 4093 * 2 * 4096),  # five recompute chunks
+    (1001, 1000, 5003, torch.float32, 0.2, 0, 0, None),
 ]
 
 
@@ -75,8 +76,8 @@ def test_fast_path_equals_normal_path_and_fp64(monkeypatch):
     assert triton_launch.fast_available()
     # Every launch site's key is checked against the per-argument key as the shapes change.
     monkeypatch.setattr(triton_launch, "CHECK_SITES", True)
-    for n, h, v, dtype, ignored, offset, budget in CASES:
-        backend = TritonBackend(buffer_budget_bytes=budget)
+    for n, h, v, dtype, ignored, offset, budget, workspace in CASES:
+        backend = TritonBackend(buffer_budget_bytes=budget, workspace_bytes=workspace)
         x, w, labels, g, e = _make(n, h, v, dtype, ignored, seed=n + offset, offset=offset)
         with triton_launch.normal_launches():
             normal = _run(backend, x, w, labels, g, e)
@@ -85,7 +86,7 @@ def test_fast_path_equals_normal_path_and_fp64(monkeypatch):
         per_call = triton_launch.launch_count() - before
         fast = _run(backend, x, w, labels, g, e)  # every key seen: the fast levels
         assert triton_launch.launch_count() - before == 2 * per_call
-        case = f"n={n} h={h} v={v} {dtype} ignored={ignored} offset={offset} budget={budget}"
+        case = f"n={n} h={h} v={v} {dtype} ignored={ignored} offset={offset} budget={budget} workspace={workspace}"
         _assert_bitwise(first, normal, f"{case}, first call")
         _assert_bitwise(fast, normal, f"{case}, fast path")
         ref = reference(x.double(), w.double(), labels, 0.7, g.double(), e.double(), rows_per_chunk=1024)
