@@ -50,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mcore_ppo.backends.triton_host import fp32_gemm_path, mm_fp32
 from mcore_ppo.distill import topk as topk_module
 from mcore_ppo.distill.topk import fused_topk
 
@@ -57,10 +58,8 @@ GIB = 2**30
 
 
 def gemm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    try:
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
-    except (TypeError, RuntimeError):  # a torch without out_dtype: the bf16 GEMM, noted in the JSON
-        return torch.mm(x, w.t())
+    """One cuBLAS GEMM, bf16 inputs, fp32 output (``mm(..., out_dtype=)`` where torch has it)."""
+    return mm_fp32(x, w.t())
 
 
 def naive_topk(x: torch.Tensor, w: torch.Tensor, k: int, temperature: float, chunk: int):
@@ -291,6 +290,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "gemm": fp32_gemm_path("cuda")["mm"],
         "args": {key: str(value) for key, value in vars(args).items()},
         "results": [],
     }
