@@ -111,6 +111,12 @@ def shard_head(
     grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if temperature is not None:
         temperature = temperature.detach()
+    if not grad_needed:
+        # No graph to record: the forward alone, without the autograd Function's own host cost
+        # (its outputs would carry no gradient either way).
+        with autocast_off(hidden.device):
+            log_prob, entropy, _ = _head_forward(hidden, weight, labels, plan, False, temperature)
+        return log_prob, entropy
     return FusedPPOHeadFunction.apply(hidden, weight, labels, plan, grad_needed, temperature)
 
 
@@ -141,6 +147,41 @@ def _weight_grad_buffer(weight: torch.Tensor, accumulate_into_main_grad: bool, b
 
 def _combine(m, s, u, y, *, tp_group: ProcessGroup):
     return combine_shard_statistics(m, s, u, y, tp_group)
+
+
+def _head_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    plan: ShardPlan,
+    grad_needed: bool,
+    row_temperature: torch.Tensor | None,
+) -> HeadForward:
+    """The forward's outputs and what its backward needs: the backend's ``head_forward`` where
+    it has one and takes the case, else :func:`_generic_forward`."""
+    temperature = plan.temperature if row_temperature is None else row_temperature
+    fused = getattr(plan.backend, "head_forward", None)
+    if fused is not None:
+        combine = None
+        if plan.tp_group is not None and group_size(plan.tp_group) > 1:
+            combine = functools.partial(_combine, tp_group=plan.tp_group)
+        result = fused(
+            hidden,
+            weight,
+            labels,
+            temperature,
+            ignore_index=plan.ignore_index,
+            vocab_start=plan.vocab_start,
+            vocab_size=plan.vocab_size,
+            labels_checked=plan.labels_checked,
+            grad_needed=grad_needed,
+            with_entropy=plan.return_entropy,
+            max_entropy=_max_entropy(plan.vocab_size, torch.float32),
+            combine=combine,
+        )
+        if result is not None:
+            return result
+    return _generic_forward(hidden, weight, labels, plan, grad_needed, temperature)
 
 
 def _generic_forward(
@@ -215,30 +256,7 @@ class FusedPPOHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, hidden, weight, labels, plan: ShardPlan, grad_needed: bool, row_temperature):
-        temperature = plan.temperature if row_temperature is None else row_temperature
-        fused = getattr(plan.backend, "head_forward", None)
-        result = None
-        if fused is not None:
-            combine = None
-            if plan.tp_group is not None and group_size(plan.tp_group) > 1:
-                combine = functools.partial(_combine, tp_group=plan.tp_group)
-            result = fused(
-                hidden,
-                weight,
-                labels,
-                temperature,
-                ignore_index=plan.ignore_index,
-                vocab_start=plan.vocab_start,
-                vocab_size=plan.vocab_size,
-                labels_checked=plan.labels_checked,
-                grad_needed=grad_needed,
-                with_entropy=plan.return_entropy,
-                max_entropy=_max_entropy(plan.vocab_size, torch.float32),
-                combine=combine,
-            )
-        if result is None:
-            result = _generic_forward(hidden, weight, labels, plan, grad_needed, temperature)
-        log_prob, entropy_out, saved = result
+        log_prob, entropy_out, saved = _head_forward(hidden, weight, labels, plan, grad_needed, row_temperature)
         ctx.save_for_backward(
             hidden, weight, saved.local_labels, saved.valid, saved.lse, saved.entropy, row_temperature
         )

@@ -174,7 +174,8 @@ def run_head(
     validation.check_tensors(hidden, weight, labels)
     validation.check_process_group(tp_group)
     # int64 from here on: ignore_index and the vocab bounds are compared in it (no wrap-around).
-    labels = labels.long()
+    if labels.dtype != torch.int64:
+        labels = labels.long()
     flags = {
         "sequence_parallel": sequence_parallel,
         "reduce_hidden_grad": reduce_hidden_grad,
@@ -307,10 +308,11 @@ def _token_values(values: torch.Tensor, labels: torch.Tensor, flat_labels: bool)
 def _tokens(hidden: torch.Tensor, labels: torch.Tensor, flat_labels: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [n, h]`` and ``labels [n]`` token by token. Megatron's tokens are sequence-major:
     hidden ``[s, b, h] -> [s·b, h]`` pairs with labels ``[b, s]`` transposed."""
-    tokens_hidden = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
+    # Already in token form, a tensor is used as it is: a view costs host time (autograd metadata).
+    tokens_hidden = hidden if hidden.dim() == 2 else hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
     if labels.dim() == 2 and not flat_labels:
         return tokens_hidden, labels.t().reshape(-1)
-    return tokens_hidden, labels.reshape(-1)
+    return tokens_hidden, labels if labels.dim() == 1 else labels.reshape(-1)
 
 
 def _like_labels(values: torch.Tensor, labels: torch.Tensor, flat_labels: bool) -> torch.Tensor:

@@ -345,15 +345,18 @@ class TritonBackend:
         *,
         site: bool = False,
     ) -> tuple[tuple[torch.Tensor, ...], ProbabilityBuffer | None]:
-        """The forward kernel's launches: per-split partials ``(m, s[, u])`` (views of one
-        buffer) and the label logits into ``y``; the probability buffer as residual when the
+        """The forward kernel's launches: per-split partials ``(m, s[, u])`` (``[splits, n]``
+        each) and the label logits into ``y``; the probability buffer as residual when the
         plan stores it. ``site``: the caller's ``local_labels``, ``perm``, ``count`` and ``y``
         are the fresh int64 / int32 / int32 / fp32 tensors of :meth:`head_forward`, so the plan
         fixes every argument's specialisation (the launch skips the per-argument key)."""
         from mcore_ppo import kernels
 
         n, v, device = plan.n, plan.v, hidden.device
-        parts = torch.empty(plan.n_parts, plan.num_splits, n, dtype=torch.float32, device=device).unbind(0)
+        # Separate buffers: views of one (unbind) cost more host time than the allocations.
+        parts = tuple(
+            torch.empty(plan.num_splits, n, dtype=torch.float32, device=device) for _ in range(plan.n_parts)
+        )
         inv_temp, inv_temp_rows, _ = _inverse_temperature(temperature, y)
         if plan.store:
             buf = torch.empty(n, v, dtype=hidden.dtype, device=device)
@@ -488,7 +491,8 @@ class TritonBackend:
                 addmm_fp32(hidden_grad_c, dz, w_rows)
             if weight_grad is not None:
                 addmm_fp32(weight_grad if vc == v else weight_grad[v0 : v0 + vc], dz.t(), x_c)
-        del workspace, x_c, dz, dz_desc, x_desc  # before the rows of d_hidden get a second buffer
+        # Before the rows of d_hidden get a second buffer: every reference to the workspace and x_c.
+        del workspace, x_c, x_arg, dz, dz_desc, x_desc, args
         hidden_grad = None
         if hidden_grad_c is not None:
             hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=site and (*site, "scatter"))

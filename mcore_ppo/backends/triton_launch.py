@@ -33,8 +33,6 @@ catching errors of a real launch:
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,7 +123,19 @@ def _normal_args(args: tuple) -> list:
 class _Fast:
     """One (kernel, key)'s compiled kernel and how to call it."""
 
-    __slots__ = ("base", "desc_at", "desc_meta", "function", "level", "maps", "packed", "raw", "run", "tail")
+    __slots__ = (
+        "base",
+        "desc_at",
+        "desc_meta",
+        "desc_order",
+        "function",
+        "level",
+        "maps",
+        "packed",
+        "raw",
+        "run",
+        "tail",
+    )
 
     def __init__(self, kernel, compiled, n_args: int, kwargs: dict):
         self.level = "normal"
@@ -148,8 +158,9 @@ class _Fast:
         self.maps: dict = {}
         self.level = "compiled"
         raw = _raw_launcher(self.run)
-        if raw is not None:
+        if raw is not None and all(i < n_args for i in raw[1]):
             self.raw, self.desc_at, self.desc_meta, self.base = raw
+            self.desc_order = tuple(sorted(self.desc_at))
             self.level = "raw"
 
     def call(self, grid: tuple, stream: int, args: tuple) -> None:
@@ -160,20 +171,19 @@ class _Fast:
             self.run(g0, g1, g2, stream, self.function, self.packed, None, None, None, *_normal_args(args), *self.tail)
             return
         final = [g0, g1, g2, stream, self.function, *self.base, self.packed, None, None, None]
-        if self.desc_at:
-            for i, arg in enumerate(itertools.chain(args, self.tail)):
-                if i in self.desc_at:
-                    final.extend(self._encoded(i, arg))
-                else:
-                    final.append(arg)
-        else:
-            final.extend(args)
-            final.extend(self.tail)
+        start = 0
+        for i in self.desc_order:  # positional arguments, in order (checked when built)
+            final += args[start:i]
+            final += self._encoded(i, args[i])
+            start = i + 1
+        final += args[start:]
+        final += self.tail
         self.raw(*final)
 
     def _encoded(self, index: int, desc: TmaDesc) -> list:
         base = desc.base
-        key = (index, base.data_ptr(), base.dtype, tuple(base.shape), base.stride(), desc.block_shape)
+        # The dtype and block are fixed by this entry's key; the geometry and address are not.
+        key = (index, base.data_ptr(), base.shape, base.stride())
         found = self.maps.get(key)
         if found is None:
             from triton.backends.nvidia.driver import make_tensordesc_arg
@@ -230,11 +240,16 @@ def _hooks_idle() -> bool:
     return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
 
 
-@functools.cache
-def _compiled_kernels() -> bool:
-    from mcore_ppo.backends.triton_host import interpreting
+_COMPILED: bool | None = None  # compiled kernels exist here (decided on the first launch)
 
-    return triton is not None and not interpreting()
+
+def _compiled_kernels() -> bool:
+    global _COMPILED
+    if _COMPILED is None:
+        from mcore_ppo.backends.triton_host import interpreting
+
+        _COMPILED = triton is not None and not interpreting()
+    return _COMPILED
 
 
 def fast_available() -> bool:
@@ -279,10 +294,10 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, site: objec
     _launches += 1
     if site is not None and CHECK_SITES:
         _check_site(kernel, site, args, kwargs)
-    if not (fast_available() and _hooks_idle()):
+    if not (FAST_LAUNCH and (_COMPILED or (_COMPILED is None and _compiled_kernels())) and _hooks_idle()):
         kernel[grid](*_normal_args(args), **kwargs)
         return
-    device = torch.cuda.current_device()
+    device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python wrapper
     table = _table(kernel)
     key = (device, site) if site is not None else (device, *_argument_key(table[2], args, kwargs))
     fast = table[1].get(key)

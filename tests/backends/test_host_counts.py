@@ -114,10 +114,10 @@ def _tma(monkeypatch):
 
 
 # (no-grad forward, forward, backward): most aten ops, launches. The fused forward's ops are its
-# allocations and two views (the split partials); the backward's its buffers and GEMMs.
+# allocations only; the backward's its buffers and GEMMs (on CPU, fp32 products added separately).
 BOUNDS = {
-    ("fp32", "recompute"): ((10, 3), (13, 3), (11, 3)),
-    ("bf16-tma", "buffer"): ((11, 5), (16, 5), (13, 3)),
+    ("fp32", "recompute"): ((9, 3), (12, 3), (10, 3)),
+    ("bf16-tma", "buffer"): ((10, 5), (15, 5), (12, 3)),
 }
 
 
@@ -148,9 +148,9 @@ def test_ops_and_launches_per_call(counting, monkeypatch, dtype, mode):
     ):
         assert sum(ops.values()) <= max_ops, f"{what}: {sum(ops.values())} aten ops > {max_ops}: {ops}"
         assert launches <= max_launches, f"{what}: {launches} launches > {max_launches}"
-    # No host sync and no per-token torch arithmetic in the forward: allocations and views only.
+    # No host sync, no view and no per-token torch arithmetic in the forward: allocations only.
     forward_ops = set(counts[0][0]) | set(counts[1][0])
-    assert forward_ops <= {"empty.memory_format", "unbind.int", "view.default", "alias.default"}, forward_ops
+    assert forward_ops == {"empty.memory_format"}, forward_ops
 
 
 def test_fused_forward_has_fewer_ops_than_the_generic_path(counting, monkeypatch):
