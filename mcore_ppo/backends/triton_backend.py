@@ -275,7 +275,8 @@ class TritonBackend:
             (labels, local_labels, perm if valid is None else valid, perm, count, y, n, stride_l, ignore_index,
              vocab_start, plan.v),
             _TOKENS_OPTIONS[grad_needed],
-            (plan, "tokens", labels.dtype, _int_class(stride_l), _int_class(ignore_index), _int_class(vocab_start)),
+            # The values themselves stand for their integer classes (finer, and cheaper to key).
+            (plan, "tokens", labels.dtype, stride_l, ignore_index, vocab_start),
         )  # fmt: skip
         parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature, site=True)
         log_prob = torch.empty(n, dtype=torch.float32, device=device)
@@ -296,8 +297,8 @@ class TritonBackend:
                 ),
                 plan.finish_options[labels_checked, grad_needed],
                 # The plan fixes every argument's specialisation but the labels' dtype and the
-                # integer class of their stride and of the vocab size.
-                (plan, "finish", labels_checked, labels.dtype, _int_class(stride_l), _int_class(vocab_size)),
+                # integer class of their stride and of the vocab size (their values stand for it).
+                (plan, "finish", labels_checked, labels.dtype, stride_l, vocab_size),
             )  # fmt: skip
         else:
             m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy)
@@ -354,9 +355,7 @@ class TritonBackend:
 
         n, v, device = plan.n, plan.v, hidden.device
         # Separate buffers: views of one (unbind) cost more host time than the allocations.
-        parts = tuple(
-            torch.empty(plan.num_splits, n, dtype=torch.float32, device=device) for _ in range(plan.n_parts)
-        )
+        parts = tuple(torch.empty(plan.num_splits, n, dtype=torch.float32, device=device) for _ in range(plan.n_parts))
         inv_temp, inv_temp_rows, _ = _inverse_temperature(temperature, y)
         if plan.store:
             buf = torch.empty(n, v, dtype=hidden.dtype, device=device)
@@ -647,11 +646,6 @@ def _exact_libdevice() -> dict:
     except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
         return {}
     return {"enable_reflect_ftz": False} if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__ else {}
-
-
-def _int_class(value: int) -> int:
-    """Triton's integer classes of a non-specialised int argument: int32, int64, uint64."""
-    return 0 if -(2**31) <= value < 2**31 else (1 if value < 2**63 else 2)
 
 
 def _inverse_temperature(temperature: float | torch.Tensor, placeholder: torch.Tensor):

@@ -229,15 +229,14 @@ _TABLES: dict[int, tuple[Any, dict, tuple]] = {}
 _STREAM = None
 
 
-def _idle(hook) -> bool:
-    # Triton 3.6+ keeps a HookChain (never None) whose ``calls`` list is empty when unused.
-    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
-
-
 def _hooks_idle() -> bool:
-    """No launch hook (a profiler's) is installed: the fast levels pass none to the launcher."""
+    """No launch hook (a profiler's) is installed: the fast levels pass none to the launcher.
+    Triton 3.6+ keeps a HookChain (never None) whose ``calls`` list is empty when unused."""
     runtime = triton.knobs.runtime
-    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is None or (enter.__class__.__name__ == "HookChain" and not enter.calls)) and (
+        leave is None or (leave.__class__.__name__ == "HookChain" and not leave.calls)
+    )
 
 
 _COMPILED: bool | None = None  # compiled kernels exist here (decided on the first launch)
@@ -298,7 +297,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, site: objec
         kernel[grid](*_normal_args(args), **kwargs)
         return
     device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python wrapper
-    table = _table(kernel)
+    table = _TABLES.get(id(kernel)) or _table(kernel)
     key = (device, site) if site is not None else (device, *_argument_key(table[2], args, kwargs))
     fast = table[1].get(key)
     if fast is None:
