@@ -471,7 +471,11 @@ class TritonBackend:
             "DZ_TMA": dz_tma, **flags, **({"ROW_TEMP": True} if row_temp else {}),
         }  # fmt: skip
         x_arg = x_c if use_tma else hidden
-        for v0 in range(0, v, chunk):
+        # The chunks' rows of W and d_W as views made in one call each (a slice per chunk costs
+        # more host time); the same views as weight[v0 : v0 + vc].
+        w_chunks = weight.split(chunk) if chunk < v else (weight,)
+        g_chunks = () if weight_grad is None else weight_grad.split(chunk) if chunk < v else (weight_grad,)
+        for index, v0 in enumerate(range(0, v, chunk)):
             vc = min(chunk, v - v0)
             dz = workspace[:, :vc] if vc < chunk else workspace
             dz_desc = TmaDesc(dz, (cfg.block_m, cfg.block_n)) if dz_tma else dz
@@ -483,15 +487,15 @@ class TritonBackend:
             # upstream gradients' presence and the labels' dtype vary by call.
             key = site and (*site, "dz", has_g, has_e, local_labels.dtype)
             launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options, key)
-            w_rows = weight if vc == v else weight[v0 : v0 + vc]
+            w_rows = w_chunks[index]
             if request.need_hidden_grad and hidden_grad_c is None:
                 hidden_grad_c = mm_fp32(dz, w_rows)
             elif request.need_hidden_grad:
                 addmm_fp32(hidden_grad_c, dz, w_rows)
             if weight_grad is not None:
-                addmm_fp32(weight_grad if vc == v else weight_grad[v0 : v0 + vc], dz.t(), x_c)
+                addmm_fp32(g_chunks[index], dz.t(), x_c)
         # Before the rows of d_hidden get a second buffer: every reference to the workspace and x_c.
-        del workspace, x_c, x_arg, dz, dz_desc, x_desc, args
+        del workspace, x_c, x_arg, dz, dz_desc, x_desc, args, w_chunks, g_chunks
         hidden_grad = None
         if hidden_grad_c is not None:
             hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=site and (*site, "scatter"))
