@@ -75,7 +75,8 @@ def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _chunked_log_q(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, temperature: float, chunk: int):
     def part(x_c, w_, ids_c):
-        return torch.log_softmax(_mm32(x_c, w_.t()) / temperature, dim=-1).gather(-1, ids_c)
+        # Differentiable (mm with out_dtype has no derivative): the bf16 product, then fp32.
+        return torch.log_softmax(torch.mm(x_c, w_.t()).float() / temperature, dim=-1).gather(-1, ids_c)
 
     return torch.cat(
         [

@@ -16,8 +16,12 @@ without the ``[tokens, V]`` logits. Two parts, each over this rank's vocab shard
   each rank gathers the ids of its own shard (the others are masked to 0) and one all-reduce
   SUM over TP gives every rank all ``k`` (Megatron's vocab-parallel cross entropy does the same
   for one label). Backward: the one-hot parts ``g_j/T`` at ``id_j``, ``d_hidden += Σ_j g_j
-  W[id_j]/T`` (a batched GEMM) and ``d_W[id_j] += g_j h/T`` (``index_add_``), into the same fp32
-  buffers as the dense part, so the two are summed before the one cast to the inputs' dtype.
+  W[id_j]/T`` and ``d_W[id_j] += g_j h/T``, into the same fp32 buffers as the dense part, so the
+  two are summed before the one cast to the inputs' dtype. On CUDA (fp16/bf16/fp32) the three
+  are Triton kernels (:mod:`mcore_ppo.kernels.gather`: a slot outside the shard costs no memory
+  traffic; ``d_W`` as a segmented sum over the (id, token) pairs sorted by id, no atomics);
+  elsewhere (CPU, fp64) a torch path: gathered rows in bounded token chunks, a batched GEMM
+  and ``index_add_``. See :data:`GATHER_KERNELS`.
 
 Together: ``dz_i = Σ_j g_j 1[i = id_j] - q_i·(G + e·(log q_i + H))``, the head's gradient with
 ``k`` labels. A duplicate id in a row gets the same log-prob in both slots and both gradients.
@@ -36,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_ppo import validation
-from mcore_ppo.backends import Backend, resolve_backend
+from mcore_ppo.backends import Backend, import_optional, resolve_backend
 from mcore_ppo.backends.base import GradientRequest, SavedTokens
 from mcore_ppo.function import NO_DOUBLE_BACKWARD, autocast_off
 from mcore_ppo.pipeline import call_options
@@ -45,13 +49,24 @@ from parallel.groups import resolve_tp_group
 from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
 from parallel.ranks import ProcessGroup, group_rank, group_size
 
-__all__ = ["GATHER_ELEMENTS", "fused_log_probs_at"]
+__all__ = ["GATHER_ELEMENTS", "GATHER_KERNELS", "fused_log_probs_at"]
 
 #: Gathered weight rows held at once, in elements (``tokens × k × h``; 128 MiB of fp32, the
 #: same again for ``d_W``'s rows in the backward): the sparse part walks the tokens in chunks of
 #: ``max(1, GATHER_ELEMENTS // (k·h))`` (146 at k = 64, h = 3584), few enough launches per call
 #: to stay off the host's critical path. Read at each call.
 GATHER_ELEMENTS = 1 << 25
+
+#: The sparse part's implementation: ``"auto"`` (the Triton kernels of
+#: :mod:`mcore_ppo.kernels.gather` for CUDA tensors of fp16 / bf16 / fp32, the torch path
+#: otherwise), ``"triton"`` (the kernels for every fp16 / bf16 / fp32 input, CPU tensors included
+#: under ``TRITON_INTERPRET=1``; fp64 stays on the torch path) or ``"torch"``. Read at each call.
+GATHER_KERNELS = "auto"
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (BLOCK_J, BLOCK_H, num_warps) of the per-token kernels; (BLOCK_P, BLOCK_H, num_warps) of d_W's.
+_ROWS_CONFIG = (64, 128, 4)
+_SEGMENT_CONFIG = (128, 256, 2)
 
 
 def fused_log_probs_at(
@@ -249,6 +264,83 @@ def _token_chunk(k: int, h: int) -> int:
     return max(1, GATHER_ELEMENTS // max(1, k * h))
 
 
+def _use_kernels(tokens: torch.Tensor) -> bool:
+    if GATHER_KERNELS not in ("auto", "triton", "torch"):
+        raise ValueError(f"GATHER_KERNELS must be 'auto', 'triton' or 'torch', got {GATHER_KERNELS!r}")
+    if GATHER_KERNELS == "torch" or tokens.dtype not in _KERNEL_DTYPES:
+        return False
+    if GATHER_KERNELS == "triton":
+        return True
+    return tokens.is_cuda and import_optional("triton") is not None
+
+
+def _rowmajor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _block_j(k: int) -> int:
+    return min(_ROWS_CONFIG[0], 1 << max(0, (k - 1).bit_length()))
+
+
+def _gather_dot(tokens: torch.Tensor, weight: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[n, k]``: ``tokens[t] · weight[sparse[t, j]]``, 0 where ``sparse`` is -1."""
+    from mcore_ppo.kernels.gather import gather_dot_kernel
+
+    n, h = tokens.shape
+    k = sparse.shape[1]
+    out = torch.empty(n, k, dtype=torch.float32, device=tokens.device)
+    if n == 0:
+        return out
+    tokens, weight = _rowmajor(tokens), _rowmajor(weight)
+    _, block_h, warps = _ROWS_CONFIG
+    gather_dot_kernel[(n,)](
+        tokens, weight, sparse, out, n, k, h, tokens.stride(0), weight.stride(0),
+        BLOCK_J=_block_j(k), BLOCK_H=block_h, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def _add_gathered_rows(out: torch.Tensor, weight: torch.Tensor, sparse: torch.Tensor, g: torch.Tensor) -> None:
+    """``out[t] += Σ_j g[t, j]·weight[sparse[t, j]]`` (``out`` fp32 row-major, ``g`` fp32 ``[n, k]``)."""
+    from mcore_ppo.kernels.gather import gather_rows_sum_kernel
+
+    n, h = out.shape
+    k = sparse.shape[1]
+    if n == 0:
+        return
+    weight = _rowmajor(weight)
+    _, block_h, warps = _ROWS_CONFIG
+    gather_rows_sum_kernel[(n, -(-h // block_h))](
+        weight, sparse, g, out, n, k, h, weight.stride(0), out.stride(0),
+        BLOCK_J=_block_j(k), BLOCK_H=block_h, num_warps=warps,
+    )  # fmt: skip
+
+
+def _add_outer_by_id(
+    out: torch.Tensor, tokens: torch.Tensor, local: torch.Tensor, in_shard: torch.Tensor, g: torch.Tensor
+) -> None:
+    """``out[local[t, j]] += g[t, j]·tokens[t]`` over the in-shard slots (``out`` fp32 row-major):
+    the pairs sorted by id (others last, under the sentinel ``V``), one segmented sum per id."""
+    from mcore_ppo.kernels.gather import segment_outer_kernel
+
+    v, h = out.shape
+    k = local.shape[1]
+    pairs = local.numel()
+    if pairs == 0:
+        return
+    key = torch.where(in_shard, local, v).reshape(-1)
+    # Stable: each id's tokens in ascending order, the same sum on every run.
+    sorted_ids, order = torch.sort(key, stable=True)
+    token_of = torch.div(order, k, rounding_mode="floor")
+    g_sorted = g.reshape(-1)[order]
+    tokens = _rowmajor(tokens)
+    block_p, block_h, warps = _SEGMENT_CONFIG
+    segment_outer_kernel[(-(-pairs // block_p), -(-h // block_h))](
+        tokens, sorted_ids, token_of, g_sorted, out, pairs, v, h, tokens.stride(0), out.stride(0),
+        BLOCK_P=block_p, BLOCK_H=block_h, num_warps=warps,
+    )  # fmt: skip
+
+
 def _scaled(values: torch.Tensor, temperature: float | torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """``values [c, ...]`` of tokens ``[t0, t1)`` divided by their temperature."""
     if isinstance(temperature, torch.Tensor):
@@ -289,13 +381,18 @@ class _StudentFunction(torch.autograd.Function):
         m, s, u, y = stats.tensors()
         lse, entropy, _ = combine_shard_statistics(m, s, u if plan.return_entropy else None, y, plan.tp_group)
 
-        logits = torch.zeros(n, k, dtype=acc, device=tokens.device)
-        # Ignored tokens' hidden states may be anything (inf padding): never let them into a product.
-        x_all = torch.where(valid[:, None], tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
-        for t0, t1 in _chunks(n, _token_chunk(k, h)):
-            rows = weight[local[t0:t1]].to(acc)  # [c, k, h]
-            z = torch.bmm(rows, x_all[t0:t1].to(acc)[:, :, None]).squeeze(-1)
-            logits[t0:t1] = torch.where(in_shard[t0:t1], _scaled(z, scale, t0, t1), 0.0)
+        if _use_kernels(tokens):
+            # Ignored tokens have no slot in the shard: the kernel never multiplies their rows.
+            z = _gather_dot(tokens, weight, torch.where(in_shard, local, -1))
+            logits = torch.where(in_shard, _scaled(z, scale, 0, n), 0.0)
+        else:
+            logits = torch.zeros(n, k, dtype=acc, device=tokens.device)
+            # Ignored tokens' hidden states may be anything (inf padding): never let them into a product.
+            x_all = torch.where(valid[:, None], tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
+            for t0, t1 in _chunks(n, _token_chunk(k, h)):
+                rows = weight[local[t0:t1]].to(acc)  # [c, k, h]; .to is free for fp32 / fp64 weights
+                z = torch.bmm(rows, x_all[t0:t1].to(acc)[:, :, None]).squeeze(-1)
+                logits[t0:t1] = torch.where(in_shard[t0:t1], _scaled(z, scale, t0, t1), 0.0)
         if group_size(plan.tp_group) > 1:
             # Each id lives on one rank; the others add exact zeros.
             dist.all_reduce(logits, op=dist.ReduceOp.SUM, group=plan.tp_group)
@@ -357,7 +454,20 @@ class _StudentFunction(torch.autograd.Function):
         )
         if d_hidden is not None:
             d_hidden = d_hidden.to(acc)
-        if g is not None:
+        kernels = (
+            g is not None
+            and _use_kernels(tokens)
+            and (d_hidden is None or d_hidden.dtype == torch.float32)
+            and (d_weight is None or (d_weight.dtype == torch.float32 and d_weight.stride(-1) == 1))
+        )
+        if kernels:
+            g_local = _scaled(torch.where(in_shard, g, 0.0), scale, 0, n).float().contiguous()
+            if d_hidden is not None:
+                d_hidden = _rowmajor(d_hidden)
+                _add_gathered_rows(d_hidden, weight, torch.where(in_shard, local, -1), g_local)
+            if d_weight is not None:
+                _add_outer_by_id(d_weight, tokens, local, in_shard, g_local)
+        elif g is not None:
             x_all = torch.where(valid[:, None], tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
             g_local = torch.where(in_shard, g, 0.0)
             for t0, t1 in _chunks(n, _token_chunk(k, h)):

@@ -301,3 +301,88 @@ def test_accumulate_into_main_grad():
                  atol=1e-6, terms=ref["d_weight_terms"])  # fmt: skip
     assert_close(hidden.grad, ref["d_hidden"], name="student d_hidden", dtype=torch.float32, rtol=OUT_RTOL,
                  atol=1e-30, terms=ref["d_hidden_terms"])  # fmt: skip
+
+
+# The sparse part's Triton kernels (mcore_ppo.kernels.gather) under the interpreter, with blocks
+# shrunk so that every loop runs more than once: 4 slots and 16 hidden columns per step, 4 sorted
+# pairs per d_W program (so id segments run across program blocks).
+SMALL_KERNELS = {"_ROWS_CONFIG": (4, 16, 1), "_SEGMENT_CONFIG": (4, 16, 1)}
+
+
+def shrink_kernels(monkeypatch) -> None:
+    for name, value in SMALL_KERNELS.items():
+        monkeypatch.setattr(student_module, name, value)
+
+
+def sparse_case(dtype: torch.dtype, gen: torch.Generator, n=9, h=37, v=23, k=6) -> dict:
+    """ids local to a shard of ``v`` rows: duplicates in a row, one id shared by every token (a
+    segment longer than a program's block), ids of other shards (-1: outside, or ignored) and a
+    token with no slot in the shard whose hidden row is inf."""
+    x = torch.randn(n, h, generator=gen, dtype=torch.float64).to(dtype)
+    w = (0.5 * torch.randn(v, h, generator=gen, dtype=torch.float64)).to(dtype)
+    local = torch.randint(0, v, (n, k), generator=gen)
+    local[:, 1] = local[:, 0]
+    local[:, 2] = 5
+    local[torch.rand(n, k, generator=gen) < 0.25] = -1
+    local[4] = -1
+    x[4] = torch.inf
+    g = torch.randn(n, k, generator=gen, dtype=torch.float64).float()
+    return {"x": x, "w": w, "local": local, "g": torch.where(local >= 0, g, 0.0)}
+
+
+def sparse_fp64(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 ``(z [n, k], Σ_j g W rows [n, h], d_W [v, h])`` of the in-shard slots."""
+    x, w, local, g = case["x"].double(), case["w"].double(), case["local"], case["g"].double()
+    ok = local >= 0
+    x = torch.where(ok.any(1, keepdim=True), x, 0.0)
+    rows = w[local.clamp(min=0)]
+    z = torch.where(ok, torch.einsum("nkh,nh->nk", rows, x), 0.0)
+    d_hidden = torch.einsum("nk,nkh->nh", g, rows)
+    outer = (g[:, :, None] * x[:, None, :]).reshape(-1, x.shape[1])
+    d_w = torch.zeros_like(w).index_add_(0, local.clamp(min=0).reshape(-1), outer)
+    return z, d_hidden, d_w
+
+
+@TRITON_ON_CPU
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gather_kernels_match_fp64(dtype, monkeypatch):
+    """Each kernel against fp64: the gather-dot, the gathered-rows sum added into a buffer that
+    holds values already, and the sorted segmented d_W sum (also into a non-zero buffer); slots
+    outside the shard and the inf token's row never reach a result."""
+    shrink_kernels(monkeypatch)
+    case = sparse_case(dtype, generator(next_seed()))
+    x, w, local, g = case["x"], case["w"], case["local"], case["g"]
+    z_ref, dh_ref, dw_ref = sparse_fp64(case)
+    z = student_module._gather_dot(x, w, local)
+    assert z.dtype == torch.float32 and torch.isfinite(z).all()
+    torch.testing.assert_close(z.double(), z_ref, rtol=1e-5, atol=1e-5 * z_ref.abs().max().item())
+    d_hidden = torch.ones(x.shape, dtype=torch.float32)
+    student_module._add_gathered_rows(d_hidden, w, local, g)
+    torch.testing.assert_close(d_hidden.double() - 1, dh_ref, rtol=1e-5, atol=1e-5 * dh_ref.abs().max().item())
+    d_w = torch.full(w.shape, 2.0)
+    student_module._add_outer_by_id(d_w, x, local.clamp(min=0), local >= 0, g)
+    assert torch.isfinite(d_w).all()
+    torch.testing.assert_close(d_w.double() - 2, dw_ref, rtol=1e-5, atol=1e-5 * dw_ref.abs().max().item())
+    untouched = torch.ones(w.shape[0], dtype=torch.bool)
+    untouched[local[local >= 0]] = False
+    assert (d_w[untouched] == 2).all()
+
+
+@TRITON_ON_CPU
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_gather_kernels_end_to_end(dtype_name, monkeypatch):
+    """``fused_log_probs_at`` with the sparse part forced onto the kernels (torch backend for the
+    dense part) against fp64, and against the torch sparse path: log q to fp32 rounding."""
+    dtype = DTYPES[dtype_name]
+    shrink_kernels(monkeypatch)
+    case = make_case("sbh", 100, 8, dtype, generator(next_seed()))
+    monkeypatch.setattr(student_module, "GATHER_KERNELS", "triton")
+    out = run(case, backend=small_torch())
+    compare(out, reference_of(case), dtype)
+    monkeypatch.setattr(student_module, "GATHER_KERNELS", "torch")
+    torch_out = run(case, backend=small_torch())
+    scale = torch_out["log_q"].abs().max().item()
+    torch.testing.assert_close(out["log_q"], torch_out["log_q"], rtol=0, atol=2e-6 * scale)
+    monkeypatch.setattr(student_module, "GATHER_KERNELS", "nope")
+    with pytest.raises(ValueError, match="GATHER_KERNELS"):
+        run(case, backend=small_torch())
