@@ -13,9 +13,18 @@ cd "$(dirname "$0")/.."
 # pytest-xdist, one worker per core (MCORE_PPO_TEST_WORKERS overrides; 0 = in this process); a
 # module's tests stay on one worker (--dist loadfile), so its fixtures and reports stay whole.
 # pytest-benchmark, where installed, is not used here and only warns under xdist.
+# Folders in the order xdist hands out their files: first those whose tests start subprocesses
+# (torchrun, bash, fresh interpreters: the longest files), so that the many short files fill the
+# end instead of one long file running alone on one worker. Then every other folder and test
+# file of tests/ but tests/distributed, each once.
+folders=(tests/harness tests/integrations)
+for path in tests/*/ tests/test_*.py; do
+  path=${path%/}
+  case "$path" in tests/distributed | tests/__* | "tests/test_*.py") continue ;; esac
+  case " ${folders[*]} " in *" $path "*) ;; *) folders+=("$path") ;; esac
+done
 single() {
-  python -m pytest tests --ignore=tests/distributed -q -rs -n "${MCORE_PPO_TEST_WORKERS:-auto}" --dist loadfile \
-    -p no:benchmark "$@"
+  python -m pytest "${folders[@]}" -q -rs -n "${MCORE_PPO_TEST_WORKERS:-auto}" --dist loadfile -p no:benchmark "$@"
 }
 multi() {
   python scripts/run_distributed_tests.py --nproc "${MCORE_PPO_TEST_RANKS:-4}" -- "$@"
