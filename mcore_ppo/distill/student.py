@@ -66,7 +66,7 @@ GATHER_KERNELS = "auto"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (BLOCK_J, BLOCK_H, num_warps) of the per-token kernels; (BLOCK_P, BLOCK_H, num_warps) of d_W's.
 _ROWS_CONFIG = (64, 128, 4)
-_SEGMENT_CONFIG = (128, 256, 2)
+_SEGMENT_CONFIG = (32, 256, 8)
 
 
 def fused_log_probs_at(

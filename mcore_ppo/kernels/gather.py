@@ -13,7 +13,8 @@ fp32 multiply-adds of upcast operands (no tensor cores), so fp32 inputs keep fp3
   by id (the sentinel ``V`` for skipped pairs sorts last). One program per (block of
   ``BLOCK_P`` sorted pairs, block of ``h``) owns every id segment that *starts* in its block and
   follows it past the block's end: each row of ``d_W`` is written by one program, without
-  atomics, in the pairs' sorted order, so the result is the same bits on every run.
+  atomics, in a fixed order, so the result is the same bits on every run. Blocks of skipped
+  pairs exit at once.
 """
 
 import triton
@@ -89,6 +90,12 @@ def gather_rows_sum_kernel(
     tl.store(out_ptrs, total, mask=col_ok)
 
 
+@triton.jit
+def _segment_add(v_a, f_a, v_b, f_b):
+    """Segmented sum: a flagged element (a segment's first) restarts the running sum."""
+    return tl.where(f_b != 0, v_b, v_a + v_b), f_a | f_b
+
+
 @triton.jit(
     do_not_specialize=["P", "V", "H"],
     do_not_specialize_on_alignment=["sorted_ids_ptr", "tokens_ptr", "g_ptr"],
@@ -108,46 +115,52 @@ def segment_outer_kernel(
     BLOCK_H: tl.constexpr,
 ):
     """``dw[id, h-block] += Σ g·x[token, h-block]`` over the pairs ``(sorted_ids, tokens, g)``
-    (``P`` of them, ids ascending, ``V`` for a pair to skip); see the module doc."""
+    (``P`` of them, ids ascending, ``V`` for a pair to skip); see the module doc.
+
+    The block's ``[BLOCK_P, BLOCK_H]`` products are summed per id by a segmented scan; each
+    segment's total sits at its last pair and is added to its row there. Pairs of a segment that
+    started in an earlier block are left to that block's program; the block's last segment is
+    followed past the block's end, ``BLOCK_P`` pairs at a time, and its rest added at the end."""
     p0 = tl.program_id(0) * BLOCK_P
+    lanes = tl.arange(0, BLOCK_P)
+    offs = p0 + lanes
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     first = tl.load(sorted_ids_ptr + p0)
     if first < V:
-        # A segment that started before this block belongs to the program that saw its start.
-        cur = tl.load(sorted_ids_ptr + p0 - 1, mask=p0 > 0, other=-1)
-        owned = first < 0  # False, as a tensor (the loop below reassigns it)
-        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        p_end = tl.minimum(p0 + BLOCK_P, P)
-        for p in range(p0, p_end):
-            idx = tl.load(sorted_ids_ptr + p)
-            if idx != cur:
-                if owned:
-                    _add_row(dw_ptr, cur, stride_dw, cols, col_ok, acc)
-                acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-                cur = idx
-                owned = idx < V
-            if owned:
-                tok = tl.load(tokens_ptr + p).to(tl.int64)
-                g = tl.load(g_ptr + p)
-                acc += g * tl.load(x_ptr + tok * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
-        # The last segment may run past the block's end: follow it to its end.
-        p = p_end
-        going = owned & (p < P)
+        ids = tl.load(sorted_ids_ptr + offs, mask=offs < P, other=V)
+        before = tl.load(sorted_ids_ptr + offs - 1, mask=offs > 0, other=-1)
+        after = tl.load(sorted_ids_ptr + offs + 1, mask=offs + 1 < P, other=V + 1)
+        lead = tl.load(sorted_ids_ptr + p0 - 1, mask=p0 > 0, other=-1)
+        owned = (ids != lead) & (ids < V)
+        start = (lanes == 0) | (ids != before)
+        end = (ids != after) | (lanes == BLOCK_P - 1)
+        tok = tl.load(tokens_ptr + offs, mask=owned, other=0).to(tl.int64)
+        g = tl.load(g_ptr + offs, mask=owned, other=0.0)
+        x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=owned[:, None] & col_ok[None, :], other=0.0)
+        prod = g[:, None] * x.to(tl.float32)
+        flags = tl.broadcast_to(start[:, None], (BLOCK_P, BLOCK_H)).to(tl.int32)
+        sums, _ = tl.associative_scan((prod, flags), 0, _segment_add)
+
+        # The last segment may run past the block's end (only a full block has pairs after it).
+        last = tl.load(sorted_ids_ptr + p0 + BLOCK_P - 1, mask=p0 + BLOCK_P - 1 < P, other=V)
+        tail = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        q = p0 + BLOCK_P
+        going = (last != lead) & (last < V) & (q < P)
         while going:
-            idx = tl.load(sorted_ids_ptr + p)
-            same = idx == cur
-            if same:
-                tok = tl.load(tokens_ptr + p).to(tl.int64)
-                g = tl.load(g_ptr + p)
-                acc += g * tl.load(x_ptr + tok * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
-            p += 1
-            going = same & (p < P)
-        if owned:
-            _add_row(dw_ptr, cur, stride_dw, cols, col_ok, acc)
+            nxt = q + lanes
+            same = tl.load(sorted_ids_ptr + nxt, mask=nxt < P, other=V) == last
+            t_n = tl.load(tokens_ptr + nxt, mask=same, other=0).to(tl.int64)
+            g_n = tl.load(g_ptr + nxt, mask=same, other=0.0)
+            x_n = tl.load(
+                x_ptr + t_n[:, None] * stride_x + cols[None, :], mask=same[:, None] & col_ok[None, :], other=0.0
+            )
+            tail += tl.sum(g_n[:, None] * x_n.to(tl.float32), 0)
+            q += BLOCK_P
+            going = (tl.sum(same.to(tl.int32), 0) == BLOCK_P) & (q < P)
+        sums += tl.where((lanes == BLOCK_P - 1)[:, None], tail[None, :], 0.0)
 
-
-@triton.jit
-def _add_row(dw_ptr, row, stride_dw, cols, col_ok, acc):
-    ptrs = dw_ptr + row.to(tl.int64) * stride_dw + cols
-    tl.store(ptrs, tl.load(ptrs, mask=col_ok, other=0.0) + acc, mask=col_ok)
+        # One pair per segment (its last) writes the segment's row: no two lanes share a row.
+        write = (owned & end)[:, None] & col_ok[None, :]
+        ptrs = dw_ptr + ids.to(tl.int64)[:, None] * stride_dw + cols[None, :]
+        tl.store(ptrs, tl.load(ptrs, mask=write, other=0.0) + sums, mask=write)
