@@ -9,7 +9,10 @@ gradients ``g [n, k]``, every implementation warmed and timed in the order A B C
 - ``gemm4``: the four-GEMM floor of a recompute design (logits GEMM in the forward, again in the
   backward, then ``dz @ W`` and ``dzᵀ @ x``), bf16 inputs, fp32 logits;
 - ``fused``: ``mcore_ppo.fused_log_probs_at`` (``backend="auto"``: the triton backend) + backward;
-- ``fused_torch``: the same with ``backend="torch"`` (chunked cuBLAS);
+- ``fused_torch``: the same with ``backend="torch"`` (chunked cuBLAS) for the dense part;
+- ``fused_sparse_torch``: ``fused`` with the sparse part (the ``k`` gathered logits and their
+  gradients) on the torch path (``GATHER_KERNELS = "torch"``: gathered rows, bmm, ``index_add_``)
+  instead of the Triton kernels of ``mcore_ppo.kernels.gather``;
 - ``chunked``: plain PyTorch, token chunks of ``chunk`` rows under ``torch.utils.checkpoint``:
   fp32 logits, ``log_softmax``, ``gather`` at the ids (a peer that holds one chunk of logits);
 - ``liger_kl``: Liger's ``LigerFusedLinearKLDivLoss`` against the dense ``[n, V]`` target made
@@ -19,8 +22,8 @@ gradients ``g [n, k]``, every implementation warmed and timed in the order A B C
   projection (twice the GEMM work of the others), for reference.
 
 Reported: median ms, ratio to ``gemm4``, peak memory above the inputs, and for ``fused`` /
-``fused_torch`` / ``chunked`` the relative error of ``log q`` and ``d_hidden`` on ``check_rows``
-tokens against float64 (``d_hidden`` of those rows only, from the fp64 full-vocab graph).
+``fused_torch`` / ``fused_sparse_torch`` / ``chunked`` the relative error of ``log q`` and
+``d_hidden`` on ``check_rows`` tokens against float64 (``d_hidden`` of those rows only, from the fp64 full-vocab graph).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from mcore_ppo.distill import student as student_module
 from mcore_ppo.distill.student import fused_log_probs_at
 
 __all__ = ["run_student_bench"]
@@ -100,13 +104,17 @@ def _implementations(x, w, ids, g, teacher, temperature: float, chunk: int):
         torch.mm(dz, w)
         torch.mm(dz.t(), x)
 
-    def fused(backend: str):
+    def fused(backend: str, gather: str = "auto"):
         def run():
             zero()
-            log_q, _ = fused_log_probs_at(
-                xg, wg, ids, temperature=temperature, backend=backend, return_entropy=False, validate=False
-            )
-            log_q.backward(g)
+            previous, student_module.GATHER_KERNELS = student_module.GATHER_KERNELS, gather
+            try:
+                log_q, _ = fused_log_probs_at(
+                    xg, wg, ids, temperature=temperature, backend=backend, return_entropy=False, validate=False
+                )
+                log_q.backward(g)
+            finally:
+                student_module.GATHER_KERNELS = previous
             return log_q
 
         return run
@@ -117,7 +125,13 @@ def _implementations(x, w, ids, g, teacher, temperature: float, chunk: int):
         log_q.backward(g)
         return log_q
 
-    impls = {"gemm4": gemm4, "fused": fused("auto"), "fused_torch": fused("torch"), "chunked": chunked}
+    impls = {
+        "gemm4": gemm4,
+        "fused": fused("auto"),
+        "fused_torch": fused("torch"),
+        "fused_sparse_torch": fused("auto", "torch"),
+        "chunked": chunked,
+    }
     try:
         from liger_kernel.transformers import LigerFusedLinearJSD, LigerFusedLinearKLDivLoss
     except ImportError:
@@ -183,7 +197,7 @@ def run_config(args, vocab: int, tp: int, k: int, x: torch.Tensor, w_full: torch
     for name in working:
         median = statistics.median(samples[name])
         entry = {"median_ms": median, "ratio_to_gemm4": median / floor, "peak_extra_gib": _peak(impls[name]) / GIB}
-        if name in ("fused", "fused_torch", "chunked"):
+        if name in ("fused", "fused_torch", "fused_sparse_torch", "chunked"):
             out = impls[name]()
             entry.update(_errors(x, w, ids, g, args.temperature, rows, out.detach(), leaf.grad))
         result["impls"][name] = entry
