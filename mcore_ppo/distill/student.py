@@ -341,6 +341,41 @@ def _add_outer_by_id(
     )  # fmt: skip
 
 
+def _add_sparse_torch(
+    d_hidden: torch.Tensor | None,
+    d_weight: torch.Tensor | None,
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    local: torch.Tensor,
+    in_shard: torch.Tensor,
+    valid: torch.Tensor,
+    g: torch.Tensor,
+    scale: float | torch.Tensor,
+) -> None:
+    """The torch path of the sparse backward: gathered rows in token chunks, a batched GEMM into
+    ``d_hidden`` and ``index_add_`` into ``d_weight`` (either may be None: nothing to do)."""
+    if d_hidden is None and d_weight is None:
+        return
+    n, h = tokens.shape
+    k = local.shape[1]
+    acc = torch.promote_types(tokens.dtype, torch.float32)
+    # Ignored tokens' hidden states may be anything (inf padding): never let them into a product.
+    x_all = torch.where(valid[:, None], tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
+    g_local = torch.where(in_shard, g, 0.0)
+    for t0, t1 in _chunks(n, _token_chunk(k, h)):
+        g_c = _scaled(g_local[t0:t1], scale, t0, t1)  # [c, k]
+        if d_hidden is not None:
+            rows = weight[local[t0:t1]].to(acc)  # [c, k, h]; .to is free for fp32 / fp64 weights
+            d_hidden[t0:t1] += torch.bmm(g_c[:, None, :], rows).squeeze(1)
+        if d_weight is not None:
+            x_c = x_all[t0:t1].to(acc)
+            d_weight.index_add_(
+                0,
+                local[t0:t1].reshape(-1),
+                (g_c[:, :, None] * x_c[:, None, :]).reshape(-1, h).to(d_weight.dtype),
+            )
+
+
 def _scaled(values: torch.Tensor, temperature: float | torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """``values [c, ...]`` of tokens ``[t0, t1)`` divided by their temperature."""
     if isinstance(temperature, torch.Tensor):
@@ -429,8 +464,7 @@ class _StudentFunction(torch.autograd.Function):
             grad_entropy = None
         if (grad_log_q is None and grad_entropy is None) or not (need_hidden or need_weight):
             return None, None, *nones
-        n, h = tokens.shape
-        k = local.shape[1]
+        n = tokens.shape[0]
         acc = torch.promote_types(tokens.dtype, torch.float32)
         scale = plan.temperature if temperature is None else temperature
         g = None
@@ -454,34 +488,26 @@ class _StudentFunction(torch.autograd.Function):
         )
         if d_hidden is not None:
             d_hidden = d_hidden.to(acc)
-        kernels = (
-            g is not None
-            and _use_kernels(tokens)
-            and (d_hidden is None or d_hidden.dtype == torch.float32)
-            and (d_weight is None or (d_weight.dtype == torch.float32 and d_weight.stride(-1) == 1))
-        )
-        if kernels:
-            g_local = _scaled(torch.where(in_shard, g, 0.0), scale, 0, n).float().contiguous()
-            if d_hidden is not None:
-                d_hidden = _rowmajor(d_hidden)
-                _add_gathered_rows(d_hidden, weight, torch.where(in_shard, local, -1), g_local)
-            if d_weight is not None:
-                _add_outer_by_id(d_weight, tokens, local, in_shard, g_local)
-        elif g is not None:
-            x_all = torch.where(valid[:, None], tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
-            g_local = torch.where(in_shard, g, 0.0)
-            for t0, t1 in _chunks(n, _token_chunk(k, h)):
-                g_c = _scaled(g_local[t0:t1], scale, t0, t1)  # [c, k]
-                if d_hidden is not None:
-                    rows = weight[local[t0:t1]].to(acc)  # [c, k, h]
-                    d_hidden[t0:t1] += torch.bmm(g_c[:, None, :], rows).squeeze(1)
-                if d_weight is not None:
-                    x_c = x_all[t0:t1].to(acc)
-                    d_weight.index_add_(
-                        0,
-                        local[t0:t1].reshape(-1),
-                        (g_c[:, :, None] * x_c[:, None, :]).reshape(-1, h).to(d_weight.dtype),
-                    )
+        if g is not None:
+            # Each part on the kernels where its buffer is fp32 row-major (always, from the
+            # backends here), else on the torch path.
+            kernels = _use_kernels(tokens)
+            hidden_by_kernel = kernels and d_hidden is not None and d_hidden.dtype == torch.float32
+            weight_by_kernel = (
+                kernels and d_weight is not None and d_weight.dtype == torch.float32 and d_weight.stride(-1) == 1
+            )
+            if hidden_by_kernel or weight_by_kernel:
+                g_scaled = _scaled(torch.where(in_shard, g, 0.0), scale, 0, n).float().contiguous()
+                if hidden_by_kernel:
+                    d_hidden = _rowmajor(d_hidden)
+                    _add_gathered_rows(d_hidden, weight, torch.where(in_shard, local, -1), g_scaled)
+                if weight_by_kernel:
+                    _add_outer_by_id(d_weight, tokens, local, in_shard, g_scaled)
+            _add_sparse_torch(
+                None if hidden_by_kernel else d_hidden,
+                None if weight_by_kernel else d_weight,
+                tokens, weight, local, in_shard, valid, g, scale,
+            )  # fmt: skip
         if d_hidden is not None:
             d_hidden = d_hidden.to(tokens.dtype)
         if d_weight is not None and main_grad is not None:
