@@ -13,10 +13,11 @@ cd "$(dirname "$0")/.."
 # pytest-xdist, one worker per core (MCORE_PPO_TEST_WORKERS overrides; 0 = in this process); a
 # module's tests stay on one worker (--dist loadfile), so its fixtures and reports stay whole.
 # pytest-benchmark, where installed, is not used here and only warns under xdist.
-# Folders in the order xdist hands out their files: first those whose tests start subprocesses
-# (torchrun, bash, fresh interpreters: the longest files), so that the many short files fill the
-# end instead of one long file running alone on one worker. Then every other folder and test
-# file of tests/ but tests/distributed, each once.
+# Folders in the order xdist hands out their files (--no-loadscope-reorder: by default xdist
+# hands out the files with the most tests first, which puts the long subprocess files, few tests
+# each, last): first those whose tests start subprocesses (torchrun, bash, fresh interpreters),
+# so that the many short files fill the end instead of one long file running alone on one
+# worker. Then every other folder and test file of tests/ but tests/distributed, each once.
 folders=(tests/harness tests/integrations)
 for path in tests/*/ tests/test_*.py; do
   path=${path%/}
@@ -24,7 +25,8 @@ for path in tests/*/ tests/test_*.py; do
   case " ${folders[*]} " in *" $path "*) ;; *) folders+=("$path") ;; esac
 done
 single() {
-  python -m pytest "${folders[@]}" -q -rs -n "${MCORE_PPO_TEST_WORKERS:-auto}" --dist loadfile -p no:benchmark "$@"
+  python -m pytest "${folders[@]}" -q -rs -n "${MCORE_PPO_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder \
+    -p no:benchmark "$@"
 }
 multi() {
   python scripts/run_distributed_tests.py --nproc "${MCORE_PPO_TEST_RANKS:-4}" -- "$@"
