@@ -27,18 +27,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from mcore_ppo.actor import ActorParallel, MegatronPPOActor
-from mcore_ppo.actor.batching import PackedRollout, pack_micro_batch
+from mcore_ppo.actor.batching import PackedRollout
 from mcore_ppo.actor.distill_loss import topk_forward_kl
 from mcore_ppo.distill import TopK
-from mcore_ppo.model import gpt_log_probs_and_entropy, unwrap_gpt_model
+from mcore_ppo.model import unwrap_gpt_model
 from mcore_ppo_testing.demo_config import DemoConfig
 from mcore_ppo_testing.ppo_harness import (
     build_actor_model,
     destroy_layout,
+    full_log_softmax,
     full_parameters,
     init_distributed,
     init_layout,
@@ -101,44 +101,12 @@ def full_log_probs(
 ) -> torch.Tensor | None:
     """fp64 ``log_softmax(logits / T)`` ``[T, V]`` of every response token (token-aligned, zero
     rows elsewhere), from the model's full logits gathered over TP; None off the last stage."""
-    gpt = unwrap_gpt_model(model)
-    model_cp = parallel.cp_size if parallel.model_runs_cp else 1
-    mb = pack_micro_batch(
-        rollout,
-        list(range(rollout.num_seqs)),
-        align=align,
-        cp_size=model_cp,
-        cp_rank=parallel.cp_rank if model_cp > 1 else 0,
-        model_cp_size=model_cp,
-    )
-
-    def forward_step(data_iterator, model_chunk):
-        next(data_iterator)
-        out = gpt_log_probs_and_entropy(
-            model_chunk, mb.input_ids, mb.position_ids, None, None, packed_seq_params=mb.packed_seq_params
-        )
-        return out, lambda logits: (torch.zeros((), device=logits.device), {"logits": logits})
-
-    with torch.no_grad():
-        was_training = model.training
-        model.eval()
-        try:
-            store = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter([mb]),
-                model=model,
-                num_microbatches=1,
-                seq_length=mb.input_ids.shape[1],
-                micro_batch_size=1,
-                forward_only=True,
-            )
-        finally:
-            model.train(was_training)
-    if not gpt.post_process:
+    full = full_log_softmax(model, rollout, parallel, temperature=temperature, align=align)
+    if full is None:
         return None
-    logits = gather_from_tensor_model_parallel_region(store[0]["logits"]).to(torch.float64) / temperature
-    log_p = torch.log_softmax(logits, dim=-1).view(-1, logits.shape[-1])
-    out = torch.zeros(rollout.tokens.shape[0], logits.shape[-1], dtype=torch.float64, device=logits.device)
+    log_softmax, mb, model_cp = full
+    log_p = log_softmax.view(-1, log_softmax.shape[-1])
+    out = torch.zeros(rollout.tokens.shape[0], log_p.shape[-1], dtype=torch.float64, device=log_p.device)
     index, keep = mb.token_index.view(-1), mb.loss_mask.view(-1)
     out[index[keep]] = log_p[keep]
     if model_cp > 1:

@@ -243,7 +243,7 @@ def _all_gather_last_dim(tensor: torch.Tensor, group: ProcessGroup | None) -> to
     return torch.cat(parts, dim=-1)
 
 
-def logits_path_outputs(
+def full_log_softmax(
     model: torch.nn.Module,
     rollout: PackedRollout,
     parallel: ActorParallel,
@@ -251,15 +251,13 @@ def logits_path_outputs(
     temperature: float,
     align: int,
     packed_attention: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The unfused reference: full logits (gathered over TP), fp64 ``log_softmax(logits / T)``.
+) -> tuple[torch.Tensor, Any, int] | None:
+    """fp64 ``log_softmax(logits / T)`` ``[1, t, V]`` of the whole rollout packed as one
+    micro-batch, the model's vocab-parallel logits gathered over TP, with that micro-batch and
+    the CP size the model ran; None off the last pipeline stage.
 
-    Packs the whole rollout as one micro-batch, runs the model without labels (its output layer
-    then returns the vocab-parallel logits, as ``ColumnParallelLinear``), gathers the vocab
-    shards over TP and takes the log-probability of each response token and the entropy, in
-    fp64. Runs through Megatron's schedule, so it works with pipeline stages. Returns
-    ``(log_probs, entropy)`` fp64 ``[T]`` aligned with ``rollout.tokens`` (zero off the
-    response) on the last pipeline stage; None on other stages.
+    Runs the model without labels (its output layer then returns the logits, as
+    ``ColumnParallelLinear``) through Megatron's schedule, so pipeline stages pass activations on.
     """
     gpt = unwrap_gpt_model(model)
     model_cp = parallel.cp_size if parallel.model_runs_cp else 1
@@ -282,7 +280,6 @@ def logits_path_outputs(
         )
         return out, lambda logits: (torch.zeros((), device=logits.device), {"logits": logits})
 
-    # Through Megatron's schedule (one micro-batch), so pipeline stages pass activations on.
     with torch.no_grad():
         was_training = model.training
         model.eval()
@@ -301,12 +298,35 @@ def logits_path_outputs(
     if not gpt.post_process:
         return None
     logits = _all_gather_last_dim(store[0]["logits"], parallel.tp).to(torch.float64) / temperature  # [1, t, V]
-    log_softmax = torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1), mb, model_cp
+
+
+def logits_path_outputs(
+    model: torch.nn.Module,
+    rollout: PackedRollout,
+    parallel: ActorParallel,
+    *,
+    temperature: float,
+    align: int,
+    packed_attention: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The unfused reference: full logits (gathered over TP), fp64 ``log_softmax(logits / T)``
+    (:func:`full_log_softmax`): the log-probability of each response token and the entropy.
+
+    Returns ``(log_probs, entropy)`` fp64 ``[T]`` aligned with ``rollout.tokens`` (zero off the
+    response) on the last pipeline stage; None on other stages.
+    """
+    full = full_log_softmax(
+        model, rollout, parallel, temperature=temperature, align=align, packed_attention=packed_attention
+    )
+    if full is None:
+        return None
+    log_softmax, mb, model_cp = full
     safe = mb.labels.clamp(min=0)
     log_probs = log_softmax.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     total = rollout.tokens.shape[0]
-    out = torch.zeros(2, total, dtype=torch.float64, device=logits.device)
+    out = torch.zeros(2, total, dtype=torch.float64, device=log_softmax.device)
     index = mb.token_index.view(-1)
     keep = mb.loss_mask.view(-1)
     out[0, index[keep]] = log_probs.view(-1)[keep]
