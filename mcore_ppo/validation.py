@@ -251,6 +251,12 @@ def check_label_range(
     tensors (shape inference) have no values to check."""
     if labels.is_meta:
         return
+    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The read-back below would invalidate the capture with an error that names neither.
+        raise ValueError(
+            "validate=True reads labels (and a temperature tensor) back to the host, which CUDA-graph "
+            "capture forbids: pass validate=False to a head that is captured"
+        )
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bad_temperature is None:
         any_label, any_temperature = bool(bad.any()), False

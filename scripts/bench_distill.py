@@ -254,20 +254,24 @@ def markdown(results: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--vocab", default="151936,262144")
-    parser.add_argument("--tp", default="1,8")
-    parser.add_argument("--k", default="8,64,128")
-    parser.add_argument("--n", type=int, default=16384)
-    parser.add_argument("--h", type=int, default=3584)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--check-rows", type=int, default=256)
-    parser.add_argument("--naive-chunk", type=int, default=2048)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown results")
+    parser.add_argument("--vocab", default="151936,262144", help="global vocab sizes, comma-separated")
+    parser.add_argument("--tp", default="1,8", help="TP sizes: each row is one rank's shard V/tp")
+    parser.add_argument("--k", default="8,64,128", help="top-k sizes, comma-separated")
+    parser.add_argument("--n", type=int, default=16384, help="tokens per call")
+    parser.add_argument("--h", type=int, default=3584, help="hidden size")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the logits are divided by it")
+    parser.add_argument("--reps", type=int, default=5, help="timed calls per visit (each variant is visited twice)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per variant before timing")
+    parser.add_argument("--check-rows", type=int, default=256, help="tokens checked against float64")
+    parser.add_argument("--naive-chunk", type=int, default=2048, help="token chunk of the plain-PyTorch peer")
     parser.add_argument(
-        "--triton-variants", default="", help="e.g. waves=1,waves=4,bisect_mid=6,block_n=256;num_stages=2"
+        "--triton-variants",
+        default="",
+        help="extra teacher-kernel configurations to time, e.g. waves=1,waves=4,bisect_mid=6,block_n=256;num_stages=2",
     )
     parser.add_argument("--profile", action="store_true", help="profile one fused call at the largest k")
     parser.add_argument(

@@ -15,7 +15,7 @@ It also records, per call, the aten ops the host issued (a ``TorchDispatchMode``
 launches of the triton backend (``triton_launch.launch_count``), and which launch level each
 kernel reached (``fast_launch_levels``: ``raw`` / ``compiled`` / ``normal``).
 
-Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--out DIR]
+Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--graphed] [--out DIR]
 Without CUDA it times the torch backend on small CPU tensors (the Python around the kernels only).
 """
 
@@ -139,6 +139,12 @@ def main() -> None:
         help="run with the head's value checks on (validate=True: one host sync per call, so the "
         "time includes the wait for the GPU spin); default validate=False",
     )
+    parser.add_argument(
+        "--graphed",
+        action="store_true",
+        help="time the head captured by torch.cuda.make_graphed_callables (static inputs: each call "
+        "replays the captured kernels; CUDA only, validate=False); files get a _graphed suffix",
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for host_work.json and host_profile.txt")
     args = parser.parse_args()
 
@@ -154,10 +160,20 @@ def main() -> None:
     labels = torch.randint(0, v, (n,), device=device, generator=gen)
     grads = [torch.randn(n, device=device, generator=gen) for _ in range(2)]
 
-    def call(**kw):
-        return fused_log_probs_and_entropy(
-            x, w, labels, temperature=0.7, backend=args.backend, validate=args.validate, **kw
-        )
+    def head(x, w, labels):
+        return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=args.backend, validate=args.validate)
+
+    if args.graphed:
+        if not cuda or args.validate:
+            parser.error("--graphed needs CUDA and validate=False")
+        graphed = torch.cuda.make_graphed_callables(head, (x, w, labels))
+
+        def call():
+            return graphed(x, w, labels)
+    else:
+
+        def call():
+            return head(x, w, labels)
 
     def nograd():
         with torch.no_grad():
@@ -178,6 +194,7 @@ def main() -> None:
         backward()
     x.grad = w.grad = None
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "n": n, "h": h, "v": v, "dtype": str(dtype)}
+    result["graphed"] = args.graphed
     result["versions"] = {"torch": torch.__version__, "triton": _triton_version()}
     result["nograd_forward_host_ms"] = _host_ms(nograd, args.reps, cuda)
     result["forward_host_ms"] = _host_ms(lambda: (forward(), kept.clear()), args.reps, cuda)
@@ -200,8 +217,9 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "host_work.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "host_profile.txt").write_text(text.getvalue())
+        suffix = "_graphed" if args.graphed else ""
+        (args.out / f"host_work{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / f"host_profile{suffix}.txt").write_text(text.getvalue())
     else:
         print(text.getvalue())
 
