@@ -71,6 +71,20 @@ class SavedTokens:
 
 
 @dataclass(frozen=True)
+class SparseGradient:
+    """One-hot upstream gradients at ``k`` ids per token, for a backend to add to its ``dz``.
+
+    ``ids``: ``[n, k]`` int64, contiguous, rows in token order: each slot's row in this shard,
+    or -1 (another rank's id, or an ignored slot). ``g``: ``[n, k]`` fp32, contiguous, the
+    slots' upstream gradients (any value where ``ids`` is -1: never read there). A duplicate id
+    in a row gets the sum of its slots' ``g``.
+    """
+
+    ids: torch.Tensor
+    g: torch.Tensor
+
+
+@dataclass(frozen=True)
 class GradientRequest:
     """What one backward asks of a shard.
 
@@ -78,13 +92,18 @@ class GradientRequest:
     outputs, None for an output that is unused. ``need_hidden_grad``: ``d_hidden`` is wanted.
     ``weight_grad``: the ``[v, h]`` buffer ``d_weight`` is accumulated into (zeros in fp32 or,
     see :attr:`Backend.weight_grad_in_weight_dtype`, the weight's dtype; or Megatron's
-    ``main_grad``), None when no weight gradient is wanted.
+    ``main_grad``), None when no weight gradient is wanted. ``sparse``: extra one-hot terms,
+    ``dz[t, ids[t, j]] += g[t, j]`` (then divided by ``T`` like the rest of ``dz``), summed into
+    ``d_hidden`` and ``d_weight`` with the dense part; only for a backend whose optional
+    ``folds_sparse_gradient(hidden, weight)`` returns True for these inputs (the triton one on
+    its kernels), None otherwise.
     """
 
     grad_log_prob: torch.Tensor | None
     grad_entropy: torch.Tensor | None
     need_hidden_grad: bool
     weight_grad: torch.Tensor | None
+    sparse: SparseGradient | None = None
 
 
 class Backend(Protocol):

@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mcore_ppo.backends.base import GradientRequest, HeadForward, SavedTokens, ShardStatistics
+from mcore_ppo.backends.base import GradientRequest, HeadForward, SavedTokens, ShardStatistics, SparseGradient
 from mcore_ppo.backends.torch_backend import TorchBackend
 from mcore_ppo.backends.triton_host import (
     COMPACT_BLOCK,
@@ -132,6 +132,10 @@ BUFFER_DZ_CONFIG = ElementwiseConfig()
 FUSED_HEAD = True
 # Forward plans kept per backend (one per shape and option set a process uses).
 PLAN_CACHE_SIZE = 64
+# Slots per step of the one-hot kernels of a sparse gradient (mcore_ppo.kernels.gather), and
+# slots per program of its add (rows × slots); read at each call.
+ONEHOT_BLOCK_K = 64
+ONEHOT_ADD_ELEMENTS = 1024
 _TOKENS_OPTIONS = {save: {"BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS, "SAVE": save} for save in (False, True)}
 
 
@@ -404,6 +408,11 @@ class TritonBackend:
         cols = max(bn, (self.workspace_bytes // max(1, n * itemsize)) // bn * bn)
         return min(cols, v)
 
+    def folds_sparse_gradient(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether :meth:`shard_gradients` takes a :class:`GradientRequest` with ``sparse`` for
+        these inputs: where it runs its kernels (not on the reference's inputs: fp64, empty)."""
+        return not self._fallback(hidden, weight)
+
     def shard_gradients(
         self,
         hidden: torch.Tensor,
@@ -415,8 +424,14 @@ class TritonBackend:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This shard's ``(d_hidden, d_weight)`` (``d_hidden`` in the input dtype, rounded once
         from fp32 accumulation): from the forward's buffer when ``saved`` carries one, else by
-        recomputing the logits; see the Backend protocol."""
+        recomputing the logits; see the Backend protocol. A ``request.sparse`` is added to
+        ``dz`` before the GEMMs (:func:`_merged_onehot`)."""
         if self._fallback(hidden, weight):
+            if request.sparse is not None:
+                raise ValueError(
+                    "request.sparse needs the triton backend's kernels (folds_sparse_gradient is False for "
+                    f"{hidden.dtype} inputs of shape {tuple(hidden.shape)})"
+                )
             path = self._reference.shard_gradients
         elif isinstance(saved.residual, ProbabilityBuffer):
             path = self._gradients_from_buffer
@@ -471,6 +486,7 @@ class TritonBackend:
             "DZ_TMA": dz_tma, **flags, **({"ROW_TEMP": True} if row_temp else {}),
         }  # fmt: skip
         x_arg = x_c if use_tma else hidden
+        onehot = _merged_onehot(request.sparse, perm, count, temperature, lse)
         # The chunks' rows of W and d_W as views made in one call each (a slice per chunk costs
         # more host time); the same views as weight[v0 : v0 + vc].
         w_chunks = weight.split(chunk) if chunk < v else (weight,)
@@ -487,6 +503,8 @@ class TritonBackend:
             # upstream gradients' presence and the labels' dtype vary by call.
             key = site and (*site, "dz", has_g, has_e, local_labels.dtype)
             launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options, key)
+            if onehot is not None:
+                _add_onehot(dz, onehot, v0, vc)
             w_rows = w_chunks[index]
             if request.need_hidden_grad and hidden_grad_c is None:
                 hidden_grad_c = mm_fp32(dz, w_rows)
@@ -541,6 +559,8 @@ class TritonBackend:
             None if plan is None else (plan, "dz_buffer", has_g, has_e, local_labels.dtype),
         )  # fmt: skip
         del tmax
+        if request.sparse is not None:
+            _add_onehot(buf, _merged_onehot(request.sparse, perm, count, temperature, lse), 0, v)
         hidden_grad = None
         if request.need_hidden_grad:
             hidden_grad_c = mm_fp32(buf, weight)
@@ -660,6 +680,62 @@ def _inverse_temperature(temperature: float | torch.Tensor, placeholder: torch.T
     if not isinstance(temperature, torch.Tensor):
         return 1.0 / temperature, placeholder, False
     return 1.0, (1.0 / temperature.to(torch.float64)).to(torch.float32).contiguous(), True
+
+
+def _merged_onehot(
+    sparse: SparseGradient | None,
+    perm: torch.Tensor,
+    count: torch.Tensor,
+    temperature: float | torch.Tensor,
+    placeholder: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(ids, g)`` ``[n, k]`` of a sparse gradient in the backward's compacted row order, each
+    id once per row (-1 elsewhere), ``g`` summed over a duplicate's slots and times ``1/T`` as
+    ``dz_kernel`` scales its label term (:func:`_inverse_temperature`); None without one."""
+    if sparse is None:
+        return None
+    from mcore_ppo.kernels.gather import onehot_merge_kernel
+
+    ids, g = sparse.ids, sparse.g
+    n, k = ids.shape
+    if ids.dtype != torch.int64 or g.dtype != torch.float32 or g.shape != ids.shape or n != perm.shape[0]:
+        raise ValueError(
+            f"request.sparse must be int64 ids and fp32 g of one shape [n={perm.shape[0]}, k], got ids "
+            f"{ids.dtype} {tuple(ids.shape)} and g {g.dtype} {tuple(g.shape)}"
+        )
+    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, placeholder)
+    ids_out = torch.empty(n, k, dtype=torch.int64, device=ids.device)
+    g_out = torch.empty(n, k, dtype=torch.float32, device=ids.device)
+    if n and k:
+        launch(
+            onehot_merge_kernel,
+            (n,),
+            (ids.contiguous(), g.contiguous(), perm, count, ids_out, g_out, n, k, inv_temp, inv_temp_rows),
+            {"BLOCK_K": _onehot_block(k), "ROW_TEMP": row_temp, "num_warps": 4},
+        )
+    return ids_out, g_out
+
+
+def _add_onehot(dz: torch.Tensor, onehot: tuple[torch.Tensor, torch.Tensor], v0: int, vc: int) -> None:
+    """``dz[r, id - v0] += g`` for the merged ids of :func:`_merged_onehot` in ``[v0, v0 + vc)``."""
+    from mcore_ppo.kernels.gather import onehot_add_kernel
+
+    ids, g = onehot
+    n, k = ids.shape
+    if not (n and k):
+        return
+    block_k = _onehot_block(k)
+    block_r = max(1, ONEHOT_ADD_ELEMENTS // block_k)
+    launch(
+        onehot_add_kernel,
+        (cdiv(n, block_r),),
+        (dz, ids, g, n, k, v0, vc, dz.stride(0)),
+        {"BLOCK_R": block_r, "BLOCK_K": block_k, "num_warps": 4},
+    )
+
+
+def _onehot_block(k: int) -> int:
+    return min(ONEHOT_BLOCK_K, 1 << max(0, (k - 1).bit_length()))
 
 
 def _entropy_grad(saved: SavedTokens, request: GradientRequest) -> torch.Tensor | None:

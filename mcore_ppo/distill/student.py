@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from mcore_ppo import validation
 from mcore_ppo.backends import Backend, import_optional, resolve_backend
-from mcore_ppo.backends.base import GradientRequest, SavedTokens
+from mcore_ppo.backends.base import GradientRequest, SavedTokens, SparseGradient
 from mcore_ppo.function import NO_DOUBLE_BACKWARD, autocast_off
 from mcore_ppo.pipeline import call_options
 from parallel.combine import combine_shard_statistics
@@ -64,9 +64,8 @@ GATHER_ELEMENTS = 1 << 25
 GATHER_KERNELS = "auto"
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# (BLOCK_J, BLOCK_H, num_warps) of the per-token kernels; (BLOCK_P, BLOCK_H, num_warps) of d_W's.
+# (BLOCK_J, BLOCK_H, num_warps) of the forward's gather kernel.
 _ROWS_CONFIG = (64, 128, 4)
-_SEGMENT_CONFIG = (32, 256, 8)
 
 
 def fused_log_probs_at(
@@ -274,6 +273,15 @@ def _use_kernels(tokens: torch.Tensor) -> bool:
     return tokens.is_cuda and import_optional("triton") is not None
 
 
+def _folds_sparse(backend: Backend, tokens: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The backend adds the one-hot gradients to its own ``dz`` (the triton backend on its
+    kernels): unless :data:`GATHER_KERNELS` is ``"torch"``."""
+    if GATHER_KERNELS not in ("auto", "triton", "torch"):
+        raise ValueError(f"GATHER_KERNELS must be 'auto', 'triton' or 'torch', got {GATHER_KERNELS!r}")
+    folds = getattr(backend, "folds_sparse_gradient", None)
+    return GATHER_KERNELS != "torch" and folds is not None and folds(tokens, weight)
+
+
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -298,47 +306,6 @@ def _gather_dot(tokens: torch.Tensor, weight: torch.Tensor, sparse: torch.Tensor
         BLOCK_J=_block_j(k), BLOCK_H=block_h, num_warps=warps,
     )  # fmt: skip
     return out
-
-
-def _add_gathered_rows(out: torch.Tensor, weight: torch.Tensor, sparse: torch.Tensor, g: torch.Tensor) -> None:
-    """``out[t] += Σ_j g[t, j]·weight[sparse[t, j]]`` (``out`` fp32 row-major, ``g`` fp32 ``[n, k]``)."""
-    from mcore_ppo.kernels.gather import gather_rows_sum_kernel
-
-    n, h = out.shape
-    k = sparse.shape[1]
-    if n == 0:
-        return
-    weight = _rowmajor(weight)
-    _, block_h, warps = _ROWS_CONFIG
-    gather_rows_sum_kernel[(n, -(-h // block_h))](
-        weight, sparse, g, out, n, k, h, weight.stride(0), out.stride(0),
-        BLOCK_J=_block_j(k), BLOCK_H=block_h, num_warps=warps,
-    )  # fmt: skip
-
-
-def _add_outer_by_id(
-    out: torch.Tensor, tokens: torch.Tensor, local: torch.Tensor, in_shard: torch.Tensor, g: torch.Tensor
-) -> None:
-    """``out[local[t, j]] += g[t, j]·tokens[t]`` over the in-shard slots (``out`` fp32 row-major):
-    the pairs sorted by id (others last, under the sentinel ``V``), one segmented sum per id."""
-    from mcore_ppo.kernels.gather import segment_outer_kernel
-
-    v, h = out.shape
-    k = local.shape[1]
-    pairs = local.numel()
-    if pairs == 0:
-        return
-    key = torch.where(in_shard, local, v).reshape(-1)
-    # Stable: each id's tokens in ascending order, the same sum on every run.
-    sorted_ids, order = torch.sort(key, stable=True)
-    token_of = torch.div(order, k, rounding_mode="floor")
-    g_sorted = g.reshape(-1)[order]
-    tokens = _rowmajor(tokens)
-    block_p, block_h, warps = _SEGMENT_CONFIG
-    segment_outer_kernel[(-(-pairs // block_p), -(-h // block_h))](
-        tokens, sorted_ids, token_of, g_sorted, out, pairs, v, h, tokens.stride(0), out.stride(0),
-        BLOCK_P=block_p, BLOCK_H=block_h, num_warps=warps,
-    )  # fmt: skip
 
 
 def _add_sparse_torch(
@@ -473,41 +440,31 @@ class _StudentFunction(torch.autograd.Function):
             g = torch.where(slot_ok, grad_log_q.to(acc), 0.0)
             total = g.sum(dim=1)
         main_grad = getattr(weight, "main_grad", None) if plan.accumulate_into_main_grad else None
+        fold = g is not None and _folds_sparse(plan.backend, tokens, weight)
         weight_grad = None
-        if need_weight:
-            weight_grad = (
-                main_grad if main_grad is not None else torch.zeros(weight.shape, dtype=acc, device=weight.device)
-            )
+        if need_weight and main_grad is not None:
+            weight_grad = main_grad
+        elif need_weight:
+            # Folded, every row of d_W comes out of the backend's own GEMMs: a backend that forms
+            # each in one fp32-accumulated GEMM may take the weight's dtype (one rounding, as the head).
+            in_weight_dtype = fold and getattr(plan.backend, "weight_grad_in_weight_dtype", False)
+            grad_dtype = weight.dtype if in_weight_dtype else acc
+            weight_grad = torch.zeros(weight.shape, dtype=grad_dtype, device=weight.device)
         no_label = torch.full((n,), -1, dtype=torch.int64, device=tokens.device)
+        sparse = None
+        if fold:
+            sparse = SparseGradient(torch.where(in_shard, local, -1), g.float().contiguous())
         d_hidden, d_weight = plan.backend.shard_gradients(
             tokens,
             weight,
             SavedTokens(no_label, valid, lse, entropy, residual),
-            GradientRequest(total, grad_entropy, need_hidden, weight_grad),
+            GradientRequest(total, grad_entropy, need_hidden, weight_grad, sparse),
             temperature=scale,
         )
-        if d_hidden is not None:
-            d_hidden = d_hidden.to(acc)
-        if g is not None:
-            # Each part on the kernels where its buffer is fp32 row-major (always, from the
-            # backends here), else on the torch path.
-            kernels = _use_kernels(tokens)
-            hidden_by_kernel = kernels and d_hidden is not None and d_hidden.dtype == torch.float32
-            weight_by_kernel = (
-                kernels and d_weight is not None and d_weight.dtype == torch.float32 and d_weight.stride(-1) == 1
-            )
-            if hidden_by_kernel or weight_by_kernel:
-                g_scaled = _scaled(torch.where(in_shard, g, 0.0), scale, 0, n).float().contiguous()
-                if hidden_by_kernel:
-                    d_hidden = _rowmajor(d_hidden)
-                    _add_gathered_rows(d_hidden, weight, torch.where(in_shard, local, -1), g_scaled)
-                if weight_by_kernel:
-                    _add_outer_by_id(d_weight, tokens, local, in_shard, g_scaled)
-            _add_sparse_torch(
-                None if hidden_by_kernel else d_hidden,
-                None if weight_by_kernel else d_weight,
-                tokens, weight, local, in_shard, valid, g, scale,
-            )  # fmt: skip
+        if g is not None and not fold:
+            if d_hidden is not None:
+                d_hidden = d_hidden.to(acc)
+            _add_sparse_torch(d_hidden, d_weight, tokens, weight, local, in_shard, valid, g, scale)
         if d_hidden is not None:
             d_hidden = d_hidden.to(tokens.dtype)
         if d_weight is not None and main_grad is not None:

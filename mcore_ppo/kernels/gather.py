@@ -1,20 +1,20 @@
-"""The student's sparse part: logits and gradients at ``k`` weight rows per token, in fp32.
+"""The student's sparse part on the GPU: the logits at ``k`` weight rows per token, and the
+one-hot gradients at those ids folded into the dense backward's ``dz``.
 
-The ids are local to the shard, ``-1`` for a slot that is not in it (another rank's id, or an
-ignored slot): such a slot's loads are masked, so it costs no memory traffic. Products are
-fp32 multiply-adds of upcast operands (no tensor cores), so fp32 inputs keep fp32 products.
-
-- ``gather_dot_kernel``: one program per token, ``z[t, j] = Σ_h x[t, h]·W[id[t, j], h]``;
-  masked slots get 0 (also when ``x`` is not finite: ignored tokens may carry inf padding).
-- ``gather_rows_sum_kernel``: one program per (token, block of ``h``),
-  ``d_hidden[t, :] += Σ_j g[t, j]·W[id[t, j], :]`` into an fp32 buffer; the program owns its
-  slice, so no atomics.
-- ``segment_outer_kernel``: ``d_W[id, :] += Σ g·x[token, :]`` over the (id, token) pairs sorted
-  by id (the sentinel ``V`` for skipped pairs sorts last). One program per (block of
-  ``BLOCK_P`` sorted pairs, block of ``h``) owns every id segment that *starts* in its block and
-  follows it past the block's end: each row of ``d_W`` is written by one program, without
-  atomics, in a fixed order, so the result is the same bits on every run. Blocks of skipped
-  pairs exit at once.
+- ``gather_dot_kernel`` (forward): one program per token, ``z[t, j] = Σ_h x[t, h]·W[id[t, j], h]``
+  in fp32 multiply-adds of upcast operands (no tensor cores: fp32 inputs keep fp32 products).
+  The ids are local to the shard, ``-1`` for a slot that is not in it (another rank's id, or an
+  ignored slot): such a slot's loads are masked, so it costs no memory traffic, and it gets 0
+  (also when ``x`` is not finite: ignored tokens may carry inf padding).
+- ``onehot_merge_kernel`` (backward, once per call): per token, the ``k`` slots' upstream
+  gradients merged by id (a duplicate id's slots summed, in a fixed order: the same bits every
+  run) and scaled by the row's ``1/T``, written in the backward's compacted row order with
+  ``-1`` for every slot but an id's first.
+- ``onehot_add_kernel`` (backward, per ``dz`` buffer or vocab chunk, between the kernel that
+  writes ``dz`` and the GEMMs that read it): ``dz[r, id - v0] += merged`` for the merged ids
+  inside the chunk. After the merge each (row, id) is written by one lane of one program: no
+  atomics. The sum is formed in fp32 and stored in ``dz``'s dtype, so ``d_hidden = dz @ W`` and
+  ``d_W = dzᵀ @ x`` of the triton backend carry the one-hot terms with no kernel of their own.
 """
 
 import triton
@@ -56,111 +56,80 @@ def gather_dot_kernel(
         tl.store(out_ptr + t * K + offs_j, tl.where(ok, z, 0.0), mask=offs_j < K)
 
 
-@triton.jit(do_not_specialize=["N", "K", "H"], do_not_specialize_on_alignment=["ids_ptr", "g_ptr"])
-def gather_rows_sum_kernel(
-    w_ptr,
+@triton.jit(do_not_specialize=["N", "K"], do_not_specialize_on_alignment=["ids_ptr", "g_ptr", "inv_temp_ptr"])
+def onehot_merge_kernel(
     ids_ptr,
     g_ptr,
-    out_ptr,
+    perm_ptr,
+    count_ptr,
+    ids_out_ptr,
+    g_out_ptr,
     N,
     K,
-    H,
-    stride_w,
-    stride_out,
-    BLOCK_J: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    inv_temp,
+    inv_temp_ptr,
+    BLOCK_K: tl.constexpr,
+    ROW_TEMP: tl.constexpr,
 ):
-    """``out[t, h-block] += Σ_j g[t, j]·W[ids[t, j], h-block]`` (``out`` fp32, ``g`` fp32 ``[N, K]``)."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
-    acc = tl.zeros((BLOCK_J, BLOCK_H), dtype=tl.float32)
-    for j0 in range(0, K, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        ids = tl.load(ids_ptr + t * K + offs_j, mask=offs_j < K, other=-1)
-        ok = ids >= 0
-        rows = tl.where(ok, ids, 0).to(tl.int64)
-        g = tl.load(g_ptr + t * K + offs_j, mask=ok, other=0.0)
-        w = tl.load(
-            w_ptr + rows[:, None] * stride_w + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
-        ).to(tl.float32)
-        acc += g[:, None] * w
-    out_ptrs = out_ptr + t * stride_out + cols
-    total = tl.load(out_ptrs, mask=col_ok, other=0.0) + tl.sum(acc, 0)
-    tl.store(out_ptrs, total, mask=col_ok)
+    """Compacted row ``r`` (token ``perm[r]``): ``ids_out[r, i]`` = the token's ``ids[·, i]``
+    where slot ``i`` holds the first of its id's slots, else -1; ``g_out[r, i]`` = the sum of
+    ``g`` over that id's slots times ``1/T`` (fp32). Rows past ``count`` get -1 throughout.
+
+    ``O(K²)`` comparisons per token, ``BLOCK_K × BLOCK_K`` at a time (``K`` is a teacher's top-k:
+    tens of ids). A slot with id -1 is never written and never summed into another's."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    if r >= tl.load(count_ptr):
+        for i0 in range(0, K, BLOCK_K):
+            tl.store(ids_out_ptr + r * K + i0 + offs, tl.full((BLOCK_K,), -1, tl.int64), mask=i0 + offs < K)
+        return
+    row = tl.load(perm_ptr + r).to(tl.int64)
+    if ROW_TEMP:
+        inv_t = tl.load(inv_temp_ptr + row)
+    else:
+        inv_t = inv_temp
+    for i0 in range(0, K, BLOCK_K):
+        slot_i = i0 + offs
+        id_i = tl.load(ids_ptr + row * K + slot_i, mask=slot_i < K, other=-1).to(tl.int64)
+        total = tl.zeros((BLOCK_K,), tl.float32)
+        first = id_i >= 0
+        for j0 in range(0, K, BLOCK_K):
+            slot_j = j0 + offs
+            id_j = tl.load(ids_ptr + row * K + slot_j, mask=slot_j < K, other=-1).to(tl.int64)
+            g_j = tl.load(g_ptr + row * K + slot_j, mask=slot_j < K, other=0.0)
+            same = (id_i[:, None] == id_j[None, :]) & (id_j >= 0)[None, :]
+            # where, not a product: a slot outside the shard may carry anything in g.
+            total += tl.sum(tl.where(same, g_j[None, :], 0.0), 1)
+            earlier = same & (slot_j[None, :] < slot_i[:, None])
+            first = first & (tl.max(earlier.to(tl.int32), 1) == 0)
+        tl.store(ids_out_ptr + r * K + slot_i, tl.where(first, id_i, -1), mask=slot_i < K)
+        tl.store(g_out_ptr + r * K + slot_i, total * inv_t, mask=slot_i < K)
 
 
-@triton.jit
-def _segment_add(v_a, f_a, v_b, f_b):
-    """Segmented sum: a flagged element (a segment's first) restarts the running sum."""
-    return tl.where(f_b != 0, v_b, v_a + v_b), f_a | f_b
-
-
-@triton.jit(
-    do_not_specialize=["P", "V", "H"],
-    do_not_specialize_on_alignment=["sorted_ids_ptr", "tokens_ptr", "g_ptr"],
-)
-def segment_outer_kernel(
-    x_ptr,
-    sorted_ids_ptr,
-    tokens_ptr,
+@triton.jit(do_not_specialize=["N", "K", "v0", "VC"], do_not_specialize_on_alignment=["ids_ptr", "g_ptr"])
+def onehot_add_kernel(
+    dz_ptr,
+    ids_ptr,
     g_ptr,
-    dw_ptr,
-    P,
-    V,
-    H,
-    stride_x,
-    stride_dw,
-    BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    N,
+    K,
+    v0,
+    VC,
+    stride_dz,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """``dw[id, h-block] += Σ g·x[token, h-block]`` over the pairs ``(sorted_ids, tokens, g)``
-    (``P`` of them, ids ascending, ``V`` for a pair to skip); see the module doc.
-
-    The block's ``[BLOCK_P, BLOCK_H]`` products are summed per id by a segmented scan; each
-    segment's total sits at its last pair and is added to its row there. Pairs of a segment that
-    started in an earlier block are left to that block's program; the block's last segment is
-    followed past the block's end, ``BLOCK_P`` pairs at a time, and its rest added at the end."""
-    p0 = tl.program_id(0) * BLOCK_P
-    lanes = tl.arange(0, BLOCK_P)
-    offs = p0 + lanes
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
-    first = tl.load(sorted_ids_ptr + p0)
-    if first < V:
-        ids = tl.load(sorted_ids_ptr + offs, mask=offs < P, other=V)
-        before = tl.load(sorted_ids_ptr + offs - 1, mask=offs > 0, other=-1)
-        after = tl.load(sorted_ids_ptr + offs + 1, mask=offs + 1 < P, other=V + 1)
-        lead = tl.load(sorted_ids_ptr + p0 - 1, mask=p0 > 0, other=-1)
-        owned = (ids != lead) & (ids < V)
-        start = (lanes == 0) | (ids != before)
-        end = (ids != after) | (lanes == BLOCK_P - 1)
-        tok = tl.load(tokens_ptr + offs, mask=owned, other=0).to(tl.int64)
-        g = tl.load(g_ptr + offs, mask=owned, other=0.0)
-        x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=owned[:, None] & col_ok[None, :], other=0.0)
-        prod = g[:, None] * x.to(tl.float32)
-        flags = tl.broadcast_to(start[:, None], (BLOCK_P, BLOCK_H)).to(tl.int32)
-        sums, _ = tl.associative_scan((prod, flags), 0, _segment_add)
-
-        # The last segment may run past the block's end (only a full block has pairs after it).
-        last = tl.load(sorted_ids_ptr + p0 + BLOCK_P - 1, mask=p0 + BLOCK_P - 1 < P, other=V)
-        tail = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        q = p0 + BLOCK_P
-        going = (last != lead) & (last < V) & (q < P)
-        while going:
-            nxt = q + lanes
-            same = tl.load(sorted_ids_ptr + nxt, mask=nxt < P, other=V) == last
-            t_n = tl.load(tokens_ptr + nxt, mask=same, other=0).to(tl.int64)
-            g_n = tl.load(g_ptr + nxt, mask=same, other=0.0)
-            x_n = tl.load(
-                x_ptr + t_n[:, None] * stride_x + cols[None, :], mask=same[:, None] & col_ok[None, :], other=0.0
-            )
-            tail += tl.sum(g_n[:, None] * x_n.to(tl.float32), 0)
-            q += BLOCK_P
-            going = (tl.sum(same.to(tl.int32), 0) == BLOCK_P) & (q < P)
-        sums += tl.where((lanes == BLOCK_P - 1)[:, None], tail[None, :], 0.0)
-
-        # One pair per segment (its last) writes the segment's row: no two lanes share a row.
-        write = (owned & end)[:, None] & col_ok[None, :]
-        ptrs = dw_ptr + ids.to(tl.int64)[:, None] * stride_dw + cols[None, :]
-        tl.store(ptrs, tl.load(ptrs, mask=write, other=0.0) + sums, mask=write)
+    """``dz[r, ids[r, i] - v0] += g[r, i]`` for the ids in ``[v0, v0 + VC)``, the sum in fp32
+    stored in ``dz``'s dtype; ``ids``/``g`` from :func:`onehot_merge_kernel` (each id once per row)."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        slot = k0 + offs_k
+        at = offs_r[:, None] * K + slot[None, :]
+        in_bounds = (offs_r < N)[:, None] & (slot < K)[None, :]
+        col = tl.load(ids_ptr + at, mask=in_bounds, other=-1) - v0
+        hit = in_bounds & (col >= 0) & (col < VC)
+        g = tl.load(g_ptr + at, mask=hit, other=0.0)
+        ptrs = dz_ptr + offs_r[:, None] * stride_dz + col
+        old = tl.load(ptrs, mask=hit, other=0.0).to(tl.float32)
+        tl.store(ptrs, (old + g).to(dz_ptr.dtype.element_ty), mask=hit)

@@ -303,10 +303,9 @@ def test_accumulate_into_main_grad():
                  atol=1e-30, terms=ref["d_hidden_terms"])  # fmt: skip
 
 
-# The sparse part's Triton kernels (mcore_ppo.kernels.gather) under the interpreter, with blocks
-# shrunk so that every loop runs more than once: 4 slots and 16 hidden columns per step, 4 sorted
-# pairs per d_W program (so id segments run across program blocks).
-SMALL_KERNELS = {"_ROWS_CONFIG": (4, 16, 1), "_SEGMENT_CONFIG": (4, 16, 1)}
+# The forward's gather kernel (mcore_ppo.kernels.gather) under the interpreter, with blocks shrunk
+# so that every loop runs more than once: 4 slots and 16 hidden columns per step.
+SMALL_KERNELS = {"_ROWS_CONFIG": (4, 16, 1)}
 
 
 def shrink_kernels(monkeypatch) -> None:
@@ -314,65 +313,42 @@ def shrink_kernels(monkeypatch) -> None:
         monkeypatch.setattr(student_module, name, value)
 
 
-def sparse_case(dtype: torch.dtype, gen: torch.Generator, n=9, h=37, v=23, k=6) -> dict:
-    """ids local to a shard of ``v`` rows: duplicates in a row, one id shared by every token (a
-    segment longer than a program's block), ids of other shards (-1: outside, or ignored) and a
-    token with no slot in the shard whose hidden row is inf."""
+def gather_case(dtype: torch.dtype, gen: torch.Generator, n=9, h=37, v=23, k=6) -> dict:
+    """ids local to a shard of ``v`` rows: duplicates in a row, ids of other shards (-1: outside,
+    or ignored) and a token with no slot in the shard whose hidden row is inf."""
     x = torch.randn(n, h, generator=gen, dtype=torch.float64).to(dtype)
     w = (0.5 * torch.randn(v, h, generator=gen, dtype=torch.float64)).to(dtype)
     local = torch.randint(0, v, (n, k), generator=gen)
     local[:, 1] = local[:, 0]
-    local[:, 2] = 5
     local[torch.rand(n, k, generator=gen) < 0.25] = -1
     local[4] = -1
     x[4] = torch.inf
-    g = torch.randn(n, k, generator=gen, dtype=torch.float64).float()
-    return {"x": x, "w": w, "local": local, "g": torch.where(local >= 0, g, 0.0)}
-
-
-def sparse_fp64(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp64 ``(z [n, k], Σ_j g W rows [n, h], d_W [v, h])`` of the in-shard slots."""
-    x, w, local, g = case["x"].double(), case["w"].double(), case["local"], case["g"].double()
-    ok = local >= 0
-    x = torch.where(ok.any(1, keepdim=True), x, 0.0)
-    rows = w[local.clamp(min=0)]
-    z = torch.where(ok, torch.einsum("nkh,nh->nk", rows, x), 0.0)
-    d_hidden = torch.einsum("nk,nkh->nh", g, rows)
-    outer = (g[:, :, None] * x[:, None, :]).reshape(-1, x.shape[1])
-    d_w = torch.zeros_like(w).index_add_(0, local.clamp(min=0).reshape(-1), outer)
-    return z, d_hidden, d_w
+    return {"x": x, "w": w, "local": local}
 
 
 @TRITON_ON_CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_gather_kernels_match_fp64(dtype, monkeypatch):
-    """Each kernel against fp64: the gather-dot, the gathered-rows sum added into a buffer that
-    holds values already, and the sorted segmented d_W sum (also into a non-zero buffer); slots
-    outside the shard and the inf token's row never reach a result."""
+def test_gather_dot_kernel_matches_fp64(dtype, monkeypatch):
+    """The forward's gather-dot against fp64; slots outside the shard and the inf token's row
+    give exact zeros."""
     shrink_kernels(monkeypatch)
-    case = sparse_case(dtype, generator(next_seed()))
-    x, w, local, g = case["x"], case["w"], case["local"], case["g"]
-    z_ref, dh_ref, dw_ref = sparse_fp64(case)
+    case = gather_case(dtype, generator(next_seed()))
+    x, w, local = case["x"], case["w"], case["local"]
+    ok = local >= 0
+    x64 = torch.where(ok.any(1, keepdim=True), x.double(), 0.0)
+    z_ref = torch.where(ok, torch.einsum("nkh,nh->nk", w.double()[local.clamp(min=0)], x64), 0.0)
     z = student_module._gather_dot(x, w, local)
     assert z.dtype == torch.float32 and torch.isfinite(z).all()
+    assert (z[~ok] == 0).all()
     torch.testing.assert_close(z.double(), z_ref, rtol=1e-5, atol=1e-5 * z_ref.abs().max().item())
-    d_hidden = torch.ones(x.shape, dtype=torch.float32)
-    student_module._add_gathered_rows(d_hidden, w, local, g)
-    torch.testing.assert_close(d_hidden.double() - 1, dh_ref, rtol=1e-5, atol=1e-5 * dh_ref.abs().max().item())
-    d_w = torch.full(w.shape, 2.0)
-    student_module._add_outer_by_id(d_w, x, local.clamp(min=0), local >= 0, g)
-    assert torch.isfinite(d_w).all()
-    torch.testing.assert_close(d_w.double() - 2, dw_ref, rtol=1e-5, atol=1e-5 * dw_ref.abs().max().item())
-    untouched = torch.ones(w.shape[0], dtype=torch.bool)
-    untouched[local[local >= 0]] = False
-    assert (d_w[untouched] == 2).all()
 
 
 @TRITON_ON_CPU
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
 def test_gather_kernels_end_to_end(dtype_name, monkeypatch):
-    """``fused_log_probs_at`` with the sparse part forced onto the kernels (torch backend for the
-    dense part) against fp64, and against the torch sparse path: log q to fp32 rounding."""
+    """``fused_log_probs_at`` with the forward's gather forced onto the kernel (torch backend for
+    the dense part, so the torch sparse backward) against fp64, and against the torch gather:
+    log q to fp32 rounding."""
     dtype = DTYPES[dtype_name]
     shrink_kernels(monkeypatch)
     case = make_case("sbh", 100, 8, dtype, generator(next_seed()))
@@ -386,3 +362,146 @@ def test_gather_kernels_end_to_end(dtype_name, monkeypatch):
     monkeypatch.setattr(student_module, "GATHER_KERNELS", "nope")
     with pytest.raises(ValueError, match="GATHER_KERNELS"):
         run(case, backend=small_torch())
+
+
+# The fold: the triton backend adds the one-hot gradients to its dz (mcore_ppo.kernels.gather's
+# onehot kernels) before its GEMMs. Shrunk: 4 slots per step (k = 8: a duplicate can sit in
+# another step than its first), 8 slots per add program, and in recompute mode vocab chunks of
+# one 32-column tile (V = 100: chunks 0-31, 32-63, 64-95, 96-99).
+FOLD_VOCAB, FOLD_K, FOLD_TOKENS = 100, 8, 15
+BOUNDARY_IDS = (0, 31, 32, 63, 64, 95, 96, 99)
+
+
+def fold_backend(mode: str):
+    from mcore_ppo.backends import TritonBackend
+
+    if mode == "recompute":  # no buffer; the smallest workspace: one tile of columns per chunk
+        return TritonBackend(workspace_bytes=1, buffer_budget_bytes=0)
+    return TritonBackend(buffer_budget_bytes=1 << 30)
+
+
+def fold_case(dtype: torch.dtype, gen: torch.Generator) -> dict:
+    """``[n, h]`` tokens, ``k = 8`` ids: slot 2 at the chunks' first and last columns, duplicates
+    in the same step (slot 1 = slot 0) and across steps (slot 5 = slot 0), a token whose 8 slots
+    hold one id, a quarter of the slots ignored, token 6 fully ignored with an inf hidden row."""
+    n, k = FOLD_TOKENS, FOLD_K
+    hidden = torch.randn(n, HIDDEN, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (0.5 * torch.randn(FOLD_VOCAB, HIDDEN, generator=gen, dtype=torch.float64)).to(dtype)
+    ids = torch.randint(0, FOLD_VOCAB, (n, k), generator=gen)
+    ids[:, 2] = torch.tensor(BOUNDARY_IDS).repeat(2)[:n]
+    ids[:, 1] = ids[:, 0]
+    ids[:, 5] = ids[:, 0]
+    ids[torch.rand(n, k, generator=gen) < 0.25] = IGNORE
+    ids[3] = ids[3, 2]
+    ids[6] = IGNORE
+    hidden[6] = torch.inf
+    g = torch.randn(ids.shape, generator=gen, dtype=torch.float64)
+    e = torch.randn(n, generator=gen, dtype=torch.float64)
+    return {"hidden": hidden, "weight": weight, "ids": ids, "g": g, "e": e}
+
+
+def spy_fold(monkeypatch) -> list[tuple[int, int]]:
+    """Records the ``(v0, vc)`` of every one-hot add; the torch sparse path must not run."""
+    from mcore_ppo.backends import triton_backend
+
+    calls = []
+    add = triton_backend._add_onehot
+
+    def recorded(dz, onehot, v0, vc):
+        calls.append((v0, vc))
+        add(dz, onehot, v0, vc)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the torch sparse path ran where the fold should have")
+
+    monkeypatch.setattr(triton_backend, "_add_onehot", recorded)
+    monkeypatch.setattr(triton_backend, "ONEHOT_BLOCK_K", 4)
+    monkeypatch.setattr(triton_backend, "ONEHOT_ADD_ELEMENTS", 8)
+    monkeypatch.setattr(student_module, "_add_sparse_torch", refused)
+    return calls
+
+
+@TRITON_ON_CPU
+@pytest.mark.parametrize("temperature_kind", ["scalar", "per_token"])
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["recompute", "buffer"])
+def test_fold_matches_fp64(mode, dtype_name, temperature_kind, monkeypatch):
+    """The one-hot gradients folded into the triton backend's dz, in both backward modes, against
+    fp64 (and, in fp32, against the torch sparse path on the same dense part: the same gradients
+    to fp32 rounding)."""
+    dtype = DTYPES[dtype_name]
+    gen = generator(next_seed())
+    case = fold_case(dtype, gen)
+    temperature = 0.7 if temperature_kind == "scalar" else 0.3 + 2.2 * torch.rand(FOLD_TOKENS, generator=gen)
+    calls = spy_fold(monkeypatch)
+    out = run(case, temperature, backend=fold_backend(mode))
+    expected = [(0, 32), (32, 32), (64, 32), (96, 4)] if mode == "recompute" else [(0, FOLD_VOCAB)]
+    assert calls == expected
+    grad_rtol, cast = (1e-2, 8e-3) if dtype == torch.bfloat16 else (OUT_RTOL, None)
+    compare(out, reference_of(case, temperature), dtype, grad_rtol=grad_rtol, cast=cast)
+    for name in ("d_hidden", "d_weight"):
+        assert torch.isfinite(out[name]).all(), name
+    assert (out["d_hidden"][6] == 0).all()
+    if dtype == torch.float32:
+        monkeypatch.undo()
+        monkeypatch.setattr(student_module, "GATHER_KERNELS", "torch")
+        unfolded = run(case, temperature, backend=fold_backend(mode))
+        for name in ("d_hidden", "d_weight"):
+            scale = unfolded[name].abs().max().item()
+            torch.testing.assert_close(out[name], unfolded[name], rtol=0, atol=1e-6 * scale)
+
+
+@TRITON_ON_CPU
+def test_onehot_kernels(monkeypatch):
+    """The merge (compacted rows, each id once per row with its slots' sum times 1/T per row,
+    -1 past the valid count and for slots outside the shard, whose g may be NaN) and the add
+    into a bf16 chunk view at an offset (fp32 sum, one rounding; every other element untouched)."""
+    from mcore_ppo.backends import triton_backend
+    from mcore_ppo.backends.base import SparseGradient
+
+    monkeypatch.setattr(triton_backend, "ONEHOT_BLOCK_K", 4)
+    monkeypatch.setattr(triton_backend, "ONEHOT_ADD_ELEMENTS", 8)
+    gen = generator(next_seed())
+    n, k, v0, vc = 7, 10, 64, 17
+    ids = torch.randint(v0 - 3, v0 + vc + 3, (n, k), generator=gen)
+    ids[:, 4] = ids[:, 0]
+    ids[:, 9] = ids[:, 0]
+    ids[2] = v0 + vc - 1
+    ids[:, 3] = -1
+    g = torch.randn(n, k, generator=gen)
+    g[:, 3] = torch.nan
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[[1, 5]] = False
+    ids[[1, 5]] = -1
+    temperature = 0.5 + torch.rand(n, generator=gen)
+    perm, count = triton_backend.compact_rows(valid)
+    ids_m, g_m = triton_backend._merged_onehot(SparseGradient(ids, g), perm, count, temperature, temperature)
+    inv_t = (1.0 / temperature.double()).float()
+    want_ids = torch.full((n, k), -1, dtype=torch.int64)
+    want_g = torch.zeros(n, k)
+    for r, t in enumerate(perm[: int(count)].tolist()):
+        for i in range(k):
+            same = ids[t] == ids[t, i]
+            if ids[t, i] >= 0 and not same[:i].any():
+                want_ids[r, i] = ids[t, i]
+                want_g[r, i] = g[t][same].double().sum().float() * inv_t[t]
+    assert torch.equal(ids_m, want_ids)
+    picked = want_ids >= 0
+    torch.testing.assert_close(g_m[picked], want_g[picked], rtol=1e-6, atol=0)
+
+    workspace = torch.randn(n, 32, generator=gen).to(torch.bfloat16)
+    before = workspace.clone()
+    dz = workspace[:, :vc]
+    triton_backend._add_onehot(dz, (ids_m, g_m), v0, vc)
+    exact = before.float()
+    hit = torch.zeros(n, 32, dtype=torch.bool)
+    for r in range(n):
+        for i in range(k):
+            col = int(ids_m[r, i]) - v0
+            if ids_m[r, i] >= 0 and 0 <= col < vc:
+                exact[r, col] += g_m[r, i]
+                hit[r, col] = True
+    assert hit.any() and torch.equal(workspace[~hit], before[~hit])
+    # One rounding of the fp32 sum to bf16: to nearest on a GPU; Triton's interpreter truncates.
+    ulp = torch.finfo(torch.bfloat16).eps * exact[hit].abs().clamp(min=2.0**-126)
+    assert ((workspace[hit].float() - exact[hit]).abs() <= ulp).all()
