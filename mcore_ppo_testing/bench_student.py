@@ -1,10 +1,13 @@
 """The student side of ``scripts/bench_distill.py --student``: forward + backward of the student's
 log-probs at a teacher's ``k`` ids per token, side by side on one GPU.
 
-Per (global V, TP, k), this rank's vocab shard ``V/tp`` (one process: the shard stands for the
-rank's whole work; the ids are drawn inside it), ``n`` tokens of bf16 hidden size ``h``, upstream
-gradients ``g [n, k]``, every implementation warmed and timed in the order A B C ... C B A
-(medians of ``reps`` calls per visit, both visits pooled):
+Per (global V, TP, k), one rank's work at that TP in one process: its vocab shard ``V/tp`` (the
+first), ``n`` tokens of bf16 hidden size ``h``, and per token the teacher's top-``k`` ids over the
+*global* vocab, of which the shard gets its share: the ids inside it, every other slot set to the
+ignore index (-100), as the rank's own slots are all it works on (at tp 8 about an eighth of the
+slots; a token with none of its ids in the shard is then skipped, which the teacher's top-64 of a
+152k vocab makes rare). Upstream gradients ``g [n, k]``; every implementation warmed and timed in
+the order A B C ... C B A (medians of ``reps`` calls per visit, both visits pooled):
 
 - ``gemm4``: the four-GEMM floor of a recompute design (logits GEMM in the forward, again in the
   backward, then ``dz @ W`` and ``dzᵀ @ x``), bf16 inputs, fp32 logits;
@@ -12,11 +15,12 @@ gradients ``g [n, k]``, every implementation warmed and timed in the order A B C
 - ``fused_torch``: the same with ``backend="torch"`` (chunked cuBLAS) for the dense part;
 - ``fused_sparse_torch``: ``fused`` with the sparse part (the ``k`` gathered logits and their
   gradients) on the torch path (``GATHER_KERNELS = "torch"``: gathered rows, bmm, ``index_add_``)
-  instead of the Triton kernels of ``mcore_ppo.kernels.gather``;
+  instead of the gather kernel and the one-hot gradients folded into the triton backend's ``dz``;
 - ``chunked``: plain PyTorch, token chunks of ``chunk`` rows under ``torch.utils.checkpoint``:
-  fp32 logits, ``log_softmax``, ``gather`` at the ids (a peer that holds one chunk of logits);
-- ``liger_kl``: Liger's ``LigerFusedLinearKLDivLoss`` against the dense ``[n, V]`` target made
-  of the top-k probabilities (what it needs: the target is materialised; not the same loss:
+  fp32 logits, ``log_softmax``, ``gather`` at the ids, 0 in an ignored slot (a peer that holds
+  one chunk of logits);
+- ``liger_kl``: Liger's ``LigerFusedLinearKLDivLoss`` against the dense ``[n, V/tp]`` target
+  made of the shard's top-k probabilities (what it needs: the target is materialised; not the same loss:
   its KL is over the whole vocab with zeros off the top-k);
 - ``liger_jsd``: Liger's ``LigerFusedLinearJSD`` (``jsd_beta=0``), which also runs the teacher's
   projection (twice the GEMM work of the others), for reference.
@@ -46,6 +50,7 @@ from mcore_ppo.distill.student import fused_log_probs_at
 __all__ = ["run_student_bench"]
 
 GIB = 2**30
+IGNORE = -100  # the ignore index of the slots outside the shard
 DEVICE = "cuda"  # a CPU smoke run of the code sets "cpu" (and stubs the CUDA timers)
 
 
@@ -80,7 +85,8 @@ def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _chunked_log_q(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, temperature: float, chunk: int):
     def part(x_c, w_, ids_c):
         # Differentiable (mm with out_dtype has no derivative): the bf16 product, then fp32.
-        return torch.log_softmax(torch.mm(x_c, w_.t()).float() / temperature, dim=-1).gather(-1, ids_c)
+        log_p = torch.log_softmax(torch.mm(x_c, w_.t()).float() / temperature, dim=-1)
+        return torch.where(ids_c >= 0, log_p.gather(-1, ids_c.clamp(min=0)), 0.0)
 
     return torch.cat(
         [
@@ -139,7 +145,10 @@ def _implementations(x, w, ids, g, teacher, temperature: float, chunk: int):
     t_ids, t_probs, t_hidden, t_weight = teacher
     kl_loss = LigerFusedLinearKLDivLoss(reduction="sum", temperature=temperature)
     jsd = LigerFusedLinearJSD(jsd_beta=0.0, temperature=temperature)
-    target = torch.zeros(n, w.shape[0], dtype=x.dtype, device=x.device).scatter_(1, t_ids, t_probs.to(x.dtype))
+    in_shard = t_ids >= 0
+    target = torch.zeros(n, w.shape[0], dtype=x.dtype, device=x.device).scatter_add_(
+        1, torch.where(in_shard, t_ids, 0), torch.where(in_shard, t_probs, 0.0).to(x.dtype)
+    )
 
     def liger_kl():
         zero()
@@ -156,7 +165,8 @@ def _implementations(x, w, ids, g, teacher, temperature: float, chunk: int):
 def _errors(x, w, ids, g, temperature: float, rows: torch.Tensor, out: torch.Tensor, d_hidden: torch.Tensor) -> dict:
     x64 = x[rows].double().requires_grad_(True)
     log_p = torch.log_softmax(x64 @ w.double().t() / temperature, dim=-1)
-    ref = log_p.gather(-1, ids[rows])
+    ids_r = ids[rows]
+    ref = torch.where(ids_r >= 0, log_p.gather(-1, ids_r.clamp(min=0)), 0.0)
     (d_ref,) = torch.autograd.grad((ref * g[rows].double()).sum(), x64)
 
     def rel(a, b):
@@ -173,12 +183,15 @@ def run_config(args, vocab: int, tp: int, k: int, x: torch.Tensor, w_full: torch
     t_hidden = (x.float() + 0.1 * torch.randn(x.shape, device=DEVICE, generator=gen)).to(x.dtype)
     t_weight = w
     with torch.no_grad():
-        top = torch.topk(_mm32(t_hidden[:2048], w.t()), k, dim=-1).indices
+        # The teacher's top-k over the global vocab; the shard (rows [0, V/tp)) keeps its share.
+        top = torch.topk(_mm32(t_hidden[:2048], w_full[:vocab].t()), k, dim=-1).indices
+        top = torch.where(top < shard, top, IGNORE)
     ids = top.repeat((x.shape[0] + 2047) // 2048, 1)[: x.shape[0]].contiguous()
     t_probs = torch.full(ids.shape, 1.0 / (k + 1), device=DEVICE)
     g = -torch.rand(ids.shape, device=DEVICE, generator=gen)
     impls, leaf = _implementations(x, w, ids, g, (ids, t_probs, t_hidden, t_weight), args.temperature, args.naive_chunk)
-    result: dict = {"vocab": vocab, "tp": tp, "k": k, "shard": shard, "impls": {}}
+    in_shard = float((ids >= 0).float().mean())
+    result: dict = {"vocab": vocab, "tp": tp, "k": k, "shard": shard, "slots_in_shard": in_shard, "impls": {}}
     names = list(impls)
     for name in names:
         try:
@@ -250,7 +263,12 @@ def run_student_bench(args) -> int:
                     for name, e in result["impls"].items()
                     if "median_ms" in e
                 )
-                print(f"[{time.time() - started:6.1f}s] student V {vocab} tp {tp} k {k}: {summary}", flush=True)
+                share = result.get("slots_in_shard", math.nan)
+                print(
+                    f"[{time.time() - started:6.1f}s] student V {vocab} tp {tp} k {k} (slots in shard {share:.3f}): "
+                    f"{summary}",
+                    flush=True,
+                )
                 (out / "bench_distill_student.json").write_text(json.dumps(report, indent=1))
                 torch.cuda.empty_cache()
     table = markdown([r for r in report["results"] if r["impls"]])

@@ -12,16 +12,22 @@ without the ``[tokens, V]`` logits. Two parts, each over this rank's vocab shard
   label ``-1``, as for a label owned by another rank), then combined over TP like the head's.
   Its backward, asked for the upstream ``G = Σ_j g_j`` of the token, is ``dz = -q·G`` (plus the
   entropy term with upstream ``e``), and no one-hot term.
-- **sparse**: the ``k`` logits ``z_{id_j} = h·W[id_j]/T``, gathered in bounded token chunks;
-  each rank gathers the ids of its own shard (the others are masked to 0) and one all-reduce
-  SUM over TP gives every rank all ``k`` (Megatron's vocab-parallel cross entropy does the same
-  for one label). Backward: the one-hot parts ``g_j/T`` at ``id_j``, ``d_hidden += Σ_j g_j
-  W[id_j]/T`` and ``d_W[id_j] += g_j h/T``, into the same fp32 buffers as the dense part, so the
-  two are summed before the one cast to the inputs' dtype. On CUDA (fp16/bf16/fp32) the three
-  are Triton kernels (:mod:`mcore_ppo.kernels.gather`: a slot outside the shard costs no memory
-  traffic; ``d_W`` as a segmented sum over the (id, token) pairs sorted by id, no atomics);
-  elsewhere (CPU, fp64) a torch path: gathered rows in bounded token chunks, a batched GEMM
-  and ``index_add_``. See :data:`GATHER_KERNELS`.
+- **sparse**: the ``k`` logits ``z_{id_j} = h·W[id_j]/T``: each rank gathers the ids of its
+  own shard (the others are masked to 0) and one all-reduce SUM over TP gives every rank all
+  ``k`` (Megatron's vocab-parallel cross entropy does the same for one label). On CUDA
+  (fp16/bf16/fp32) the gather is a Triton kernel (``gather_dot_kernel`` of
+  :mod:`mcore_ppo.kernels.gather`: a slot outside the shard costs no memory traffic);
+  elsewhere (CPU, fp64) gathered rows and a batched GEMM in bounded token chunks.
+  Backward: the one-hot parts ``g_j/T`` at ``id_j``. With the triton backend on its kernels
+  they are *folded* into its ``dz``: the request carries this shard's ids (-1 outside) and
+  ``g`` (:class:`~mcore_ppo.backends.base.SparseGradient`), the backend adds ``g_j/T`` at
+  ``dz[t, id_j]`` (duplicates summed) after the kernel that writes ``dz`` and before its GEMMs,
+  so ``d_hidden`` and ``d_W`` come out of the same ``dz @ W`` and ``dzᵀ @ x`` as the dense part
+  (``dz`` is stored in the inputs' dtype: in bf16 the one-hot entry is rounded with it, as the
+  head's own label entry is). Other backends (torch; the triton backend's fp64 and empty
+  inputs) get no one-hot term from the backend; here ``d_hidden += Σ_j g_j W[id_j]/T`` (a
+  batched GEMM over gathered rows) and ``d_W[id_j] += g_j h/T`` (``index_add_``) are added to
+  their fp32 results before the one cast to the inputs' dtype. See :data:`GATHER_KERNELS`.
 
 Together: ``dz_i = Σ_j g_j 1[i = id_j] - q_i·(G + e·(log q_i + H))``, the head's gradient with
 ``k`` labels. A duplicate id in a row gets the same log-prob in both slots and both gradients.
@@ -52,15 +58,17 @@ from parallel.ranks import ProcessGroup, group_rank, group_size
 __all__ = ["GATHER_ELEMENTS", "GATHER_KERNELS", "fused_log_probs_at"]
 
 #: Gathered weight rows held at once, in elements (``tokens × k × h``; 128 MiB of fp32, the
-#: same again for ``d_W``'s rows in the backward): the sparse part walks the tokens in chunks of
+#: same again for ``d_W``'s rows in the backward): the torch path walks the tokens in chunks of
 #: ``max(1, GATHER_ELEMENTS // (k·h))`` (146 at k = 64, h = 3584), few enough launches per call
 #: to stay off the host's critical path. Read at each call.
 GATHER_ELEMENTS = 1 << 25
 
-#: The sparse part's implementation: ``"auto"`` (the Triton kernels of
-#: :mod:`mcore_ppo.kernels.gather` for CUDA tensors of fp16 / bf16 / fp32, the torch path
-#: otherwise), ``"triton"`` (the kernels for every fp16 / bf16 / fp32 input, CPU tensors included
-#: under ``TRITON_INTERPRET=1``; fp64 stays on the torch path) or ``"torch"``. Read at each call.
+#: The sparse part's implementation: ``"auto"`` (the forward's gather kernel for CUDA tensors of
+#: fp16 / bf16 / fp32, the torch gather otherwise; the backward folded into the backend's ``dz``
+#: where the backend's ``folds_sparse_gradient`` says it can, the torch path otherwise),
+#: ``"triton"`` (as ``"auto"``, with the gather kernel for every fp16 / bf16 / fp32 input, CPU
+#: tensors included under ``TRITON_INTERPRET=1``; fp64 stays on the torch path) or ``"torch"``
+#: (the torch gather and the torch backward, no fold). Read at each call.
 GATHER_KERNELS = "auto"
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
