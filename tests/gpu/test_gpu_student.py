@@ -4,8 +4,10 @@ against the fp64 full-vocab reference (``mcore_ppo_testing.student_reference``).
 Run on the lent H200 (``pytest tests/gpu/test_gpu_student.py``); skipped without CUDA. The
 ``triton`` (what ``auto`` picks on CUDA) and ``torch`` backends, fp32 and bf16 inputs, a 32k
 vocab over several vocab chunks, k ∈ {8, 64}, with a per-token temperature, ignored slots and
-entropy. Tolerances as for the head (``tests/core/test_head_options.py``): outputs 1e-5 of the
-tensor's max; gradients 1e-5 of their terms' magnitudes (bf16 + triton: 1e-2, plus the cast).
+entropy; the one-hot gradients folded into the triton backend's dz in its recompute and buffer
+modes, against fp64 and against the torch sparse path. Tolerances as for the head
+(``tests/core/test_head_options.py``): outputs 1e-5 of the tensor's max; gradients 1e-5 of
+their terms' magnitudes (bf16 + triton: 1e-2, plus the cast).
 """
 
 from __future__ import annotations
@@ -63,52 +65,88 @@ def test_matches_fp64_on_cuda(dtype, backend, k):
         )
 
 
-@pytest.mark.parametrize("shard", ["whole", "one_of_8"])
+def _backend(mode: str, n: int, itemsize: int):
+    from mcore_ppo.backends import TritonBackend
+
+    if mode == "recompute":  # no buffer; a workspace of 4096 columns: 8 vocab chunks of 32k
+        return TritonBackend(buffer_budget_bytes=0, workspace_bytes=n * itemsize * 4096)
+    return TritonBackend(buffer_budget_bytes=1 << 34)
+
+
+@pytest.mark.parametrize("share", ["whole", "one_of_8"])
+@pytest.mark.parametrize("mode", ["recompute", "buffer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gather_kernels_on_cuda(dtype, shard):
-    """The sparse part's Triton kernels (``mcore_ppo.kernels.gather``) at n 2048, h 1024, a 32k
-    shard, k 64, against fp64 on the GPU: ids drawn from a teacher-like skew (many tokens share
-    ids; duplicates in rows), a tenth of the slots ignored, and for ``one_of_8`` only the slots in
-    an eighth of the vocab in the shard. d_W twice: the same bits (no atomics)."""
+def test_fold_matches_fp64_on_cuda(dtype, mode, share, monkeypatch):
+    """The one-hot gradients folded into the triton backend's dz (both backward modes) against
+    fp64: n 512, h 512, V 32768, k 64 teacher-like ids (top-k of a nearby distribution) with a
+    duplicate in every row, a ninth of the rows half ignored, one row fully ignored, a
+    per-token temperature; ``one_of_8``: only the ids in an eighth of the vocab kept (the others
+    ignored, as a rank's share at TP 8). The fold must run (the torch sparse path is refused),
+    and a second run gives the same bits (no atomics)."""
+    from mcore_ppo.backends import triton_backend
     from mcore_ppo.distill import student as student_module
 
+    calls = []
+    add = triton_backend._add_onehot
+
+    def recorded(dz, onehot, v0, vc):
+        calls.append((v0, vc))
+        add(dz, onehot, v0, vc)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the torch sparse path ran where the fold should have")
+
+    monkeypatch.setattr(triton_backend, "_add_onehot", recorded)
+    monkeypatch.setattr(student_module, "_add_sparse_torch", refused)
     gen = torch.Generator(device="cuda").manual_seed(next_seed())
-    n, h, v, k = 2048, 1024, 32768, 64
-    x = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
-    w = (torch.randn(v, h, device="cuda", generator=gen) * (2 / math.sqrt(h))).to(dtype)
-    skew = torch.rand(n, k, device="cuda", generator=gen) ** 3  # small ids far more often
-    local = (skew * v).long().clamp(max=v - 1)
-    local[torch.rand(n, k, device="cuda", generator=gen) < 0.1] = -1
-    if shard == "one_of_8":
-        local = torch.where((local >= v // 8) & (local < v // 4), local - v // 8, -1)
-    in_shard = local >= 0
-    g = torch.where(in_shard, torch.randn(n, k, device="cuda", generator=gen), 0.0)
-    rows = w.double()[local.clamp(min=0)]
-    z_ref = torch.where(in_shard, torch.einsum("nkh,nh->nk", rows, x.double()), 0.0)
-    dh_ref = torch.einsum("nk,nkh->nh", g.double(), rows)
-    del rows
-    outer = (g.double()[:, :, None] * x.double()[:, None, :]).reshape(-1, h)
-    dw_ref = torch.zeros(v, h, dtype=torch.float64, device="cuda").index_add_(0, local.clamp(min=0).reshape(-1), outer)
-    del outer
+    n, h, vocab, k = 512, 512, 32768, 64
+    hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(vocab, h, device="cuda", generator=gen) * (2 / math.sqrt(h))).to(dtype)
+    teacher = hidden.float() + 0.3 * torch.randn(n, h, device="cuda", generator=gen)
+    ids = torch.topk(teacher @ weight.float().t(), k, dim=-1).indices
+    ids[:, 1] = ids[:, 0]
+    if share == "one_of_8":
+        ids = torch.where((ids >= vocab // 8) & (ids < vocab // 4), ids, -100)
+    ids[::9, k // 2 :] = -100
+    ids[7] = -100
+    temperature = 0.5 + torch.rand(n, device="cuda", generator=gen)
+    g = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.float64)
+    e = torch.randn(n, device="cuda", generator=gen, dtype=torch.float64)
+    backend = _backend(mode, n, hidden.element_size())
+    grads = []
+    for _ in range(2):
+        x = hidden.detach().requires_grad_(True)
+        w = weight.detach().requires_grad_(True)
+        log_q, entropy = fused_log_probs_at(x, w, ids, temperature=temperature, backend=backend)
+        ((log_q * g.float()).sum() + (entropy * e.float()).sum()).backward()
+        grads.append((x.grad, w.grad))
+    assert calls and (len(calls) == 2 if mode == "buffer" else len(calls) == 16), calls
+    for first, second in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(first, second)
+    ref = student_reference(hidden.cpu(), weight.cpu(), ids.cpu(), temperature.cpu(), g.cpu(), e.cpu())
+    for name, out in (("log_q", log_q), ("entropy", entropy)):
+        assert_close(out.detach().cpu(), ref[name], name=f"student {name}", dtype=dtype, rtol=1e-5)
+    rtol, cast = (1e-2, 8e-3) if dtype == torch.bfloat16 else (1e-5, 0.0)
+    for name, grad in zip(("d_hidden", "d_weight"), grads[0], strict=True):
+        assert grad.dtype == dtype
+        assert_close(
+            grad.cpu(),
+            ref[name],
+            name=f"student {name}",
+            dtype=dtype,
+            rtol=rtol,
+            atol=1e-30,
+            elementwise_rtol=cast,
+            terms=ref[name + "_terms"],
+        )
 
-    z = student_module._gather_dot(x, w, local)
-    d_hidden = torch.zeros(n, h, device="cuda")
-    student_module._add_gathered_rows(d_hidden, w, local, g)
-    d_w = torch.zeros(v, h, device="cuda")
-    student_module._add_outer_by_id(d_w, x, local.clamp(min=0), in_shard, g)
-    again = torch.zeros(v, h, device="cuda")
-    student_module._add_outer_by_id(again, x, local.clamp(min=0), in_shard, g)
-    assert torch.equal(d_w, again)
-    for name, out, ref in (("z", z, z_ref), ("d_hidden", d_hidden, dh_ref), ("d_W", d_w, dw_ref)):
-        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-        assert err < 1e-5, f"{name}: relative error {err:.2e}"
 
-
+@pytest.mark.parametrize("mode", ["recompute", "buffer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gather_kernels_match_the_torch_path(dtype, monkeypatch):
-    """``fused_log_probs_at`` (triton backend for the dense part) with the sparse part on the
-    kernels vs on the torch path, n 2048, h 1024, V 32768, k 64: the same log q to fp32 rounding,
-    the same gradients to the final cast's rounding."""
+def test_fold_matches_the_torch_path(dtype, mode, monkeypatch):
+    """``fused_log_probs_at`` (triton backend for the dense part) with the sparse part folded into
+    dz vs on the torch path (``GATHER_KERNELS = "torch"``), n 2048, h 1024, V 32768, k 64: the same
+    log q to fp32 rounding, the same gradients to the rounding of dz (bf16) / fp32."""
     from mcore_ppo.distill import student as student_module
 
     gen = torch.Generator(device="cuda").manual_seed(next_seed())
@@ -119,15 +157,16 @@ def test_gather_kernels_match_the_torch_path(dtype, monkeypatch):
     ids[::7, k // 2 :] = -100
     ids[3] = -100
     g = torch.randn(n, k, device="cuda", generator=gen)
+    backend = _backend(mode, n, hidden.element_size())
     outs = {}
-    for mode in ("triton", "torch"):
-        monkeypatch.setattr(student_module, "GATHER_KERNELS", mode)
+    for gather in ("auto", "torch"):
+        monkeypatch.setattr(student_module, "GATHER_KERNELS", gather)
         x = hidden.detach().requires_grad_(True)
         w = weight.detach().requires_grad_(True)
-        log_q, entropy = fused_log_probs_at(x, w, ids, temperature=0.8, backend="auto")
+        log_q, entropy = fused_log_probs_at(x, w, ids, temperature=0.8, backend=backend)
         ((log_q * g).sum() + entropy.sum()).backward()
-        outs[mode] = (log_q.detach(), x.grad, w.grad)
-    for name, a, b in zip(("log_q", "d_hidden", "d_weight"), outs["triton"], outs["torch"], strict=True):
+        outs[gather] = (log_q.detach(), x.grad, w.grad)
+    for name, a, b in zip(("log_q", "d_hidden", "d_weight"), outs["auto"], outs["torch"], strict=True):
         tol = 1e-6 if name == "log_q" else (2.0**-7 if dtype == torch.bfloat16 else 1e-5)
         err = ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-        assert err < tol, f"{name}: kernels vs torch path, relative error {err:.2e}"
+        assert err < tol, f"{name}: folded vs torch path, relative error {err:.2e}"
