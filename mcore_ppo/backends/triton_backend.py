@@ -16,6 +16,11 @@ when a gradient will be needed and the buffer fits the budget, the forward also 
 (:class:`ProbabilityBuffer`); the backward forms ``dz`` from it in place and runs the two GEMMs
 once over the shard: three GEMMs per step instead of four.
 
+A request with one-hot gradients at ``k`` ids per token (:attr:`GradientRequest.sparse`: the
+student's, :mod:`mcore_ppo.distill.student`) has them merged once per token and added to ``dz``
+after the kernel that writes it and before the GEMMs (:mod:`mcore_ppo.kernels.gather`), so both
+modes' GEMMs carry them; without one the launches are the ones above.
+
 A per-token temperature (``[n]`` tensor) reaches every kernel as a ``1/T`` vector read per row
 (their ``ROW_TEMP`` flag); a float reaches them as the scalar ``1/T``, in kernels compiled as
 they were before the option existed. Without the entropy (``with_entropy=False``) the forward
