@@ -740,7 +740,8 @@ def _add_onehot(dz: torch.Tensor, onehot: tuple[torch.Tensor, torch.Tensor], v0:
 
 
 def _onehot_block(k: int) -> int:
-    return min(ONEHOT_BLOCK_K, 1 << max(0, (k - 1).bit_length()))
+    # At least 16 lanes (masked past k): no 1-wide blocks for k = 1.
+    return min(ONEHOT_BLOCK_K, max(16, 1 << max(0, (k - 1).bit_length())))
 
 
 def _entropy_grad(saved: SavedTokens, request: GradientRequest) -> torch.Tensor | None:

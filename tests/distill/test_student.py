@@ -505,3 +505,39 @@ def test_onehot_kernels(monkeypatch):
     # One rounding of the fp32 sum to bf16: to nearest on a GPU; Triton's interpreter truncates.
     ulp = torch.finfo(torch.bfloat16).eps * exact[hit].abs().clamp(min=2.0**-126)
     assert ((workspace[hit].float() - exact[hit]).abs() <= ulp).all()
+
+
+@TRITON_ON_CPU
+def test_fold_into_main_grad_and_fp64_unfolded(monkeypatch):
+    """Folded with Megatron's ``main_grad`` (fp32, holding values): the weight gradient is added
+    to it. fp64 inputs on the triton backend (its torch reference inside): no fold, the torch
+    sparse path, to fp64 rounding; and the backend refuses a sparse request there."""
+    from mcore_ppo.backends import TritonBackend
+    from mcore_ppo.backends.base import GradientRequest, SavedTokens, SparseGradient
+
+    calls = spy_fold(monkeypatch)
+    case = fold_case(torch.float32, generator(next_seed()))
+    hidden = case["hidden"].detach().requires_grad_(True)
+    weight = case["weight"].detach().requires_grad_(True)
+    weight.main_grad = torch.ones(weight.shape, dtype=torch.float32)
+    log_q, entropy = mcore_ppo.fused_log_probs_at(
+        hidden, weight, case["ids"], temperature=0.7, backend=fold_backend("buffer"), accumulate_into_main_grad=True
+    )
+    ((log_q * case["g"].float()).sum() + (entropy * case["e"].float()).sum()).backward()
+    assert calls == [(0, FOLD_VOCAB)]
+    ref = reference_of(case)
+    assert weight.grad_added_to_main_grad and torch.equal(weight.grad, torch.zeros_like(weight))
+    assert_close(weight.main_grad - 1, ref["d_weight"], name="student d_weight", dtype=torch.float32, rtol=OUT_RTOL,
+                 atol=1e-6, terms=ref["d_weight_terms"])  # fmt: skip
+
+    monkeypatch.undo()
+    case64 = fold_case(torch.float64, generator(next_seed()))
+    compare(run(case64, backend=TritonBackend()), reference_of(case64), torch.float64)
+    x, w = case64["hidden"][:2], case64["weight"]
+    valid = torch.ones(2, dtype=torch.bool)
+    saved = SavedTokens(torch.full((2,), -1), valid, torch.zeros(2, dtype=torch.float64), None)
+    sparse = SparseGradient(torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"request\.sparse"):
+        TritonBackend().shard_gradients(
+            x, w, saved, GradientRequest(torch.ones(2), None, True, None, sparse), temperature=1.0
+        )
