@@ -28,6 +28,8 @@ the order A B C ... C B A (medians of ``reps`` calls per visit, both visits pool
 Reported: median ms, ratio to ``gemm4``, peak memory above the inputs, and for ``fused`` /
 ``fused_torch`` / ``fused_sparse_torch`` / ``chunked`` the relative error of ``log q`` and
 ``d_hidden`` on ``check_rows`` tokens against float64 (``d_hidden`` of those rows only, from the fp64 full-vocab graph).
+With ``--profile``, one ``fused`` call per configuration under ``torch.profiler``: its GPU kernels
+by total time in ``profile_student_V{V}_tp{tp}_k{k}.txt`` and the top ones in the JSON.
 """
 
 from __future__ import annotations
@@ -162,6 +164,21 @@ def _implementations(x, w, ids, g, teacher, temperature: float, chunk: int):
     return impls, xg
 
 
+def _profile(call: Callable[[], object], path: Path) -> list[dict]:
+    """One call of ``call`` under ``torch.profiler`` (after a synchronise): its GPU kernels by
+    total time, as a table in ``path`` and the top 12 as ``[{"name", "ms", "calls"}]``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    path.write_text(events.table(sort_by="device_time_total", row_limit=25))
+    kernels = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:12]
+    return [{"name": e.key[:80], "ms": e.device_time_total / 1e3, "calls": e.count} for e in kernels]
+
+
 def _errors(x, w, ids, g, temperature: float, rows: torch.Tensor, out: torch.Tensor, d_hidden: torch.Tensor) -> dict:
     x64 = x[rows].double().requires_grad_(True)
     log_p = torch.log_softmax(x64 @ w.double().t() / temperature, dim=-1)
@@ -215,6 +232,9 @@ def run_config(args, vocab: int, tp: int, k: int, x: torch.Tensor, w_full: torch
             entry.update(_errors(x, w, ids, g, args.temperature, rows, out.detach(), leaf.grad))
         result["impls"][name] = entry
         torch.cuda.empty_cache()
+    if getattr(args, "profile", False) and "fused" in working:
+        path = args.out / f"profile_student_V{vocab}_tp{tp}_k{k}.txt"
+        result["profile_fused"] = _profile(impls["fused"], path)
     return result
 
 
