@@ -234,7 +234,11 @@ def run_config(args, vocab: int, tp: int, k: int, x: torch.Tensor, w_full: torch
         torch.cuda.empty_cache()
     if getattr(args, "profile", False) and "fused" in working:
         path = args.out / f"profile_student_V{vocab}_tp{tp}_k{k}.txt"
-        result["profile_fused"] = _profile(impls["fused"], path)
+        try:
+            result["profile_fused"] = _profile(impls["fused"], path)
+        except Exception:  # the timings above stay; the profile's failure is reported beside them
+            result["profile_error"] = traceback.format_exc(limit=3)
+            print(result["profile_error"], file=sys.stderr, flush=True)
     return result
 
 
