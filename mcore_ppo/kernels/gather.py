@@ -4,8 +4,9 @@ one-hot gradients at those ids folded into the dense backward's ``dz``.
 - ``gather_dot_kernel`` (forward): one program per token, ``z[t, j] = Σ_h x[t, h]·W[id[t, j], h]``
   in fp32 multiply-adds of upcast operands (no tensor cores: fp32 inputs keep fp32 products).
   The ids are local to the shard, ``-1`` for a slot that is not in it (another rank's id, or an
-  ignored slot): such a slot's loads are masked, so it costs no memory traffic, and it gets 0
-  (also when ``x`` is not finite: ignored tokens may carry inf padding).
+  ignored slot): such a slot gets 0 and no work (the in-shard slots are compacted into blocks
+  of ``BLOCK_J`` first; a token without any, e.g. an ignored one whose ``x`` may be inf
+  padding, never reads ``x``).
 - ``onehot_merge_kernel`` (backward, once per call): per token, the ``k`` slots' upstream
   gradients merged by id (a duplicate id's slots summed, in a fixed order: the same bits every
   run) and scaled by the row's ``1/T``, written in the backward's compacted row order with
@@ -34,26 +35,48 @@ def gather_dot_kernel(
     stride_w,
     BLOCK_J: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """``out [N, K]`` fp32: the dot of token ``t``'s hidden row with each of its ``K`` weight rows."""
+    """``out [N, K]`` fp32: the dot of token ``t``'s hidden row with each of its ``K`` weight rows.
+
+    The token's in-shard slots are taken ``BLOCK_J`` at a time in slot order (a slot's rank
+    among them, from a prefix sum over ``BLOCK_K`` slots per step, picks it into its block), so
+    a token with few of its ids in the shard (TP > 1) runs one short block, not all ``K`` slots."""
     t = tl.program_id(0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, BLOCK_J)
     offs_h = tl.arange(0, BLOCK_H)
-    for j0 in range(0, K, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        ids = tl.load(ids_ptr + t * K + offs_j, mask=offs_j < K, other=-1)
-        ok = ids >= 0
-        rows = tl.where(ok, ids, 0).to(tl.int64)
+    ids_row = ids_ptr + t * K
+    out_row = out_ptr + t * K
+    count = tl.zeros((), tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        slot = k0 + offs_k
+        ids = tl.load(ids_row + slot, mask=slot < K, other=-1)
+        tl.store(out_row + slot, tl.zeros((BLOCK_K,), tl.float32), mask=(slot < K) & (ids < 0))
+        count += tl.sum((ids >= 0).to(tl.int32), 0)
+    for c0 in range(0, count, BLOCK_J):
+        rank_wanted = c0 + offs_j
+        slot_of = tl.zeros((BLOCK_J,), tl.int32)
+        before = tl.zeros((), tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            slot = k0 + offs_k
+            ok = (tl.load(ids_row + slot, mask=slot < K, other=-1) >= 0).to(tl.int32)
+            rank = before + tl.cumsum(ok, 0) - ok
+            pick = (ok != 0)[None, :] & (rank[None, :] == rank_wanted[:, None])
+            slot_of += tl.sum(tl.where(pick, slot[None, :], 0), 1)
+            before += tl.sum(ok, 0)
+        found = rank_wanted < count
+        rows = tl.load(ids_row + slot_of, mask=found, other=0).to(tl.int64)
         acc = tl.zeros((BLOCK_J, BLOCK_H), dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + offs_h
             col_ok = cols < H
             x = tl.load(x_ptr + t * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
             w = tl.load(
-                w_ptr + rows[:, None] * stride_w + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
+                w_ptr + rows[:, None] * stride_w + cols[None, :], mask=found[:, None] & col_ok[None, :], other=0.0
             ).to(tl.float32)
             acc += w * x[None, :]
-        z = tl.sum(acc, 1)
-        tl.store(out_ptr + t * K + offs_j, tl.where(ok, z, 0.0), mask=offs_j < K)
+        tl.store(out_row + slot_of, tl.sum(acc, 1), mask=found)
 
 
 @triton.jit(do_not_specialize=["N", "K"], do_not_specialize_on_alignment=["ids_ptr", "g_ptr", "inv_temp_ptr"])

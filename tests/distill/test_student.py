@@ -304,8 +304,9 @@ def test_accumulate_into_main_grad():
 
 
 # The forward's gather kernel (mcore_ppo.kernels.gather) under the interpreter, with blocks shrunk
-# so that every loop runs more than once: 4 slots and 16 hidden columns per step.
-SMALL_KERNELS = {"_ROWS_CONFIG": (4, 16, 1)}
+# so that every loop runs more than once: blocks of 4 in-shard slots, 16 hidden columns per step,
+# and the scan over a token's ids 4 slots at a time.
+SMALL_KERNELS = {"_ROWS_CONFIG": (4, 16, 1), "_SCAN_SLOTS": 4}
 
 
 def shrink_kernels(monkeypatch) -> None:
@@ -315,12 +316,15 @@ def shrink_kernels(monkeypatch) -> None:
 
 def gather_case(dtype: torch.dtype, gen: torch.Generator, n=9, h=37, v=23, k=6) -> dict:
     """ids local to a shard of ``v`` rows: duplicates in a row, ids of other shards (-1: outside,
-    or ignored) and a token with no slot in the shard whose hidden row is inf."""
+    or ignored), a token with every slot in the shard (two blocks), one with only its last slot
+    in it, and a token with no slot in the shard whose hidden row is inf."""
     x = torch.randn(n, h, generator=gen, dtype=torch.float64).to(dtype)
     w = (0.5 * torch.randn(v, h, generator=gen, dtype=torch.float64)).to(dtype)
     local = torch.randint(0, v, (n, k), generator=gen)
     local[:, 1] = local[:, 0]
     local[torch.rand(n, k, generator=gen) < 0.25] = -1
+    local[0] = torch.randint(0, v, (k,), generator=gen)
+    local[5, :-1] = -1
     local[4] = -1
     x[4] = torch.inf
     return {"x": x, "w": w, "local": local}
