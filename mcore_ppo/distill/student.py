@@ -16,7 +16,7 @@ without the ``[tokens, V]`` logits. Two parts, each over this rank's vocab shard
   own shard (the others are masked to 0) and one all-reduce SUM over TP gives every rank all
   ``k`` (Megatron's vocab-parallel cross entropy does the same for one label). On CUDA
   (fp16/bf16/fp32) the gather is a Triton kernel (``gather_dot_kernel`` of
-  :mod:`mcore_ppo.kernels.gather`: a slot outside the shard costs no memory traffic);
+  :mod:`mcore_ppo.kernels.gather`: a slot outside the shard costs no work);
   elsewhere (CPU, fp64) gathered rows and a batched GEMM in bounded token chunks.
   Backward: the one-hot parts ``g_j/T`` at ``id_j``. With the triton backend on its kernels
   they are *folded* into its ``dz``: the request carries this shard's ids (-1 outside) and
