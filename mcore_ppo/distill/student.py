@@ -23,11 +23,12 @@ without the ``[tokens, V]`` logits. Two parts, each over this rank's vocab shard
   ``g`` (:class:`~mcore_ppo.backends.base.SparseGradient`), the backend adds ``g_j/T`` at
   ``dz[t, id_j]`` (duplicates summed) after the kernel that writes ``dz`` and before its GEMMs,
   so ``d_hidden`` and ``d_W`` come out of the same ``dz @ W`` and ``dzᵀ @ x`` as the dense part
-  (``dz`` is stored in the inputs' dtype: in bf16 the one-hot entry is rounded with it, as the
-  head's own label entry is). Other backends (torch; the triton backend's fp64 and empty
-  inputs) get no one-hot term from the backend; here ``d_hidden += Σ_j g_j W[id_j]/T`` (a
-  batched GEMM over gathered rows) and ``d_W[id_j] += g_j h/T`` (``index_add_``) are added to
-  their fp32 results before the one cast to the inputs' dtype. See :data:`GATHER_KERNELS`.
+  (``dz`` is stored in the inputs' dtype: in bf16 the entry at an id is the stored dense value
+  plus ``g_j/T`` in fp32, rounded to bf16 again; the head rounds its label entry once).
+  Other backends (torch; the triton backend's fp64 and empty inputs) get no one-hot term from
+  the backend; here ``d_hidden += Σ_j g_j W[id_j]/T`` (a batched GEMM over gathered rows) and
+  ``d_W[id_j] += g_j h/T`` (``index_add_``) are added to their fp32 results before the one
+  cast to the inputs' dtype. See :data:`GATHER_KERNELS`.
 
 Together: ``dz_i = Σ_j g_j 1[i = id_j] - q_i·(G + e·(log q_i + H))``, the head's gradient with
 ``k`` labels. A duplicate id in a row gets the same log-prob in both slots and both gradients.
