@@ -14,6 +14,11 @@ would have finished; every test that must finish runs under the suite's default 
 (300 s) and does one collective after the rendezvous; start-up (imports, the rendezvous) is
 outside the watchdog. A slow start is simulated outright (a rank that starts late, a Megatron
 import slower than the watchdog).
+
+Megatron is not what these cases are about: in their ranks a stand-in package answers ``import
+megatron`` (the conftest's process group fixture still imports it, at the same point of the
+start-up), so each torchrun costs a torch start-up per rank, not a Megatron import of ~10 s of
+CPU. The suite itself (scripts/test.sh) runs the same conftest with the real Megatron.
 """
 
 from __future__ import annotations
@@ -130,17 +135,34 @@ def test_after_a_slow_start():
 """
 
 
+# The stand-in for Megatron in the cases' ranks: the one module the conftest's start-up imports
+# (mcore_ppo_testing.parallel_state_cache wraps its initialize_model_parallel, which no case calls).
+MEGATRON_STANDIN = {
+    "megatron/__init__.py": "",
+    "megatron/core/__init__.py": "",
+    "megatron/core/parallel_state.py": (
+        "def initialize_model_parallel(*args, **kwargs):\n"
+        "    raise AssertionError('the runner self-test stand-in for Megatron has no model parallelism')\n"
+    ),
+}
+
+
 def run_cases(tmp_path, files: dict[str, str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``files`` (name -> source) as test files beside the suite's conftest, through the runner on
     2 gloo ranks, whatever this process's environment says about the multi-rank suite."""
     folder = tmp_path / "cases"
     folder.mkdir()
+    standin = tmp_path / "standin"
+    for name, source in MEGATRON_STANDIN.items():
+        (standin / name).parent.mkdir(parents=True, exist_ok=True)
+        (standin / name).write_text(source)
     shutil.copy(ROOT / "tests" / "distributed" / "conftest.py", folder / "conftest.py")
     constants = f"DEADLOCK_WATCHDOG_S = {DEADLOCK_WATCHDOG_S}\nSLOW_START_WATCHDOG_S = {SLOW_START_WATCHDOG_S}\n"
     for name, source in files.items():
         (folder / name).write_text(constants + source)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_PPO_TEST_")}
-    clean.update(MCORE_PPO_TEST_DIST_BACKEND="gloo", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    path = os.pathsep.join(filter(None, [str(standin), str(ROOT), os.environ.get("PYTHONPATH")]))
+    clean.update(MCORE_PPO_TEST_DIST_BACKEND="gloo", PYTHONPATH=path)
     command = [sys.executable, str(ROOT / "scripts" / "run_distributed_tests.py"), "--nproc", "2"]
     paths = [str(folder / name) for name in sorted(files)]
     return subprocess.run(
