@@ -23,23 +23,29 @@ class TopKReference:
     valid: torch.Tensor  # bool [...], False where the label is ignore_index
 
 
-def full_log_probs(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp64 ``log_softmax(hidden @ W.T / T)`` in the outputs' token layout (``[s, b, h] -> [b, s, V]``)."""
-    logits = hidden.double() @ weight.double().t() / temperature
+def full_log_probs(hidden: torch.Tensor, weight: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """fp64 ``log_softmax(hidden @ W.T / T)`` in the outputs' token layout (``[s, b, h] -> [b, s, V]``).
+
+    ``temperature``: a number, or a per-token tensor in that layout (``[b, s]``, ``[n]``) or
+    broadcastable to it; its values are taken exactly (fp64)."""
+    logits = hidden.double() @ weight.double().t()
     if hidden.dim() == 3:
         logits = logits.transpose(0, 1)
-    return torch.log_softmax(logits, dim=-1)
+    if isinstance(temperature, torch.Tensor):
+        return torch.log_softmax(logits / temperature.double().cpu()[..., None], dim=-1)
+    return torch.log_softmax(logits / temperature, dim=-1)
 
 
 def topk_reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     k: int,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> TopKReference:
-    """The global top-``k`` of the full fp64 distribution (``weight`` is the whole ``[V, h]``)."""
+    """The global top-``k`` of the full fp64 distribution (``weight`` is the whole ``[V, h]``);
+    ``temperature`` a number or per token in the outputs' layout (:func:`full_log_probs`)."""
     log_p = full_log_probs(hidden, weight, temperature)
     values, ids = log_p.sort(stable=True, dim=-1, descending=True)
     tail = torch.logsumexp(values[..., k:], dim=-1)

@@ -1,6 +1,7 @@
 """A teacher's top-k over the tensor-parallel vocab shards, without the ``[tokens, V]`` logits.
 
-Per token, with ``z = hidden @ W.T / T`` over the global vocab and ``p = softmax(z)``, returns
+Per token, with ``z = hidden @ W.T / T`` over the global vocab and ``p = softmax(z)`` (``T`` one
+number, or the token's own temperature: a per-token tensor divides each token's row), returns
 the global ids of the ``k`` most likely tokens, their ``log p`` and the log of the probability
 mass outside them. Each TP rank reduces its own shard, one bounded block of logits at a time
 (:data:`TOKEN_CHUNK` × :data:`VOCAB_CHUNK`): per block the ``k`` largest (``torch.topk`` plus a
@@ -112,7 +113,7 @@ def fused_topk(
     weight: torch.Tensor,
     k: int,
     *,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     tp_group: ProcessGroup | None = None,
     sequence_parallel: bool = False,
     labels: torch.Tensor | None = None,
@@ -130,8 +131,17 @@ def fused_topk(
         weight: this rank's vocab shard ``[V/tp, h]``, rows ``[rank·V/tp, (rank+1)·V/tp)`` of
             the global vocab, the same dtype as ``hidden``.
         k: how many ids per token, an int in ``[1, MAX_TOPK]`` and ``<= V``.
-        temperature: the logits are divided by it; a Python number in ``[1e-4, inf)``
-            (:data:`mcore_ppo.validation.MIN_TEMPERATURE`).
+        temperature: the logits are divided by it: a Python number in ``[1e-4, inf)``
+            (:data:`mcore_ppo.validation.MIN_TEMPERATURE`), or a per-token floating-point
+            tensor (verl's per-sample temperatures spread over the tokens) on ``labels``' device,
+            shaped like ``labels`` (the whole sequence under SP; under CP this rank's tokens,
+            split like the labels) or broadcastable to it (``[b, 1]`` per sequence); with
+            ``labels=None`` shaped like the tokens (``[b, s]`` for hidden ``[s, b, h]``, ``[n]``
+            for ``[n, h]``). Every value, an ignored token's included, must be finite and
+            ``>= MIN_TEMPERATURE`` (read back to the host: one sync on CUDA). Dividing a row by
+            its positive ``T`` keeps the row's order, so the ids are those of the untempered
+            logits (up to fp32 rounding of near-ties); the log-probs and tail mass are those of
+            ``softmax(z_i / T_i)``. An ignored token's outputs stay ``ignore_index`` / 0.
         tp_group: tensor-parallel group; default Megatron's when initialised, else one rank.
         sequence_parallel: ``hidden`` arrives sequence-sharded over TP.
         labels: optional, shaped as for the head (``[b, s]``, ``[1, t]``, ``[n]``, the whole
@@ -151,10 +161,11 @@ def fused_topk(
 
     Raises:
         TypeError: ``k`` not an int, non-tensor inputs, a non-float ``hidden``, ``weight`` of
-            another dtype, ``labels`` not an integer tensor, a flag that is not a bool.
+            another dtype, ``labels`` not an integer tensor, a flag that is not a bool, a
+            ``temperature`` neither a number nor a floating-point tensor.
         ValueError: ``k`` out of range, shapes that do not fit a layout, unequal weight shards,
-            a bad temperature or ``ignore_index``, an unknown ``impl`` or ``"triton"`` where it
-            cannot run.
+            a bad temperature (value, or a tensor's shape, device or values) or ``ignore_index``,
+            an unknown ``impl`` or ``"triton"`` where it cannot run.
     """
     with torch.no_grad():
         return _fused_topk(hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl)
@@ -164,7 +175,7 @@ def _fused_topk(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     k: int,
-    temperature: float,
+    temperature: float | torch.Tensor,
     tp_group: ProcessGroup | None,
     sequence_parallel: bool,
     labels: torch.Tensor | None,
@@ -172,7 +183,9 @@ def _fused_topk(
     impl: str = "auto",
 ) -> TopK:
     k = check_k(k)
-    temperature = validation.check_temperature(temperature)
+    row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
+    if row_temperature is None:
+        temperature = validation.check_temperature(temperature)
     validation.check_ignore_index(ignore_index)
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be a bool, got {validation.type_name(sequence_parallel)}")
@@ -184,10 +197,13 @@ def _fused_topk(
     token_labels = labels if labels is not None else _all_tokens(hidden, tp_size, sequence_parallel)
     validation.check_tensors(hidden, weight, token_labels)
     # Shapes may be wrong on one rank only: the shard-size collective carries that to every rank.
+    # So may a temperature tensor (and its values, on a rank whose labels differ).
     layout_error = None
     try:
         validation.check_layout(hidden, weight, token_labels, tp_size, sequence_parallel)
-    except ValueError as err:
+        if row_temperature is not None:
+            temperature = _row_temperature(row_temperature, token_labels, hidden.dtype)
+    except (ValueError, TypeError) as err:
         layout_error = err
     validation.check_equal_shards(weight, tp_group, layout_error)
     check_k(k, weight.shape[0] * tp_size)
@@ -230,6 +246,22 @@ def _all_tokens(hidden: torch.Tensor, tp_size: int, sequence_parallel: bool) -> 
     return torch.zeros(shape, dtype=torch.int64, device=hidden.device)
 
 
+def _row_temperature(temperature: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``T [n]`` in the tokens' order, contiguous, in the accumulation dtype (fp32; fp64 for fp64
+    inputs), after the head's shape, dtype, device and value checks (every value, ignored tokens'
+    included, as the head's ``validate`` does; one host sync on CUDA)."""
+    expanded = validation.check_temperature_tensor(temperature, labels)
+    values = _token_order(expanded, labels.dim() == 2)
+    bad = validation.bad_temperatures(values)
+    if bool(bad.any()):
+        first = values[bad][0].item()
+        raise ValueError(
+            f"temperature values must be finite and >= {validation.MIN_TEMPERATURE:g} (MIN_TEMPERATURE), "
+            f"got {first} ({int(bad.sum())} bad values)"
+        )
+    return values.to(torch.promote_types(dtype, torch.float32)).contiguous()
+
+
 def _token_order(values: torch.Tensor, batch_first: bool) -> torch.Tensor:
     """Per-token ``values`` (labels' layout) in the tokens' order: ``[b, s]`` is sequence-major."""
     return values.t().reshape(-1) if batch_first else values.reshape(-1)
@@ -243,8 +275,9 @@ def _chunks(total: int, size: int):
 _MM_OUT_DTYPE = {"ok": True}  # torch.mm(..., out_dtype=) on this build's CUDA (probed once)
 
 
-def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``x @ w.T / T`` in the accumulation dtype (fp32; fp64 for fp64 inputs), a fresh tensor."""
+def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """``x @ w.T / T`` in the accumulation dtype (fp32; fp64 for fp64 inputs), a fresh tensor;
+    ``T`` a float or the rows' ``[c, 1]`` column."""
     acc = torch.promote_types(x.dtype, torch.float32)
     if x.is_cuda and x.dtype != acc and _MM_OUT_DTYPE["ok"]:
         # One cuBLAS GEMM with 16-bit inputs and an fp32 output: no upcast copies.
@@ -274,11 +307,19 @@ def _chunk_topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return z.gather(1, cols), cols
 
 
+def _rows_of(temperature: float | torch.Tensor, t0: int, t1: int) -> float | torch.Tensor:
+    """The temperature of tokens ``[t0, t1)``: the float, or the rows' ``[t1 - t0, 1]`` column."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature[t0:t1, None]
+    return temperature
+
+
 def _shard_topk(
-    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, *, vocab_start: int
+    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float | torch.Tensor, *, vocab_start: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's candidates ``(values [n, c], ids [n, c])`` with ``c = min(k, V/tp)`` and the
-    statistics ``(m [n], s [n])`` of the rest of its shard, one logits block at a time."""
+    statistics ``(m [n], s [n])`` of the rest of its shard, one logits block at a time.
+    ``temperature``: a float or ``T [n]`` per token (the accumulation dtype)."""
     n, v = tokens.shape[0], weight.shape[0]
     acc = torch.promote_types(tokens.dtype, torch.float32)
     device = tokens.device
@@ -290,11 +331,12 @@ def _shard_topk(
     token_chunk, vocab_chunk = TOKEN_CHUNK, VOCAB_CHUNK
     for t0, t1 in _chunks(n, token_chunk):
         x = tokens[t0:t1]
+        rows_t = _rows_of(temperature, t0, t1)
         m = torch.full((t1 - t0,), -torch.inf, dtype=acc, device=device)
         s = torch.zeros(t1 - t0, dtype=acc, device=device)
         run_values = run_ids = None
         for v0, v1 in _chunks(v, vocab_chunk):
-            z = _tempered_logits(x, weight[v0:v1], temperature)
+            z = _tempered_logits(x, weight[v0:v1], rows_t)
             chunk_values, cols = _chunk_topk(z, min(k, v1 - v0))
             m, s = fold_into_statistics(m, s, z.scatter_(1, cols, -torch.inf))
             chunk_ids = cols.to(torch.int64) + (vocab_start + v0)
@@ -357,7 +399,7 @@ def _triton_splits(n: int, n_tiles: int, cap: int, block_m: int, device: torch.d
 
 
 def _shard_topk_triton(
-    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, *, vocab_start: int
+    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float | torch.Tensor, *, vocab_start: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_shard_topk`'s outputs from the fused kernel, token chunk by token chunk."""
     n, v = tokens.shape[0], weight.shape[0]
@@ -369,18 +411,31 @@ def _shard_topk_triton(
     rest_sum = torch.empty(n, dtype=torch.float32, device=device)
     tokens, weight = rowmajor(tokens), rowmajor(weight)
     for t0, t1 in _chunks(n, TRITON_TOKEN_CHUNK):
-        out = _triton_chunk(tokens[t0:t1], weight, k, temperature)
+        row_t = temperature[t0:t1] if isinstance(temperature, torch.Tensor) else temperature
+        out = _triton_chunk(tokens[t0:t1], weight, k, row_t)
         values[t0:t1], ids[t0:t1], rest_max[t0:t1], rest_sum[t0:t1] = out
     ids += vocab_start
     return values, ids, rest_max, rest_sum
 
 
+def _inverse_temperature(
+    temperature: float | torch.Tensor, placeholder: torch.Tensor
+) -> tuple[float, torch.Tensor, bool]:
+    """``(inv_temp, inv_temp_rows, row_temp)`` for the kernel, rounded as the head's kernels
+    take them: a float gives the scalar ``1/T`` and ``placeholder`` as the never-read vector; a
+    per-token ``T [n]`` gives ``1/T_i`` as an fp32 vector, each the fp32 rounding of the exact
+    ``1/T_i`` (formed in fp64, as the scalar is), and a scalar 1.0 the kernel does not read."""
+    if not isinstance(temperature, torch.Tensor):
+        return 1.0 / temperature, placeholder, False
+    return 1.0, (1.0 / temperature.to(torch.float64)).to(torch.float32).contiguous(), True
+
+
 def _triton_chunk(
-    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float
+    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One launch over ``tokens [n, h]``: candidates in the tie rule's order, ids local to the
-    shard. Rows whose candidate buffer overflowed (exact ties at the threshold) are recomputed
-    by the torch path."""
+    """One launch over ``tokens [n, h]`` (``temperature`` a float or ``T [n]``): candidates in the
+    tie rule's order, ids local to the shard. Rows whose candidate buffer overflowed (exact ties
+    at the threshold) are recomputed by the torch path."""
     from mcore_ppo.kernels.topk import topk_filter_kernel
 
     n, h = tokens.shape
@@ -403,12 +458,14 @@ def _triton_chunk(
     use_tma = operands_by_tma(tokens, weight, cfg) and tokens.data_ptr() % 16 == 0
     x_desc = descriptor(tokens, [cfg.block_m, cfg.block_k]) if use_tma else tokens
     w_desc = descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
+    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, state[0])
     topk_filter_kernel[(cdiv(n, cfg.block_m) * splits,)](
         tokens, weight, x_desc, w_desc, buf_v, buf_i, count, state[0], state[1], state[2],
-        n, v, h, tokens.stride(0), weight.stride(0), splits, tiles_per_split, 1.0 / temperature, k, kout,
+        n, v, h, tokens.stride(0), weight.stride(0), splits, tiles_per_split, inv_temp, k, kout, inv_temp_rows,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, CAP=cap,
         ROW_GROUP=row_group, BISECT_MID=bisect_mid, BISECT_FINAL=bisect_final,
         USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kernel_flags(tokens, cfg),
+        **({"ROW_TEMP": True} if row_temp else {}),
     )  # fmt: skip
     values, ids, rest_max, rest_sum = _split_candidates_topk(
         buf_v[..., :kout], buf_i[..., :kout], count, state[1] * math.log(2.0), state[2], min(k, v)
@@ -416,7 +473,8 @@ def _triton_chunk(
     overflow = (count > kout).any(dim=0)
     if bool(overflow.any()):  # one host sync per launch; rare: only exact ties keep a buffer full
         rows = overflow.nonzero().squeeze(1)
-        fixed_values, fixed_ids, fixed_max, fixed_sum = _shard_topk(tokens[rows], weight, k, temperature, vocab_start=0)
+        row_t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        fixed_values, fixed_ids, fixed_max, fixed_sum = _shard_topk(tokens[rows], weight, k, row_t, vocab_start=0)
         # In the tie rule's order, as the kernel's candidates (the torch path leaves that to the merge).
         fixed_values, fixed_ids, _ = select_topk(fixed_values, fixed_ids, fixed_values.shape[1])
         fixed = (fixed_values, fixed_ids, fixed_max, fixed_sum)

@@ -32,6 +32,11 @@ recompute that row by the torch path. The host selects the
 exact top ``K`` of the buffered entries of all splits by the packed key (value, then smaller id)
 and folds the other ones into the rest.
 
+``ROW_TEMP`` (constexpr, default off: the scalar variant has no per-row load) reads ``1/T`` per row
+from ``inv_temp_ptr`` (a per-token temperature, fp32, each the rounding of the exact ``1/T_i``)
+instead of the scalar ``inv_temp``, as the head's kernels do. A positive per-row factor keeps
+every row's order, so the filter and the tie rule are unchanged.
+
 Every row's state lives in global memory across a compaction (the compaction walks the
 program's rows in groups of ``ROW_GROUP``, which cannot index the block's register vectors);
 ``tl.debug_barrier`` orders the program's own stores and loads around it.
@@ -136,7 +141,7 @@ def compact_rows(
 @triton.jit(
     # One compile per dtype and tile config: these only bound loops and masks.
     do_not_specialize=["N", "V", "num_splits", "tiles_per_split", "K", "KOUT"],
-    do_not_specialize_on_alignment=["cnt_ptr", "theta_ptr", "m_ptr", "s_ptr"],
+    do_not_specialize_on_alignment=["cnt_ptr", "theta_ptr", "m_ptr", "s_ptr", "inv_temp_ptr"],
 )
 def topk_filter_kernel(
     x_ptr,
@@ -159,6 +164,7 @@ def topk_filter_kernel(
     inv_temp,
     K,
     KOUT,
+    inv_temp_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -171,6 +177,7 @@ def topk_filter_kernel(
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    ROW_TEMP: tl.constexpr = False,
 ):
     """Per-(split, row) candidate buffer, count, threshold and rest ``(m, s)``; see the module doc.
 
@@ -190,6 +197,10 @@ def topk_filter_kernel(
     prog_v = buf_v_ptr + (state0 + row0).to(tl.int64) * CAP
     prog_i = buf_i_ptr + (state0 + row0).to(tl.int64) * CAP
     local = tl.arange(0, BLOCK_M) * CAP
+    if ROW_TEMP:
+        inv_t = tl.load(inv_temp_ptr + rows)[:, None]  # rows are clamped into [0, N)
+    else:
+        inv_t = inv_temp
 
     # Rows past N never append (theta = inf): no per-entry row mask in the loop.
     theta = tl.where(row_ok, float("-inf"), float("inf"))
@@ -222,7 +233,7 @@ def topk_filter_kernel(
             DOT_IEEE,
             USE_TMA,
         )
-        z = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
+        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
         emit = z > theta[:, None]
         m_r, s_r = _fold(m_r, s_r, tl.where(emit, float("-inf"), z * LOG2E))
         # A slot per appended entry from the row's counter (a prefix sum over the tile would
