@@ -20,24 +20,42 @@ CONFIG = ROOT / "configs" / "ppo_demo.yaml"
 TIMEOUT = int(os.environ.get("MCORE_PPO_LAUNCH_TEST_TIMEOUT", "600"))
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, visible_gpus: int | None = None, tmp_path: Path | None = None) -> subprocess.CompletedProcess:
+    """``scripts/launch.sh args`` with this interpreter's ``python`` and ``torchrun``; no GPU visible,
+    or with ``visible_gpus`` (and a ``tmp_path`` for the shim): a ``python`` shim answers launch.sh's
+    device query with that count and passes everything else to the real interpreter."""
     env = dict(
         os.environ,
         MCORE_PPO_LAUNCH_TIMEOUT=str(TIMEOUT - 30),
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     )
     env.pop("WORLD_SIZE", None)  # never inherit an enclosing torchrun's rendezvous
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the README's main job: the CPUs, gloo, whatever GPUs are here
+    if visible_gpus is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPUs, gloo, whatever GPUs are here
+    else:
+        assert tmp_path is not None
+        shim = tmp_path / "bin" / "python"
+        shim.parent.mkdir()
+        answer = f'case "$*" in *device_count*) echo {visible_gpus} ;; *) exec "{sys.executable}" "$@" ;; esac'
+        shim.write_text(f"#!/usr/bin/env bash\n{answer}\n")
+        shim.chmod(0o755)
+        env["PATH"] = f"{shim.parent}:{env['PATH']}"
+        env.pop("CUDA_VISIBLE_DEVICES", None)  # the shim, not the host, says how many GPUs there are
     return subprocess.run(
         ["bash", str(LAUNCH), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT
     )
 
 
-def test_main_command_passes_with_parity_lines():
-    """Default layout (TP 2 + SP, CP 2 inside the model, 4 ranks), 2 steps to keep CI short."""
-    proc = _run("--steps", "2")
+def test_main_command_passes_with_parity_lines(tmp_path):
+    """Default layout (TP 2 + SP, CP 2 inside the model, 4 ranks), 2 steps to keep CI short, on a
+    machine that shows 1 GPU: launch.sh says the 4 ranks run on the CPUs (gloo) instead of failing
+    on a missing device, and runs them there (the GPU count is faked, see :func:`_run`; with no
+    GPU at all, the same run without the notice: test_parity_failure_exits_nonzero)."""
+    proc = _run("--steps", "2", visible_gpus=1, tmp_path=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, f"launch.sh exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert "4 ranks need 4 GPUs, 1 visible: running on the CPUs with gloo" in out, out
+    assert "(CPU, gloo)" in out, out
     assert "layout TP2+SP × CP2" in out, out
     tol = yaml.safe_load(CONFIG.read_text())["run"]["tolerance"]
     parity = re.findall(
@@ -71,6 +89,7 @@ def test_parity_failure_exits_nonzero(tmp_path):
     proc = _run("--config", str(path), "--tp", "1", "--cp", "1", "--steps", "1")
     out = proc.stdout
     assert proc.returncode == 1, f"expected exit 1, got {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert "running on the CPUs" not in out, out  # no GPU visible: the CPUs, without a notice
     assert out.strip().splitlines()[-1].startswith("FAIL: head log-probs differ from the logits path"), out
 
 
@@ -84,6 +103,10 @@ def _refused(*args: str) -> str:
     return lines[0]
 
 
+# Each code path of launch.sh's pre-flight check once, end to end: its own checks (before and
+# after the config check), and the config check's refusals it relays (a size against the model, an
+# override in both spellings, an argparse error, a bad config file). Every other refusal of the
+# config check is test_preflight_refuses_in_one_line: the same check, in this process.
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -91,12 +114,9 @@ def _refused(*args: str) -> str:
         (["--config", "/nonexistent.yaml"], "no config file /nonexistent.yaml"),
         (["--tp", "2", "--nproc", "3"], "--nproc 3 is not a multiple of tp*cp*pp = 4"),
         (["--tp", "3"], "model.vocab_size = 512 does not divide by tp = 3"),
-        (["--tp", "8", "--cp", "1"], "model.num_attention_heads = 4 does not divide by tp = 8"),
         (["--pp", "3"], "model.num_layers = 2 does not divide by pp = 3"),
-        (["--backend", "bogus"], "head.backend must be one of auto, torch, triton, liger, got 'bogus'"),
-        (["--backend=bogus"], "head.backend must be one of"),
+        (["--backend=bogus"], "head.backend must be one of auto, torch, triton, liger, got 'bogus'"),
         (["--steps", "x"], "--steps: invalid int value: 'x'"),
-        (["--cp-mode", "both"], "--cp-mode: invalid choice: 'both'"),
         (["--frobnicate"], "unknown option '--frobnicate'"),
         (["--steps", "1", "extra"], "unknown option 'extra'"),
         (["--tp"], "--tp needs a value"),
@@ -106,6 +126,47 @@ def test_launch_refuses_bad_arguments_in_one_line(args, says):
     assert says in _refused(*args)
 
 
+def _bad_config(tmp_path: Path, section: str, key: str, value) -> Path:
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg[section][key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_launch_rejects_a_bad_config_before_torchrun(tmp_path):
+    """The config is checked once, by the demo's loader, before any rank starts: exit 2, key named."""
+    assert "ppo.clip_ratoi" in _refused("--config", str(_bad_config(tmp_path, "ppo", "clip_ratoi", 0.2)))
+
+
+@pytest.mark.parametrize(
+    ("args", "config", "says"),
+    [
+        (["--tp", "8", "--cp", "1"], None, "model.num_attention_heads = 4 does not divide by tp = 8"),
+        (["--backend", "bogus"], None, "head.backend must be one of auto, torch, triton, liger, got 'bogus'"),
+        (["--cp-mode", "both"], None, "--cp-mode: invalid choice: 'both'"),
+        ([], ("layout", "tp", "two"), "layout.tp"),
+        ([], ("run", "steps", 1.5), "run.steps"),
+    ],
+)
+def test_preflight_refuses_in_one_line(tmp_path, capsys, args, config, says):
+    """launch.sh's config check (``python -m mcore_ppo_testing.demo_config CONFIG --layout [sizes]
+    [overrides]``, as launch.sh builds it) refuses with exit 2 and one line, which launch.sh shows
+    without the ``demo_config: `` prefix."""
+    from mcore_ppo_testing.demo_config import main
+
+    path = _bad_config(tmp_path, *config) if config else CONFIG
+    try:
+        status = main([str(path), "--layout", *args])
+    except SystemExit as stop:  # argparse's refusal
+        status = stop.code
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == "", captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("demo_config: "), captured.err
+    assert says in lines[0].removeprefix("demo_config: ")
+
+
 def test_help_shows_the_usage_only():
     proc = subprocess.run(["bash", str(LAUNCH), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
@@ -113,39 +174,6 @@ def test_help_shows_the_usage_only():
     for option in ("--tp", "--cp", "--pp", "--nproc", "--config", "--timeout", "--sp", "--cp-mode", "--steps"):
         assert re.search(rf"^  .*{option}\b", proc.stdout, re.MULTILINE), option  # an option's line
     assert "set -euo" not in proc.stdout and "cd " not in proc.stdout, proc.stdout
-
-
-@pytest.mark.parametrize(
-    ("section", "key", "value"), [("ppo", "clip_ratoi", 0.2), ("layout", "tp", "two"), ("run", "steps", 1.5)]
-)
-def test_launch_rejects_a_bad_config_before_torchrun(tmp_path, section, key, value):
-    """The config is checked once, by the demo's loader, before any rank starts: exit 2, key named."""
-    cfg = yaml.safe_load(CONFIG.read_text())
-    cfg[section][key] = value
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert f"{section}.{key}" in _refused("--config", str(path))
-
-
-def test_fewer_gpus_than_ranks_runs_on_the_cpus(tmp_path):
-    """A machine showing 1 GPU for the 4-rank demo: launch.sh says so and runs it on the CPUs
-    (gloo) instead of failing on a missing device. The GPU count is faked by a ``python`` shim
-    that answers launch.sh's device query and passes everything else to the real interpreter."""
-    shim = tmp_path / "bin" / "python"
-    shim.parent.mkdir()
-    shim.write_text(
-        f'#!/usr/bin/env bash\ncase "$*" in *device_count*) echo 1 ;; *) exec "{sys.executable}" "$@" ;; esac\n'
-    )
-    shim.chmod(0o755)
-    env = dict(os.environ, MCORE_PPO_LAUNCH_TIMEOUT=str(TIMEOUT - 30), PATH=f"{shim.parent}:{os.environ['PATH']}")
-    env.pop("WORLD_SIZE", None)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run(
-        ["bash", str(LAUNCH), "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "4 ranks need 4 GPUs, 1 visible: running on the CPUs with gloo" in proc.stdout, proc.stdout
-    assert "(CPU, gloo)" in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("PASS"), proc.stdout
 
 
 def test_a_rank_without_its_gpu_is_refused_by_name(monkeypatch):
