@@ -2,7 +2,8 @@
 
 Every layout ([s,b,h], packed [t,1,h], [n,h]) × k in {1, 8, 64, 128} with the token and vocab
 chunks monkeypatched small (vocab chunks narrower than k, ragged tails), V up to 4096; exactly
-tied logits across chunks (integer data); ignored tokens; k = V; extreme logits; bad inputs.
+tied logits across chunks (integer data); ignored tokens; k = V; extreme logits; bad inputs; a
+per-token temperature (both paths, every layout, its checks).
 
 fp64 inputs: ids equal to the reference's, values to 1e-12. fp32 inputs: the top-k values equal
 the reference's sorted values and the reference's log-prob at each returned id equals the
@@ -238,7 +239,7 @@ def test_bad_inputs():
         (ValueError, "hidden size 7", dict(hidden=hidden[..., :7])),
         (ValueError, "hidden must be [n, h] or [s, b, h]", dict(hidden=hidden[None])),
         (ValueError, "temperature must be", dict(temperature=0.0)),
-        (TypeError, "temperature must be a python float", dict(temperature=torch.tensor(1.0))),
+        (TypeError, "temperature must be a python float", dict(temperature="0.7")),
         (TypeError, "ignore_index must be an int", dict(ignore_index=1.5)),
         (TypeError, "sequence_parallel must be a bool", dict(sequence_parallel=1)),
         (TypeError, "tp_group must be a torch.distributed.ProcessGroup", dict(tp_group="tp")),
@@ -432,3 +433,184 @@ def test_triton_heavy_ties_mix_kernel_and_fallback_rows(k, triton_path, monkeypa
     assert torch.equal(out.ids, ref.ids)
     torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=2e-5)
     torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=2e-5)
+
+
+# ----------------------------------------------------------------------- per-token temperature
+# A tensor shaped like the labels (or, without labels, like the tokens): row i of the logits is
+# divided by T_i. Temperatures drawn log-uniformly in [0.25, 4] so that no two tokens share one
+# (a kernel or a token order that mixes rows up cannot pass).
+
+
+def token_temperatures(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.float32):
+    return torch.exp((torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * math.log(4.0)).to(dtype)
+
+
+@pytest.mark.parametrize("k", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_per_token_temperature_matches_fp64_reference(layout, dtype, k, monkeypatch):
+    """Torch path, vocab chunks of 100 over V = 400, token chunks of 5 (a chunk's rows take their
+    own temperatures), a quarter of the tokens ignored: against fp64 with the same temperatures."""
+    set_chunks(monkeypatch, 5, 100)
+    hidden, weight, labels = random_case(layout, 400, dtype)
+    temperature = token_temperatures(LAYOUTS[layout][1], generator(next_seed()), dtype)
+    out = fused_topk(hidden, weight, k, temperature=temperature, labels=labels)
+    ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
+    check_against_reference(out, ref, dtype, exact_ids=dtype == torch.float64)
+    # Without labels the tensor is shaped like the tokens; the valid tokens' outputs are the same.
+    unlabelled = fused_topk(hidden, weight, k, temperature=temperature)
+    valid = labels != IGNORE
+    for a, b in zip(unlabelled, out, strict=True):
+        assert torch.equal(a[valid], b[valid])
+
+
+def test_per_token_temperature_broadcast_and_uniform(monkeypatch):
+    """``[b, 1]`` per sequence equals its ``[b, s]`` expansion; a tensor of one value equals the
+    float (ids exactly, values to rounding)."""
+    set_chunks(monkeypatch, 4, 64)
+    hidden, weight, labels = random_case("sbh", 300, torch.float32)
+    per_sequence = token_temperatures((3, 1), generator(next_seed()))
+    a = fused_topk(hidden, weight, 16, temperature=per_sequence, labels=labels)
+    b = fused_topk(hidden, weight, 16, temperature=per_sequence.expand(3, 6).contiguous(), labels=labels)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    check_against_reference(a, topk_reference(hidden, weight, 16, per_sequence, labels, IGNORE), torch.float32,
+                            exact_ids=False)  # fmt: skip
+    uniform = fused_topk(hidden, weight, 16, temperature=torch.full((3, 6), 0.7), labels=labels)
+    number = fused_topk(hidden, weight, 16, temperature=0.7, labels=labels)
+    assert torch.equal(uniform.ids, number.ids)
+    torch.testing.assert_close(uniform.log_probs, number.log_probs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(uniform.tail_log_mass, number.tail_log_mass, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_per_token_temperature_keeps_the_untempered_ids(dtype, monkeypatch):
+    """Integer logits (ties everywhere, across chunks): a positive T per row keeps each row's
+    order, so the ids are exactly those of T = 1 and of fp64 (tie rule included); the log-probs
+    and tails are the tempered ones, not T = 1's."""
+    set_chunks(monkeypatch, 3, 40)
+    gen = generator(next_seed())
+    hidden, weight = integer_case((5, 2), 300, 4, gen)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    temperature = token_temperatures((2, 5), gen)
+    out = fused_topk(hidden, weight, 24, temperature=temperature)
+    ref = topk_reference(hidden, weight, 24, temperature)
+    plain = fused_topk(hidden, weight, 24)
+    assert torch.equal(out.ids, ref.ids) and torch.equal(out.ids, plain.ids)
+    tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=tol)
+    torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=tol)
+    assert (out.log_probs - plain.log_probs).abs().max() > 1e-2
+
+
+def test_per_token_temperature_ignored_tokens(monkeypatch):
+    """Ignored tokens give ignore_index / 0 / 0 at any (valid) temperature, and their
+    temperatures change no other token's outputs; changing one valid token's temperature changes
+    that token's outputs only."""
+    set_chunks(monkeypatch, 4, 50)
+    gen = generator(next_seed())
+    hidden, weight, labels = random_case("thd", 200, torch.float64)
+    temperature = token_temperatures((1, 17), gen, torch.float64)
+    out = fused_topk(hidden, weight, 8, temperature=temperature, labels=labels)
+    ignored = labels == IGNORE
+    assert ignored.any()
+    assert (out.ids[ignored] == IGNORE).all() and (out.log_probs[ignored] == 0).all()
+    assert (out.tail_log_mass[ignored] == 0).all()
+    extreme = temperature.clone()
+    coin = torch.rand(int(ignored.sum()), generator=gen, dtype=torch.float64) < 0.5
+    extreme[ignored] = torch.where(coin, torch.tensor(1e-4, dtype=torch.float64), 1e4)
+    again = fused_topk(hidden, weight, 8, temperature=extreme, labels=labels)
+    for a, b in zip(again, out, strict=True):
+        assert torch.equal(a, b)
+    valid_positions = (~ignored).nonzero()
+    changed = valid_positions[0, 1].item()
+    moved = temperature.clone()
+    moved[0, changed] *= 3.0
+    third = fused_topk(hidden, weight, 8, temperature=moved, labels=labels)
+    others = torch.ones(1, 17, dtype=torch.bool)
+    others[0, changed] = False
+    for a, b in zip(third, out, strict=True):
+        assert torch.equal(a[others], b[others])
+    assert not torch.equal(third.log_probs[0, changed], out.log_probs[0, changed])
+    check_against_reference(third, topk_reference(hidden, weight, 8, moved, labels, IGNORE), torch.float64,
+                            exact_ids=True)  # fmt: skip
+
+
+def test_per_token_temperature_bad_inputs():
+    """Each a ValueError/TypeError naming temperature, with and without labels, at an ignored
+    token too."""
+    gen = generator(next_seed())
+    hidden = torch.randn(4, 2, 8, generator=gen)
+    weight = torch.randn(50, 8, generator=gen)
+    labels = torch.zeros(2, 4, dtype=torch.int64)
+    labels[1, 2] = IGNORE
+    good = torch.full((2, 4), 0.7)
+    values = "temperature values must be finite and >= 0.0001 (MIN_TEMPERATURE), got "
+    shape = "temperature must be shaped like labels (2, 4)"
+    cases = []
+    for bad in (float("nan"), float("inf"), -float("inf"), 0.0, -0.5, 5e-5):
+        tensor = good.clone()
+        tensor[1, 2] = bad  # the ignored token
+        message = f"{values}{tensor[1, 2].item()} (1 bad values)"  # the fp32 value, as stored
+        cases.append((ValueError, message, dict(temperature=tensor)))
+        cases.append((ValueError, message, dict(temperature=tensor, labels=None)))
+    cases += [
+        (ValueError, shape, dict(temperature=good.t())),
+        (ValueError, shape, dict(temperature=good.t(), labels=None)),
+        (ValueError, shape, dict(temperature=torch.full((8,), 0.7))),
+        (ValueError, shape, dict(temperature=torch.full((2, 4, 1), 0.7))),
+        (TypeError, "floating-point tensor, got dtype torch.int64", dict(temperature=good.long())),
+        (TypeError, "temperature must be a floating-point tensor", dict(temperature=good > 0)),
+        (ValueError, "temperature must be on the labels' device cpu", dict(temperature=good.to("meta"))),
+    ]
+    for error, match, override in cases:
+        args = dict(hidden=hidden, weight=weight, k=4, labels=labels) | override
+        escaped = match.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
+        with pytest.raises(error, match=escaped.replace("+", r"\+")):
+            fused_topk(args.pop("hidden"), args.pop("weight"), args.pop("k"), **args)
+    # [n, h] without labels: [n].
+    with pytest.raises(ValueError, match=r"temperature must be shaped like labels \(8,\)"):
+        fused_topk(hidden.view(8, 8), weight, 4, temperature=good)
+    fused_topk(hidden.view(8, 8), weight, 4, temperature=good.view(8))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "k", "vocab", "splits"),
+    [(torch.float32, 8, 600, 3), (torch.float16, 64, 400, 2)],
+    ids=["fp32-k8-3splits", "fp16-k64-2splits"],
+)
+def test_triton_per_token_temperature(dtype, k, vocab, splits, triton_path, monkeypatch):
+    """The kernel's per-row ``1/T_i`` ([s, b, h], 18 tokens over two row blocks of 16, a quarter
+    ignored): against fp64 with the same temperatures and against the torch path."""
+    gen = generator(next_seed())
+    hidden = torch.randn(6, 3, HIDDEN, generator=gen).to(dtype)
+    weight = torch.randn(vocab, HIDDEN, generator=gen).to(dtype)
+    labels = torch.randint(0, vocab, (3, 6), generator=gen)
+    labels[:, ::4] = IGNORE
+    temperature = token_temperatures((3, 6), gen)
+    out = triton_topk(hidden, weight, k, splits, monkeypatch, temperature=temperature, labels=labels)
+    assert triton_path == []  # no row needed the torch path
+    ref = topk_reference(hidden.float(), weight.float(), k, temperature, labels, IGNORE)
+    check_against_reference(out, ref, torch.float32, exact_ids=False)
+    chunked = fused_topk(hidden, weight, k, temperature=temperature, labels=labels, impl="torch")
+    torch.testing.assert_close(out.log_probs, chunked.log_probs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.tail_log_mass, chunked.tail_log_mass, rtol=0, atol=2e-5)
+
+
+def test_triton_per_token_temperature_in_the_fallback_rows(triton_path, monkeypatch):
+    """Rows 0..4 have logits in {0, c_i} only (half the vocab each: ties fill the candidate
+    buffers), so they are recomputed by the torch path, which must take their own temperatures;
+    the other rows stay in the kernel. All against fp64: exact ids, log-probs and tails."""
+    gen = generator(next_seed())
+    vocab, k = 300, 8
+    hidden = torch.randn(20, 8, generator=gen)
+    hidden[:5] = 0.0
+    hidden[:5, 0] = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5])
+    weight = torch.randn(vocab, 8, generator=gen)
+    weight[:, 0] = (torch.arange(vocab) % 2).float()
+    temperature = token_temperatures((20,), gen)
+    out = triton_topk(hidden, weight, k, 2, monkeypatch, temperature=temperature)
+    assert triton_path == [5]
+    ref = topk_reference(hidden, weight, k, temperature)
+    assert torch.equal(out.ids[:5], ref.ids[:5])
+    check_against_reference(out, ref, torch.float32, exact_ids=False)
