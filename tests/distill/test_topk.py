@@ -598,19 +598,21 @@ def test_triton_per_token_temperature(dtype, k, vocab, splits, triton_path, monk
 
 
 def test_triton_per_token_temperature_in_the_fallback_rows(triton_path, monkeypatch):
-    """Rows 0..4 have logits in {0, c_i} only (half the vocab each: ties fill the candidate
-    buffers), so they are recomputed by the torch path, which must take their own temperatures;
-    the other rows stay in the kernel. All against fp64: exact ids, log-probs and tails."""
+    """Rows 3, 7, 8, 13, 18 have logits in {0, c_i} only (half the vocab each: ties fill the
+    candidate buffers), so they are recomputed by the torch path, which must take their own
+    temperatures; the other rows stay in the kernel. All against fp64: exact ids, log-probs and
+    tails."""
     gen = generator(next_seed())
     vocab, k = 300, 8
     hidden = torch.randn(20, 8, generator=gen)
-    hidden[:5] = 0.0
-    hidden[:5, 0] = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5])
+    tied = torch.tensor([3, 7, 8, 13, 18])
+    hidden[tied] = 0.0
+    hidden[tied, 0] = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5])
     weight = torch.randn(vocab, 8, generator=gen)
     weight[:, 0] = (torch.arange(vocab) % 2).float()
     temperature = token_temperatures((20,), gen)
     out = triton_topk(hidden, weight, k, 2, monkeypatch, temperature=temperature)
     assert triton_path == [5]
     ref = topk_reference(hidden, weight, k, temperature)
-    assert torch.equal(out.ids[:5], ref.ids[:5])
+    assert torch.equal(out.ids[tied], ref.ids[tied])
     check_against_reference(out, ref, torch.float32, exact_ids=False)
