@@ -14,6 +14,9 @@ and under CP its load-balanced part. Two kinds of data:
 
 k ∈ {1, 8, 64, 96 = V} (96 is more than a shard holds: the merge needs every rank's candidates).
 
+A per-token temperature (a tensor like the labels) under TP 2 (SP off and on) and TP 2 × CP 2
+(padded and packed), k ∈ {8, 96}.
+
 The student side (``fused_log_probs_at``: log-probs at k ids per token, with gradients) under
 TP 2 (SP off and on) and TP 2 × CP 2 is at the end of the file.
 """
@@ -182,6 +185,97 @@ def test_tp_cp_match_single_rank_and_fp64(tp, cp, check):
                         labels=local_labels.to(DEVICE),
                     )
                     compare(check, out, single, ref, part, kind, dtype, f"TP{tp}xCP{cp} sp={sp}")
+    check.done()
+
+
+# --- A per-token temperature: a [b, s] ([1, t], [n]) tensor like the labels (the whole sequence
+# under SP, this rank's tokens under CP, cut like the labels) --------------------------------------
+
+TEMPERATURE_KS = (8, VOCAB)
+
+
+def token_temperatures(shape: tuple[int, ...]) -> torch.Tensor:
+    """Log-uniform in [0.25, 4], a different value per token (from the shared generator)."""
+    return torch.exp((torch.rand(shape, dtype=torch.float64) * 2 - 1) * math.log(4.0)).float()
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
+def test_per_token_temperature_tp2(sp, check):
+    """TP 2 in every layout, SP off and on: a per-token temperature against the single-rank call
+    with the same tensor and against fp64."""
+    tp = 2
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    for name, (seq, batch) in LAYOUT_SHAPES.items():
+        lead = (seq,) if batch is None else (seq, batch)
+        label_shape = (seq,) if batch is None else (batch, seq)
+        for kind, dtype in KINDS:
+            hidden, weight = draw(kind, dtype, lead)
+            labels = draw_ids(seq * (batch or 1)).view(label_shape)
+            temperature = token_temperatures(label_shape)
+            for k in TEMPERATURE_KS:
+                single = single_rank(hidden, weight, k, labels, temperature)
+                ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
+                if layout.tp_group is None:
+                    continue
+                check.case(f"per-token T tp={tp} sp={sp} layout={name} {kind} {dtype} k={k}")
+                local_hidden = hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else hidden
+                out = fused_topk(
+                    local_hidden.to(DEVICE),
+                    weight.chunk(tp, dim=0)[layout.tp_rank].to(DEVICE),
+                    k,
+                    temperature=temperature.to(DEVICE),
+                    tp_group=layout.tp_group,
+                    sequence_parallel=sp,
+                    labels=labels.to(DEVICE),
+                )
+                compare(check, out, single, ref, lambda t: t, kind, dtype, f"per-token T TP{tp} sp={sp}")
+    check.done()
+
+
+def test_per_token_temperature_tp2_cp2(check):
+    """TP 2 × CP 2, padded and packed, SP off and on: each CP rank passes its part of the
+    temperature, cut like its labels; its outputs are that part of the single-rank outputs."""
+    tp, cp = 2, 2
+    layout = tp_cp_groups(tp, cp)
+    torch.manual_seed(shared_seed())
+    for packed in (False, True):
+        if packed:
+            lengths = (4 * cp, 2 * cp, 6 * cp)
+            cu_seqlens = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            lead, ids_shape = (cu_seqlens[-1], 1), (1, cu_seqlens[-1])
+        else:
+            cu_seqlens, lead, ids_shape = None, (16, 2), (2, 16)
+        for kind, dtype in KINDS:
+            hidden, weight = draw(kind, dtype, lead)
+            input_ids = draw_ids(ids_shape[0] * ids_shape[1]).view(ids_shape)
+            labels = roll_labels(input_ids, seq_dim=1, cu_seqlens=cu_seqlens)
+            temperature = token_temperatures(ids_shape)
+            for k in TEMPERATURE_KS:
+                single = single_rank(hidden, weight, k, labels, temperature)
+                ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
+                if layout.cp_group is None:
+                    continue
+                r = layout.cp_rank
+
+                def part(t: torch.Tensor, r=r, cu_seqlens=cu_seqlens) -> torch.Tensor:
+                    return split_for_cp(t, cp, r, seq_dim=1, cu_seqlens=cu_seqlens)
+
+                local_hidden = split_for_cp(hidden, cp, r, seq_dim=0, cu_seqlens=cu_seqlens)
+                local_labels = roll_and_split_labels(input_ids, cp, r, seq_dim=1, cu_seqlens=cu_seqlens)
+                for sp in (False, True):
+                    check.case(f"per-token T tp={tp} cp={cp} sp={sp} packed={packed} {kind} {dtype} k={k}")
+                    shard = local_hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else local_hidden
+                    out = fused_topk(
+                        shard.to(DEVICE),
+                        weight.chunk(tp, dim=0)[layout.tp_rank].to(DEVICE),
+                        k,
+                        temperature=part(temperature).to(DEVICE),
+                        tp_group=layout.tp_group,
+                        sequence_parallel=sp,
+                        labels=local_labels.to(DEVICE),
+                    )
+                    compare(check, out, single, ref, part, kind, dtype, f"per-token T TP{tp}xCP{cp} sp={sp}")
     check.done()
 
 
