@@ -87,6 +87,25 @@ def megatron_tp1():
                 dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def fork_server():
+    """``fork_server(*modules)``: a :class:`~mcore_ppo_testing.fork_server.ForkServer` that has
+    imported ``modules`` (one per set of modules, for the test module): fresh processes that do
+    not each pay torch's and Megatron's imports."""
+    from mcore_ppo_testing.fork_server import ForkServer
+
+    servers: dict[tuple[str, ...], ForkServer] = {}
+
+    def get(*modules: str) -> ForkServer:
+        if modules not in servers:
+            servers[modules] = ForkServer(modules)
+        return servers[modules]
+
+    yield get
+    for server in servers.values():
+        server.close()
+
+
 @pytest.fixture
 def test_seed() -> int:
     """The test's first seed (:func:`mcore_ppo_testing.seeds.next_seed`), with torch's global RNG

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,14 +40,17 @@ print(json.dumps({m.__name__: m.linear_cross_entropy.__module__ for m in (fused,
 """
 
 
-def _import_verl_in_child(tmp_path: Path, entry_points: dict, **env: str) -> tuple[dict, str]:
-    """Import the stand-in verl (then its Megatron modules) in a fresh interpreter with ``env``."""
+# What the stand-in verl imports that takes no part in the plugin's loading: imported once, by
+# the fork server (mcore_ppo_testing.fork_server), not by every child.
+PRELOADED = ("torch", "megatron.core")
+
+
+def _import_verl_in_child(fork_server, tmp_path: Path, entry_points: dict, **env: str) -> tuple[dict, str]:
+    """Import the stand-in verl (then its Megatron modules) in a fresh process with ``env``."""
     root = write_fake_verl(tmp_path / "site", entry_points)
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "MCORE_PPO_VERL"))}
     environ.update(env, PYTHONPATH=os.pathsep.join([str(root), str(REPO), environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD], env=environ, capture_output=True, text=True, timeout=300, check=False
-    )
+    done = fork_server(*PRELOADED).run(_CHILD, env=environ, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
@@ -81,8 +83,8 @@ def test_pyproject_declares_the_plugin():
     ids=["entry-point-off", "entry-point-on", "external-modules", "external-modules-opted-out", "not-loaded",
          "plugins-disabled"],
 )  # fmt: skip
-def test_switch_through_verls_own_loading(tmp_path, entry_points, env, switched):
-    bound, log = _import_verl_in_child(tmp_path, entry_points, **env)
+def test_switch_through_verls_own_loading(fork_server, tmp_path, entry_points, env, switched):
+    bound, log = _import_verl_in_child(fork_server, tmp_path, entry_points, **env)
     expected = "mcore_ppo.integrations.verl" if switched else KERNEL
     # verl's kernel module itself untouched; the 1F1B-overlap module keeps verl's kernel (no call site
     # there can say the model's SP setting).

@@ -1,4 +1,4 @@
-"""verl's *real* package (the verl 0.9.1 wheel) loads the plugin, in a fresh interpreter each time.
+"""verl's *real* package (the verl 0.9.1 wheel) loads the plugin, in a fresh process each time.
 
 - ``VERL_USE_EXTERNAL_MODULES=mcore_ppo.integrations.verl`` (how verl <= 0.8 loads external
   code; verl 0.9 still honours it), with verl's entry-point loading turned off
@@ -10,6 +10,11 @@ Switched on, every verl function the plugin replaces is replaced (the kernel bin
 sites of ``mcore_ppo.integrations.verl.engine``), with no "has no" warning. What verl then computes
 is in ``tests/integrations/test_verl_live.py`` (its real engine ``forward_step``). Where Ray is not
 installed a stand-in answers ``import ray`` (``mcore_ppo_testing.real_verl``).
+
+Each process is forked from one that has imported verl's heavy dependencies, which take no part in
+the plugin's loading (torch, Megatron, transformers, tensordict: ``mcore_ppo_testing.fork_server``),
+and otherwise starts as a new interpreter with its environment would: verl, mcore_ppo and the
+plugin are imported afresh in every one.
 """
 
 from __future__ import annotations
@@ -18,8 +23,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -69,12 +72,19 @@ print(json.dumps({
 """
 
 
-def _import_real_verl_in_child(**env: str) -> tuple[dict, str]:
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD], env=_child_env(**env), capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+PRELOADED = tuple(m for m in ("torch", "megatron.core", "transformers", "tensordict") if importlib.util.find_spec(m))
+
+
+@pytest.fixture
+def import_real_verl_in_child(fork_server):
+    """``import_real_verl_in_child(**env)``: the child's report (JSON) and its log."""
+
+    def run(**env: str) -> tuple[dict, str]:
+        done = fork_server(*PRELOADED).run(_CHILD, env=_child_env(**env), timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+    return run
 
 
 def _assert_switched(result: dict, log: str, on: bool) -> None:
@@ -84,18 +94,18 @@ def _assert_switched(result: dict, log: str, on: bool) -> None:
     assert "has no" not in log  # every function the plugin replaces is where it expects it
 
 
-def test_real_verl_loads_the_plugin_through_verl_use_external_modules():
+def test_real_verl_loads_the_plugin_through_verl_use_external_modules(import_real_verl_in_child):
     named = {"VERL_USE_EXTERNAL_MODULES": "mcore_ppo.integrations.verl", "VERL_USE_EXTERNAL_PLUGINS": "none"}
-    on, on_log = _import_real_verl_in_child(**named)
-    off, off_log = _import_real_verl_in_child(**named, MCORE_PPO_VERL="0")
+    on, on_log = import_real_verl_in_child(**named)
+    off, off_log = import_real_verl_in_child(**named, MCORE_PPO_VERL="0")
     print(f"verl {on['version']}: on -> {on['bound']} ({on['wrapped']}/{on['of']} wrapped), off -> {off['bound']}")
     _assert_switched(on, on_log, True)
     _assert_switched(off, off_log, False)
 
 
-def test_real_verl_entry_point_switch():
+def test_real_verl_entry_point_switch(import_real_verl_in_child):
     points = importlib.metadata.entry_points(group="verl.plugins")
     if not any(p.value == "mcore_ppo.integrations.verl" for p in points):
         pytest.skip("mcore_ppo is not pip-installed here, so verl.plugins has no entry point for it")
-    _assert_switched(*_import_real_verl_in_child(), False)  # loaded, not asked
-    _assert_switched(*_import_real_verl_in_child(MCORE_PPO_VERL="1"), True)
+    _assert_switched(*import_real_verl_in_child(), False)  # loaded, not asked
+    _assert_switched(*import_real_verl_in_child(MCORE_PPO_VERL="1"), True)
