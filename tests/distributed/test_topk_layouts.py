@@ -279,6 +279,34 @@ def test_per_token_temperature_tp2_cp2(check):
     check.done()
 
 
+def test_bad_temperature_on_one_rank_raises_on_every_rank(check):
+    """A temperature tensor of the wrong shape, or with a bad value, on TP rank 1 only: that rank
+    raises its own error naming temperature, the other one that another rank rejected its inputs
+    (nobody waits in the merge's collectives for a rank that has left)."""
+    layout = tp_cp_groups(2)
+    torch.manual_seed(shared_seed())
+    hidden = torch.randn(8, 2, HIDDEN)
+    weight = torch.randn(VOCAB, HIDDEN)
+    labels = draw_ids(16).view(2, 8)
+    if layout.tp_group is None:
+        check.done()
+        return
+    shard = weight.chunk(2, dim=0)[layout.tp_rank]
+    good = token_temperatures((2, 8))
+    bad_value = good.clone()
+    bad_value[1, 3] = float("nan")
+    for what, bad, message in (
+        ("shape", good.t(), "temperature must be shaped like labels (2, 8)"),
+        ("value", bad_value, "temperature values must be finite and >= 0.0001"),
+    ):
+        check.case(f"tp=2 bad temperature {what} on rank 1")
+        mine = bad if layout.tp_rank == 1 else good
+        expected = message if layout.tp_rank == 1 else "another rank of the tensor-parallel group rejected"
+        check.raises(ValueError, expected, fused_topk, hidden, shard, 8, temperature=mine, labels=labels,
+                     tp_group=layout.tp_group)  # fmt: skip
+    check.done()
+
+
 def test_bad_k_raises_on_every_rank(check):
     """A k over the global vocab (96 = 4 shards of 24) or below 1 raises, naming k, on every TP rank."""
     layout = tp_cp_groups(4)
