@@ -8,7 +8,8 @@ equal fp64's to 1e-5 norm-wise relative (1e-4 absolute each), and the returned i
 fp64 top-k up to swaps of values within fp32 accumulation error (two logits ~1e-5 apart may
 come in either order: at k = 128 about one token in ten has such a pair, so the fraction of
 tokens with identical id lists is printed, and only checked to be most of them); integer-valued
-logits (exact ties everywhere): the ids equal fp64's exactly.
+logits (exact ties everywhere): the ids equal fp64's exactly. A per-token temperature (per-sample
+runs, as verl passes them): the kernel's per-row ``1/T_i`` against the torch path and fp64.
 """
 
 from __future__ import annotations
@@ -131,3 +132,61 @@ def test_auto_picks_triton_on_cuda(monkeypatch):
     assert calls == [1]
     fused_topk(x.double(), w.double(), 8)  # fp64: the torch path
     assert calls == [1]
+
+
+def fp64_top_rows(x, w, k, temperature, rows):
+    """:func:`fp64_top` with a per-token temperature ``[n]`` (its values taken exactly)."""
+    logits = (x[rows].double() @ w.double().t()) / temperature[rows].double()[:, None]
+    lp = torch.log_softmax(logits, dim=-1)
+    vals, ids = lp.sort(dim=-1, descending=True, stable=True)
+    return ids[:, :k], vals[:, :k], torch.logsumexp(vals[:, k:], dim=-1), lp
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(("n", "h", "v", "k"), [(4096, 3584, 18992, 128), (3000, 1024, 40077, 64)],
+                         ids=["tp8-shard-k128", "ragged-k64"])  # fmt: skip
+def test_per_token_temperature(n, h, v, k, dtype):
+    """A per-token temperature ``[n]`` (log-uniform in [0.25, 4], per sample: runs of 500 tokens
+    share one, as verl spreads them): the kernel's ``1/T_i`` rows against the torch path and
+    fp64 with the same temperatures; bitwise equal on a second call; a constant tensor equals
+    the float; ignored tokens give ignore_index / 0."""
+    seed = next_seed()
+    x, w = make(n, h, v, dtype, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    samples = -(-n // 500)
+    per_sample = torch.exp((torch.rand(samples, device="cuda", generator=gen) * 2 - 1) * math.log(4.0))
+    temperature = per_sample.repeat_interleave(500)[:n].contiguous()
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    labels[::9] = -100
+    valid = labels != -100
+    rows = torch.randperm(n, device="cuda", generator=gen)[:CHECK_ROWS]
+    rows = rows[valid[rows]]
+    fused = fused_topk(x, w, k, temperature=temperature, labels=labels, impl="triton")
+    again = fused_topk(x, w, k, temperature=temperature, labels=labels, impl="triton")
+    for a, b in zip(fused, again, strict=True):
+        assert torch.equal(a, b)
+    chunked = fused_topk(x, w, k, temperature=temperature, labels=labels, impl="torch")
+    assert (fused.ids[~valid] == -100).all() and (fused.log_probs[~valid] == 0).all()
+    assert (fused.tail_log_mass[~valid] == 0).all()
+    for out in (fused, chunked):
+        ref_ids, ref_vals, ref_tail, full = fp64_top_rows(x, w, k, temperature, rows)
+        ids, logp, tail = out.ids[rows], out.log_probs[rows].double(), out.tail_log_mass[rows].double()
+        at_ids = full.gather(1, ids)
+        assert ((logp - at_ids).norm() / at_ids.norm()).item() <= REL_TOL
+        # Per entry: fp32 accumulation error, scaled by 1/T (up to 4x at T = 0.25).
+        assert (logp - at_ids).abs().max().item() <= 4 * ABS_TOL
+        assert (at_ids - ref_vals).abs().max().item() <= 4 * ABS_TOL
+        assert (tail - ref_tail).abs().max().item() <= 4 * ABS_TOL
+        assert (ids.sort(dim=-1).values.diff(dim=-1) > 0).all()
+        same = (ids == ref_ids).all(dim=-1).double().mean().item()
+        print(f"tokens whose {k} ids equal fp64's, in order: {same:.4f}")
+        assert same >= 0.5
+    same = (fused.ids[valid] == chunked.ids[valid]).all(dim=-1).double().mean().item()
+    print(f"tokens whose ids equal the torch path's, in order: {same:.4f}")
+    assert same >= 0.5
+    torch.testing.assert_close(fused.tail_log_mass, chunked.tail_log_mass, rtol=0, atol=4 * ABS_TOL)
+    # 0.75 is exact in fp32: the row's 1/T and the scalar's are the same fp32 number.
+    constant = fused_topk(x, w, k, temperature=torch.full((n,), 0.75, device="cuda"), labels=labels, impl="triton")
+    number = fused_topk(x, w, k, temperature=0.75, labels=labels, impl="triton")
+    assert torch.equal(constant.ids, number.ids)
+    torch.testing.assert_close(constant.log_probs, number.log_probs, rtol=0, atol=1e-6)
