@@ -8,8 +8,9 @@ given third-party ``modules`` and nothing else, then forks one child per script.
 starts as a fresh ``python -c SCRIPT`` with the given environment would, as far as the script
 can tell: ``os.environ`` is exactly the given one, ``sys.path`` is the interpreter's own with
 the environment's ``PYTHONPATH`` in front (as a new interpreter builds it), a new ``__main__``,
-its own stdout and stderr; only the preloaded modules (and what they imported) are already in
-``sys.modules``. So only modules that do not take part in the check may be preloaded.
+its own stdout and stderr; only the preloaded modules (and what they imported, and the few
+standard-library modules the server itself uses) are already in ``sys.modules``. So only
+modules that do not take part in the check may be preloaded.
 
 The server keeps one thread (``OMP_NUM_THREADS=1``: no OpenMP or OpenBLAS workers), so a fork
 never copies a lock held by another thread.

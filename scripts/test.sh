@@ -18,19 +18,26 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # pytest-xdist, one worker per core (MCORE_PPO_TEST_WORKERS overrides; 0 = in this process); a
 # module's tests stay on one worker (--dist loadfile), so its fixtures and reports stay whole.
 # pytest-benchmark, where installed, is not used here and only warns under xdist.
-# Folders in the order xdist hands out their files (--no-loadscope-reorder: by default xdist
-# hands out the files with the most tests first, which puts the long subprocess files, few tests
-# each, last): first those whose tests start subprocesses (torchrun, bash, fresh interpreters),
+# Files in the order xdist hands them out (--no-loadscope-reorder: by default xdist hands out
+# the files with the most tests first, which puts the long subprocess files, few tests each,
+# last; each worker starts with two files and takes the next as one finishes): first the files
+# whose tests run subprocesses for a long time (torchrun, bash, fresh processes), longest first,
 # so that the many short files fill the end instead of one long file running alone on one
-# worker. Then every other folder and test file of tests/ but tests/distributed, each once.
-folders=(tests/harness tests/integrations)
-for path in tests/*/ tests/test_*.py; do
-  path=${path%/}
-  case "$path" in tests/distributed | tests/__* | "tests/test_*.py") continue ;; esac
-  case " ${folders[*]} " in *" $path "*) ;; *) folders+=("$path") ;; esac
+# worker. Then every other test file of tests/ but tests/distributed, each once.
+files=(
+  tests/harness/test_run_distributed_tests.py  # runner self-tests: 6 torchruns, deadlocks, a late start
+  tests/harness/test_launch.py                 # launch.sh: the 4-rank demo, the parity failure, refusals
+  tests/actor/test_distill_demo.py             # the 4-rank distillation demo
+  tests/integrations/test_verl_real.py         # real verl in fresh processes
+  tests/harness/test_multi_gpu_suite.py
+  tests/harness/test_readme.py
+)
+for path in tests/*/test_*.py tests/test_*.py; do
+  case "$path" in tests/distributed/* | "tests/test_*.py") continue ;; esac
+  case " ${files[*]} " in *" $path "*) ;; *) files+=("$path") ;; esac
 done
 single() {
-  python -m pytest "${folders[@]}" -q -rs -n "${MCORE_PPO_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder \
+  python -m pytest "${files[@]}" -q -rs -n "${MCORE_PPO_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder \
     -p no:benchmark "$@"
 }
 multi() {

@@ -1,0 +1,54 @@
+"""mcore_ppo_testing.fork_server: each child starts as ``python -c`` with its environment would,
+but for the modules the server preloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from mcore_ppo_testing.fork_server import ForkServer
+
+REPORT = """
+import json, os, sys
+main = sorted(k for k in vars(sys.modules["__main__"]) if not k.startswith("__"))
+print(json.dumps({
+    "env": dict(os.environ), "path": sys.path, "cwd": os.getcwd(), "argv": sys.argv,
+    "preloaded": "decimal" in sys.modules, "main": main,
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ForkServer(("decimal",)) as running:
+        yield running
+
+
+def test_a_child_sees_exactly_its_environment_path_and_folder(server, tmp_path):
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(["/first", "/second"]), "ONLY_HERE": "1"}
+    done = server.run(REPORT, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["env"] == env
+    assert seen["path"][:3] == ["", "/first", "/second"] and sys.prefix in " ".join(seen["path"][3:])
+    assert seen["cwd"] == str(tmp_path.resolve()) and seen["argv"] == ["-c"]
+    assert seen["preloaded"] and seen["main"] == ["json", "os", "sys"]  # a new __main__: nothing of the server's
+
+
+def test_children_do_not_share_what_they_import(server):
+    first = server.run("import fractions, sys; print('fractions' in sys.modules)", env={})
+    second = server.run("import sys; print('fractions' in sys.modules)", env={})
+    assert (first.stdout, second.stdout) == ("True\n", "False\n"), (first, second)
+
+
+def test_exit_status_and_output_as_python_c(server):
+    done = server.run("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)", env={})
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+    done = server.run("raise ValueError('boom')", env={})
+    assert done.returncode == 1 and done.stderr.rstrip().endswith("ValueError: boom"), done.stderr
+    done = server.run("import sys; sys.exit('a message')", env={})
+    assert (done.returncode, done.stderr) == (1, "a message\n")
+    assert server.run("pass", env={}).returncode == 0
