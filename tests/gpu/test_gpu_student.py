@@ -129,12 +129,16 @@ def test_fold_matches_fp64_on_cuda(dtype, mode, share, monkeypatch):
     rtol, cast = (1e-2, 8e-3) if dtype == torch.bfloat16 else (1e-5, 0.0)
     for name, grad in zip(("d_hidden", "d_weight"), grads[0], strict=True):
         assert grad.dtype == dtype
+        # fp32 d_W here sums up to 512 tokens' terms per element with ids concentrated as a
+        # teacher's are: every path (the fold, the torch sparse path, the torch backend) lands at
+        # 0.9-1.2e-5 of the terms on the H200 (docs/benchmarks/gpu_runs/h200_2026-12-01f/5_fold_diag.log).
+        elementwise = 2e-5 if (name == "d_weight" and dtype == torch.float32) else rtol
         assert_close(
             grad.cpu(),
             ref[name],
             name=f"student {name}",
             dtype=dtype,
-            rtol=rtol,
+            rtol=elementwise,
             atol=1e-30,
             elementwise_rtol=cast,
             terms=ref[name + "_terms"],
