@@ -24,6 +24,7 @@ TP 2 (SP off and on) and TP 2 × CP 2 is at the end of the file.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -412,6 +413,67 @@ def test_student_tp2_matches_single_rank_and_fp64(sp, check):
                         result["d_hidden"] = result["d_hidden"].chunk(tp, dim=0)[r]
                     result["d_weight"] = result["d_weight"].chunk(tp, dim=0)[r]
                 student_compare(check, out, single, ref, dtype, f"student TP{tp} sp={sp}")
+    check.done()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "buffer"])
+def test_student_fold_on_the_triton_backend_tp2(mode, check, monkeypatch):
+    """The triton backend (the default on GPUs; Triton's interpreter on CPU) folds each rank's
+    one-hot gradients, at its shard's local ids, into its own ``dz``: TP 2, SP off and on,
+    ``[n, h]``, fp32, k 8 with ids at every shard's edges, against the single-rank torch result
+    and fp64. The fold must run on every rank (the torch sparse path is refused)."""
+    pytest.importorskip("triton")
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the triton backend runs CPU tensors only under TRITON_INTERPRET=1")
+    from mcore_ppo.backends import TritonBackend, triton_backend
+    from mcore_ppo.distill import student as student_module
+
+    folds = []
+    add = triton_backend._add_onehot
+
+    def recorded(dz, onehot, v0, vc):
+        folds.append((v0, vc))
+        add(dz, onehot, v0, vc)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the torch sparse path ran where the fold should have")
+
+    monkeypatch.setattr(triton_backend, "_add_onehot", recorded)
+    backend = (
+        TritonBackend(workspace_bytes=1, buffer_budget_bytes=0) if mode == "recompute"
+        else TritonBackend(buffer_budget_bytes=1 << 30)
+    )  # fmt: skip
+    tp, k = 2, 8
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    seq = 12
+    case = student_case(torch.float32, (seq,), (seq,), k)
+    single = student_run(**case, tp_group=None, backend="torch")
+    ref = student_reference(case["hidden"], case["weight"], case["ids"], TEMPERATURE, case["g"], case["e"])
+    monkeypatch.setattr(student_module, "_add_sparse_torch", refused)  # from here on: the fold only
+    if layout.tp_group is not None:
+        r = layout.tp_rank
+        for sp in (False, True):
+            check.case(f"student fold ({mode}) tp={tp} sp={sp} fp32 k={k}")
+            folds.clear()
+            out = student_run(
+                case["hidden"].chunk(tp, dim=0)[r] if sp else case["hidden"],
+                case["weight"].chunk(tp, dim=0)[r],
+                case["ids"],
+                case["g"],
+                case["e"],
+                tp_group=layout.tp_group,
+                sequence_parallel=sp,
+                backend=backend,
+            )
+            check.equal("the fold ran", torch.tensor(bool(folds)), torch.tensor(True))
+            expected = []
+            for result in (single, ref):
+                local = dict(result)
+                local["d_hidden"] = result["d_hidden"].chunk(tp, dim=0)[r] if sp else result["d_hidden"]
+                local["d_weight"] = result["d_weight"].chunk(tp, dim=0)[r]
+                expected.append(local)
+            student_compare(check, out, *expected, torch.float32, f"student fold TP{tp} sp={sp}")
     check.done()
 
 
