@@ -119,6 +119,7 @@ def fused_topk(
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
     impl: str = "auto",
+    validate: bool | None = None,
 ) -> TopK:
     """Per-token top-``k`` ids, log-probs and tail mass of ``softmax(hidden @ W.T / temperature)``.
 
@@ -153,6 +154,9 @@ def fused_topk(
             tensors, the torch path otherwise), ``"torch"`` (chunked cuBLAS GEMMs +
             ``torch.topk``, any device), ``"triton"`` (CUDA tensors, or any under
             ``TRITON_INTERPRET=1``; not fp64). Every choice returns the same ids.
+        validate: check a temperature tensor's values (finite, ``>= MIN_TEMPERATURE``;
+            ValueError), one host sync on CUDA; False skips it (a bad value then gives NaN for
+            its token). None: :data:`mcore_ppo.validation.VALIDATE_DEFAULT`, as for the head.
 
     Returns:
         :class:`TopK` ``(ids, log_probs, tail_log_mass)``: ``[b, s, k]`` / ``[b, s]`` for hidden
@@ -168,7 +172,9 @@ def fused_topk(
             an unknown ``impl`` or ``"triton"`` where it cannot run.
     """
     with torch.no_grad():
-        return _fused_topk(hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl)
+        return _fused_topk(
+            hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl, validate
+        )
 
 
 def _fused_topk(
@@ -181,8 +187,13 @@ def _fused_topk(
     labels: torch.Tensor | None,
     ignore_index: int,
     impl: str = "auto",
+    validate: bool | None = None,
 ) -> TopK:
     k = check_k(k)
+    if validate is None:
+        validate = validation.VALIDATE_DEFAULT
+    elif not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool or None, got {validation.type_name(validate)}")
     row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
     if row_temperature is None:
         temperature = validation.check_temperature(temperature)
@@ -202,7 +213,7 @@ def _fused_topk(
     try:
         validation.check_layout(hidden, weight, token_labels, tp_size, sequence_parallel)
         if row_temperature is not None:
-            temperature = _row_temperature(row_temperature, token_labels, hidden.dtype)
+            temperature = _row_temperature(row_temperature, token_labels, hidden.dtype, validate)
     except (ValueError, TypeError) as err:
         layout_error = err
     validation.check_equal_shards(weight, tp_group, layout_error)
@@ -246,14 +257,16 @@ def _all_tokens(hidden: torch.Tensor, tp_size: int, sequence_parallel: bool) -> 
     return torch.zeros(shape, dtype=torch.int64, device=hidden.device)
 
 
-def _row_temperature(temperature: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _row_temperature(
+    temperature: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype, validate: bool
+) -> torch.Tensor:
     """``T [n]`` in the tokens' order, contiguous, in the accumulation dtype (fp32; fp64 for fp64
-    inputs), after the head's shape, dtype, device and value checks (every value, ignored tokens'
-    included, as the head's ``validate`` does; one host sync on CUDA)."""
+    inputs), after the head's shape, dtype and device checks and, with ``validate``, its value
+    check (every value, ignored tokens' included, as the head's; one host sync on CUDA)."""
     expanded = validation.check_temperature_tensor(temperature, labels)
     values = _token_order(expanded, labels.dim() == 2)
-    bad = validation.bad_temperatures(values)
-    if bool(bad.any()):
+    bad = validation.bad_temperatures(values) if validate else None
+    if bad is not None and bool(bad.any()):
         first = values[bad][0].item()
         raise ValueError(
             f"temperature values must be finite and >= {validation.MIN_TEMPERATURE:g} (MIN_TEMPERATURE), "

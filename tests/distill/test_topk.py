@@ -574,6 +574,31 @@ def test_per_token_temperature_bad_inputs():
     fused_topk(hidden.view(8, 8), weight, 4, temperature=good.view(8))
 
 
+def test_validate_switch_for_temperature_values():
+    """``validate=False`` skips the value check (no host sync): a bad temperature gives NaN for its
+    token only, the others equal the checked call's; shape checks still run; a non-bool refused."""
+    gen = generator(next_seed())
+    hidden = torch.randn(4, 2, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(50, 8, generator=gen, dtype=torch.float64)
+    labels = torch.zeros(2, 4, dtype=torch.int64)
+    good = 0.5 + torch.rand(2, 4, generator=gen, dtype=torch.float64)
+    bad = good.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="temperature values must be finite"):
+        fused_topk(hidden, weight, 4, temperature=bad, labels=labels, validate=True)
+    checked = fused_topk(hidden, weight, 4, temperature=good, labels=labels, validate=True)
+    unchecked = fused_topk(hidden, weight, 4, temperature=bad, labels=labels, validate=False)
+    others = torch.ones(2, 4, dtype=torch.bool)
+    others[1, 2] = False
+    assert torch.isnan(unchecked.log_probs[1, 2]).all()
+    assert torch.equal(unchecked.log_probs[others], checked.log_probs[others])
+    assert torch.equal(unchecked.ids[others], checked.ids[others])
+    with pytest.raises(ValueError, match="temperature must be shaped like labels"):
+        fused_topk(hidden, weight, 4, temperature=good.t(), labels=labels, validate=False)
+    with pytest.raises(TypeError, match="validate must be a bool or None, got str"):
+        fused_topk(hidden, weight, 4, temperature=good, labels=labels, validate="no")
+
+
 @pytest.mark.parametrize(
     ("dtype", "k", "vocab", "splits"),
     [(torch.float32, 8, 600, 3), (torch.float16, 64, 400, 2)],
