@@ -56,13 +56,21 @@ def log1mexp(a: torch.Tensor) -> torch.Tensor:
 
 def topk_tail_log_mass(log_probs: torch.Tensor) -> torch.Tensor:
     """``log(1 - Σ_i exp(log_probs[..., i]))``: the log-mass outside a set of ids, from the
-    full-vocab log-probs of the ids in it (``-inf`` when they hold everything).
+    full-vocab log-probs of the ids in it, at least ``log(eps)`` of their dtype.
 
-    Loses relative precision when the set holds nearly all the mass (a difference of two
-    numbers near 1); a tail computed as its own sum (``fused_topk``'s) does not.
+    ``1 - Σ q`` is a difference of two numbers near 1: below the dtype's ``eps`` (fp32: 1.2e-7)
+    it is rounding noise, and where the rounded sum reaches 1 the exact ``log`` would be ``-inf``
+    though no softmax puts zero mass anywhere. So the tail is floored at ``eps`` (its gradient
+    is zero there). A tail computed as its own sum (``fused_topk``'s) has no such floor.
     """
     check_tensor("log_probs", log_probs, "float")
-    return log1mexp(torch.logsumexp(log_probs, dim=-1).clamp(max=0.0))
+    return log1mexp(_in_set_log_mass(log_probs))
+
+
+def _in_set_log_mass(log_probs: torch.Tensor) -> torch.Tensor:
+    """``log Σ_i exp(log_probs[..., i])``, at most ``log(1 - eps)``: see :func:`topk_tail_log_mass`."""
+    ceiling = math.log1p(-torch.finfo(log_probs.dtype).eps)
+    return torch.logsumexp(log_probs, dim=-1).clamp(max=ceiling)
 
 
 def _xlogy_log(log_x: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:
@@ -107,13 +115,15 @@ def topk_forward_kl(
         teacher_tail_log_mass: ``[...]`` ``log(1 - Σ_S p)``; required for ``"tail_bucket"``,
             unused by ``"renormalized"``.
         student_tail_log_mass: ``[...]`` ``log(1 - Σ_S q)``; None: computed from
-            ``student_log_probs`` (:func:`topk_tail_log_mass`).
+            ``student_log_probs`` (:func:`topk_tail_log_mass`: floored at the dtype's ``eps``,
+            the resolution of ``1 - Σ_S q``).
         mode: ``"tail_bucket"`` or ``"renormalized"``.
         mask: optional per-token ``[...]`` (bool or 0/1): tokens where it is 0 get exactly 0.
 
     Returns:
         Per-token ``[...]`` KL in the promoted dtype of the inputs; +inf where the student
-        puts no mass on a bucket the teacher does.
+        puts no mass on an id the teacher does (``log q = -inf``), or a given student tail is
+        ``-inf`` where the teacher's is not.
     """
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a str, one of {TOPK_KL_MODES}, got {type(mode).__name__}")
@@ -150,7 +160,7 @@ def topk_forward_kl(
     if student_tail_log_mass is None:
         # Only where the teacher's tail has mass: elsewhere the student's may be log(0), whose
         # infinite derivative would turn the zero gradient of an unused term into NaN.
-        in_top = torch.logsumexp(log_q, dim=-1).clamp(max=0.0)
+        in_top = _in_set_log_mass(log_q)
         tail_q = log1mexp(torch.where(tail_p > -torch.inf, in_top, torch.full_like(in_top, -1.0)))
     else:
         tail_q = _masked_input(student_tail_log_mass, mask)

@@ -10,6 +10,8 @@ masked-out tokens), the aggregation modes of the PPO loss, and bad inputs.
 
 from __future__ import annotations
 
+import math
+
 import mpmath
 import pytest
 import torch
@@ -192,15 +194,47 @@ def test_masks_and_aggregation(mode):
 
 def test_teacher_with_zero_probabilities():
     """Teacher log-probs of -inf (a zero probability) and a -inf tail (the top-k hold everything)
-    contribute 0, not NaN; a student with zero mass where the teacher has some gives +inf."""
+    contribute 0, not NaN; a student with zero mass where the teacher has some gives +inf (an id
+    at log q = -inf, or a given -inf tail); a tail computed from log-probs that sum to 1 is
+    floored at the dtype's eps, so it stays finite."""
     log_p = torch.log(torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64))
     log_q = torch.log(torch.tensor([[0.25, 0.25, 0.25]], dtype=torch.float64))
     tail = torch.tensor([-torch.inf], dtype=torch.float64)
     kl = topk_forward_kl(log_q, log_p, tail)
     torch.testing.assert_close(kl, torch.tensor([2 * 0.5 * torch.log(torch.tensor(2.0)).item()], dtype=torch.float64))
     all_mass = torch.log(torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64))
-    inf_kl = topk_forward_kl(all_mass, log_q, torch.log(torch.tensor([0.25], dtype=torch.float64)))
+    quarter = torch.log(torch.tensor([0.25], dtype=torch.float64))
+    inf_kl = topk_forward_kl(all_mass, log_q, quarter)  # the teacher's third id: q = 0 there
     assert inf_kl.item() == torch.inf
+    given = topk_forward_kl(log_q, log_q, quarter, torch.tensor([-torch.inf], dtype=torch.float64))
+    assert given.item() == torch.inf
+    floored = topk_forward_kl(torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)), log_q[:, :2], quarter)
+    eps = torch.finfo(torch.float64).eps
+    expected = 2 * 0.25 * math.log(0.25 / 0.5) + 0.25 * (math.log(0.25) - math.log(eps))
+    torch.testing.assert_close(floored, torch.tensor([expected], dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_confident_student_in_fp32_stays_finite():
+    """A student whose fp32 log-probs at the teacher's ids sum to 1 after rounding (its true tail
+    1e-12): the loss and its gradient are finite, the tail floored at fp32's eps; against fp64
+    the error is the teacher's tail mass times the log of the floor over the true tail."""
+    gen = generator(next_seed())
+    student = torch.randn(4, 50, generator=gen, dtype=torch.float64)
+    student[:, :8] += 40.0  # the teacher's ids (0..7) hold all but ~1e-12 of the mass
+    ids = torch.arange(8).expand(4, 8)
+    t_log_p = torch.full((4, 8), math.log(0.99 / 8), dtype=torch.float64)
+    t_tail = torch.full((4,), math.log(0.01), dtype=torch.float64)
+    logits = student.float().requires_grad_(True)
+    kl = topk_forward_kl(logits.log_softmax(-1).gather(-1, ids), t_log_p.float(), t_tail.float())
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(logits.grad).all()
+    log_q = student.log_softmax(-1)
+    true_tail = torch.logsumexp(log_q[:, 8:], -1)
+    assert (true_tail < -25).all()  # ~1e-12: below fp32's resolution of 1 - Σ q
+    exact = (t_log_p.exp() * (t_log_p - log_q[:, :8])).sum(-1) + t_tail.exp() * (t_tail - true_tail)
+    eps = torch.finfo(torch.float32).eps
+    bound = 0.01 * (math.log(eps) - true_tail).abs() + 1e-5
+    assert ((kl.double() - exact).abs() <= bound).all()
 
 
 def test_bad_inputs():
