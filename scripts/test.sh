@@ -58,11 +58,13 @@ if [ "${MCORE_PPO_TEST_OVERLAP:-1}" = 1 ]; then
   echo "== single-process suite (the multi-rank suite, $ranks, runs alongside)"
   single_status=0
   single "$@" || single_status=$?
+  single_s=$SECONDS
   multi_status=0
   wait "$pid" || multi_status=$?
   pid=""
   echo "== multi-rank suite: $ranks"
   cat "$log"
+  echo "== scripts/test.sh: ${SECONDS} s wall (the single-process suite ended at ${single_s} s)"
   [ "$single_status" -eq 0 ] || exit "$single_status"
   exit "$multi_status"
 fi
@@ -71,3 +73,4 @@ echo "== single-process suite"
 single "$@"
 echo "== multi-rank suite: $ranks"
 multi "$@"
+echo "== scripts/test.sh: ${SECONDS} s wall"
