@@ -8,12 +8,16 @@ given third-party ``modules`` and nothing else, then forks one child per script.
 starts as a fresh ``python -c SCRIPT`` with the given environment would, as far as the script
 can tell: ``os.environ`` is exactly the given one, ``sys.path`` is the interpreter's own with
 the environment's ``PYTHONPATH`` in front (as a new interpreter builds it), a new ``__main__``,
-its own stdout and stderr; only the preloaded modules (and what they imported, and the few
+its own stdout and stderr (a new interpreter's C-locale coercion, PEP 538, is not redone: give
+the environment a locale); only the preloaded modules (and what they imported, and the few
 standard-library modules the server itself uses) are already in ``sys.modules``. So only
 modules that do not take part in the check may be preloaded.
 
 The server keeps one thread (``OMP_NUM_THREADS=1``: no OpenMP or OpenBLAS workers), so a fork
-never copies a lock held by another thread.
+never copies a lock held by another thread. CUDA does not survive a fork: the server asks torch
+for devices through NVML only (``PYTORCH_NVML_BASED_CUDA_CHECK=1``), and where a preload
+initialised CUDA all the same (a GPU host), every script runs in a new interpreter instead
+(:attr:`ForkServer.forks` says which). Children are for checks that do not need a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ replies = os.fdopen(os.dup(1), "wb")
 null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(null, 0)
 base_path = list(sys.path)  # '' (python -c) first, then the interpreter's own folders
-replies.write(b"ready\n")
+torch = sys.modules.get("torch")
+cuda = bool(torch is not None and torch.cuda.is_initialized())
+replies.write((json.dumps({"cuda_initialized": cuda}) + "\n").encode())
 replies.flush()
 for line in requests:
     job = json.loads(line)
@@ -86,15 +92,22 @@ for line in requests:
 class ForkServer:
     """A server process that has imported ``modules``; :meth:`run` forks a fresh child per script.
 
-    Use it as a context manager (or call :meth:`close`). One script at a time.
+    Use it as a context manager (or call :meth:`close`). One script at a time. ``fork=False``
+    (and a server whose imports initialised CUDA) runs each script in a new interpreter instead.
     """
 
-    def __init__(self, modules: tuple[str, ...], *, start_timeout: float = 600.0) -> None:
+    def __init__(self, modules: tuple[str, ...], *, start_timeout: float = 600.0, fork: bool = True) -> None:
         self.modules = tuple(modules)
+        #: Whether scripts run in forks of the server (else each in a new interpreter).
+        self.forks = False
+        self._proc: subprocess.Popen | None = None
         self._folder = tempfile.TemporaryDirectory(prefix="mcore_ppo_fork_server_")
         self._log = Path(self._folder.name) / "server.log"
+        self._jobs = 0
+        if not fork:
+            return
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         with open(self._log, "wb") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _SERVER, *self.modules],
@@ -104,13 +117,16 @@ class ForkServer:
                 env=env,
                 start_new_session=True,
             )
-        self._jobs = 0
-        if self._reply(start_timeout) != b"ready\n":
+        ready = self._reply(start_timeout)
+        if not ready:
             self.close()
             raise RuntimeError(f"the fork server could not import {self.modules}:\n{self._log.read_text()[-3000:]}")
+        self.forks = not json.loads(ready)["cuda_initialized"]
+        if not self.forks:
+            self.close()  # CUDA would be unusable in a fork
 
     def _reply(self, timeout: float) -> bytes:
-        assert self._proc.stdout is not None
+        assert self._proc is not None and self._proc.stdout is not None
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
         if not ready:
             self.close()
@@ -120,11 +136,16 @@ class ForkServer:
     def run(self, code: str, *, env: dict[str, str], cwd: str | Path = ".", timeout: float = 600.0):
         """``python -c code`` with exactly ``env`` in ``cwd``, as a fork of the server: a
         :class:`subprocess.CompletedProcess` with text stdout and stderr."""
-        assert self._proc.stdin is not None
+        cwd = Path(cwd).resolve()
+        if not self.forks:
+            return subprocess.run(
+                [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+            )
+        assert self._proc is not None and self._proc.stdin is not None
         self._jobs += 1
         out = Path(self._folder.name) / f"job{self._jobs}.out"
         err = Path(self._folder.name) / f"job{self._jobs}.err"
-        job = {"code": code, "env": dict(env), "cwd": str(Path(cwd).resolve()), "stdout": str(out), "stderr": str(err)}
+        job = {"code": code, "env": dict(env), "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
         self._proc.stdin.write((json.dumps(job) + "\n").encode())
         self._proc.stdin.flush()
         reply = self._reply(timeout)
@@ -134,7 +155,10 @@ class ForkServer:
         return subprocess.CompletedProcess(["python", "-c", code], status, out.read_text(), err.read_text())
 
     def close(self) -> None:
-        """End the server and any child it is running."""
+        """End the server and any child it is running (later scripts run in new interpreters)."""
+        self.forks = False
+        if self._proc is None:
+            return
         if self._proc.poll() is None:
             try:
                 os.killpg(self._proc.pid, signal.SIGKILL)
@@ -142,12 +166,12 @@ class ForkServer:
                 pass
             self._proc.wait()
         for stream in (self._proc.stdin, self._proc.stdout):
-            if stream is not None:
+            if stream is not None and not stream.closed:
                 stream.close()
-        self._folder.cleanup()
 
     def __enter__(self) -> ForkServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        self._folder.cleanup()

@@ -95,15 +95,14 @@ def fork_server():
     from mcore_ppo_testing.fork_server import ForkServer
 
     servers: dict[tuple[str, ...], ForkServer] = {}
+    with contextlib.ExitStack() as stack:
 
-    def get(*modules: str) -> ForkServer:
-        if modules not in servers:
-            servers[modules] = ForkServer(modules)
-        return servers[modules]
+        def get(*modules: str) -> ForkServer:
+            if modules not in servers:
+                servers[modules] = stack.enter_context(ForkServer(modules))
+            return servers[modules]
 
-    yield get
-    for server in servers.values():
-        server.close()
+        yield get
 
 
 @pytest.fixture

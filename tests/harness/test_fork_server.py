@@ -21,21 +21,26 @@ print(json.dumps({
 """
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ForkServer(("decimal",)) as running:
+@pytest.fixture(scope="module", params=[True, False], ids=["forked", "new-interpreter"])
+def server(request):
+    """A server that forks its children, and one that runs each in a new interpreter (its way
+    where the preloads initialised CUDA): the same answers either way."""
+    with ForkServer(("decimal",), fork=request.param) as running:
+        assert running.forks == request.param
         yield running
 
 
 def test_a_child_sees_exactly_its_environment_path_and_folder(server, tmp_path):
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(["/first", "/second"]), "ONLY_HERE": "1"}
+    # A locale named: a new interpreter without one would add LC_CTYPE (PEP 538), a fork does not.
+    env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "PYTHONPATH": "/first:/second", "ONLY_HERE": "1"}
     done = server.run(REPORT, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert seen["env"] == env
     assert seen["path"][:3] == ["", "/first", "/second"] and sys.prefix in " ".join(seen["path"][3:])
     assert seen["cwd"] == str(tmp_path.resolve()) and seen["argv"] == ["-c"]
-    assert seen["preloaded"] and seen["main"] == ["json", "os", "sys"]  # a new __main__: nothing of the server's
+    assert seen["preloaded"] == server.forks
+    assert seen["main"] == ["json", "os", "sys"]  # a new __main__: nothing of the server's
 
 
 def test_children_do_not_share_what_they_import(server):
