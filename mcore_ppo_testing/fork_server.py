@@ -36,13 +36,25 @@ __all__ = ["ForkServer"]
 _SERVER = r"""
 import builtins, importlib, json, os, sys, traceback, types
 
+def pythonpath(value):
+    # As a new interpreter reads PYTHONPATH: each entry made absolute (an empty one is the folder
+    # it starts in), each once.
+    entries = []
+    for entry in value.split(os.pathsep) if value else ():
+        entry = os.path.abspath(entry)
+        if entry not in entries:
+            entries.append(entry)
+    return entries
+
+
 for name in sys.argv[1:]:
     importlib.import_module(name)
 requests = os.fdopen(os.dup(0), "rb")
 replies = os.fdopen(os.dup(1), "wb")
 null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(null, 0)
-base_path = list(sys.path)  # '' (python -c) first, then the interpreter's own folders
+own = pythonpath(os.environ.get("PYTHONPATH", ""))
+base_path = [sys.path[0], *(p for p in sys.path[1:] if p not in own)]  # '' (python -c), the interpreter's folders
 torch = sys.modules.get("torch")
 cuda = bool(torch is not None and torch.cuda.is_initialized())
 replies.write((json.dumps({"cuda_initialized": cuda}) + "\n").encode())
@@ -61,9 +73,8 @@ for line in requests:
             replies.close()
             os.environ.clear()
             os.environ.update(job["env"])
-            extra = [p for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-            sys.path[:] = [base_path[0], *extra, *base_path[1:]]
             os.chdir(job["cwd"])
+            sys.path[:] = [base_path[0], *pythonpath(job["env"].get("PYTHONPATH", "")), *base_path[1:]]
             sys.argv = ["-c"]
             main = types.ModuleType("__main__")
             main.__builtins__ = builtins
@@ -106,7 +117,7 @@ class ForkServer:
         self._jobs = 0
         if not fork:
             return
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env = dict(os.environ)  # PYTHONPATH too: the modules may be found through it
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         with open(self._log, "wb") as log:
             self._proc = subprocess.Popen(

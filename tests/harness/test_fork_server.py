@@ -43,6 +43,18 @@ def test_a_child_sees_exactly_its_environment_path_and_folder(server, tmp_path):
     assert seen["main"] == ["json", "os", "sys"]  # a new __main__: nothing of the server's
 
 
+def test_a_forked_child_sees_what_a_new_interpreter_sees(tmp_path):
+    """The same script with the same environment (PYTHONPATH with a relative, an empty and a
+    repeated entry), forked and in a new interpreter: the same report but for the preload."""
+    pythonpath = os.pathsep.join(["rel", "", str(tmp_path / "x") + "/", "rel"])
+    env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "PYTHONPATH": pythonpath, "ONLY_HERE": "1"}
+    with ForkServer(("decimal",)) as forked, ForkServer(("decimal",), fork=False) as new:
+        seen = [json.loads(s.run(REPORT, env=env, cwd=tmp_path).stdout) for s in (forked, new)]
+    assert [s.pop("preloaded") for s in seen] == [True, False]
+    assert seen[0] == seen[1]
+    assert seen[0]["path"][1:4] == [str(tmp_path / "rel"), str(tmp_path), str(tmp_path / "x")], seen[0]["path"]
+
+
 def test_children_do_not_share_what_they_import(server):
     first = server.run("import fractions, sys; print('fractions' in sys.modules)", env={})
     second = server.run("import sys; print('fractions' in sys.modules)", env={})
