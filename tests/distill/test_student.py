@@ -24,6 +24,7 @@ from mcore_ppo.backends import TorchBackend, import_optional
 from mcore_ppo.distill import student as student_module
 from mcore_ppo_testing.reference import assert_close
 from mcore_ppo_testing.seeds import generator, next_seed
+from mcore_ppo_testing.student_fold import record_folds, refuse_sparse_torch
 from mcore_ppo_testing.student_reference import student_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -405,23 +406,14 @@ def fold_case(dtype: torch.dtype, gen: torch.Generator) -> dict:
 
 
 def spy_fold(monkeypatch) -> list[tuple[int, int]]:
-    """Records the ``(v0, vc)`` of every one-hot add; the torch sparse path must not run."""
+    """Records the ``(v0, vc)`` of every one-hot add, with the fold's blocks shrunk for the
+    interpreter; the torch sparse path must not run."""
     from mcore_ppo.backends import triton_backend
 
-    calls = []
-    add = triton_backend._add_onehot
-
-    def recorded(dz, onehot, v0, vc):
-        calls.append((v0, vc))
-        add(dz, onehot, v0, vc)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the torch sparse path ran where the fold should have")
-
-    monkeypatch.setattr(triton_backend, "_add_onehot", recorded)
+    calls = record_folds(monkeypatch)
     monkeypatch.setattr(triton_backend, "ONEHOT_BLOCK_K", 4)
     monkeypatch.setattr(triton_backend, "ONEHOT_ADD_ELEMENTS", 8)
-    monkeypatch.setattr(student_module, "_add_sparse_torch", refused)
+    refuse_sparse_torch(monkeypatch)
     return calls
 
 

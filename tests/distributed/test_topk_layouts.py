@@ -29,11 +29,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE, layout_id, shared_seed, tp_cp_groups
+from conftest import DEVICE, shared_seed, tp_cp_groups
 from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, TEMPERATURE, VOCAB, draw_ids
 
 from mcore_ppo import fused_log_probs_at, fused_topk
 from mcore_ppo.distill import topk as topk_module
+from mcore_ppo_testing.student_fold import record_folds, refuse_sparse_torch
 from mcore_ppo_testing.student_reference import student_reference
 from mcore_ppo_testing.topk_reference import topk_reference
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
@@ -108,91 +109,11 @@ def compare(check, out, single, ref, part, kind: str, dtype: torch.dtype, suite:
     )
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
-def test_tp4_layouts_match_single_rank_and_fp64(sp, check):
-    tp = 4
-    layout = tp_cp_groups(tp)
-    torch.manual_seed(shared_seed())
-    for name, (seq, batch) in LAYOUT_SHAPES.items():
-        lead = (seq,) if batch is None else (seq, batch)
-        label_shape = (seq,) if batch is None else (batch, seq)
-        for kind, dtype in KINDS:
-            hidden, weight = draw(kind, dtype, lead)
-            labels = draw_ids(seq * (batch or 1)).view(label_shape)
-            temperature = 1.0 if kind == "integer" else TEMPERATURE
-            for k in KS:
-                single = single_rank(hidden, weight, k, labels, temperature)
-                ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
-                if layout.tp_group is None:  # ranks outside the TP group only drew the data
-                    continue
-                check.case(f"tp={tp} sp={sp} layout={name} {kind} {dtype} k={k}")
-                local_hidden = hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else hidden
-                out = fused_topk(
-                    local_hidden.to(DEVICE),
-                    weight.chunk(tp, dim=0)[layout.tp_rank].to(DEVICE),
-                    k,
-                    temperature=temperature,
-                    tp_group=layout.tp_group,
-                    sequence_parallel=sp,
-                    labels=labels.to(DEVICE),
-                )
-                compare(check, out, single, ref, lambda t: t, kind, dtype, f"TP{tp} sp={sp}")
-    check.done()
-
-
-CP_LAYOUTS = [(2, 2)]
-
-
-@pytest.mark.parametrize(("tp", "cp"), CP_LAYOUTS, ids=[layout_id(*layout) for layout in CP_LAYOUTS])
-def test_tp_cp_match_single_rank_and_fp64(tp, cp, check):
-    """Each CP rank holds its load-balanced part of hidden and labels (rolled before the split);
-    its outputs are that part of the single-rank outputs on the whole sequence."""
-    layout = tp_cp_groups(tp, cp)
-    torch.manual_seed(shared_seed())
-    for packed in (False, True):
-        if packed:
-            lengths = (4 * cp, 2 * cp, 6 * cp)
-            cu_seqlens = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-            lead, ids_shape = (cu_seqlens[-1], 1), (1, cu_seqlens[-1])
-        else:
-            cu_seqlens, lead, ids_shape = None, (16, 2), (2, 16)
-        for kind, dtype in KINDS:
-            hidden, weight = draw(kind, dtype, lead)
-            input_ids = draw_ids(ids_shape[0] * ids_shape[1]).view(ids_shape)
-            labels = roll_labels(input_ids, seq_dim=1, cu_seqlens=cu_seqlens)
-            temperature = 1.0 if kind == "integer" else TEMPERATURE
-            for k in KS:
-                single = single_rank(hidden, weight, k, labels, temperature)
-                ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
-                if layout.cp_group is None:
-                    continue
-                r = layout.cp_rank
-
-                def part(t: torch.Tensor, r=r, cu_seqlens=cu_seqlens) -> torch.Tensor:
-                    return split_for_cp(t, cp, r, seq_dim=1, cu_seqlens=cu_seqlens)
-
-                local_hidden = split_for_cp(hidden, cp, r, seq_dim=0, cu_seqlens=cu_seqlens)
-                local_labels = roll_and_split_labels(input_ids, cp, r, seq_dim=1, cu_seqlens=cu_seqlens)
-                for sp in (False, True):
-                    check.case(f"tp={tp} cp={cp} sp={sp} packed={packed} {kind} {dtype} k={k}")
-                    shard = local_hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else local_hidden
-                    out = fused_topk(
-                        shard.to(DEVICE),
-                        weight.chunk(tp, dim=0)[layout.tp_rank].to(DEVICE),
-                        k,
-                        temperature=temperature,
-                        tp_group=layout.tp_group,
-                        sequence_parallel=sp,
-                        labels=local_labels.to(DEVICE),
-                    )
-                    compare(check, out, single, ref, part, kind, dtype, f"TP{tp}xCP{cp} sp={sp}")
-    check.done()
-
-
-# --- A per-token temperature: a [b, s] ([1, t], [n]) tensor like the labels (the whole sequence
-# under SP, this rank's tokens under CP, cut like the labels) --------------------------------------
-
+# A per-token temperature is a [b, s] ([1, t], [n]) tensor like the labels: the whole sequence
+# under SP, this rank's tokens under CP, cut like the labels.
 TEMPERATURE_KS = (8, VOCAB)
+# (tp, per-token temperature): the float temperature at TP 4, a per-token one at TP 2.
+TP_CASES = [(4, False), (2, True)]
 
 
 def token_temperatures(shape: tuple[int, ...]) -> torch.Tensor:
@@ -200,46 +121,62 @@ def token_temperatures(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.exp((torch.rand(shape, dtype=torch.float64) * 2 - 1) * math.log(4.0)).float()
 
 
+def case_temperature(kind: str, shape: tuple[int, ...], per_token: bool) -> float | torch.Tensor:
+    """A per-token tensor shaped like the labels (drawn after the data), or the float one."""
+    if per_token:
+        return token_temperatures(shape)
+    return 1.0 if kind == "integer" else TEMPERATURE
+
+
+def local_temperature(temperature: float | torch.Tensor, cut) -> float | torch.Tensor:
+    """This rank's temperature argument: a tensor cut like its labels, on its device."""
+    return cut(temperature).to(DEVICE) if isinstance(temperature, torch.Tensor) else temperature
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
-def test_per_token_temperature_tp2(sp, check):
-    """TP 2 in every layout, SP off and on: a per-token temperature against the single-rank call
-    with the same tensor and against fp64."""
-    tp = 2
+@pytest.mark.parametrize(("tp", "per_token"), TP_CASES, ids=["tp4", "tp2-per-token-T"])
+def test_tp_layouts_match_single_rank_and_fp64(tp, per_token, sp, check):
+    """Every layout, SP off and on: against the single-rank call (with the same temperature
+    tensor, when per token) and fp64."""
     layout = tp_cp_groups(tp)
     torch.manual_seed(shared_seed())
+    prefix = "per-token T " if per_token else ""
     for name, (seq, batch) in LAYOUT_SHAPES.items():
         lead = (seq,) if batch is None else (seq, batch)
         label_shape = (seq,) if batch is None else (batch, seq)
         for kind, dtype in KINDS:
             hidden, weight = draw(kind, dtype, lead)
             labels = draw_ids(seq * (batch or 1)).view(label_shape)
-            temperature = token_temperatures(label_shape)
-            for k in TEMPERATURE_KS:
+            temperature = case_temperature(kind, label_shape, per_token)
+            for k in TEMPERATURE_KS if per_token else KS:
                 single = single_rank(hidden, weight, k, labels, temperature)
                 ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
-                if layout.tp_group is None:
+                if layout.tp_group is None:  # ranks outside the TP group only drew the data
                     continue
-                check.case(f"per-token T tp={tp} sp={sp} layout={name} {kind} {dtype} k={k}")
+                check.case(f"{prefix}tp={tp} sp={sp} layout={name} {kind} {dtype} k={k}")
                 local_hidden = hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else hidden
                 out = fused_topk(
                     local_hidden.to(DEVICE),
                     weight.chunk(tp, dim=0)[layout.tp_rank].to(DEVICE),
                     k,
-                    temperature=temperature.to(DEVICE),
+                    temperature=local_temperature(temperature, lambda t: t),
                     tp_group=layout.tp_group,
                     sequence_parallel=sp,
                     labels=labels.to(DEVICE),
                 )
-                compare(check, out, single, ref, lambda t: t, kind, dtype, f"per-token T TP{tp} sp={sp}")
+                compare(check, out, single, ref, lambda t: t, kind, dtype, f"{prefix}TP{tp} sp={sp}")
     check.done()
 
 
-def test_per_token_temperature_tp2_cp2(check):
-    """TP 2 × CP 2, padded and packed, SP off and on: each CP rank passes its part of the
-    temperature, cut like its labels; its outputs are that part of the single-rank outputs."""
+@pytest.mark.parametrize("per_token", [False, True], ids=["float-T", "per-token-T"])
+def test_tp2_cp2_match_single_rank_and_fp64(per_token, check):
+    """TP 2 × CP 2, padded and packed, SP off and on: each CP rank holds its load-balanced part of
+    hidden and labels (rolled before the split), and of a per-token temperature, cut like its
+    labels; its outputs are that part of the single-rank outputs on the whole sequence."""
     tp, cp = 2, 2
     layout = tp_cp_groups(tp, cp)
     torch.manual_seed(shared_seed())
+    prefix = "per-token T " if per_token else ""
     for packed in (False, True):
         if packed:
             lengths = (4 * cp, 2 * cp, 6 * cp)
@@ -251,8 +188,8 @@ def test_per_token_temperature_tp2_cp2(check):
             hidden, weight = draw(kind, dtype, lead)
             input_ids = draw_ids(ids_shape[0] * ids_shape[1]).view(ids_shape)
             labels = roll_labels(input_ids, seq_dim=1, cu_seqlens=cu_seqlens)
-            temperature = token_temperatures(ids_shape)
-            for k in TEMPERATURE_KS:
+            temperature = case_temperature(kind, ids_shape, per_token)
+            for k in TEMPERATURE_KS if per_token else KS:
                 single = single_rank(hidden, weight, k, labels, temperature)
                 ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
                 if layout.cp_group is None:
@@ -265,18 +202,18 @@ def test_per_token_temperature_tp2_cp2(check):
                 local_hidden = split_for_cp(hidden, cp, r, seq_dim=0, cu_seqlens=cu_seqlens)
                 local_labels = roll_and_split_labels(input_ids, cp, r, seq_dim=1, cu_seqlens=cu_seqlens)
                 for sp in (False, True):
-                    check.case(f"per-token T tp={tp} cp={cp} sp={sp} packed={packed} {kind} {dtype} k={k}")
+                    check.case(f"{prefix}tp={tp} cp={cp} sp={sp} packed={packed} {kind} {dtype} k={k}")
                     shard = local_hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else local_hidden
                     out = fused_topk(
                         shard.to(DEVICE),
                         weight.chunk(tp, dim=0)[layout.tp_rank].to(DEVICE),
                         k,
-                        temperature=part(temperature).to(DEVICE),
+                        temperature=local_temperature(temperature, part),
                         tp_group=layout.tp_group,
                         sequence_parallel=sp,
                         labels=local_labels.to(DEVICE),
                     )
-                    compare(check, out, single, ref, part, kind, dtype, f"per-token T TP{tp}xCP{cp} sp={sp}")
+                    compare(check, out, single, ref, part, kind, dtype, f"{prefix}TP{tp}xCP{cp} sp={sp}")
     check.done()
 
 
@@ -425,20 +362,9 @@ def test_student_fold_on_the_triton_backend_tp2(mode, check, monkeypatch):
     pytest.importorskip("triton")
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("the triton backend runs CPU tensors only under TRITON_INTERPRET=1")
-    from mcore_ppo.backends import TritonBackend, triton_backend
-    from mcore_ppo.distill import student as student_module
+    from mcore_ppo.backends import TritonBackend
 
-    folds = []
-    add = triton_backend._add_onehot
-
-    def recorded(dz, onehot, v0, vc):
-        folds.append((v0, vc))
-        add(dz, onehot, v0, vc)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the torch sparse path ran where the fold should have")
-
-    monkeypatch.setattr(triton_backend, "_add_onehot", recorded)
+    folds = record_folds(monkeypatch)
     backend = (
         TritonBackend(workspace_bytes=1, buffer_budget_bytes=0) if mode == "recompute"
         else TritonBackend(buffer_budget_bytes=1 << 30)
@@ -450,7 +376,7 @@ def test_student_fold_on_the_triton_backend_tp2(mode, check, monkeypatch):
     case = student_case(torch.float32, (seq,), (seq,), k)
     single = student_run(**case, tp_group=None, backend="torch")
     ref = student_reference(case["hidden"], case["weight"], case["ids"], TEMPERATURE, case["g"], case["e"])
-    monkeypatch.setattr(student_module, "_add_sparse_torch", refused)  # from here on: the fold only
+    refuse_sparse_torch(monkeypatch)  # from here on: the fold only
     if layout.tp_group is not None:
         r = layout.tp_rank
         for sp in (False, True):

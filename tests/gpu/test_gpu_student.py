@@ -20,6 +20,7 @@ import torch
 from mcore_ppo import fused_log_probs_at
 from mcore_ppo_testing.reference import assert_close
 from mcore_ppo_testing.seeds import next_seed
+from mcore_ppo_testing.student_fold import record_folds, refuse_sparse_torch
 from mcore_ppo_testing.student_reference import student_reference
 
 pytestmark = [
@@ -83,21 +84,8 @@ def test_fold_matches_fp64_on_cuda(dtype, mode, share, monkeypatch):
     per-token temperature; ``one_of_8``: only the ids in an eighth of the vocab kept (the others
     ignored, as a rank's share at TP 8). The fold must run (the torch sparse path is refused),
     and a second run gives the same bits (no atomics)."""
-    from mcore_ppo.backends import triton_backend
-    from mcore_ppo.distill import student as student_module
-
-    calls = []
-    add = triton_backend._add_onehot
-
-    def recorded(dz, onehot, v0, vc):
-        calls.append((v0, vc))
-        add(dz, onehot, v0, vc)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the torch sparse path ran where the fold should have")
-
-    monkeypatch.setattr(triton_backend, "_add_onehot", recorded)
-    monkeypatch.setattr(student_module, "_add_sparse_torch", refused)
+    calls = record_folds(monkeypatch)
+    refuse_sparse_torch(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(next_seed())
     n, h, vocab, k = 512, 512, 32768, 64
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
