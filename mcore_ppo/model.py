@@ -246,20 +246,41 @@ def _forward_without_hook(
     return_entropy: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """megatron-core < 0.18: the model with ``post_process`` cleared, then the head module."""
+    if getattr(gpt.config, "fine_grained_activation_offloading", False):
+        # GPTModel marks the output layer's parameters only while post_process is set.
+        _mark_not_offloadable(head)
+    hidden_states, output_weight = hidden_states_without_postprocess(
+        gpt, input_ids, position_ids, attention_mask, forward_kwargs
+    )
+    return head(hidden_states, labels, weight=output_weight, temperature=temperature, return_entropy=return_entropy)
+
+
+def hidden_states_without_postprocess(
+    gpt: torch.nn.Module,
+    input_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    forward_kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the ``output_processor`` hook hands a processor, for models without it: the unwrapped
+    ``gpt`` run with ``post_process`` cleared (restored in a ``finally``) gives the decoder's
+    final hidden states (normed, still SP-scattered); with them the output weight the hook
+    passes (the embedding's for tied models, else None).
+
+    Multi-token prediction raises NotImplementedError: without ``post_process`` the model
+    returns the MTP depths' hidden states concatenated to the main ones.
+    """
     if getattr(gpt.config, "mtp_num_layers", None):
         raise NotImplementedError(
             "multi-token prediction needs megatron-core >= 0.18 (the output_processor hook) for the fused head"
         )
-    if getattr(gpt.config, "fine_grained_activation_offloading", False):
-        # GPTModel marks the output layer's parameters only while post_process is set.
-        _mark_not_offloadable(head)
     output_weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
     gpt.post_process = False
     try:
         hidden_states = gpt(input_ids, position_ids, attention_mask, **forward_kwargs)
     finally:
         gpt.post_process = True
-    return head(hidden_states, labels, weight=output_weight, temperature=temperature, return_entropy=return_entropy)
+    return hidden_states, output_weight
 
 
 def _mark_not_offloadable(module: torch.nn.Module) -> None:

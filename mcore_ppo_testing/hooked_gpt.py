@@ -208,3 +208,24 @@ def forward_path(model: torch.nn.Module, path: str) -> Iterator[None]:
             model_module._HOOK_SUPPORT[cls] = saved
         return
     raise ValueError(f"path must be 'hook', 'fallback' or 'auto', got {path!r}")
+
+
+@contextlib.contextmanager
+def post_process_frozen(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, setting ``post_process`` on ``model`` (an unwrapped ``GPTModel``) raises
+    AssertionError: a forward that must not clear it fails instead of passing unseen.
+
+    The class is switched to a subclass whose ``post_process`` is a property (reads unchanged)
+    and back on exit.
+    """
+    cls = type(model)
+
+    def refuse(self: torch.nn.Module, value: object) -> None:
+        raise AssertionError(f"post_process set to {value!r} on {cls.__name__} inside post_process_frozen")
+
+    frozen = property(lambda self: self.__dict__["post_process"], refuse)
+    model.__class__ = type(cls.__name__, (cls,), {"post_process": frozen})
+    try:
+        yield
+    finally:
+        model.__class__ = cls

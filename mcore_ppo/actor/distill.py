@@ -31,7 +31,12 @@ from mcore_ppo.actor.distill_loss import topk_forward_kl
 from mcore_ppo.actor.layout import ActorParallel, all_reduce, broadcast_from_last_stage
 from mcore_ppo.actor.ppo_loss import aggregate, compute_policy_loss, kl_k3
 from mcore_ppo.distill import TopK, fused_topk
-from mcore_ppo.model import unwrap_gpt_model
+from mcore_ppo.model import (
+    _check_supported_config,
+    hidden_states_without_postprocess,
+    supports_output_processor,
+    unwrap_gpt_model,
+)
 from mcore_ppo.validation import check_tensor
 from parallel.groups import group_size
 
@@ -111,6 +116,48 @@ def with_teacher(mb: MicroBatch, teacher: TopK, ignore_index: int) -> DistillMic
     return DistillMicroBatch(**fields, teacher_log_probs=log_probs, teacher_tail_log_mass=tail)
 
 
+@dataclass(frozen=True)
+class _TopKRequest:
+    """``output_processor_context`` of the teacher's forward: what :func:`mcore_ppo.fused_topk` takes."""
+
+    k: int
+    temperature: float
+    labels: torch.Tensor
+    ignore_index: int
+
+
+def _topk_processor(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: torch.nn.Module,
+    output_weight: torch.Tensor | None,
+    context: _TopKRequest,
+    config: Any,
+    **_unused: Any,
+) -> TopK:
+    """megatron-core's ``output_processor`` hook of the teacher: :func:`mcore_ppo.fused_topk` of the
+    final hidden states (``[s/tp, b, h]`` under SP) over the output layer's vocab shards.
+
+    ``output_weight``: the embedding's weight for tied models, else None (the output layer's).
+    The labels come with the context, the model is called without them: with multi-token
+    prediction, Megatron's MTP loss (discarded here, no gradient) would count ``ignore_index``.
+    """
+    _check_supported_config(config)
+    weight = output_layer.weight if output_weight is None else output_weight
+    tp_group = getattr(output_layer, "tp_group", None)
+    sequence_parallel = bool(config.sequence_parallel) and group_size(tp_group) > 1
+    return fused_topk(
+        hidden_states,
+        weight,
+        context.k,
+        temperature=context.temperature,
+        tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
+        labels=context.labels,
+        ignore_index=context.ignore_index,
+    )
+
+
 def teacher_topk_forward(
     model: torch.nn.Module,
     input_ids: torch.Tensor | None,
@@ -125,36 +172,40 @@ def teacher_topk_forward(
 ) -> TopK | torch.Tensor:
     """A teacher GPT's top-``k`` for ``labels`` ``[1, t]`` (``[b, s]``), on the last pipeline stage.
 
-    The model runs with ``post_process`` cleared (its decoder's final norm still applies; see
-    :mod:`mcore_ppo.model`), so it returns the final hidden states; :func:`mcore_ppo.fused_topk`
-    then takes the top-k over the output layer's vocab shards (the embedding's weight for tied
-    models), under the model's TP group and sequence parallelism; tokens whose label is
-    ``ignore_index`` get ``ids = ignore_index``. No gradient. Other stages return what the
-    model returns there.
+    :func:`mcore_ppo.fused_topk` takes the top-k of the teacher's final hidden states over the
+    output layer's vocab shards (the embedding's weight for tied models), under the model's TP
+    group and sequence parallelism; tokens whose label is ``ignore_index`` get
+    ``ids = ignore_index``. Models whose ``forward`` takes megatron-core >= 0.18's
+    ``output_processor`` hand it the hidden states after their own post-process (final norm,
+    multi-token prediction); the others run with ``post_process`` cleared for the call
+    (:func:`mcore_ppo.model.hidden_states_without_postprocess`; multi-token prediction raises
+    NotImplementedError there). No gradient. Other stages return what the model returns there.
     """
     gpt = unwrap_gpt_model(model)
     if not gpt.post_process:
         return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
-    layer = gpt.output_layer
-    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else layer.weight
-    gpt.post_process = False
-    try:
-        with torch.no_grad():
-            hidden = gpt(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
-    finally:
-        gpt.post_process = True
-    tp_group = getattr(layer, "tp_group", None)
-    sequence_parallel = bool(gpt.config.sequence_parallel) and group_size(tp_group) > 1
-    return fused_topk(
-        hidden,
-        weight,
-        k,
-        temperature=temperature,
-        tp_group=tp_group,
-        sequence_parallel=sequence_parallel,
-        labels=labels,
-        ignore_index=ignore_index,
-    )
+    request = _TopKRequest(k, temperature, labels, ignore_index)
+    # The unwrapped model: Float16Module would turn the returned TopK into a plain tuple.
+    with torch.no_grad():
+        if supports_output_processor(gpt):
+            return gpt(
+                input_ids,
+                position_ids,
+                attention_mask,
+                packed_seq_params=packed_seq_params,
+                output_processor=_topk_processor,
+                output_processor_context=request,
+            )
+        hidden, output_weight = hidden_states_without_postprocess(
+            gpt, input_ids, position_ids, attention_mask, {"packed_seq_params": packed_seq_params}
+        )
+        return _topk_processor(
+            hidden_states=hidden,
+            output_layer=gpt.output_layer,
+            output_weight=output_weight,
+            context=request,
+            config=gpt.config,
+        )
 
 
 def distill_loss(

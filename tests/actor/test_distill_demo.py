@@ -1,6 +1,8 @@
-"""The actor's distillation option: its config keys, the per-micro-batch teacher packing and loss
-(single process), and the demo (``scripts/launch.sh --config configs/distill_demo.yaml``: TP 2 +
-SP × CP 2 on 4 CPU ranks, one short step; its parity lines and PASS verdict)."""
+"""The actor's distillation option: its config keys, the per-micro-batch teacher packing and loss,
+the teacher's top-k through both forward routes (the ``output_processor`` hook and the
+``post_process`` one) against each other and the teacher's fp64 full logits (single process), and
+the demo (``scripts/launch.sh --config configs/distill_demo.yaml``: TP 2 + SP × CP 2 on 4 CPU
+ranks, one short step; its parity lines and PASS verdict)."""
 
 from __future__ import annotations
 
@@ -133,6 +135,82 @@ def test_distill_loss_matches_the_formula(policy):
     torch.testing.assert_close(loss.detach().double(), expected, rtol=1e-6, atol=0)
     loss.backward()
     assert log_q.grad is not None and (log_q.grad[0][~keep] == 0).all()
+
+
+TEACHER_GPT = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "vocab_size": 96,
+    "max_sequence_length": 48,
+}
+
+
+def _teacher(output_layer: str, seed: int) -> torch.nn.Module:
+    """An fp64 teacher GPT (TP 1): the fused head installed, Megatron's own ``ColumnParallelLinear``,
+    or that with the embedding's weight tied to it."""
+    from mcore_ppo import build_gpt_model, install_fused_head
+    from mcore_ppo_testing.ppo_harness import layer_spec
+
+    shape = dict(TEACHER_GPT, tie_embeddings=output_layer == "tied")
+    gpt = build_gpt_model(**shape, params_dtype=torch.float64, seed=seed, transformer_layer_spec=layer_spec())
+    if output_layer == "fused_head":
+        install_fused_head(gpt, backend="torch")
+    return gpt
+
+
+@pytest.mark.usefixtures("megatron_tp1")
+@pytest.mark.parametrize("output_layer", ["fused_head", "column_parallel", "tied"])
+def test_teacher_topk_hook_route_matches_post_process_route_and_fp64(output_layer):
+    """``compute_teacher_topk`` and one micro-batch's ``teacher_topk_forward`` through the
+    ``output_processor`` hook (``post_process`` never set: its setter raises there) and through
+    the ``post_process`` route: the same ids, log-probs and tails, ``ignore_index`` ids where the
+    labels are ignored, and the top-k of the teacher's fp64 full logits."""
+    from mcore_ppo.actor import MegatronPPOActor
+    from mcore_ppo.actor.distill import teacher_topk_forward
+    from mcore_ppo.model import supports_output_processor
+    from mcore_ppo_testing.distill_demo import _teacher_parity, full_log_probs
+    from mcore_ppo_testing.hooked_gpt import forward_path, post_process_frozen
+    from mcore_ppo_testing.ppo_harness import synthetic_rollout
+
+    teacher = _teacher(output_layer, next_seed())
+    vocab, k, temperature = TEACHER_GPT["vocab_size"], 8, 0.8
+    rollout = synthetic_rollout(num_seqs=5, vocab_size=vocab, prompt_len=(2, 6), response_len=(3, 12), seed=next_seed())
+    config = PPOActorConfig(distill_coeff=1.0, distill_topk=k, temperature=temperature, micro_batch_size=2)
+    actor = MegatronPPOActor(teacher, torch.optim.SGD(teacher.parameters(), lr=1.0), config)
+    mb = actor.micro_batches(rollout)[0]
+    assert (mb.labels == -100).any() and (mb.labels != -100).any()
+
+    def both():
+        top = actor.compute_teacher_topk(teacher, rollout)
+        kw = dict(k=k, temperature=temperature, packed_seq_params=mb.packed_seq_params)
+        return top, teacher_topk_forward(teacher, mb.input_ids, mb.position_ids, None, mb.labels, **kw)
+
+    with forward_path(teacher, "hook"), post_process_frozen(teacher):
+        assert supports_output_processor(teacher)
+        hooked = both()
+    with forward_path(teacher, "fallback"):
+        assert not supports_output_processor(teacher)
+        plain = both()
+    for where, a, b in zip(("compute_teacher_topk", "teacher_topk_forward"), hooked, plain, strict=True):
+        for name in a._fields:
+            msg = lambda m, n=f"{where} {name}": f"hook vs post_process, {n}: {m}"
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=1e-12, msg=msg)
+    ignored = mb.labels == -100
+    assert (hooked[1].ids[ignored] == -100).all() and (hooked[1].ids[~ignored] >= 0).all()
+
+    full = full_log_probs(teacher, rollout, actor.parallel, temperature=temperature, align=actor.align)
+    mask = rollout.response_mask
+    assert max(_teacher_parity(hooked[0], full, mask)) < 1e-12
+    assert (hooked[0].ids[~mask] == -100).all()
+    # The guard can fail: the post_process route clears the flag.
+    with (
+        post_process_frozen(teacher),
+        forward_path(teacher, "fallback"),
+        pytest.raises(AssertionError, match="post_process"),
+    ):
+        actor.compute_teacher_topk(teacher, rollout)
+    assert teacher.post_process
 
 
 @pytest.mark.slow
