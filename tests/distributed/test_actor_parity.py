@@ -14,6 +14,11 @@ same global weights and the same rollout:
 - ``compute_log_prob`` and one ``update_policy`` step equal the TP 1 run: log-probs, every
   metric, the gradient norm, and every parameter after the step.
 
+The teacher's top-k (``compute_teacher_topk``, k = 8) under TP 2 (SP off and on), TP 2 × CP 2 at
+the head and inside the model, and TP 2 × PP 2: through the ``output_processor`` hook (the model's
+``post_process`` setter raising) equal to the ``post_process`` route and to the top-k of the
+teacher's fp64 full logits.
+
 The update uses SGD (lr 1), so ``Δparameter = -clipped gradient`` and the parameter check is a
 gradient check; clipping is active (``max_grad_norm`` below the norm), the dual clip and the
 entropy bonus are on, and the micro-batch split differs between layouts (sequence count vs
@@ -21,6 +26,8 @@ token budget), so the global-count aggregation is exercised too.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -30,6 +37,9 @@ from conftest import DEVICE, fitting, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
+from mcore_ppo.model import unwrap_gpt_model
+from mcore_ppo_testing.distill_demo import _teacher_parity, full_log_probs
+from mcore_ppo_testing.hooked_gpt import forward_path, post_process_frozen
 from mcore_ppo_testing.ppo_harness import (
     build_actor_model,
     destroy_layout,
@@ -73,7 +83,10 @@ def shims(gpt_cpu_shims):
     yield
 
 
-def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_agg_mode):
+@contextlib.contextmanager
+def _layout_model(tp, cp, pp, sp, batching, *, seed):
+    """The layout's ``ActorParallel`` and the fp64 model on it (the same global weights in every
+    layout), with the actor's micro-batching keywords; the layout is destroyed on exit."""
     batching = dict(batching)
     packed_attention = batching.pop("packed_attention", True)
     cp_in_model = batching.pop("cp_in_model", False)
@@ -89,6 +102,15 @@ def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_
             attention="sdpa" if cp_in_model else "reference",
         )
         layout_independent_init(model, seed)
+        yield parallel, model, batching
+    finally:
+        destroy_layout()
+
+
+def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_agg_mode):
+    packed_attention = batching.get("packed_attention", True)
+    cp_in_model = batching.get("cp_in_model", False)
+    with _layout_model(tp, cp, pp, sp, batching, seed=seed) as (parallel, model, batching):
         before = full_parameters(model, parallel.tp)
         config = PPOActorConfig(
             clip_ratio_low=0.2,
@@ -111,8 +133,6 @@ def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_
         after = full_parameters(model, parallel.tp)
         deltas = {k: after[k] - before[k] for k in after}
         return log_probs, entropy, reference, metrics, deltas
-    finally:
-        destroy_layout()
 
 
 @pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "token-mean"])
@@ -186,5 +206,45 @@ def test_actor_same_numbers_every_layout(check, fresh_parallel_state, loss_agg_m
         if not deltas:
             check.fail("no parameters compared")
     assert not parallel_state.model_parallel_is_initialized()
+    dist.barrier()
+    check.done()
+
+
+def test_teacher_topk_hook_route_every_layout(check, fresh_parallel_state):
+    """``compute_teacher_topk`` through the ``output_processor`` hook (``post_process`` never set:
+    its setter raises there) == the ``post_process`` route == the top-k of the teacher's fp64 full
+    logits, in each layout."""
+    seed = shared_seed()
+    rollout = synthetic_rollout(
+        num_seqs=5, vocab_size=MODEL["vocab_size"], prompt_len=(2, 9), response_len=(3, 14), seed=seed, device=DEVICE
+    )
+    mask = rollout.response_mask
+    layouts = fitting(
+        [LAYOUTS[i] for i in (1, 2, 6, 8, 10)],
+        lambda layout: layout[0] * layout[1] * layout[2],
+        lambda layout: f"tp{layout[0]} cp{layout[1]} pp{layout[2]}",
+    )
+    for tp, cp, pp, sp, batching in layouts:
+        name = f"tp{tp} cp{cp} pp{pp} sp{int(sp)} {batching}"
+        check.case(f"teacher: {name}")
+        with _layout_model(tp, cp, pp, sp, batching, seed=seed) as (parallel, model, batching):
+            config = PPOActorConfig(distill_coeff=1.0, distill_topk=8, temperature=TEMPERATURE, **batching)
+            actor = MegatronPPOActor(model, torch.optim.SGD(model.parameters(), lr=1.0), config, parallel=parallel)
+            with forward_path(model, "hook"), post_process_frozen(unwrap_gpt_model(model)):
+                hooked = actor.compute_teacher_topk(model, rollout)
+            with forward_path(model, "fallback"):
+                plain = actor.compute_teacher_topk(model, rollout)
+            full = full_log_probs(model, rollout, parallel, temperature=TEMPERATURE, align=actor.align)
+        if not torch.equal(hooked.ids, plain.ids):
+            check.fail("hook route ids != post_process route ids")
+        kind = f"teacher hook vs post_process [{name}]"
+        check.close("log_probs", hooked.log_probs, plain.log_probs, tol=TOL, kind=kind)
+        check.close("tail_log_mass", hooked.tail_log_mass, plain.tail_log_mass, tol=TOL, kind=kind)
+        if not bool((hooked.ids[~mask] == -100).all()):
+            check.fail("teacher ids off the response are not ignore_index")
+        if full is not None:
+            worst = max(_teacher_parity(hooked, full, mask))
+            if not worst <= TOL:
+                check.fail(f"hook route vs fp64 full logits: max|Δ| {worst:.1e} > {TOL}")
     dist.barrier()
     check.done()
