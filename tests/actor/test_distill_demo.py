@@ -1,6 +1,7 @@
 """The actor's distillation option: its config keys, the per-micro-batch teacher packing and loss,
 the teacher's top-k through both forward routes (the ``output_processor`` hook and the
-``post_process`` one) against each other and the teacher's fp64 full logits (single process), and
+``post_process`` one) against each other and the teacher's fp64 full logits (a multi-token
+prediction teacher: the hook route; the other refuses it) (single process), and
 the demo (``scripts/launch.sh --config configs/distill_demo.yaml``: TP 2 + SP × CP 2 on 4 CPU
 ranks, one short step; its parity lines and PASS verdict)."""
 
@@ -148,15 +149,35 @@ TEACHER_GPT = {
 
 def _teacher(output_layer: str, seed: int) -> torch.nn.Module:
     """An fp64 teacher GPT (TP 1): the fused head installed, Megatron's own ``ColumnParallelLinear``,
-    or that with the embedding's weight tied to it."""
+    that with the embedding's weight tied to it, or with two multi-token prediction depths."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
     from mcore_ppo import build_gpt_model, install_fused_head
     from mcore_ppo_testing.ppo_harness import layer_spec
 
     shape = dict(TEACHER_GPT, tie_embeddings=output_layer == "tied")
-    gpt = build_gpt_model(**shape, params_dtype=torch.float64, seed=seed, transformer_layer_spec=layer_spec())
+    if output_layer == "mtp":
+        shape.update(mtp_num_layers=2, mtp_block_spec=lambda c, spec: get_gpt_mtp_block_spec(c, spec, False))
+    try:
+        gpt = build_gpt_model(**shape, params_dtype=torch.float64, seed=seed, transformer_layer_spec=layer_spec())
+    except TypeError as err:  # is_inference_column_parallel_linear checks isinstance against TE placeholders
+        if output_layer == "mtp" and "isinstance() arg 2" in str(err):
+            pytest.skip(f"this megatron-core cannot build an MTP layer without TransformerEngine ({err})")
+        raise
     if output_layer == "fused_head":
         install_fused_head(gpt, backend="torch")
     return gpt
+
+
+def _teacher_case(teacher: torch.nn.Module, k: int, temperature: float):
+    """A rollout over the teacher's vocab and an actor (on the teacher itself) that micro-batches it."""
+    from mcore_ppo.actor import MegatronPPOActor
+    from mcore_ppo_testing.ppo_harness import synthetic_rollout
+
+    vocab = TEACHER_GPT["vocab_size"]
+    rollout = synthetic_rollout(num_seqs=5, vocab_size=vocab, prompt_len=(2, 6), response_len=(3, 12), seed=next_seed())
+    config = PPOActorConfig(distill_coeff=1.0, distill_topk=k, temperature=temperature, micro_batch_size=2)
+    return rollout, MegatronPPOActor(teacher, torch.optim.SGD(teacher.parameters(), lr=1.0), config)
 
 
 @pytest.mark.usefixtures("megatron_tp1")
@@ -166,18 +187,14 @@ def test_teacher_topk_hook_route_matches_post_process_route_and_fp64(output_laye
     ``output_processor`` hook (``post_process`` never set: its setter raises there) and through
     the ``post_process`` route: the same ids, log-probs and tails, ``ignore_index`` ids where the
     labels are ignored, and the top-k of the teacher's fp64 full logits."""
-    from mcore_ppo.actor import MegatronPPOActor
     from mcore_ppo.actor.distill import teacher_topk_forward
     from mcore_ppo.model import supports_output_processor
     from mcore_ppo_testing.distill_demo import _teacher_parity, full_log_probs
     from mcore_ppo_testing.hooked_gpt import forward_path, post_process_frozen
-    from mcore_ppo_testing.ppo_harness import synthetic_rollout
 
     teacher = _teacher(output_layer, next_seed())
-    vocab, k, temperature = TEACHER_GPT["vocab_size"], 8, 0.8
-    rollout = synthetic_rollout(num_seqs=5, vocab_size=vocab, prompt_len=(2, 6), response_len=(3, 12), seed=next_seed())
-    config = PPOActorConfig(distill_coeff=1.0, distill_topk=k, temperature=temperature, micro_batch_size=2)
-    actor = MegatronPPOActor(teacher, torch.optim.SGD(teacher.parameters(), lr=1.0), config)
+    k, temperature = 8, 0.8
+    rollout, actor = _teacher_case(teacher, k, temperature)
     mb = actor.micro_batches(rollout)[0]
     assert (mb.labels == -100).any() and (mb.labels != -100).any()
 
@@ -209,6 +226,35 @@ def test_teacher_topk_hook_route_matches_post_process_route_and_fp64(output_laye
         forward_path(teacher, "fallback"),
         pytest.raises(AssertionError, match="post_process"),
     ):
+        actor.compute_teacher_topk(teacher, rollout)
+    assert teacher.post_process
+
+
+@pytest.mark.usefixtures("megatron_tp1")
+def test_teacher_with_multi_token_prediction_on_the_hook_route():
+    """A teacher with two MTP depths: the hook route runs its MTP block and gives the top-k of the
+    main tokens' fp64 full logits (those of the same weights without the MTP block); the
+    ``post_process`` route refuses it (its hidden states would come with the depths' ones)."""
+    from mcore_ppo_testing.distill_demo import _teacher_parity, full_log_probs
+    from mcore_ppo_testing.hooked_gpt import forward_path, post_process_frozen
+
+    seed = next_seed()
+    teacher, without_mtp = _teacher("mtp", seed), _teacher("column_parallel", seed)
+    loaded = without_mtp.load_state_dict(teacher.state_dict(), strict=False)
+    assert not loaded.missing_keys and loaded.unexpected_keys
+    assert all(key.startswith("mtp.") for key in loaded.unexpected_keys)
+    rollout, actor = _teacher_case(teacher, 8, 0.8)
+    mtp_calls = []
+    handle = teacher.mtp.register_forward_hook(lambda *_: mtp_calls.append(1))
+    try:
+        with forward_path(teacher, "hook"), post_process_frozen(teacher):
+            top = actor.compute_teacher_topk(teacher, rollout)
+    finally:
+        handle.remove()
+    assert len(mtp_calls) == len(actor.micro_batches(rollout))
+    full = full_log_probs(without_mtp, rollout, actor.parallel, temperature=0.8, align=actor.align)
+    assert max(_teacher_parity(top, full, rollout.response_mask)) < 1e-12
+    with forward_path(teacher, "fallback"), pytest.raises(NotImplementedError, match="multi-token prediction"):
         actor.compute_teacher_topk(teacher, rollout)
     assert teacher.post_process
 
