@@ -217,7 +217,11 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
         ms = statistics.median(times[name])
         entry = {"median_ms": ms, "ratio_to_gemm": ms / gemm_ms, "times_ms": times[name]}
         if name in settings:
-            entry["settings"] = settings[name]
+            # Config overrides as their fields: the JSON holds plain values.
+            entry["settings"] = {
+                key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+                for key, value in settings[name].items()
+            }
         entry["peak_extra_gib"] = peak_extra_bytes(impls[name]) / GIB
         if name != "gemm":
             out = impls[name]()
