@@ -46,7 +46,9 @@ from mcore_ppo.validation import check_temperature
 
 __all__ = [
     "build_gpt_model",
+    "check_supported_config",
     "gpt_log_probs_and_entropy",
+    "hidden_states_without_postprocess",
     "install_fused_head",
     "supports_output_processor",
     "unwrap_gpt_model",
@@ -113,7 +115,7 @@ def fused_output_processor(
         )
     if labels is None:
         raise ValueError("fused_output_processor needs labels; call the model without the processor for logits")
-    _check_supported_config(config)
+    check_supported_config(config)
     temperature = None if context is None else context.temperature
     return_entropy = None if context is None else context.return_entropy
     if context is not None and context.labels is not None:
@@ -123,7 +125,9 @@ def fused_output_processor(
     )
 
 
-def _check_supported_config(config: Any) -> None:
+def check_supported_config(config: Any) -> None:
+    """Refuse a model config whose output the fused head (or top-k) would compute differently
+    (MuP's logit scaling, which megatron-core applies in its own output path): NotImplementedError."""
     if config is None:
         return
     if getattr(config, "use_mup", False):
@@ -182,7 +186,7 @@ def gpt_log_probs_and_entropy(
             "gpt_log_probs_and_entropy needs the fused head as the model's output layer: call "
             f"install_fused_head(model) first (found {type(head).__name__})"
         )
-    _check_supported_config(gpt.config)
+    check_supported_config(gpt.config)
     if supports_output_processor(gpt):
         context = FusedHeadContext(temperature, return_entropy=return_entropy)
         model_labels = labels

@@ -32,7 +32,7 @@ from mcore_ppo.actor.layout import ActorParallel, all_reduce, broadcast_from_las
 from mcore_ppo.actor.ppo_loss import aggregate, compute_policy_loss, kl_k3
 from mcore_ppo.distill import TopK, fused_topk
 from mcore_ppo.model import (
-    _check_supported_config,
+    check_supported_config,
     hidden_states_without_postprocess,
     supports_output_processor,
     unwrap_gpt_model,
@@ -142,7 +142,7 @@ def _topk_processor(
     The labels come with the context, the model is called without them: with multi-token
     prediction, Megatron's MTP loss (discarded here, no gradient) would count ``ignore_index``.
     """
-    _check_supported_config(config)
+    check_supported_config(config)
     weight = output_layer.weight if output_weight is None else output_weight
     tp_group = getattr(output_layer, "tp_group", None)
     sequence_parallel = bool(config.sequence_parallel) and group_size(tp_group) > 1
