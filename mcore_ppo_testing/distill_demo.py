@@ -114,7 +114,7 @@ def full_log_probs(
     return out
 
 
-def _teacher_parity(top: TopK, full: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+def teacher_parity(top: TopK, full: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
     """``max|Δ|`` of the top-k's log-probs at its ids, of its tails and of its k values sorted,
     against the teacher's fp64 full log-probs, over the response tokens."""
     ids = top.ids[mask]
@@ -192,7 +192,7 @@ def run_distill_demo(config: DemoConfig) -> int:
         d_teacher = [0.0, 0.0, 0.0]
         kl_full = 0.0
         if teacher_full is not None:
-            d_teacher = list(_teacher_parity(top, teacher_full, mask))
+            d_teacher = list(teacher_parity(top, teacher_full, mask))
             at_ids = student_full.gather(-1, top.ids.clamp(min=0))
             kl = topk_forward_kl(
                 at_ids, top.log_probs.double(), top.tail_log_mass.double(), mode=cfg.distill_kl_mode, mask=mask

@@ -189,7 +189,7 @@ def test_teacher_topk_hook_route_matches_post_process_route_and_fp64(output_laye
     labels are ignored, and the top-k of the teacher's fp64 full logits."""
     from mcore_ppo.actor.distill import teacher_topk_forward
     from mcore_ppo.model import supports_output_processor
-    from mcore_ppo_testing.distill_demo import _teacher_parity, full_log_probs
+    from mcore_ppo_testing.distill_demo import full_log_probs, teacher_parity
     from mcore_ppo_testing.hooked_gpt import forward_path, post_process_frozen
 
     teacher = _teacher(output_layer, next_seed())
@@ -218,7 +218,7 @@ def test_teacher_topk_hook_route_matches_post_process_route_and_fp64(output_laye
 
     full = full_log_probs(teacher, rollout, actor.parallel, temperature=temperature, align=actor.align)
     mask = rollout.response_mask
-    assert max(_teacher_parity(hooked[0], full, mask)) < 1e-12
+    assert max(teacher_parity(hooked[0], full, mask)) < 1e-12
     assert (hooked[0].ids[~mask] == -100).all()
     # The guard can fail: the post_process route clears the flag.
     with (
@@ -235,7 +235,7 @@ def test_teacher_with_multi_token_prediction_on_the_hook_route():
     """A teacher with two MTP depths: the hook route runs its MTP block and gives the top-k of the
     main tokens' fp64 full logits (those of the same weights without the MTP block); the
     ``post_process`` route refuses it (its hidden states would come with the depths' ones)."""
-    from mcore_ppo_testing.distill_demo import _teacher_parity, full_log_probs
+    from mcore_ppo_testing.distill_demo import full_log_probs, teacher_parity
     from mcore_ppo_testing.hooked_gpt import forward_path, post_process_frozen
 
     seed = next_seed()
@@ -253,7 +253,7 @@ def test_teacher_with_multi_token_prediction_on_the_hook_route():
         handle.remove()
     assert len(mtp_calls) == len(actor.micro_batches(rollout))
     full = full_log_probs(without_mtp, rollout, actor.parallel, temperature=0.8, align=actor.align)
-    assert max(_teacher_parity(top, full, rollout.response_mask)) < 1e-12
+    assert max(teacher_parity(top, full, rollout.response_mask)) < 1e-12
     with forward_path(teacher, "fallback"), pytest.raises(NotImplementedError, match="multi-token prediction"):
         actor.compute_teacher_topk(teacher, rollout)
     assert teacher.post_process

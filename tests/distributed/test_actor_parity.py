@@ -38,7 +38,7 @@ from megatron.core import parallel_state
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
 from mcore_ppo.model import unwrap_gpt_model
-from mcore_ppo_testing.distill_demo import _teacher_parity, full_log_probs
+from mcore_ppo_testing.distill_demo import full_log_probs, teacher_parity
 from mcore_ppo_testing.hooked_gpt import forward_path, post_process_frozen
 from mcore_ppo_testing.ppo_harness import (
     build_actor_model,
@@ -243,7 +243,7 @@ def test_teacher_topk_hook_route_every_layout(check, fresh_parallel_state):
         if not bool((hooked.ids[~mask] == -100).all()):
             check.fail("teacher ids off the response are not ignore_index")
         if full is not None:
-            worst = max(_teacher_parity(hooked, full, mask))
+            worst = max(teacher_parity(hooked, full, mask))
             if not worst <= TOL:
                 check.fail(f"hook route vs fp64 full logits: max|Δ| {worst:.1e} > {TOL}")
     dist.barrier()
