@@ -68,12 +68,11 @@ class HeadOptions:
     validate: bool = validation.VALIDATE_DEFAULT
 
     def __post_init__(self) -> None:
-        if self.validate is None:  # the entry points' "not given": the documented default
-            object.__setattr__(self, "validate", validation.VALIDATE_DEFAULT)
         object.__setattr__(self, "temperature", validation.check_temperature(self.temperature))
-        for name in ("return_entropy", "validate"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {validation.type_name(getattr(self, name))}")
+        if not isinstance(self.return_entropy, bool):
+            raise TypeError(f"return_entropy must be a bool, got {validation.type_name(self.return_entropy)}")
+        # None is the entry points' "not given": the documented default.
+        object.__setattr__(self, "validate", validation.resolve_validate(self.validate))
         validation.check_ignore_index(self.ignore_index)
         check_backend(self.backend)
 

@@ -66,6 +66,16 @@ def type_name(value: object) -> str:
     return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
+def resolve_validate(validate: object) -> bool:
+    """An entry point's ``validate``: a bool as given, None the documented default
+    (:data:`VALIDATE_DEFAULT`); anything else a TypeError."""
+    if validate is None:
+        return VALIDATE_DEFAULT
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool or None, got {type_name(validate)}")
+    return validate
+
+
 def check_temperature(temperature: object) -> float:
     """``temperature`` is a Python int or float, finite, in ``[MIN_TEMPERATURE, inf)``; returns it as float."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):

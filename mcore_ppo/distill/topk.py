@@ -190,10 +190,7 @@ def _fused_topk(
     validate: bool | None = None,
 ) -> TopK:
     k = check_k(k)
-    if validate is None:
-        validate = validation.VALIDATE_DEFAULT
-    elif not isinstance(validate, bool):
-        raise TypeError(f"validate must be a bool or None, got {validation.type_name(validate)}")
+    validate = validation.resolve_validate(validate)
     row_temperature = temperature if isinstance(temperature, torch.Tensor) else None
     if row_temperature is None:
         temperature = validation.check_temperature(temperature)
