@@ -53,31 +53,25 @@ VOCAB_CHUNK = 4096
 #: Which shard pass ``impl="auto"`` takes: the Triton kernel for fp16/bf16/fp32 CUDA tensors
 #: (where Triton is installed), the torch path otherwise.
 IMPLS = ("auto", "torch", "triton")
-#: Tiles of the fused kernel on a GPU: 128 × 128 logits, TMA operands. (The head's 128 × 256
-#: tiles leave no registers for the filter's per-entry values: ptxas spills, sm_90.)
+#: Tiles of the fused kernel on a GPU: 128 × 128 logits, TMA operands.
 TRITON_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3, use_tma=True)
 #: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
 TRITON_INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
-#: Rows per step of the in-kernel compaction (a ``[ROW_GROUP, CAP]`` block in registers).
-TRITON_ROW_GROUP = 8
-#: Bisection steps of the threshold: mid-sweep (only needs to be good) and final (near-exact:
-#: a final count above ``KOUT`` sends the row to the torch path).
-TRITON_BISECT_MID = 10
-TRITON_BISECT_FINAL = 24
-#: The interpreter pays ~20 ms per nested ``@triton.jit`` call (reductions included): one row
-#: group per block and fewer bisection steps keep the CPU tests short.
-TRITON_INTERPRETER_BISECT = (6, 12)
-#: Vocab splits per row block: enough programs for about this many waves over the SMs, at most
-#: what :data:`TRITON_SCRATCH_BYTES` allows (the candidate buffers are ``splits · n · CAP · 8`` bytes).
+#: Candidates each tile keeps per row (``C``, one max-reduction each). A row recomputes a tile
+#: whose ``C`` candidates all make its top ``k``: on random logits, about ``tiles·P(X > C)``
+#: tiles for ``X ~ Poisson(k / tiles)`` (at TP 8 of a 152k vocab, ``k`` 128: ~8 tiles of 148
+#: for ``C`` 2, ~1.6 for ``C`` 3).
+TRITON_CANDIDATES = 2
+#: Rows per work item of the full-tile recompute (one weight tile, gathered rows).
+TRITON_RECOMPUTE_ROWS = 64
+TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
+#: Vocab splits per row block: enough programs for about this many waves over the SMs.
 TRITON_WAVES = 2
+#: Per-(row, tile) outputs of one launch (``8·C + 8`` bytes each): longer batches run in
+#: token chunks that fit.
 TRITON_SCRATCH_BYTES = 512 * 2**20
-#: Candidates per (token, split) the host reads beyond ``k`` (the final bisection leaves about
-#: ``k``; more means exact ties at the threshold, and the token takes the torch path).
-KOUT_SLACK = 16
 #: Forces the number of vocab splits (tests); None: the rule above.
 TRITON_SPLITS: int | None = None
-#: Rows per launch (bounds the candidate buffers for very long batches).
-TRITON_TOKEN_CHUNK = 65536
 
 
 class TopK(NamedTuple):
@@ -389,29 +383,29 @@ def _use_triton(impl: object, hidden: torch.Tensor) -> bool:
     return runnable and (impl == "triton" or hidden.is_cuda)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _triton_splits(n: int, n_tiles: int, cap: int, block_m: int, device: torch.device) -> int:
+def _triton_splits(n: int, n_tiles: int, block_m: int, device: torch.device) -> int:
     """Vocab splits per row block (see :data:`TRITON_WAVES`), between 1 and the tiles."""
     if TRITON_SPLITS is not None:
         return max(1, min(TRITON_SPLITS, n_tiles))
     wanted = cdiv(TRITON_WAVES * _num_sms(device), cdiv(n, block_m))
-    affordable = TRITON_SCRATCH_BYTES // max(1, n * cap * 8)
-    return max(1, min(wanted, affordable, n_tiles))
+    return max(1, min(wanted, n_tiles))
+
+
+def _triton_config(dtype: torch.dtype) -> GemmConfig:
+    return for_dtype(TRITON_INTERPRETER_CONFIG if interpreting() else TRITON_CONFIG, dtype)
 
 
 def _shard_topk_triton(
     tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float | torch.Tensor, *, vocab_start: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_shard_topk`'s outputs from the fused kernel, token chunk by token chunk."""
+    """:func:`_shard_topk`'s outputs from the fused kernel, token chunk by token chunk: as many
+    rows per launch as keep the per-(row, tile) outputs within :data:`TRITON_SCRATCH_BYTES`."""
     n, v = tokens.shape[0], weight.shape[0]
     c = min(k, v)
     device = tokens.device
@@ -420,9 +414,12 @@ def _shard_topk_triton(
     rest_max = torch.empty(n, dtype=torch.float32, device=device)
     rest_sum = torch.empty(n, dtype=torch.float32, device=device)
     tokens, weight = rowmajor(tokens), rowmajor(weight)
-    for t0, t1 in _chunks(n, TRITON_TOKEN_CHUNK):
+    cfg = _triton_config(tokens.dtype)
+    per_row = cdiv(v, cfg.block_n) * (8 * TRITON_CANDIDATES + 8)
+    chunk = max(cfg.block_m, TRITON_SCRATCH_BYTES // per_row // cfg.block_m * cfg.block_m)
+    for t0, t1 in _chunks(n, chunk):
         row_t = temperature[t0:t1] if isinstance(temperature, torch.Tensor) else temperature
-        out = _triton_chunk(tokens[t0:t1], weight, k, row_t)
+        out = _triton_chunk(tokens[t0:t1], weight, k, row_t, cfg)
         values[t0:t1], ids[t0:t1], rest_max[t0:t1], rest_sum[t0:t1] = out
     ids += vocab_start
     return values, ids, rest_max, rest_sum
@@ -440,57 +437,206 @@ def _inverse_temperature(
     return 1.0, (1.0 / temperature.to(torch.float64)).to(torch.float32).contiguous(), True
 
 
+class _Tiles(NamedTuple):
+    """The kernel's per-(row, tile) outputs (see :mod:`mcore_ppo.kernels.topk`)."""
+
+    values: torch.Tensor  # [n, tiles · C] fp32, per tile largest first
+    cols: torch.Tensor  # [n, tiles · C] int32 shard columns
+    rest_m: torch.Tensor  # [n, tiles] the tile's other entries: max
+    rest_s: torch.Tensor  # [n, tiles] and Σ exp(z - max)
+
+
 def _triton_chunk(
-    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float | torch.Tensor
+    tokens: torch.Tensor, weight: torch.Tensor, k: int, temperature: float | torch.Tensor, cfg: GemmConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One launch over ``tokens [n, h]`` (``temperature`` a float or ``T [n]``): candidates in the
-    tie rule's order, ids local to the shard. Rows whose candidate buffer overflowed (exact ties
-    at the threshold) are recomputed by the torch path."""
-    from mcore_ppo.kernels.topk import topk_filter_kernel
+    """One launch over ``tokens [n, h]`` (``temperature`` a float or ``T [n]``): the top
+    ``min(k, V)`` in the tie rule's order, shard-local ids, and the rest's ``(m, s)``."""
+    from mcore_ppo.kernels.topk import topk_tiles_kernel
 
     n, h = tokens.shape
     v = weight.shape[0]
     device = tokens.device
-    interp = interpreting()
-    cfg = for_dtype(TRITON_INTERPRETER_CONFIG if interp else TRITON_CONFIG, tokens.dtype)
-    row_group = cfg.block_m if interp else min(TRITON_ROW_GROUP, cfg.block_m)
-    bisect_mid, bisect_final = TRITON_INTERPRETER_BISECT if interp else (TRITON_BISECT_MID, TRITON_BISECT_FINAL)
-    cap = _next_pow2(k + cfg.block_n + 1)
-    kout = min(cap, k + KOUT_SLACK)
-    n_tiles = cdiv(v, cfg.block_n)
-    splits = _triton_splits(n, n_tiles, cap, cfg.block_m, device)
-    tiles_per_split = cdiv(n_tiles, splits)
-    splits = cdiv(n_tiles, tiles_per_split)
-    buf_v = torch.empty(splits, n, cap, dtype=torch.float32, device=device)
-    buf_i = torch.empty(splits, n, cap, dtype=torch.int32, device=device)
-    state = torch.empty(3, splits, n, dtype=torch.float32, device=device)  # theta, m (base 2), s
-    count = torch.zeros(splits, n, dtype=torch.int32, device=device)  # the kernel's atomic counters
+    num_tiles = cdiv(v, cfg.block_n)
+    splits = _triton_splits(n, num_tiles, cfg.block_m, device)
+    tiles_per_split = cdiv(num_tiles, splits)
+    splits = cdiv(num_tiles, tiles_per_split)
+    c = TRITON_CANDIDATES
+    values = torch.empty(n, num_tiles * c, dtype=torch.float32, device=device)
+    cols = torch.empty(n, num_tiles * c, dtype=torch.int32, device=device)
+    rest = torch.empty(2, n, num_tiles, dtype=torch.float32, device=device)
     use_tma = operands_by_tma(tokens, weight, cfg) and tokens.data_ptr() % 16 == 0
     x_desc = descriptor(tokens, [cfg.block_m, cfg.block_k]) if use_tma else tokens
     w_desc = descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
-    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, state[0])
-    topk_filter_kernel[(cdiv(n, cfg.block_m) * splits,)](
-        tokens, weight, x_desc, w_desc, buf_v, buf_i, count, state[0], state[1], state[2],
-        n, v, h, tokens.stride(0), weight.stride(0), splits, tiles_per_split, inv_temp, k, kout, inv_temp_rows,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, CAP=cap,
-        ROW_GROUP=row_group, BISECT_MID=bisect_mid, BISECT_FINAL=bisect_final,
+    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, rest[0, 0])
+    topk_tiles_kernel[(cdiv(n, cfg.block_m) * splits,)](
+        tokens, weight, x_desc, w_desc, values, cols, rest[0], rest[1],
+        n, v, h, tokens.stride(0), weight.stride(0), splits, tiles_per_split, num_tiles, inv_temp, inv_temp_rows,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, C=c,
         USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kernel_flags(tokens, cfg),
         **({"ROW_TEMP": True} if row_temp else {}),
     )  # fmt: skip
-    values, ids, rest_max, rest_sum = _split_candidates_topk(
-        buf_v[..., :kout], buf_i[..., :kout], count, state[1] * math.log(2.0), state[2], min(k, v)
-    )
-    overflow = (count > kout).any(dim=0)
-    if bool(overflow.any()):  # one host sync per launch; rare: only exact ties keep a buffer full
-        rows = overflow.nonzero().squeeze(1)
-        row_t = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-        fixed_values, fixed_ids, fixed_max, fixed_sum = _shard_topk(tokens[rows], weight, k, row_t, vocab_start=0)
-        # In the tie rule's order, as the kernel's candidates (the torch path leaves that to the merge).
-        fixed_values, fixed_ids, _ = select_topk(fixed_values, fixed_ids, fixed_values.shape[1])
-        fixed = (fixed_values, fixed_ids, fixed_max, fixed_sum)
-        for out, new in zip((values, ids, rest_max, rest_sum), fixed, strict=True):
-            out[rows] = new.to(out.dtype)
-    return values, ids, rest_max, rest_sum
+    tiles = _Tiles(values, cols, rest[0], rest[1])
+    return _select_from_tiles(tokens, weight, tiles, min(k, v), temperature, cfg)
+
+
+def _select_from_tiles(
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    tiles: _Tiles,
+    c_out: int,
+    temperature: float | torch.Tensor,
+    cfg: GemmConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact top ``c_out`` of a shard from its tiles' candidates, and the rest's ``(m, s)``.
+
+    The top ``c_out`` of the candidates sets a bound ``b`` (their last): every entry of the true
+    top ``c_out`` is ``>= b`` by the tie rule. A tile's unkept entries rank below its last
+    candidate, so only *full* tiles (last candidate ``>= b``, more columns than candidates) can
+    hide one: those (row, tile) pairs are recomputed whole (:func:`_recompute_full_tiles`) and
+    their entries replace the tile's candidates. The rest is then summed from its own terms:
+    the other tiles' rest statistics, the unselected candidates and the full tiles' unselected
+    entries (in fixed point where a scatter sums them, so the same bits in any order).
+    """
+    n, width = tiles.values.shape
+    c = TRITON_CANDIDATES
+    num_tiles = width // c
+    v = weight.shape[0]
+    values, cols = tiles.values, tiles.cols
+    if width < c_out:  # fewer candidates than wanted (a tiny shard): every tile is full below
+        pad = c_out - width
+        values = torch.cat([values, values.new_full((n, pad), -torch.inf)], dim=1)
+        cols = torch.cat([cols, cols.new_zeros(n, pad)], dim=1)
+    # Among equal values, the candidates' order is the columns' (tiles in order, each tile's
+    # candidates by the tie rule): _chunk_topk's first-equal repair picks the smaller ids.
+    top_values, pos = _chunk_topk(values, c_out)
+    top_cols = cols.gather(1, pos).to(torch.int64)
+    last = values.view(n, -1)[:, : num_tiles * c].view(n, num_tiles, c)[:, :, c - 1]
+    narrow = (v - torch.arange(num_tiles, device=values.device) * cfg.block_n) <= c  # kept whole
+    full = (last >= top_values[:, -1:]) & ~narrow
+    if width < c_out:
+        full = ~narrow.expand(n, num_tiles)
+    pairs = full.nonzero()  # [p, 2] (row, tile), by row: one host sync
+    recomputed = None
+    if pairs.shape[0]:
+        recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
+        top_values, top_cols = _merge_full_tiles(top_values, top_cols, full, pairs, recomputed, c_out, cfg.block_n)
+    rest_m, rest_s = _rest_statistics(tiles, full, top_values, top_cols, pairs, recomputed, cfg.block_n)
+    return top_values, top_cols, rest_m, rest_s
+
+
+def _recompute_full_tiles(
+    tokens: torch.Tensor, weight: torch.Tensor, pairs: torch.Tensor, temperature: float | torch.Tensor, cfg: GemmConfig
+) -> torch.Tensor:
+    """``z [p, BLOCK_N]`` of each (row, tile) pair's whole tile (``-inf`` past the shard), as the
+    tiles kernel computes it; one launch, the pairs grouped by tile in work items of at most
+    :data:`TRITON_RECOMPUTE_ROWS` rows."""
+    from mcore_ppo.kernels.topk import tile_rows_kernel
+
+    n, h = tokens.shape
+    v = weight.shape[0]
+    device = tokens.device
+    num_tiles = cdiv(v, cfg.block_n)
+    block = TRITON_INTERPRETER_RECOMPUTE_ROWS if interpreting() else TRITON_RECOMPUTE_ROWS
+    rows, tile_of = pairs[:, 0], pairs[:, 1]
+    by_tile = torch.argsort(tile_of * n + rows)  # keys are distinct: no tie to order
+    counts = torch.bincount(tile_of, minlength=num_tiles)
+    ends = counts.cumsum(0)
+    blocks = (counts + block - 1) // block
+    num_items = int(blocks.sum())
+    item_tile = torch.repeat_interleave(torch.arange(num_tiles, device=device), blocks, output_size=num_items)
+    first_item = blocks.cumsum(0) - blocks
+    item_in_tile = torch.arange(num_items, device=device) - first_item[item_tile]
+    item_start = ends[item_tile] - counts[item_tile] + item_in_tile * block
+    item_end = torch.minimum(item_start + block, ends[item_tile])
+    sorted_rows = rows[by_tile].to(torch.int32)
+    z_sorted = torch.empty(pairs.shape[0], cfg.block_n, dtype=torch.float32, device=device)
+    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, z_sorted)
+    tile_rows_kernel[(num_items,)](
+        tokens, weight, item_tile.to(torch.int32), item_start.to(torch.int32), item_end.to(torch.int32),
+        sorted_rows, z_sorted, n, v, h, tokens.stride(0), weight.stride(0), num_items, inv_temp, inv_temp_rows,
+        BLOCK_M=block, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=min(4, cfg.num_warps),
+        num_stages=cfg.num_stages, **kernel_flags(tokens, cfg), **({"ROW_TEMP": True} if row_temp else {}),
+    )  # fmt: skip
+    z = torch.empty_like(z_sorted)
+    z[by_tile] = z_sorted
+    return z
+
+
+def _merge_full_tiles(
+    top_values: torch.Tensor,
+    top_cols: torch.Tensor,
+    full: torch.Tensor,
+    pairs: torch.Tensor,
+    recomputed: torch.Tensor,
+    c_out: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``c_out`` of the rows with full tiles, over their candidates outside full tiles
+    and each full tile's own top ``min(c_out, BLOCK_N)``; other rows unchanged."""
+    rows, tile_of = pairs[:, 0], pairs[:, 1]
+    per_tile = min(c_out, block_n)
+    tile_values, tile_cols = _chunk_topk(recomputed, per_tile)
+    tile_ids = tile_cols.to(torch.int64) + tile_of[:, None] * block_n
+    # Pairs come by row: each pair's slot among its row's full tiles.
+    affected, first, per_row = torch.unique_consecutive(rows, return_inverse=True, return_counts=True)
+    start = per_row.cumsum(0) - per_row
+    slot = torch.arange(rows.shape[0], device=rows.device) - start[first]
+    most = int(per_row.max())
+    extra_values = top_values.new_full((affected.shape[0], most * per_tile), -torch.inf)
+    extra_ids = top_cols.new_zeros(affected.shape[0], most * per_tile)
+    spots = slot[:, None] * per_tile + torch.arange(per_tile, device=rows.device)[None, :]
+    extra_values[first[:, None], spots] = tile_values
+    extra_ids[first[:, None], spots] = tile_ids
+    kept_values, kept_ids = top_values[affected], top_cols[affected]
+    in_full = full[affected].gather(1, kept_ids // block_n)
+    kept_values = torch.where(in_full, -torch.inf, kept_values)
+    merged_values = torch.cat([kept_values, extra_values], dim=1)
+    merged_ids = torch.cat([kept_ids, extra_ids], dim=1)
+    keys = _order_key(merged_values, merged_ids)
+    _, picked = torch.topk(keys, c_out, dim=1)  # keys sort by the tie rule; top-k returns them sorted
+    top_values, top_cols = top_values.clone(), top_cols.clone()
+    top_values[affected] = merged_values.gather(1, picked)
+    top_cols[affected] = merged_ids.gather(1, picked)
+    return top_values, top_cols
+
+
+def _below(values: torch.Tensor, ids: torch.Tensor, last_value: torch.Tensor, last_id: torch.Tensor) -> torch.Tensor:
+    """Entries that rank after ``(last_value, last_id)`` by the tie rule (broadcasting)."""
+    return (values < last_value) | ((values == last_value) & (ids > last_id))
+
+
+def _rest_statistics(
+    tiles: _Tiles,
+    full: torch.Tensor,
+    top_values: torch.Tensor,
+    top_cols: torch.Tensor,
+    pairs: torch.Tensor,
+    recomputed: torch.Tensor | None,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, s)`` of every entry outside the top: the tiles' rests and unselected candidates
+    outside full tiles, and the unselected entries of full tiles."""
+    n, width = tiles.values.shape
+    c = TRITON_CANDIDATES
+    last_value, last_id = top_values[:, -1:], top_cols[:, -1:]
+    cand_tile = torch.arange(width, device=full.device) // c
+    unselected = _below(tiles.values, tiles.cols, last_value, last_id) & ~full[:, cand_tile]
+    cand = torch.where(unselected, tiles.values, -torch.inf)
+    rest_m = torch.where(full, -torch.inf, tiles.rest_m)
+    m = torch.maximum(rest_m.amax(dim=1), cand.amax(dim=1))
+    if recomputed is not None:
+        rows = pairs[:, 0]
+        ids = torch.arange(block_n, device=full.device)[None, :] + pairs[:, 1:] * block_n
+        drop = torch.where(_below(recomputed, ids, last_value[rows], last_id[rows]), recomputed, -torch.inf)
+        m = m.scatter_reduce(0, rows, drop.amax(dim=1), reduce="amax")
+    ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))[:, None]
+    s = (tiles.rest_s * torch.exp(rest_m - ref)).sum(dim=1) + torch.exp(cand - ref).sum(dim=1)
+    if recomputed is not None:
+        # A scatter's float sums depend on the order of its atomics: sum in 2^-40 fixed point.
+        terms = (torch.exp(drop - ref[rows]) * _FIXED_ONE).to(torch.int64).sum(dim=1)
+        fixed = torch.zeros(n, dtype=torch.int64, device=full.device).index_add_(0, rows, terms)
+        s = s + fixed.to(s.dtype) / _FIXED_ONE
+    return m, s
 
 
 _ID_BIAS = 2**31 - 1
@@ -508,51 +654,4 @@ def _order_key(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | (_ID_BIAS - ids.to(torch.int64))
 
 
-def _split_candidates_topk(
-    buf_v: torch.Tensor,
-    buf_i: torch.Tensor,
-    count: torch.Tensor,
-    rest_m: torch.Tensor,
-    rest_s: torch.Tensor,
-    c: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The top ``c`` of the kernel's per-split candidates, and the rest's ``(m, s)``.
-
-    ``buf_v``, ``buf_i``: ``[splits, n, w]`` (the first ``count [splits, n]`` valid), ``rest_m``
-    (natural units) and ``rest_s``: ``[splits, n]``. Candidates not selected are folded into
-    the rest; the splits' rests are combined by the usual rescaling.
-    """
-    splits, n, w = buf_v.shape
-    valid = torch.arange(w, device=buf_v.device)[None, None, :] < count[..., None]
-    values = buf_v.permute(1, 0, 2).reshape(n, splits * w)
-    ids = buf_i.permute(1, 0, 2).reshape(n, splits * w).to(torch.int64)
-    valid = valid.permute(1, 0, 2).reshape(n, splits * w)
-    keys = torch.where(valid, _order_key(values, ids), torch.iinfo(torch.int64).min)
-    # Keys are distinct among valid entries: the same selection, in the tie rule's order,
-    # whatever the kernel's slot order.
-    top_keys, picked = torch.topk(keys, c, dim=1)
-    dropped = valid & (keys < top_keys[:, -1:])
-    m, s = _combine_splits(rest_m, rest_s)
-    m, s = _fold_fixed_point(m, s, torch.where(dropped, values, -torch.inf))
-    return values.gather(1, picked), ids.gather(1, picked), m, s
-
-
 _FIXED_ONE = 2.0**40
-
-
-def _fold_fixed_point(m: torch.Tensor, s: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fold_into_statistics`, with the new terms summed in 2^-40 fixed point: an integer
-    sum, the same bits in any order of ``values``' columns (the kernel's slots vary)."""
-    m_new = torch.maximum(m, values.amax(dim=-1))
-    ref = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-    terms = (torch.exp(values - ref[:, None]) * _FIXED_ONE).to(torch.int64).sum(dim=-1)
-    old = torch.where(s > 0, s * torch.exp(m - ref), torch.zeros_like(s))
-    return m_new, old + terms.to(s.dtype) / _FIXED_ONE
-
-
-def _combine_splits(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, s)`` over ``[splits, n]`` partial statistics (``(-inf, 0)`` where a split has none)."""
-    top = m.amax(dim=0)
-    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    scale = torch.where(s > 0, torch.exp(m - safe[None, :]), torch.zeros_like(s))
-    return top, (s * scale).sum(dim=0)

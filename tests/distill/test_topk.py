@@ -277,23 +277,40 @@ def test_cuda_path(dtype, monkeypatch):
 # columns): against the fp64 reference and the torch path, with the vocab split across programs.
 
 
+class KernelRecord:
+    """What the kernel path did: ``torch_rows`` (rows handed to the torch path: none, ever) and
+    ``full_tiles`` (the (row, tile) pairs recomputed whole, one list per launch)."""
+
+    def __init__(self):
+        self.torch_rows = []
+        self.full_tiles = []
+
+    def __eq__(self, other):  # `triton_path == []`: no row took the torch path
+        return self.torch_rows == other
+
+
 @pytest.fixture
 def triton_path(monkeypatch):
-    """A record of the torch-path calls (the kernel's overflow rows, or a test's own impl="torch")."""
+    """A :class:`KernelRecord` of the kernel path's calls."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         # tests/conftest.py turns the interpreter on only without CUDA; on a GPU host the kernel's
         # tests are tests/gpu/test_gpu_topk.py.
         pytest.skip("the kernel runs CPU tensors only under TRITON_INTERPRET=1")
-    fallback_rows = []
-    original = topk_module._shard_topk
+    record = KernelRecord()
+    shard_topk, recompute = topk_module._shard_topk, topk_module._recompute_full_tiles
 
-    def spy(tokens, *args, **kwargs):
-        fallback_rows.append(tokens.shape[0])
-        return original(tokens, *args, **kwargs)
+    def torch_spy(tokens, *args, **kwargs):
+        record.torch_rows.append(tokens.shape[0])
+        return shard_topk(tokens, *args, **kwargs)
 
-    monkeypatch.setattr(topk_module, "_shard_topk", spy)
-    return fallback_rows
+    def recompute_spy(tokens, weight, pairs, *args, **kwargs):
+        record.full_tiles.append(pairs.tolist())
+        return recompute(tokens, weight, pairs, *args, **kwargs)
+
+    monkeypatch.setattr(topk_module, "_shard_topk", torch_spy)
+    monkeypatch.setattr(topk_module, "_recompute_full_tiles", recompute_spy)
+    return record
 
 
 def triton_topk(hidden, weight, k, splits, monkeypatch, **kwargs):
@@ -341,7 +358,7 @@ def test_triton_ties_across_tiles_and_splits(k, triton_path, monkeypatch):
 
 @pytest.mark.parametrize("k", [31, 32, 33, 64])
 def test_triton_k_at_tile_boundaries(k, triton_path, monkeypatch):
-    """k at and around the tile width (32) and the compaction's trigger, integer logits (ties)."""
+    """k at and around the tile width (32), integer logits (ties)."""
     gen = generator(next_seed())
     hidden = torch.randint(-3, 4, (12, 8), generator=gen).float()
     weight = torch.randint(-3, 4, (300, 8), generator=gen).float()
@@ -383,18 +400,38 @@ def test_triton_ignored_tokens_and_layout(triton_path, monkeypatch):
     assert torch.equal(out.ids, chunked.ids)
 
 
-def test_triton_buffer_overflow_goes_to_the_torch_path(triton_path, monkeypatch):
-    """Every logit equal (zero hidden): ties at the threshold fill the candidate buffers, so
-    those rows are recomputed by the torch path: ids 0..k-1, log p = -log V, exact tail."""
+def test_triton_all_equal_logits_recompute_every_tile(triton_path, monkeypatch):
+    """Every logit equal (zero hidden): each tile's candidates tie with the k-th value, so every
+    tile is full and recomputed whole (tiles of 32 over a vocab of 300: 10 per row): ids
+    0..k-1, log p = -log V, exact tail."""
     vocab, k = 300, 8
     hidden = torch.zeros(5, 8)
     weight = torch.randn(vocab, 8, generator=generator(next_seed()))
     out = triton_topk(hidden, weight, k, 2, monkeypatch)
-    assert triton_path == [5]
+    assert triton_path == []
+    assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, tile) for row in range(5) for tile in range(10)]
     assert torch.equal(out.ids, torch.arange(k).expand(5, k))
     torch.testing.assert_close(out.log_probs.double(), torch.full((5, k), -math.log(vocab), dtype=torch.float64))
     expected_tail = torch.full((5,), math.log((vocab - k) / vocab), dtype=torch.float64)
     torch.testing.assert_close(out.tail_log_mass.double(), expected_tail, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("k", [8, 40])
+def test_triton_top_k_inside_few_tiles(k, triton_path, monkeypatch):
+    """Vocab rows 70..109 (across tiles 2 and 3 of 32) are scaled up so that each token's top
+    ``k`` lies mostly inside them: far more than a tile's candidates, so the unkept entries must
+    come from the whole-tile recompute. Against fp64: ids, log-probs and tails."""
+    gen = generator(next_seed())
+    hidden = torch.randn(18, HIDDEN, generator=gen)
+    weight = torch.randn(500, HIDDEN, generator=gen)
+    weight[70:110] *= 6.0
+    out = triton_topk(hidden, weight, k, 3, monkeypatch, temperature=0.9)
+    assert triton_path == []
+    full_tiles = {tile for pairs in triton_path.full_tiles for _, tile in pairs}
+    assert {2, 3} <= full_tiles
+    ref = topk_reference(hidden, weight, k, 0.9)
+    check_against_reference(out, ref, torch.float32, exact_ids=False)
+    assert torch.equal(out.ids, fused_topk(hidden, weight, k, temperature=0.9, impl="torch").ids)
 
 
 def test_order_key_is_the_tie_rule():
@@ -421,14 +458,17 @@ def test_impl_argument():
 
 
 @pytest.mark.parametrize("k", [8, 64])
-def test_triton_heavy_ties_mix_kernel_and_fallback_rows(k, triton_path, monkeypatch):
+def test_triton_heavy_ties_mix_full_and_other_tiles(k, triton_path, monkeypatch):
     """Logits in {-4..4} (entries in {-1, 0, 1}): many values tie above and at the k-th place,
-    so (at k = 64, the default seed) some rows overflow their buffers and take the torch path
-    while others stay in the kernel; every row's ids are fp64's exactly, in the tie rule's
-    order, whichever path it took."""
+    so at k = 8 many (row, tile) pairs are full and recomputed while the others keep their
+    candidates; at k = 64 (more than the 19 tiles' 38 candidates) every tile is. Every row's ids
+    are fp64's exactly, in the tie rule's order."""
     hidden, weight = integer_case((37,), 600, 4, generator(next_seed()))
     out = triton_topk(hidden.float(), weight.float(), k, 3, monkeypatch)
-    print(f"rows recomputed by the torch path: {sum(triton_path)} of 37")
+    full = sum(len(pairs) for pairs in triton_path.full_tiles)
+    print(f"(row, tile) pairs recomputed whole: {full} of {37 * 19}")
+    assert triton_path == [] and 0 < full <= 37 * 19
+    assert (full < 37 * 19) == (k == 8)
     ref = topk_reference(hidden, weight, k)
     assert torch.equal(out.ids, ref.ids)
     torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=2e-5)
@@ -622,11 +662,10 @@ def test_triton_per_token_temperature(dtype, k, vocab, splits, triton_path, monk
     torch.testing.assert_close(out.tail_log_mass, chunked.tail_log_mass, rtol=0, atol=2e-5)
 
 
-def test_triton_per_token_temperature_in_the_fallback_rows(triton_path, monkeypatch):
-    """Rows 3, 7, 8, 13, 18 have logits in {0, c_i} only (half the vocab each: ties fill the
-    candidate buffers), so they are recomputed by the torch path, which must take their own
-    temperatures; the other rows stay in the kernel. All against fp64: exact ids, log-probs and
-    tails."""
+def test_triton_per_token_temperature_in_the_full_tiles(triton_path, monkeypatch):
+    """Rows 3, 7, 8, 13, 18 have logits in {0, c_i} only (half the vocab each: every tile's
+    candidates tie at the k-th value), so their tiles are recomputed whole, which must take
+    their own temperatures. All against fp64: exact ids, log-probs and tails."""
     gen = generator(next_seed())
     vocab, k = 300, 8
     hidden = torch.randn(20, 8, generator=gen)
@@ -637,7 +676,9 @@ def test_triton_per_token_temperature_in_the_fallback_rows(triton_path, monkeypa
     weight[:, 0] = (torch.arange(vocab) % 2).float()
     temperature = token_temperatures((20,), gen)
     out = triton_topk(hidden, weight, k, 2, monkeypatch, temperature=temperature)
-    assert triton_path == [5]
+    assert triton_path == []
+    full_rows = {row for pairs in triton_path.full_tiles for row, _ in pairs}
+    assert set(tied.tolist()) <= full_rows
     ref = topk_reference(hidden, weight, k, temperature)
     assert torch.equal(out.ids[tied], ref.ids[tied])
     check_against_reference(out, ref, torch.float32, exact_ids=False)
