@@ -15,12 +15,13 @@ Reported: median ms, ratio to ``gemm``, peak memory above the inputs (the output
 against float64 on ``--check-rows`` random tokens: the fraction of tokens whose ``k`` ids equal
 the fp64 top-k's (a near-tie within fp32 rounding may legitimately differ), the largest
 ``|Δ log p|`` and the largest relative error of the tail mass ``Σ_{j∉S} p_j``. The fused kernel's
-candidate counts (mean / max per row and split) and a profile of one call are recorded too.
+full tiles (the (row, tile) pairs recomputed whole) and a profile of one call are recorded too.
 
 Usage (GPU): ``python scripts/bench_distill.py --out DIR [--vocab 151936,262144] [--tp 1,8]
 [--k 8,64,128] [--reps 5]``. Writes ``DIR/bench_distill.json`` (after every configuration) and
-``DIR/bench_distill.md``. ``--triton-variants waves=1,waves=4`` also times the kernel with
-other module settings (``TRITON_<NAME>`` of :mod:`mcore_ppo.distill.topk`).
+``DIR/bench_distill.md``. ``--triton-variants candidates=3,block_n=256;candidates=4`` also times
+the kernel with other settings (a ``TRITON_CONFIG`` field, or ``TRITON_<NAME>`` of
+:mod:`mcore_ppo.distill.topk`).
 
 One call on the lent H200 (device tool, ``carry=[".whl", ".carry"]``), the GPU test and then
 the benchmark, logs under ``$OUT`` (about 5 minutes)::
@@ -30,7 +31,7 @@ the benchmark, logs under ``$OUT`` (about 5 minutes)::
     timeout 170 python3 -m pytest tests/gpu/test_gpu_topk.py -q -p no:cacheprovider -rA 2>&1 \
       | tee $OUT/topk_gpu_test.log;
     timeout 300 python3 scripts/bench_distill.py --out $OUT --profile \
-      --triton-variants 'waves=1,waves=4,bisect_mid=6,block_n=256' 2>&1 | tee $OUT/bench_distill.log
+      --triton-variants 'candidates=3,max_registers=128' 2>&1 | tee $OUT/bench_distill.log
 """
 
 from __future__ import annotations
@@ -122,20 +123,20 @@ def errors(out, ref, rows) -> dict:
 
 
 def candidate_stats(x, w, k, temperature) -> dict:
-    """Counts of the fused kernel's per-(row, split) candidates after its final compaction."""
-    seen = {}
-    original = topk_module._split_candidates_topk
+    """How many (row, tile) pairs the fused path recomputed whole (its full tiles), per call."""
+    seen = {"full_pairs": 0}
+    original = topk_module._recompute_full_tiles
 
-    def spy(buf_v, buf_i, count, *rest):
-        c = count.float()
-        seen.update(splits=count.shape[0], cap=buf_v.shape[-1], count_mean=c.mean().item(), count_max=c.max().item())
-        return original(buf_v, buf_i, count, *rest)
+    def spy(tokens, weight, pairs, *rest):
+        seen["full_pairs"] += pairs.shape[0]
+        return original(tokens, weight, pairs, *rest)
 
-    topk_module._split_candidates_topk = spy
+    topk_module._recompute_full_tiles = spy
     try:
         fused_topk(x, w, k, temperature=temperature, impl="triton")
     finally:
-        topk_module._split_candidates_topk = original
+        topk_module._recompute_full_tiles = original
+    seen["full_per_row"] = seen["full_pairs"] / x.shape[0]
     return seen
 
 
@@ -275,7 +276,7 @@ def main() -> int:
     parser.add_argument(
         "--triton-variants",
         default="",
-        help="extra teacher-kernel configurations to time, e.g. waves=1,waves=4,bisect_mid=6,block_n=256;num_stages=2",
+        help="extra teacher-kernel configurations to time, e.g. candidates=3,block_n=256;candidates=4",
     )
     parser.add_argument("--profile", action="store_true", help="profile one fused call at the largest k")
     parser.add_argument(

@@ -53,10 +53,17 @@ VOCAB_CHUNK = 4096
 #: Which shard pass ``impl="auto"`` takes: the Triton kernel for fp16/bf16/fp32 CUDA tensors
 #: (where Triton is installed), the torch path otherwise.
 IMPLS = ("auto", "torch", "triton")
-#: Tiles of the fused kernel on a GPU: 128 × 128 logits, TMA operands.
-TRITON_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3, use_tma=True)
+#: Tiles of the fused kernel on a GPU: 128 × 128 logits, TMA operands, one tile per program
+#: (a program keeps nothing across tiles, and Triton does not pipeline one tile into the next).
+TRITON_CONFIG = GemmConfig(
+    block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3, tiles_per_split=1, use_tma=True
+)
 #: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
-TRITON_INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
+TRITON_INTERPRETER_CONFIG = GemmConfig(
+    block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, tiles_per_split=4
+)
+#: ptxas register cap per thread for the tiles kernel (None: ptxas decides).
+TRITON_MAX_REGISTERS: int | None = None
 #: Candidates each tile keeps per row (``C``, one max-reduction each). A row recomputes a tile
 #: whose ``C`` candidates all make its top ``k``: on random logits, about ``tiles·P(X > C)``
 #: tiles for ``X ~ Poisson(k / tiles)`` (at TP 8 of a 152k vocab, ``k`` 128: ~8 tiles of 148
@@ -65,8 +72,6 @@ TRITON_CANDIDATES = 2
 #: Rows per work item of the full-tile recompute (one weight tile, gathered rows).
 TRITON_RECOMPUTE_ROWS = 64
 TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
-#: Vocab splits per row block: enough programs for about this many waves over the SMs.
-TRITON_WAVES = 2
 #: Per-(row, tile) outputs of one launch (``8·C + 8`` bytes each): longer batches run in
 #: token chunks that fit.
 TRITON_SCRATCH_BYTES = 512 * 2**20
@@ -383,18 +388,11 @@ def _use_triton(impl: object, hidden: torch.Tensor) -> bool:
     return runnable and (impl == "triton" or hidden.is_cuda)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _triton_splits(n: int, n_tiles: int, block_m: int, device: torch.device) -> int:
-    """Vocab splits per row block (see :data:`TRITON_WAVES`), between 1 and the tiles."""
+def _triton_splits(n_tiles: int, cfg: GemmConfig) -> int:
+    """Vocab splits per row block: the config's tiles per program, or :data:`TRITON_SPLITS`."""
     if TRITON_SPLITS is not None:
         return max(1, min(TRITON_SPLITS, n_tiles))
-    wanted = cdiv(TRITON_WAVES * _num_sms(device), cdiv(n, block_m))
-    return max(1, min(wanted, n_tiles))
+    return cdiv(n_tiles, cfg.tiles_per_split)
 
 
 def _triton_config(dtype: torch.dtype) -> GemmConfig:
@@ -457,7 +455,7 @@ def _triton_chunk(
     v = weight.shape[0]
     device = tokens.device
     num_tiles = cdiv(v, cfg.block_n)
-    splits = _triton_splits(n, num_tiles, cfg.block_m, device)
+    splits = _triton_splits(num_tiles, cfg)
     tiles_per_split = cdiv(num_tiles, splits)
     splits = cdiv(num_tiles, tiles_per_split)
     c = TRITON_CANDIDATES
@@ -474,6 +472,7 @@ def _triton_chunk(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, C=c,
         USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kernel_flags(tokens, cfg),
         **({"ROW_TEMP": True} if row_temp else {}),
+        **({"maxnreg": TRITON_MAX_REGISTERS} if TRITON_MAX_REGISTERS and not interpreting() else {}),
     )  # fmt: skip
     tiles = _Tiles(values, cols, rest[0], rest[1])
     return _select_from_tiles(tokens, weight, tiles, min(k, v), temperature, cfg)
