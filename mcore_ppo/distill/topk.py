@@ -489,36 +489,40 @@ def _select_from_tiles(
     """The exact top ``c_out`` of a shard from its tiles' candidates, and the rest's ``(m, s)``.
 
     The top ``c_out`` of the candidates sets a bound ``b`` (their last): every entry of the true
-    top ``c_out`` is ``>= b`` by the tie rule. A tile's unkept entries rank below its last
-    candidate, so only *full* tiles (last candidate ``>= b``, more columns than candidates) can
-    hide one: those (row, tile) pairs are recomputed whole (:func:`_recompute_full_tiles`) and
-    their entries replace the tile's candidates. The rest is then summed from its own terms:
-    the other tiles' rest statistics, the unselected candidates and the full tiles' unselected
-    entries (in fixed point where a scatter sums them, so the same bits in any order).
+    top ``c_out`` is ``>= b`` by the tie rule. A tile's unkept entries are at most its rest's max,
+    so only *full* tiles (rest max ``>= b``) can hide one: those (row, tile) pairs are
+    recomputed whole (:func:`_recompute_full_tiles`) and their entries replace the tile's
+    candidates. The rest is then summed from its own terms: the other tiles' rest statistics,
+    the unselected candidates and the full tiles' unselected entries (in fixed point where a
+    scatter sums them, so the same bits in any order).
     """
     n, width = tiles.values.shape
-    c = TRITON_CANDIDATES
-    num_tiles = width // c
-    v = weight.shape[0]
     values, cols = tiles.values, tiles.cols
-    if width < c_out:  # fewer candidates than wanted (a tiny shard): every tile is full below
+    if width < c_out:  # a tiny shard, fewer candidates than wanted: the bound is -inf below
         pad = c_out - width
         values = torch.cat([values, values.new_full((n, pad), -torch.inf)], dim=1)
         cols = torch.cat([cols, cols.new_zeros(n, pad)], dim=1)
-    # Among equal values, the candidates' order is the columns' (tiles in order, each tile's
-    # candidates by the tie rule): _chunk_topk's first-equal repair picks the smaller ids.
-    top_values, pos = _chunk_topk(values, c_out)
+    top_values, pos = torch.topk(values, c_out, dim=1)
+    bound = top_values[:, -1:]
+    # torch.topk takes any of the candidates equal to the bound; the tie rule wants the first
+    # ones (among equal values the candidates' order is the columns': tiles in order, each
+    # tile's by the rule). Rows with more of them than places are repaired by _chunk_topk.
+    tied = (values == bound).sum(dim=1) > (top_values == bound).sum(dim=1)
+    full = (tiles.rest_m >= bound) & (tiles.rest_m > -torch.inf)
+    num_tied, num_full = torch.stack([tied.sum(), full.sum()]).tolist()  # one host sync
+    if num_tied:
+        rows = tied.nonzero().squeeze(1)
+        top_values[rows], pos[rows] = _chunk_topk(values[rows], c_out)
     top_cols = cols.gather(1, pos).to(torch.int64)
-    last = values.view(n, -1)[:, : num_tiles * c].view(n, num_tiles, c)[:, :, c - 1]
-    narrow = (v - torch.arange(num_tiles, device=values.device) * cfg.block_n) <= c  # kept whole
-    full = (last >= top_values[:, -1:]) & ~narrow
-    if width < c_out:
-        full = ~narrow.expand(n, num_tiles)
-    pairs = full.nonzero()  # [p, 2] (row, tile), by row: one host sync
+    pairs = full.nonzero() if num_full else full.new_zeros(0, 2, dtype=torch.int64)  # (row, tile), by row
     recomputed = None
     if pairs.shape[0]:
         recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
         top_values, top_cols = _merge_full_tiles(top_values, top_cols, full, pairs, recomputed, c_out, cfg.block_n)
+    # torch.topk orders equal values arbitrarily: the tie rule's order by the packed key (the
+    # rest below is everything ranking after the last).
+    order = _order_key(top_values, top_cols).argsort(dim=1, descending=True)
+    top_values, top_cols = top_values.gather(1, order), top_cols.gather(1, order)
     rest_m, rest_s = _rest_statistics(tiles, full, top_values, top_cols, pairs, recomputed, cfg.block_n)
     return top_values, top_cols, rest_m, rest_s
 

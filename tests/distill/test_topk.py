@@ -434,6 +434,18 @@ def test_triton_top_k_inside_few_tiles(k, triton_path, monkeypatch):
     assert torch.equal(out.ids, fused_topk(hidden, weight, k, temperature=0.9, impl="torch").ids)
 
 
+def test_triton_equal_values_above_the_kth_in_tie_rule_order(triton_path, monkeypatch):
+    """Entries in {-1, 0, 1} over a hidden size of 24: logits are small integers, so the top
+    ``k`` holds runs of equal values above its last place too; they come out by ascending id,
+    as fp64's stable order has them."""
+    gen = generator(next_seed())
+    hidden = torch.randint(-1, 2, (40, 24), generator=gen).float()
+    weight = torch.randint(-1, 2, (700, 24), generator=gen).float()
+    out = triton_topk(hidden, weight, 8, 3, monkeypatch)
+    ref = topk_reference(hidden, weight, 8)
+    assert torch.equal(out.ids, ref.ids)
+
+
 def test_order_key_is_the_tie_rule():
     """The packed int64 key sorts as (larger value, then smaller id), over signs, zeros and
     magnitudes; -0.0 and +0.0 tie."""
