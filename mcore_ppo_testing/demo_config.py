@@ -10,7 +10,8 @@ The sizes are checked against the model too (``vocab_size``, ``num_attention_hea
 ``ffn_hidden_size`` divide by ``tp``, ``num_layers`` by ``pp``), and the head's backend name
 against :data:`mcore_ppo.backends.BACKENDS`, whenever a config is built or overridden.
 
-Command line (for ``launch.sh``, which checks everything before it starts torchrun)::
+Command line (``launch.sh`` runs the same check through ``scripts/launch_preflight.py``, before it
+starts torchrun; the module imports without torch, so a refusal costs no torch import)::
 
     python -m mcore_ppo_testing.demo_config CONFIG [ppo_step.py's overrides] --layout
     # prints "tp cp pp" (the config's, or the sizes given); one line and exit 2 on a bad
@@ -31,7 +32,6 @@ from typing import Any
 import yaml
 
 from mcore_ppo.actor import PPOActorConfig
-from mcore_ppo.backends import BACKENDS
 
 __all__ = [
     "DemoConfig",
@@ -48,6 +48,10 @@ __all__ = [
 ]
 
 _DTYPES = ("float32", "float64", "bfloat16")
+# mcore_ppo.backends.BACKENDS, repeated so that this module imports without torch (the registry
+# imports it): scripts/launch.sh's pre-flight checks a config before torchrun, and a refusal should
+# not cost a torch import. tests/harness/test_launch.py checks that the two agree.
+_BACKENDS = ("auto", "torch", "triton", "liger")
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,8 @@ class HeadConfig:
     buffer_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"head.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"head.backend must be one of {', '.join(_BACKENDS)}, got {self.backend!r}")
 
 
 @dataclass(frozen=True)
@@ -332,7 +336,7 @@ def add_override_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
     parser.add_argument("--cp-mode", choices=["model", "head"], help="where CP runs (default: the config's)")
     parser.add_argument("--steps", type=int, help="PPO steps (default: the config's)")
-    parser.add_argument("--backend", help=f"head backend, one of {', '.join(BACKENDS)} (default: the config's)")
+    parser.add_argument("--backend", help=f"head backend, one of {', '.join(_BACKENDS)} (default: the config's)")
 
 
 def apply_overrides(config: DemoConfig, args: argparse.Namespace) -> DemoConfig:

@@ -66,27 +66,25 @@ done
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-# The config, the sizes (against the model's shape too) and ppo_step.py's options are checked
-# once here, by the demo's own loader; sizes not given on the command line come from the config.
-check=("$config" --layout)
+# The config, the sizes (against the model's shape too), ppo_step.py's options and --nproc are
+# checked once here, by the demo's own loader; sizes not given on the command line come from the
+# config. The same interpreter then counts the GPUs (scripts/launch_preflight.py: torch only for
+# that, never for a refusal).
+check=("$config")
+[ -z "$nproc" ] || check=(--nproc "$nproc" "${check[@]}")
 [ -z "$tp" ] || check+=(--tp "$tp")
 [ -z "$cp" ] || check+=(--cp "$cp")
 [ -z "$pp" ] || check+=(--pp "$pp")
 errors=$(mktemp)
 trap 'rm -f "$errors"' EXIT
-if ! sizes=$(python -m mcore_ppo_testing.demo_config "${check[@]}" ${overrides[@]+"${overrides[@]}"} 2>"$errors"); then
+if ! preflight=$(python scripts/launch_preflight.py "${check[@]}" ${overrides[@]+"${overrides[@]}"} 2>"$errors"); then
   message=$(grep -v '^\s*$' "$errors" | tail -n 1)
   die "${message#demo_config: }"
 fi
-read -r tp cp pp <<<"$sizes"
-[ -n "$nproc" ] || nproc=$((tp * cp * pp))
-if [ "$nproc" -eq 0 ] || [ $((nproc % (tp * cp * pp))) -ne 0 ]; then
-  die "--nproc $nproc is not a multiple of tp*cp*pp = $((tp * cp * pp))"
-fi
+read -r tp cp pp nproc gpus <<<"$preflight"
 
 # One GPU per rank on CUDA: with fewer visible GPUs than ranks, run on the CPUs (gloo) instead
 # of failing on a missing device, and say so.
-gpus=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 if [ "$gpus" -gt 0 ] && [ "$gpus" -lt "$nproc" ]; then
   echo "launch: $nproc ranks need $nproc GPUs, $gpus visible: running on the CPUs with gloo (CUDA_VISIBLE_DEVICES='')"
   export CUDA_VISIBLE_DEVICES=""

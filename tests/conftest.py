@@ -14,6 +14,7 @@ its captured output shows; another value draws new data.
 """
 
 import contextlib
+import gc
 import os
 import socket
 
@@ -150,3 +151,13 @@ def pytest_sessionfinish(session) -> None:
 def pytest_testnodedown(node, error) -> None:
     """pytest-xdist's controller: a worker's report sections join this process's."""
     _SUMMARY_SECTIONS.update(getattr(node, "workeroutput", {}).get("mcore_ppo_summary_sections", {}))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    # The run is over; what is left is the interpreter's shutdown, whose garbage collections walk
+    # every object torch, Megatron, Triton and the tests left behind: 3 to 4 s of CPU per pytest
+    # process (each xdist worker, each rank of the multi-rank suite). Frozen objects are skipped by
+    # those collections (they are still freed by reference counting); nothing runs after this but
+    # pytest's return and the interpreter's exit. Measured: exit 3.5 s -> 0.3 s.
+    gc.freeze()

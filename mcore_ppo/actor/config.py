@@ -5,14 +5,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mcore_ppo.actor.distill_loss import TOPK_KL_MODES
-from mcore_ppo.actor.ppo_loss import check_loss_agg_mode
+__all__ = ["LOSS_AGG_MODES", "TOPK_KL_MODES", "PPOActorConfig", "check_loss_agg_mode"]
 
-__all__ = ["PPOActorConfig"]
+# The option values are defined here, not beside the losses that use them (ppo_loss, distill_loss
+# import them from here), so that the config imports without torch: scripts/launch.sh checks a
+# demo config before torchrun, and a refusal should not cost a torch import.
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+TOPK_KL_MODES: tuple[str, ...] = ("tail_bucket", "renormalized")
 
 # mcore_ppo.distill.MAX_TOPK, repeated so that the config imports without the kernels (the demo
 # launcher checks configs before torchrun); tests/actor checks that the two agree.
 _MAX_TOPK = 128
+
+
+def check_loss_agg_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`LOSS_AGG_MODES`; TypeError for a non-str, else ValueError."""
+    if not isinstance(mode, str):
+        raise TypeError(f"loss_agg_mode must be a str, one of {LOSS_AGG_MODES}, got {type(mode).__name__}")
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    return mode
 
 
 @dataclass

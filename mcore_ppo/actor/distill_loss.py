@@ -31,11 +31,11 @@ from typing import Literal
 
 import torch
 
+from mcore_ppo.actor.config import TOPK_KL_MODES
 from mcore_ppo.actor.ppo_loss import kl_k3
 from mcore_ppo.validation import check_tensor
 
 TopKKLMode = Literal["tail_bucket", "renormalized"]
-TOPK_KL_MODES: tuple[str, ...] = ("tail_bucket", "renormalized")
 #: verl's ``kl_penalty`` names of the two estimators (``"kl"`` is ``"k1"``, ``"low_var_kl"`` is ``"k3"``).
 REVERSE_KL_ESTIMATORS: dict[str, str] = {"k1": "k1", "kl": "k1", "k3": "k3", "low_var_kl": "k3"}
 

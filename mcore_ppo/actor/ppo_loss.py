@@ -28,19 +28,12 @@ from typing import Literal
 
 import torch
 
+# The modes and their check live with the config (torch-free); named here too, beside the losses.
+from mcore_ppo.actor.config import LOSS_AGG_MODES as LOSS_AGG_MODES
+from mcore_ppo.actor.config import check_loss_agg_mode
 from mcore_ppo.validation import check_tensor, validate_on_device
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-
-
-def check_loss_agg_mode(mode: str) -> str:
-    """``mode`` if it is one of :data:`LOSS_AGG_MODES`; TypeError for a non-str, else ValueError."""
-    if not isinstance(mode, str):
-        raise TypeError(f"loss_agg_mode must be a str, one of {LOSS_AGG_MODES}, got {type(mode).__name__}")
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
-    return mode
 
 
 # --- argument checks (types and shapes only: nothing here reads a CUDA tensor's values) -----------

@@ -20,10 +20,21 @@ CONFIG = ROOT / "configs" / "ppo_demo.yaml"
 TIMEOUT = int(os.environ.get("MCORE_PPO_LAUNCH_TEST_TIMEOUT", "600"))
 
 
+# The GPU count of launch.sh's pre-flight (scripts/launch_preflight.py), faked: torch.cuda says
+# there are N GPUs, then the real pre-flight runs.
+_FAKE_GPUS = """
+import runpy, sys, torch
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: {count}
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def _run(*args: str, visible_gpus: int | None = None, tmp_path: Path | None = None) -> subprocess.CompletedProcess:
     """``scripts/launch.sh args`` with this interpreter's ``python`` and ``torchrun``; no GPU visible,
-    or with ``visible_gpus`` (and a ``tmp_path`` for the shim): a ``python`` shim answers launch.sh's
-    device query with that count and passes everything else to the real interpreter."""
+    or with ``visible_gpus`` (and a ``tmp_path`` for the shim): a ``python`` shim runs launch.sh's
+    pre-flight with torch.cuda answering that count, and everything else with the real interpreter."""
     env = dict(
         os.environ,
         MCORE_PPO_LAUNCH_TIMEOUT=str(TIMEOUT - 30),
@@ -36,8 +47,13 @@ def _run(*args: str, visible_gpus: int | None = None, tmp_path: Path | None = No
         assert tmp_path is not None
         shim = tmp_path / "bin" / "python"
         shim.parent.mkdir()
-        answer = f'case "$*" in *device_count*) echo {visible_gpus} ;; *) exec "{sys.executable}" "$@" ;; esac'
-        shim.write_text(f"#!/usr/bin/env bash\n{answer}\n")
+        fake = tmp_path / "fake_gpus.py"
+        fake.write_text(_FAKE_GPUS.format(count=visible_gpus))
+        shim.write_text(
+            "#!/usr/bin/env bash\n"
+            f'case "$*" in *launch_preflight.py*) exec "{sys.executable}" "{fake}" "$@" ;; '
+            f'*) exec "{sys.executable}" "$@" ;; esac\n'
+        )
         shim.chmod(0o755)
         env["PATH"] = f"{shim.parent}:{env['PATH']}"
         env.pop("CUDA_VISIBLE_DEVICES", None)  # the shim, not the host, says how many GPUs there are
@@ -93,9 +109,20 @@ def test_parity_failure_exits_nonzero(tmp_path):
     assert out.strip().splitlines()[-1].startswith("FAIL: head log-probs differ from the logits path"), out
 
 
-def _refused(*args: str) -> str:
-    """launch.sh's one-line refusal of ``args``: exit 2 before torchrun, nothing else printed."""
-    proc = subprocess.run(["bash", str(LAUNCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _without_torch(tmp_path: Path, **env: str) -> dict[str, str]:
+    """This environment with an ``import torch`` that fails: what needs no torch must run with it."""
+    blocker = tmp_path / "no_torch" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch imported where no torch is needed')\n")
+    path = os.pathsep.join(filter(None, [str(blocker.parent), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **env)
+
+
+def _refused(tmp_path: Path, *args: str) -> str:
+    """launch.sh's one-line refusal of ``args``: exit 2 before torchrun, nothing else printed, and
+    no torch imported (a refusal is a Python start-up and a YAML read: ``import torch`` fails here)."""
+    env = _without_torch(tmp_path)
+    proc = subprocess.run(["bash", str(LAUNCH), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert proc.stdout == "", proc.stdout
     lines = proc.stderr.strip().splitlines()
@@ -122,8 +149,8 @@ def _refused(*args: str) -> str:
         (["--tp"], "--tp needs a value"),
     ],
 )
-def test_launch_refuses_bad_arguments_in_one_line(args, says):
-    assert says in _refused(*args)
+def test_launch_refuses_bad_arguments_in_one_line(tmp_path, args, says):
+    assert says in _refused(tmp_path, *args)
 
 
 def _bad_config(tmp_path: Path, section: str, key: str, value) -> Path:
@@ -136,7 +163,7 @@ def _bad_config(tmp_path: Path, section: str, key: str, value) -> Path:
 
 def test_launch_rejects_a_bad_config_before_torchrun(tmp_path):
     """The config is checked once, by the demo's loader, before any rank starts: exit 2, key named."""
-    assert "ppo.clip_ratoi" in _refused("--config", str(_bad_config(tmp_path, "ppo", "clip_ratoi", 0.2)))
+    assert "ppo.clip_ratoi" in _refused(tmp_path, "--config", str(_bad_config(tmp_path, "ppo", "clip_ratoi", 0.2)))
 
 
 @pytest.mark.parametrize(
@@ -165,6 +192,30 @@ def test_preflight_refuses_in_one_line(tmp_path, capsys, args, config, says):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("demo_config: "), captured.err
     assert says in lines[0].removeprefix("demo_config: ")
+
+
+def test_preflight_passes_without_torch_when_no_gpu_can_be_visible(tmp_path):
+    """The pre-flight's answer (``tp cp pp nproc gpus``) on a good config: with CUDA_VISIBLE_DEVICES
+    empty it needs no torch for the GPU count either."""
+    for args, line in (([], "2 2 1 4 0"), (["--nproc", "8", "--tp", "1"], "1 2 1 8 0")):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "launch_preflight.py"), *args[:2], str(CONFIG), *args[2:]],
+            cwd=ROOT,
+            env=_without_torch(tmp_path / str(len(args)), CUDA_VISIBLE_DEVICES=""),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout == line + "\n", proc.stdout
+
+
+def test_config_check_names_the_backends_of_the_registry():
+    """demo_config repeats the backend names (so that it imports without torch): the same names."""
+    from mcore_ppo.backends import BACKENDS
+    from mcore_ppo_testing import demo_config
+
+    assert demo_config._BACKENDS == BACKENDS
 
 
 def test_help_shows_the_usage_only():
