@@ -53,10 +53,11 @@ VOCAB_CHUNK = 4096
 #: Which shard pass ``impl="auto"`` takes: the Triton kernel for fp16/bf16/fp32 CUDA tensors
 #: (where Triton is installed), the torch path otherwise.
 IMPLS = ("auto", "torch", "triton")
-#: Tiles of the fused kernel on a GPU: 128 × 128 logits, TMA operands, one tile per program
-#: (a program keeps nothing across tiles, and Triton does not pipeline one tile into the next).
+#: Tiles of the fused kernel on a GPU: the head's 128 × 256 logits, TMA operands, one tile per
+#: program (a program keeps nothing across tiles, and Triton does not pipeline one tile into
+#: the next). On the H200 (bf16, V 151,936, n 16,384) 256 columns beat 128 by 15-25 %.
 TRITON_CONFIG = GemmConfig(
-    block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3, tiles_per_split=1, use_tma=True
+    block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, tiles_per_split=1, use_tma=True
 )
 #: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
 TRITON_INTERPRETER_CONFIG = GemmConfig(
@@ -64,11 +65,11 @@ TRITON_INTERPRETER_CONFIG = GemmConfig(
 )
 #: ptxas register cap per thread for the tiles kernel (None: ptxas decides).
 TRITON_MAX_REGISTERS: int | None = None
-#: Candidates each tile keeps per row (``C``, one max-reduction each). A row recomputes a tile
-#: whose ``C`` candidates all make its top ``k``: on random logits, about ``tiles·P(X > C)``
-#: tiles for ``X ~ Poisson(k / tiles)`` (at TP 8 of a 152k vocab, ``k`` 128: ~8 tiles of 148
-#: for ``C`` 2, ~1.6 for ``C`` 3).
-TRITON_CANDIDATES = 2
+#: Candidates each tile keeps per row (``C``, one max-reduction each). A row recomputes the
+#: tiles holding more than ``C`` of its top ``k``: on random logits about ``tiles·P(X > C)`` for
+#: ``X ~ Poisson(k / tiles)`` (TP 8 of a 152k vocab, ``k`` 128, 74 tiles of 256: 0.6 per row at
+#: ``C`` 5, 2.3 at ``C`` 4); 5 was the fastest of 3-5 on the H200 over k 8-128, TP 1 and 8.
+TRITON_CANDIDATES = 5
 #: Rows per work item of the full-tile recompute (one weight tile, gathered rows).
 TRITON_RECOMPUTE_ROWS = 64
 TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
@@ -502,29 +503,84 @@ def _select_from_tiles(
         pad = c_out - width
         values = torch.cat([values, values.new_full((n, pad), -torch.inf)], dim=1)
         cols = torch.cat([cols, cols.new_zeros(n, pad)], dim=1)
-    top_values, pos = torch.topk(values, c_out, dim=1)
-    bound = top_values[:, -1:]
+    raw_values, pos = torch.topk(values, c_out, dim=1)
+    bound = raw_values[:, -1:]
     # torch.topk takes any of the candidates equal to the bound; the tie rule wants the first
     # ones (among equal values the candidates' order is the columns': tiles in order, each
     # tile's by the rule). Rows with more of them than places are repaired by _chunk_topk.
-    tied = (values == bound).sum(dim=1) > (top_values == bound).sum(dim=1)
+    tied = (values == bound).sum(dim=1) > (raw_values == bound).sum(dim=1)
     full = (tiles.rest_m >= bound) & (tiles.rest_m > -torch.inf)
-    num_tied, num_full = torch.stack([tied.sum(), full.sum()]).tolist()  # one host sync
+    counts = torch.stack([tied.sum(), full.sum(), full.sum(dim=1).max()])
+    # The common case (no tie at the bound, no full tile) is queued before the one host sync.
+    top_values, top_cols = _tie_rule_order(raw_values, cols.gather(1, pos).to(torch.int64))
+    rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
+    num_tied, num_full, most_per_row = counts.tolist()
+    if not (num_tied or num_full):
+        return top_values, top_cols, rest_m, rest_s
     if num_tied:
         rows = tied.nonzero().squeeze(1)
-        top_values[rows], pos[rows] = _chunk_topk(values[rows], c_out)
-    top_cols = cols.gather(1, pos).to(torch.int64)
-    pairs = full.nonzero() if num_full else full.new_zeros(0, 2, dtype=torch.int64)  # (row, tile), by row
-    recomputed = None
-    if pairs.shape[0]:
+        raw_values[rows], pos[rows] = _chunk_topk(values[rows], c_out)
+        top_values, top_cols = _tie_rule_order(raw_values, cols.gather(1, pos).to(torch.int64))
+    if num_full:
+        pairs = full.nonzero()  # (row, tile), by row
         recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
-        top_values, top_cols = _merge_full_tiles(top_values, top_cols, full, pairs, recomputed, c_out, cfg.block_n)
-    # torch.topk orders equal values arbitrarily: the tie rule's order by the packed key (the
-    # rest below is everything ranking after the last).
-    order = _order_key(top_values, top_cols).argsort(dim=1, descending=True)
-    top_values, top_cols = top_values.gather(1, order), top_cols.gather(1, order)
-    rest_m, rest_s = _rest_statistics(tiles, full, top_values, top_cols, pairs, recomputed, cfg.block_n)
+        top_values, top_cols = _merge_full_tiles(
+            top_values, top_cols, full, pairs, recomputed, c_out, cfg.block_n, most_per_row
+        )
+    rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
+    if num_full:
+        rest_m, rest_s = _fold_full_tiles(rest_m, rest_s, top_values, top_cols, pairs, recomputed, cfg.block_n)
     return top_values, top_cols, rest_m, rest_s
+
+
+def _tie_rule_order(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, ids)`` rows sorted by the tie rule (larger value, then smaller id)."""
+    order = _order_key(values, ids).argsort(dim=1, descending=True)
+    return values.gather(1, order), ids.gather(1, order)
+
+
+def _fold_rest(
+    tiles: _Tiles, full: torch.Tensor, top_values: torch.Tensor, top_cols: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, s)`` of the entries outside the top that lie outside full tiles: each tile's rest
+    and the candidates ranking after the top's last (:func:`~mcore_ppo.kernels.topk.rest_fold_kernel`)."""
+    from mcore_ppo.kernels.topk import rest_fold_kernel
+
+    n, width = tiles.values.shape
+    num_tiles = tiles.rest_m.shape[1]
+    m = torch.empty(n, dtype=torch.float32, device=full.device)
+    s = torch.empty_like(m)
+    block_r = 4
+    last_value = top_values[:, -1].contiguous()
+    last_col = top_cols[:, -1].to(torch.int32)
+    rest_fold_kernel[(cdiv(n, block_r),)](
+        tiles.values, tiles.cols, tiles.rest_m, tiles.rest_s, full.view(torch.int8), last_value, last_col, m, s,
+        n, width, num_tiles, C=TRITON_CANDIDATES, BLOCK_R=block_r, BLOCK_W=256 if interpreting() else 1024,
+    )  # fmt: skip
+    return m, s
+
+
+def _fold_full_tiles(
+    m: torch.Tensor,
+    s: torch.Tensor,
+    top_values: torch.Tensor,
+    top_cols: torch.Tensor,
+    pairs: torch.Tensor,
+    recomputed: torch.Tensor,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, s)`` extended by the full tiles' entries that rank after the top's last."""
+    rows = pairs[:, 0]
+    last_value, last_id = top_values[:, -1:], top_cols[:, -1:]
+    ids = torch.arange(block_n, device=pairs.device)[None, :] + pairs[:, 1:] * block_n
+    drop = torch.where(_below(recomputed, ids, last_value[rows], last_id[rows]), recomputed, -torch.inf)
+    m_new = m.scatter_reduce(0, rows, drop.amax(dim=1), reduce="amax")
+    ref = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    # A scatter's float sums depend on the order of its atomics: sum in 2^-40 fixed point.
+    terms = (torch.exp(drop - ref[rows, None]) * _FIXED_ONE).to(torch.int64).sum(dim=1)
+    fixed = torch.zeros(m.shape[0], dtype=torch.int64, device=m.device).index_add_(0, rows, terms)
+    rescaled = torch.where(s > 0, s * torch.exp(m - ref), torch.zeros_like(s))
+    return m_new, rescaled + fixed.to(s.dtype) / _FIXED_ONE
 
 
 def _recompute_full_tiles(
@@ -573,73 +629,33 @@ def _merge_full_tiles(
     recomputed: torch.Tensor,
     c_out: int,
     block_n: int,
+    most_per_row: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``c_out`` of the rows with full tiles, over their candidates outside full tiles
-    and each full tile's own top ``min(c_out, BLOCK_N)``; other rows unchanged."""
+    """The top ``c_out`` of every row, in the tie rule's order, over its candidates outside full
+    tiles and each of its (at most ``most_per_row``) full tiles' own top ``min(c_out, BLOCK_N)``."""
     rows, tile_of = pairs[:, 0], pairs[:, 1]
     per_tile = min(c_out, block_n)
     tile_values, tile_cols = _chunk_topk(recomputed, per_tile)
     tile_ids = tile_cols.to(torch.int64) + tile_of[:, None] * block_n
-    # Pairs come by row: each pair's slot among its row's full tiles.
-    affected, first, per_row = torch.unique_consecutive(rows, return_inverse=True, return_counts=True)
-    start = per_row.cumsum(0) - per_row
-    slot = torch.arange(rows.shape[0], device=rows.device) - start[first]
-    most = int(per_row.max())
-    extra_values = top_values.new_full((affected.shape[0], most * per_tile), -torch.inf)
-    extra_ids = top_cols.new_zeros(affected.shape[0], most * per_tile)
+    # Pairs come by row: a pair's slot among its row's full tiles counts from the row's first.
+    slot = torch.arange(rows.shape[0], device=rows.device) - torch.searchsorted(rows, rows)
+    n = top_values.shape[0]
+    extra_values = top_values.new_full((n, most_per_row * per_tile), -torch.inf)
+    extra_ids = top_cols.new_zeros(n, most_per_row * per_tile)
     spots = slot[:, None] * per_tile + torch.arange(per_tile, device=rows.device)[None, :]
-    extra_values[first[:, None], spots] = tile_values
-    extra_ids[first[:, None], spots] = tile_ids
-    kept_values, kept_ids = top_values[affected], top_cols[affected]
-    in_full = full[affected].gather(1, kept_ids // block_n)
-    kept_values = torch.where(in_full, -torch.inf, kept_values)
-    merged_values = torch.cat([kept_values, extra_values], dim=1)
-    merged_ids = torch.cat([kept_ids, extra_ids], dim=1)
-    keys = _order_key(merged_values, merged_ids)
-    _, picked = torch.topk(keys, c_out, dim=1)  # keys sort by the tie rule; top-k returns them sorted
-    top_values, top_cols = top_values.clone(), top_cols.clone()
-    top_values[affected] = merged_values.gather(1, picked)
-    top_cols[affected] = merged_ids.gather(1, picked)
-    return top_values, top_cols
+    extra_values[rows[:, None], spots] = tile_values
+    extra_ids[rows[:, None], spots] = tile_ids
+    in_full = full.gather(1, top_cols // block_n)
+    merged_values = torch.cat([torch.where(in_full, -torch.inf, top_values), extra_values], dim=1)
+    merged_ids = torch.cat([top_cols, extra_ids], dim=1)
+    # Keys sort by the tie rule, and torch.topk returns them in order.
+    _, picked = torch.topk(_order_key(merged_values, merged_ids), c_out, dim=1)
+    return merged_values.gather(1, picked), merged_ids.gather(1, picked)
 
 
 def _below(values: torch.Tensor, ids: torch.Tensor, last_value: torch.Tensor, last_id: torch.Tensor) -> torch.Tensor:
     """Entries that rank after ``(last_value, last_id)`` by the tie rule (broadcasting)."""
     return (values < last_value) | ((values == last_value) & (ids > last_id))
-
-
-def _rest_statistics(
-    tiles: _Tiles,
-    full: torch.Tensor,
-    top_values: torch.Tensor,
-    top_cols: torch.Tensor,
-    pairs: torch.Tensor,
-    recomputed: torch.Tensor | None,
-    block_n: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, s)`` of every entry outside the top: the tiles' rests and unselected candidates
-    outside full tiles, and the unselected entries of full tiles."""
-    n, width = tiles.values.shape
-    c = TRITON_CANDIDATES
-    last_value, last_id = top_values[:, -1:], top_cols[:, -1:]
-    cand_tile = torch.arange(width, device=full.device) // c
-    unselected = _below(tiles.values, tiles.cols, last_value, last_id) & ~full[:, cand_tile]
-    cand = torch.where(unselected, tiles.values, -torch.inf)
-    rest_m = torch.where(full, -torch.inf, tiles.rest_m)
-    m = torch.maximum(rest_m.amax(dim=1), cand.amax(dim=1))
-    if recomputed is not None:
-        rows = pairs[:, 0]
-        ids = torch.arange(block_n, device=full.device)[None, :] + pairs[:, 1:] * block_n
-        drop = torch.where(_below(recomputed, ids, last_value[rows], last_id[rows]), recomputed, -torch.inf)
-        m = m.scatter_reduce(0, rows, drop.amax(dim=1), reduce="amax")
-    ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))[:, None]
-    s = (tiles.rest_s * torch.exp(rest_m - ref)).sum(dim=1) + torch.exp(cand - ref).sum(dim=1)
-    if recomputed is not None:
-        # A scatter's float sums depend on the order of its atomics: sum in 2^-40 fixed point.
-        terms = (torch.exp(drop - ref[rows]) * _FIXED_ONE).to(torch.int64).sum(dim=1)
-        fixed = torch.zeros(n, dtype=torch.int64, device=full.device).index_add_(0, rows, terms)
-        s = s + fixed.to(s.dtype) / _FIXED_ONE
-    return m, s
 
 
 _ID_BIAS = 2**31 - 1

@@ -161,3 +161,59 @@ def tile_rows_kernel(
     z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
     dest = pairs.to(tl.int64)[:, None] * BLOCK_N + local[None, :]
     tl.store(out_ptr + dest, z, mask=pair_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["N", "W", "num_tiles"])
+def rest_fold_kernel(
+    cand_v_ptr,
+    cand_c_ptr,
+    rest_m_ptr,
+    rest_s_ptr,
+    full_ptr,
+    last_v_ptr,
+    last_c_ptr,
+    m_out_ptr,
+    s_out_ptr,
+    N,
+    W,
+    num_tiles,
+    C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """``(m, s)`` per row of every entry outside the top that the tiles kernel accounted for:
+    the candidates ranking after the row's last ``(last_v, last_c)`` by the tie rule and the
+    tiles' rests, both outside the row's full tiles (``full [N, num_tiles]``, int8), whose
+    entries the host adds from their recompute. One pass, in a fixed order (the same bits on
+    every run)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    r64 = rows.to(tl.int64)[:, None]
+    last_v = tl.load(last_v_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    last_c = tl.load(last_c_ptr + rows, mask=row_ok, other=0)[:, None]
+    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_R,), tl.float32)
+    for w0 in range(0, W, BLOCK_W):
+        offs = w0 + tl.arange(0, BLOCK_W)[None, :]
+        ok = row_ok[:, None] & (offs < W)
+        v = tl.load(cand_v_ptr + r64 * W + offs, mask=ok, other=float("-inf"))
+        c = tl.load(cand_c_ptr + r64 * W + offs, mask=ok, other=0)
+        in_full = tl.load(full_ptr + r64 * num_tiles + offs // C, mask=ok, other=1) != 0
+        below = (v < last_v) | ((v == last_v) & (c > last_c))
+        v = tl.where(below & ~in_full, v, float("-inf"))
+        m_new = tl.maximum(m, tl.max(v, 1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp2((m - ref) * LOG2E) + tl.sum(tl.exp2((v - ref[:, None]) * LOG2E), 1)
+        m = m_new
+    for t0 in range(0, num_tiles, BLOCK_W):
+        offs = t0 + tl.arange(0, BLOCK_W)[None, :]
+        ok = row_ok[:, None] & (offs < num_tiles)
+        in_full = tl.load(full_ptr + r64 * num_tiles + offs, mask=ok, other=1) != 0
+        tm = tl.load(rest_m_ptr + r64 * num_tiles + offs, mask=ok & ~in_full, other=float("-inf"))
+        ts = tl.load(rest_s_ptr + r64 * num_tiles + offs, mask=ok & ~in_full, other=0.0)
+        m_new = tl.maximum(m, tl.max(tm, 1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp2((m - ref) * LOG2E) + tl.sum(ts * tl.exp2((tm - ref[:, None]) * LOG2E), 1)
+        m = m_new
+    tl.store(m_out_ptr + rows, m, mask=row_ok)
+    tl.store(s_out_ptr + rows, s, mask=row_ok)
