@@ -503,34 +503,44 @@ def _select_from_tiles(
         pad = c_out - width
         values = torch.cat([values, values.new_full((n, pad), -torch.inf)], dim=1)
         cols = torch.cat([cols, cols.new_zeros(n, pad)], dim=1)
-    raw_values, pos = torch.topk(values, c_out, dim=1)
-    bound = raw_values[:, -1:]
+    top_values, pos = torch.topk(values, c_out, dim=1)  # by value; equal values in any order
+    top_cols = cols.gather(1, pos).to(torch.int64)
+    bound = top_values[:, -1:]
     # torch.topk takes any of the candidates equal to the bound; the tie rule wants the first
     # ones (among equal values the candidates' order is the columns': tiles in order, each
     # tile's by the rule). Rows with more of them than places are repaired by _chunk_topk.
-    tied = (values == bound).sum(dim=1) > (raw_values == bound).sum(dim=1)
+    tied = (values == bound).sum(dim=1) > (top_values == bound).sum(dim=1)
     full = (tiles.rest_m >= bound) & (tiles.rest_m > -torch.inf)
-    counts = torch.stack([tied.sum(), full.sum(), full.sum(dim=1).max()])
-    # The common case (no tie at the bound, no full tile) is queued before the one host sync.
-    top_values, top_cols = _tie_rule_order(raw_values, cols.gather(1, pos).to(torch.int64))
+    unordered = (top_values[:, 1:] == top_values[:, :-1]).any(dim=1) | tied
+    counts = torch.stack([tied.sum(), full.sum(), full.sum(dim=1).max(), unordered.sum()])
+    # The common case (no tie in the top, no full tile) is queued before the one host sync.
     rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
-    num_tied, num_full, most_per_row = counts.tolist()
-    if not (num_tied or num_full):
-        return top_values, top_cols, rest_m, rest_s
+    num_tied, num_full, most_per_row, num_unordered = counts.tolist()
     if num_tied:
         rows = tied.nonzero().squeeze(1)
-        raw_values[rows], pos[rows] = _chunk_topk(values[rows], c_out)
-        top_values, top_cols = _tie_rule_order(raw_values, cols.gather(1, pos).to(torch.int64))
+        fixed_values, fixed_pos = _chunk_topk(values[rows], c_out)
+        top_values[rows], top_cols[rows] = fixed_values, cols[rows].gather(1, fixed_pos).to(torch.int64)
     if num_full:
         pairs = full.nonzero()  # (row, tile), by row
         recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
         top_values, top_cols = _merge_full_tiles(
             top_values, top_cols, full, pairs, recomputed, c_out, cfg.block_n, most_per_row
         )
-    rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
+    if num_unordered:
+        rows = unordered.nonzero().squeeze(1)
+        top_values[rows], top_cols[rows] = _tie_rule_order(top_values[rows], top_cols[rows])
+    if num_tied or num_full:
+        rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
     if num_full:
         rest_m, rest_s = _fold_full_tiles(rest_m, rest_s, top_values, top_cols, pairs, recomputed, cfg.block_n)
     return top_values, top_cols, rest_m, rest_s
+
+
+def _last(top_values: torch.Tensor, top_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(value [n], id [n])`` of the top's last by the tie rule, whatever the order within the
+    top: its smallest value, and the largest id holding it."""
+    last_value = top_values[:, -1]  # topk's order is by value
+    return last_value, torch.where(top_values == last_value[:, None], top_ids, -1).amax(dim=1)
 
 
 def _tie_rule_order(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -551,8 +561,8 @@ def _fold_rest(
     m = torch.empty(n, dtype=torch.float32, device=full.device)
     s = torch.empty_like(m)
     block_r = 4
-    last_value = top_values[:, -1].contiguous()
-    last_col = top_cols[:, -1].to(torch.int32)
+    last_value, last_col = _last(top_values, top_cols)
+    last_value, last_col = last_value.contiguous(), last_col.to(torch.int32)
     rest_fold_kernel[(cdiv(n, block_r),)](
         tiles.values, tiles.cols, tiles.rest_m, tiles.rest_s, full.view(torch.int8), last_value, last_col, m, s,
         n, width, num_tiles, C=TRITON_CANDIDATES, BLOCK_R=block_r, BLOCK_W=256 if interpreting() else 1024,
@@ -571,7 +581,7 @@ def _fold_full_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m, s)`` extended by the full tiles' entries that rank after the top's last."""
     rows = pairs[:, 0]
-    last_value, last_id = top_values[:, -1:], top_cols[:, -1:]
+    last_value, last_id = (t[:, None] for t in _last(top_values, top_cols))
     ids = torch.arange(block_n, device=pairs.device)[None, :] + pairs[:, 1:] * block_n
     drop = torch.where(_below(recomputed, ids, last_value[rows], last_id[rows]), recomputed, -torch.inf)
     m_new = m.scatter_reduce(0, rows, drop.amax(dim=1), reduce="amax")
@@ -631,26 +641,31 @@ def _merge_full_tiles(
     block_n: int,
     most_per_row: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``c_out`` of every row, in the tie rule's order, over its candidates outside full
-    tiles and each of its (at most ``most_per_row``) full tiles' own top ``min(c_out, BLOCK_N)``."""
+    """The top ``c_out`` of the rows with full tiles, in the tie rule's order, over their
+    candidates outside full tiles and each of their (at most ``most_per_row``) full tiles' own
+    top ``min(c_out, BLOCK_N)``; other rows unchanged."""
     rows, tile_of = pairs[:, 0], pairs[:, 1]
     per_tile = min(c_out, block_n)
     tile_values, tile_cols = _chunk_topk(recomputed, per_tile)
     tile_ids = tile_cols.to(torch.int64) + tile_of[:, None] * block_n
     # Pairs come by row: a pair's slot among its row's full tiles counts from the row's first.
     slot = torch.arange(rows.shape[0], device=rows.device) - torch.searchsorted(rows, rows)
-    n = top_values.shape[0]
-    extra_values = top_values.new_full((n, most_per_row * per_tile), -torch.inf)
-    extra_ids = top_cols.new_zeros(n, most_per_row * per_tile)
+    affected = full.any(dim=1).nonzero().squeeze(1)  # ascending, as the pairs' rows
+    row_of = torch.searchsorted(affected, rows)
+    extra_values = top_values.new_full((affected.shape[0], most_per_row * per_tile), -torch.inf)
+    extra_ids = top_cols.new_zeros(affected.shape[0], most_per_row * per_tile)
     spots = slot[:, None] * per_tile + torch.arange(per_tile, device=rows.device)[None, :]
-    extra_values[rows[:, None], spots] = tile_values
-    extra_ids[rows[:, None], spots] = tile_ids
-    in_full = full.gather(1, top_cols // block_n)
-    merged_values = torch.cat([torch.where(in_full, -torch.inf, top_values), extra_values], dim=1)
-    merged_ids = torch.cat([top_cols, extra_ids], dim=1)
+    extra_values[row_of[:, None], spots] = tile_values
+    extra_ids[row_of[:, None], spots] = tile_ids
+    kept_values, kept_ids = top_values[affected], top_cols[affected]
+    in_full = full[affected].gather(1, kept_ids // block_n)
+    merged_values = torch.cat([torch.where(in_full, -torch.inf, kept_values), extra_values], dim=1)
+    merged_ids = torch.cat([kept_ids, extra_ids], dim=1)
     # Keys sort by the tie rule, and torch.topk returns them in order.
     _, picked = torch.topk(_order_key(merged_values, merged_ids), c_out, dim=1)
-    return merged_values.gather(1, picked), merged_ids.gather(1, picked)
+    top_values, top_cols = top_values.clone(), top_cols.clone()
+    top_values[affected], top_cols[affected] = merged_values.gather(1, picked), merged_ids.gather(1, picked)
+    return top_values, top_cols
 
 
 def _below(values: torch.Tensor, ids: torch.Tensor, last_value: torch.Tensor, last_id: torch.Tensor) -> torch.Tensor:
