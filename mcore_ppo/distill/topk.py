@@ -53,23 +53,23 @@ VOCAB_CHUNK = 4096
 #: Which shard pass ``impl="auto"`` takes: the Triton kernel for fp16/bf16/fp32 CUDA tensors
 #: (where Triton is installed), the torch path otherwise.
 IMPLS = ("auto", "torch", "triton")
-#: Tiles of the fused kernel on a GPU: the head's 128 × 256 logits, TMA operands (on the H200,
-#: bf16, V 151,936, n 16,384, 256 columns beat 128 by 15-25 %). ``tiles_per_split`` is not used:
-#: the splits follow :data:`TRITON_SPLIT_LOAD`.
-TRITON_CONFIG = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, use_tma=True)
+#: Tiles of the fused kernel on a GPU: the head's 128 × 256 logits, TMA operands, one tile per
+#: program (a program keeps nothing across tiles, and Triton does not pipeline one tile into
+#: the next). On the H200 (bf16, V 151,936, n 16,384) 256 columns beat 128 by 15-25 %.
+TRITON_CONFIG = GemmConfig(
+    block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, tiles_per_split=1, use_tma=True
+)
 #: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
-TRITON_INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
+TRITON_INTERPRETER_CONFIG = GemmConfig(
+    block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, tiles_per_split=4
+)
 #: ptxas register cap per thread for the tiles kernel (None: ptxas decides).
 TRITON_MAX_REGISTERS: int | None = None
-#: Candidates each vocab split keeps per row (``C``, one max-reduction per tile each). A row
-#: recomputes the tiles of a split holding more than ``C`` of its top ``k``: on random logits
-#: about ``splits·P(X > C)`` splits for ``X ~ Poisson(k / splits)``.
+#: Candidates each tile keeps per row (``C``, one max-reduction each). A row recomputes the
+#: tiles holding more than ``C`` of its top ``k``: on random logits about ``tiles·P(X > C)`` for
+#: ``X ~ Poisson(k / tiles)`` (TP 8 of a 152k vocab, ``k`` 128, 74 tiles of 256: 0.6 per row at
+#: ``C`` 5, 2.3 at ``C`` 4); 5 was the fastest of 3-5 on the H200 over k 8-128, TP 1 and 8.
 TRITON_CANDIDATES = 5
-#: Expected entries of a row's top ``k`` per split, on random logits: a split spans
-#: ``tiles · LOAD / k`` tiles (at least one), so the candidates per row are about ``C·k / LOAD``
-#: whatever V, and a split is full with probability ``P(X > C)``, ``X ~ Poisson(LOAD)``
-#: (6e-4 for 1); more splits where the row blocks alone leave SMs idle.
-TRITON_SPLIT_LOAD = 1
 #: Rows per work item of the full-tile recompute (one weight tile, gathered rows).
 TRITON_RECOMPUTE_ROWS = 64
 TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
@@ -389,24 +389,11 @@ def _use_triton(impl: object, hidden: torch.Tensor) -> bool:
     return runnable and (impl == "triton" or hidden.is_cuda)
 
 
-def _triton_splits(n: int, n_tiles: int, c_out: int, cfg: GemmConfig, device: torch.device) -> tuple[int, int]:
-    """``(splits, tiles per split)``: :data:`TRITON_SPLITS` if set, else as many as keep about
-    :data:`TRITON_SPLIT_LOAD` of a row's top ``c_out`` per split, and at least two programs
-    per SM."""
+def _triton_splits(n_tiles: int, cfg: GemmConfig) -> int:
+    """Vocab splits per row block: the config's tiles per program, or :data:`TRITON_SPLITS`."""
     if TRITON_SPLITS is not None:
-        splits = max(1, min(TRITON_SPLITS, n_tiles))
-    else:
-        by_load = cdiv(n_tiles, max(1, n_tiles * TRITON_SPLIT_LOAD // c_out))
-        by_sms = cdiv(2 * _num_sms(device), cdiv(n, cfg.block_m))
-        splits = min(n_tiles, max(by_load, by_sms))
-    tiles_per_split = cdiv(n_tiles, splits)
-    return cdiv(n_tiles, tiles_per_split), tiles_per_split
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(TRITON_SPLITS, n_tiles))
+    return cdiv(n_tiles, cfg.tiles_per_split)
 
 
 def _triton_config(dtype: torch.dtype) -> GemmConfig:
@@ -450,13 +437,12 @@ def _inverse_temperature(
 
 
 class _Tiles(NamedTuple):
-    """The kernel's per-(row, split) outputs (see :mod:`mcore_ppo.kernels.topk`)."""
+    """The kernel's per-(row, tile) outputs (see :mod:`mcore_ppo.kernels.topk`)."""
 
-    values: torch.Tensor  # [n, splits · C] fp32, in no order within a split
-    cols: torch.Tensor  # [n, splits · C] int32 shard columns (negative: an empty slot)
-    rest_m: torch.Tensor  # [n, splits] the split's other entries: max
-    rest_s: torch.Tensor  # [n, splits] and Σ exp(z - max)
-    tiles_per_split: int
+    values: torch.Tensor  # [n, tiles · C] fp32, per tile largest first
+    cols: torch.Tensor  # [n, tiles · C] int32 shard columns
+    rest_m: torch.Tensor  # [n, tiles] the tile's other entries: max
+    rest_s: torch.Tensor  # [n, tiles] and Σ exp(z - max)
 
 
 def _triton_chunk(
@@ -470,11 +456,13 @@ def _triton_chunk(
     v = weight.shape[0]
     device = tokens.device
     num_tiles = cdiv(v, cfg.block_n)
-    splits, tiles_per_split = _triton_splits(n, num_tiles, min(k, v), cfg, device)
+    splits = _triton_splits(num_tiles, cfg)
+    tiles_per_split = cdiv(num_tiles, splits)
+    splits = cdiv(num_tiles, tiles_per_split)
     c = TRITON_CANDIDATES
-    values = torch.empty(n, splits * c, dtype=torch.float32, device=device)
-    cols = torch.empty(n, splits * c, dtype=torch.int32, device=device)
-    rest = torch.empty(2, n, splits, dtype=torch.float32, device=device)
+    values = torch.empty(n, num_tiles * c, dtype=torch.float32, device=device)
+    cols = torch.empty(n, num_tiles * c, dtype=torch.int32, device=device)
+    rest = torch.empty(2, n, num_tiles, dtype=torch.float32, device=device)
     use_tma = operands_by_tma(tokens, weight, cfg) and tokens.data_ptr() % 16 == 0
     x_desc = descriptor(tokens, [cfg.block_m, cfg.block_k]) if use_tma else tokens
     w_desc = descriptor(weight, [cfg.block_n, cfg.block_k]) if use_tma else weight
@@ -483,17 +471,12 @@ def _triton_chunk(
         tokens, weight, x_desc, w_desc, values, cols, rest[0], rest[1],
         n, v, h, tokens.stride(0), weight.stride(0), splits, tiles_per_split, num_tiles, inv_temp, inv_temp_rows,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, C=c,
-        C_POW2=_next_pow2(c), USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **kernel_flags(tokens, cfg),
+        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kernel_flags(tokens, cfg),
         **({"ROW_TEMP": True} if row_temp else {}),
         **({"maxnreg": TRITON_MAX_REGISTERS} if TRITON_MAX_REGISTERS and not interpreting() else {}),
     )  # fmt: skip
-    tiles = _Tiles(values, cols, rest[0], rest[1], tiles_per_split)
+    tiles = _Tiles(values, cols, rest[0], rest[1])
     return _select_from_tiles(tokens, weight, tiles, min(k, v), temperature, cfg)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
 
 
 def _select_from_tiles(
@@ -504,51 +487,53 @@ def _select_from_tiles(
     temperature: float | torch.Tensor,
     cfg: GemmConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The exact top ``c_out`` of a shard from its splits' candidates, and the rest's ``(m, s)``.
+    """The exact top ``c_out`` of a shard from its tiles' candidates, and the rest's ``(m, s)``.
 
-    The top ``c_out`` of the candidates (by the tie rule: one int64 key per candidate) sets a
-    bound ``b`` (their last): every entry of the true top ``c_out`` is ``>= b``. A split's unkept
-    entries are at most its rest's max, so only *full* splits (rest max ``>= b``) can hide one:
-    their tiles are recomputed whole (:func:`_recompute_full_tiles`) and their entries replace
-    the split's candidates. The rest is then summed from its own terms: the other splits'
-    rest statistics, the unselected candidates and the full splits' unselected entries (in fixed
-    point where a scatter sums them, so the same bits in any order).
+    The top ``c_out`` of the candidates sets a bound ``b`` (their last): every entry of the true
+    top ``c_out`` is ``>= b`` by the tie rule. A tile's unkept entries are at most its rest's max,
+    so only *full* tiles (rest max ``>= b``) can hide one: those (row, tile) pairs are
+    recomputed whole (:func:`_recompute_full_tiles`) and their entries replace the tile's
+    candidates. The rest is then summed from its own terms: the other tiles' rest statistics,
+    the unselected candidates and the full tiles' unselected entries (in fixed point where a
+    scatter sums them, so the same bits in any order).
     """
     n, width = tiles.values.shape
     values, cols = tiles.values, tiles.cols
     if width < c_out:  # a tiny shard, fewer candidates than wanted: the bound is -inf below
         pad = c_out - width
         values = torch.cat([values, values.new_full((n, pad), -torch.inf)], dim=1)
-        cols = torch.cat([cols, cols.new_full((n, pad), -1)], dim=1)
-    _, pos = torch.topk(_order_key(values, cols), c_out, dim=1)  # in the tie rule's order
-    top_values, top_cols = values.gather(1, pos), cols.gather(1, pos).to(torch.int64)
+        cols = torch.cat([cols, cols.new_zeros(n, pad)], dim=1)
+    top_values, pos = torch.topk(values, c_out, dim=1)  # by value; equal values in any order
+    top_cols = cols.gather(1, pos).to(torch.int64)
     bound = top_values[:, -1:]
+    # torch.topk takes any of the candidates equal to the bound; the tie rule wants the first
+    # ones (among equal values the candidates' order is the columns': tiles in order, each
+    # tile's by the rule). Rows with more of them than places are repaired by _chunk_topk.
+    tied = (values == bound).sum(dim=1) > (top_values == bound).sum(dim=1)
     full = (tiles.rest_m >= bound) & (tiles.rest_m > -torch.inf)
-    counts = torch.stack([full.sum(), full.sum(dim=1).max()])
-    # The common case (no full split) is queued before the one host sync.
+    unordered = (top_values[:, 1:] == top_values[:, :-1]).any(dim=1) | tied
+    counts = torch.stack([tied.sum(), full.sum(), full.sum(dim=1).max(), unordered.sum()])
+    # The common case (no tie in the top, no full tile) is queued before the one host sync.
     rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
-    num_full, most_per_row = counts.tolist()
-    if not num_full:
-        return top_values, top_cols, rest_m, rest_s
-    split_pairs = full.nonzero()  # (row, split), by row
-    span = tiles.tiles_per_split
-    tile_of = split_pairs[:, 1:] * span + torch.arange(span, device=full.device)[None, :]
-    in_shard = tile_of < cdiv(weight.shape[0], cfg.block_n)
-    pairs = torch.stack([split_pairs[:, :1].expand_as(tile_of)[in_shard], tile_of[in_shard]], dim=1)  # by row
-    recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
-    top_values, top_cols = _merge_full_tiles(
-        top_values, top_cols, full, pairs, recomputed, c_out, cfg.block_n, span, most_per_row * span
-    )
-    rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
-    rest_m, rest_s = _fold_full_tiles(rest_m, rest_s, top_values, top_cols, pairs, recomputed, cfg.block_n)
+    num_tied, num_full, most_per_row, num_unordered = counts.tolist()
+    if num_tied:
+        rows = tied.nonzero().squeeze(1)
+        fixed_values, fixed_pos = _chunk_topk(values[rows], c_out)
+        top_values[rows], top_cols[rows] = fixed_values, cols[rows].gather(1, fixed_pos).to(torch.int64)
+    if num_full:
+        pairs = full.nonzero()  # (row, tile), by row
+        recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
+        top_values, top_cols = _merge_full_tiles(
+            top_values, top_cols, full, pairs, recomputed, c_out, cfg.block_n, most_per_row
+        )
+    if num_unordered:
+        rows = unordered.nonzero().squeeze(1)
+        top_values[rows], top_cols[rows] = _tie_rule_order(top_values[rows], top_cols[rows])
+    if num_tied or num_full:
+        rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
+    if num_full:
+        rest_m, rest_s = _fold_full_tiles(rest_m, rest_s, top_values, top_cols, pairs, recomputed, cfg.block_n)
     return top_values, top_cols, rest_m, rest_s
-
-
-def _last(top_values: torch.Tensor, top_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(value [n], id [n])`` of the top's last by the tie rule, whatever the order within the
-    top: its smallest value, and the largest id holding it."""
-    last_value = top_values[:, -1]  # topk's order is by value
-    return last_value, torch.where(top_values == last_value[:, None], top_ids, -1).amax(dim=1)
 
 
 def _last(top_values: torch.Tensor, top_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -621,7 +606,7 @@ def _recompute_full_tiles(
     device = tokens.device
     num_tiles = cdiv(v, cfg.block_n)
     block = TRITON_INTERPRETER_RECOMPUTE_ROWS if interpreting() else TRITON_RECOMPUTE_ROWS
-    rows, tile_of = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+    rows, tile_of = pairs[:, 0], pairs[:, 1]
     by_tile = torch.argsort(tile_of * n + rows)  # keys are distinct: no tie to order
     counts = torch.bincount(tile_of, minlength=num_tiles)
     ends = counts.cumsum(0)
@@ -654,13 +639,12 @@ def _merge_full_tiles(
     recomputed: torch.Tensor,
     c_out: int,
     block_n: int,
-    tiles_per_split: int,
     most_per_row: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``c_out`` of the rows with full splits, in the tie rule's order, over their
-    candidates outside full splits and each of their (at most ``most_per_row``) recomputed
-    tiles' own top ``min(c_out, BLOCK_N)``; other rows unchanged."""
-    rows, tile_of = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+    """The top ``c_out`` of the rows with full tiles, in the tie rule's order, over their
+    candidates outside full tiles and each of their (at most ``most_per_row``) full tiles' own
+    top ``min(c_out, BLOCK_N)``; other rows unchanged."""
+    rows, tile_of = pairs[:, 0], pairs[:, 1]
     per_tile = min(c_out, block_n)
     tile_values, tile_cols = _chunk_topk(recomputed, per_tile)
     tile_ids = tile_cols.to(torch.int64) + tile_of[:, None] * block_n
@@ -674,8 +658,7 @@ def _merge_full_tiles(
     extra_values[row_of[:, None], spots] = tile_values
     extra_ids[row_of[:, None], spots] = tile_ids
     kept_values, kept_ids = top_values[affected], top_cols[affected]
-    # An empty slot's negative column is never in a full split's place (its value is -inf).
-    in_full = full[affected].gather(1, kept_ids.clamp(min=0) // (block_n * tiles_per_split))
+    in_full = full[affected].gather(1, kept_ids // block_n)
     merged_values = torch.cat([torch.where(in_full, -torch.inf, kept_values), extra_values], dim=1)
     merged_ids = torch.cat([kept_ids, extra_ids], dim=1)
     # Keys sort by the tie rule, and torch.topk returns them in order.

@@ -31,22 +31,6 @@ from mcore_ppo.kernels.common import grouped_tile, tile_dot
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
-def _fold_value(m, s, v):
-    """``(m, s)`` extended by one value per row (``-inf`` adds nothing)."""
-    m_new = tl.maximum(m, v)
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return m_new, s * tl.exp2((m - ref) * LOG2E) + tl.exp2((v - ref) * LOG2E)
-
-
-@triton.jit
-def _merge_stats(m, s, m2, s2):
-    """Two ``(m, s)`` of disjoint sets, as one."""
-    m_new = tl.maximum(m, m2)
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return m_new, s * tl.exp2((m - ref) * LOG2E) + s2 * tl.exp2((m2 - ref) * LOG2E)
-
-
 @triton.jit(
     # One compile per dtype and tile config: these only bound loops and masks.
     do_not_specialize=["N", "V", "num_splits", "tiles_per_split", "num_tiles"],
@@ -76,17 +60,15 @@ def topk_tiles_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     C: tl.constexpr,
-    C_POW2: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
 ):
-    """Per (row, split): ``C`` candidates into ``cand_v`` / ``cand_c`` ``[N, num_splits, C]``
-    (fp32 values, int32 shard columns; a slot no entry reached holds ``-inf`` and a negative
-    column) and the rest's ``(m, s)`` into ``rest_m`` / ``rest_s`` ``[N, num_splits]`` (natural
-    units; ``(-inf, 0)`` for an empty rest)."""
+    """Per (row, tile): ``C`` candidates into ``cand_v`` / ``cand_c`` ``[N, num_tiles, C]`` (fp32
+    values, int32 shard columns) and the rest's ``(m, s)`` into ``rest_m`` / ``rest_s``
+    ``[N, num_tiles]`` (natural units; ``(-inf, 0)`` for an empty rest)."""
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     row0 = pid_m * BLOCK_M
@@ -98,17 +80,11 @@ def topk_tiles_kernel(
     else:
         inv_t = inv_temp
     local = tl.arange(0, BLOCK_N)
-    slot = tl.arange(0, C_POW2)[None, :]
-    # The split's kept entries, unsorted; slots past C hold +inf (never the one to leave). Empty
-    # slots hold distinct negative columns, so the one to leave is always a single slot.
-    keep_v = tl.where(slot < C, float("-inf"), float("inf")) + tl.zeros((BLOCK_M, C_POW2), tl.float32)
-    keep_c = -1 - slot + tl.zeros((BLOCK_M, C_POW2), tl.int32)
-    m_r = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    s_r = tl.zeros((BLOCK_M,), tl.float32)
     first_tile = pid_n * tiles_per_split
     n_tiles = tl.minimum(tiles_per_split, num_tiles - first_tile)
     for t in range(0, n_tiles):
-        n0 = (first_tile + t) * BLOCK_N
+        tile = first_tile + t
+        n0 = tile * BLOCK_N
         offs_n = n0 + local
         col_ok = offs_n < V
         acc = tile_dot(
@@ -116,30 +92,19 @@ def topk_tiles_kernel(
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, USE_TMA,
         )  # fmt: skip
         z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
-        for _ in tl.static_range(C):
+        out = rows.to(tl.int64) * num_tiles + tile
+        for j in tl.static_range(C):
             top = tl.max(z, 1)
             # The smallest column holding the max: the tie rule within the tile.
             col = tl.min(tl.where(z == top[:, None], local[None, :], BLOCK_N), 1)
+            tl.store(cand_v_ptr + out * C + j, top, mask=row_ok)
+            tl.store(cand_c_ptr + out * C + j, n0 + col, mask=row_ok)
             z = tl.where(local[None, :] == col[:, None], float("-inf"), z)
-            # Into the kept entries in place of the smallest by the tie rule (the largest column
-            # among the smallest values); this tile's columns come after every kept one, so an
-            # equal value does not enter.
-            low = tl.min(keep_v, 1)
-            low_col = tl.max(tl.where(keep_v == low[:, None], keep_c, -C_POW2 - 1), 1)
-            enter = top > low
-            hit = (keep_c == low_col[:, None]) & enter[:, None]
-            keep_v = tl.where(hit, top[:, None], keep_v)
-            keep_c = tl.where(hit, (n0 + col)[:, None], keep_c)
-            m_r, s_r = _fold_value(m_r, s_r, tl.where(enter, low, top))
-        m_t = tl.max(z, 1)
-        ref = tl.where(m_t == float("-inf"), 0.0, m_t)
-        m_r, s_r = _merge_stats(m_r, s_r, m_t, tl.sum(tl.exp2((z - ref[:, None]) * LOG2E), 1))
-    out = rows.to(tl.int64) * num_splits + pid_n
-    keep = row_ok[:, None] & (slot < C)
-    tl.store(cand_v_ptr + out[:, None] * C + slot, keep_v, mask=keep)
-    tl.store(cand_c_ptr + out[:, None] * C + slot, keep_c, mask=keep)
-    tl.store(rest_m_ptr + out, m_r, mask=row_ok)
-    tl.store(rest_s_ptr + out, s_r, mask=row_ok)
+        m = tl.max(z, 1)
+        ref = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.sum(tl.exp2((z - ref[:, None]) * LOG2E), 1)
+        tl.store(rest_m_ptr + out, m, mask=row_ok)
+        tl.store(rest_s_ptr + out, s, mask=row_ok)
 
 
 @triton.jit(
