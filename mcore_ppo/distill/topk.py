@@ -512,27 +512,24 @@ def _select_from_tiles(
     tied = (values == bound).sum(dim=1) > (top_values == bound).sum(dim=1)
     full = (tiles.rest_m >= bound) & (tiles.rest_m > -torch.inf)
     unordered = (top_values[:, 1:] == top_values[:, :-1]).any(dim=1) | tied
-    counts = torch.stack([tied.sum(), full.sum(), full.sum(dim=1).max(), unordered.sum()])
+    counts = torch.stack([tied.sum(), full.sum(), unordered.sum()])
     # The common case (no tie in the top, no full tile) is queued before the one host sync.
     rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
-    num_tied, num_full, most_per_row, num_unordered = counts.tolist()
+    num_tied, num_full, num_unordered = counts.tolist()
     if num_tied:
         rows = tied.nonzero().squeeze(1)
         fixed_values, fixed_pos = _chunk_topk(values[rows], c_out)
         top_values[rows], top_cols[rows] = fixed_values, cols[rows].gather(1, fixed_pos).to(torch.int64)
+        rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
     if num_full:
+        # The rest so far holds every entry outside full tiles that ranks after the top's last;
+        # the merge folds in the top's and the full tiles' entries that drop out of it.
         pairs = full.nonzero()  # (row, tile), by row
         recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
-        top_values, top_cols = _merge_full_tiles(
-            top_values, top_cols, full, pairs, recomputed, c_out, cfg.block_n, most_per_row
-        )
+        _merge_full_tiles(top_values, top_cols, full, pairs, recomputed, rest_m, rest_s, weight.shape[0], cfg.block_n)
     if num_unordered:
         rows = unordered.nonzero().squeeze(1)
         top_values[rows], top_cols[rows] = _tie_rule_order(top_values[rows], top_cols[rows])
-    if num_tied or num_full:
-        rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
-    if num_full:
-        rest_m, rest_s = _fold_full_tiles(rest_m, rest_s, top_values, top_cols, pairs, recomputed, cfg.block_n)
     return top_values, top_cols, rest_m, rest_s
 
 
@@ -570,29 +567,6 @@ def _fold_rest(
     return m, s
 
 
-def _fold_full_tiles(
-    m: torch.Tensor,
-    s: torch.Tensor,
-    top_values: torch.Tensor,
-    top_cols: torch.Tensor,
-    pairs: torch.Tensor,
-    recomputed: torch.Tensor,
-    block_n: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, s)`` extended by the full tiles' entries that rank after the top's last."""
-    rows = pairs[:, 0]
-    last_value, last_id = (t[:, None] for t in _last(top_values, top_cols))
-    ids = torch.arange(block_n, device=pairs.device)[None, :] + pairs[:, 1:] * block_n
-    drop = torch.where(_below(recomputed, ids, last_value[rows], last_id[rows]), recomputed, -torch.inf)
-    m_new = m.scatter_reduce(0, rows, drop.amax(dim=1), reduce="amax")
-    ref = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-    # A scatter's float sums depend on the order of its atomics: sum in 2^-40 fixed point.
-    terms = (torch.exp(drop - ref[rows, None]) * _FIXED_ONE).to(torch.int64).sum(dim=1)
-    fixed = torch.zeros(m.shape[0], dtype=torch.int64, device=m.device).index_add_(0, rows, terms)
-    rescaled = torch.where(s > 0, s * torch.exp(m - ref), torch.zeros_like(s))
-    return m_new, rescaled + fixed.to(s.dtype) / _FIXED_ONE
-
-
 def _recompute_full_tiles(
     tokens: torch.Tensor, weight: torch.Tensor, pairs: torch.Tensor, temperature: float | torch.Tensor, cfg: GemmConfig
 ) -> torch.Tensor:
@@ -611,12 +585,14 @@ def _recompute_full_tiles(
     counts = torch.bincount(tile_of, minlength=num_tiles)
     ends = counts.cumsum(0)
     blocks = (counts + block - 1) // block
-    num_items = int(blocks.sum())
-    item_tile = torch.repeat_interleave(torch.arange(num_tiles, device=device), blocks, output_size=num_items)
-    first_item = blocks.cumsum(0) - blocks
-    item_in_tile = torch.arange(num_items, device=device) - first_item[item_tile]
-    item_start = ends[item_tile] - counts[item_tile] + item_in_tile * block
-    item_end = torch.minimum(item_start + block, ends[item_tile])
+    block_ends = blocks.cumsum(0)
+    # At most this many work items (no host sync for the exact count); those past the last find
+    # an empty range of pairs.
+    num_items = cdiv(pairs.shape[0], block) + min(num_tiles, pairs.shape[0])
+    item = torch.arange(num_items, device=device)
+    item_tile = torch.searchsorted(block_ends, item, right=True).clamp(max=num_tiles - 1)
+    item_start = ends[item_tile] - counts[item_tile] + (item - (block_ends - blocks)[item_tile]) * block
+    item_end = torch.where(item < block_ends[-1], torch.minimum(item_start + block, ends[item_tile]), item_start)
     sorted_rows = rows[by_tile].to(torch.int32)
     z_sorted = torch.empty(pairs.shape[0], cfg.block_n, dtype=torch.float32, device=device)
     inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, z_sorted)
@@ -637,40 +613,30 @@ def _merge_full_tiles(
     full: torch.Tensor,
     pairs: torch.Tensor,
     recomputed: torch.Tensor,
-    c_out: int,
+    rest_m: torch.Tensor,
+    rest_s: torch.Tensor,
+    vocab: int,
     block_n: int,
-    most_per_row: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``c_out`` of the rows with full tiles, in the tie rule's order, over their
-    candidates outside full tiles and each of their (at most ``most_per_row``) full tiles' own
-    top ``min(c_out, BLOCK_N)``; other rows unchanged."""
-    rows, tile_of = pairs[:, 0], pairs[:, 1]
-    per_tile = min(c_out, block_n)
-    tile_values, tile_cols = _chunk_topk(recomputed, per_tile)
-    tile_ids = tile_cols.to(torch.int64) + tile_of[:, None] * block_n
-    # Pairs come by row: a pair's slot among its row's full tiles counts from the row's first.
-    slot = torch.arange(rows.shape[0], device=rows.device) - torch.searchsorted(rows, rows)
-    affected = full.any(dim=1).nonzero().squeeze(1)  # ascending, as the pairs' rows
-    row_of = torch.searchsorted(affected, rows)
-    extra_values = top_values.new_full((affected.shape[0], most_per_row * per_tile), -torch.inf)
-    extra_ids = top_cols.new_zeros(affected.shape[0], most_per_row * per_tile)
-    spots = slot[:, None] * per_tile + torch.arange(per_tile, device=rows.device)[None, :]
-    extra_values[row_of[:, None], spots] = tile_values
-    extra_ids[row_of[:, None], spots] = tile_ids
-    kept_values, kept_ids = top_values[affected], top_cols[affected]
-    in_full = full[affected].gather(1, kept_ids // block_n)
-    merged_values = torch.cat([torch.where(in_full, -torch.inf, kept_values), extra_values], dim=1)
-    merged_ids = torch.cat([kept_ids, extra_ids], dim=1)
-    # Keys sort by the tie rule, and torch.topk returns them in order.
-    _, picked = torch.topk(_order_key(merged_values, merged_ids), c_out, dim=1)
-    top_values, top_cols = top_values.clone(), top_cols.clone()
-    top_values[affected], top_cols[affected] = merged_values.gather(1, picked), merged_ids.gather(1, picked)
-    return top_values, top_cols
+) -> None:
+    """In place, for the rows with full tiles: the top over the entries outside full tiles and the
+    recomputed tiles' (in the tie rule's order), and the entries that drop out of it folded into
+    the rest (:func:`~mcore_ppo.kernels.topk.merge_full_kernel`, one program per row)."""
+    from mcore_ppo.kernels.topk import merge_full_kernel
+
+    n, c_out = top_values.shape
+    rows = pairs[:, 0].contiguous()
+    every_row = torch.arange(n, device=rows.device)
+    top = _next_pow2(c_out)
+    merge_full_kernel[(n,)](
+        top_values, top_cols, full.view(torch.int8), torch.searchsorted(rows, every_row),
+        torch.searchsorted(rows, every_row, right=True), pairs[:, 1].contiguous(), recomputed, rest_m, rest_s,
+        n, vocab, c_out, full.shape[1],
+        BLOCK_N=block_n, TOP=top, BLOCK_U=_next_pow2(top + block_n),
+    )  # fmt: skip
 
 
-def _below(values: torch.Tensor, ids: torch.Tensor, last_value: torch.Tensor, last_id: torch.Tensor) -> torch.Tensor:
-    """Entries that rank after ``(last_value, last_id)`` by the tie rule (broadcasting)."""
-    return (values < last_value) | ((values == last_value) & (ids > last_id))
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
 
 
 _ID_BIAS = 2**31 - 1
@@ -686,6 +652,3 @@ def _order_key(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     bits = (values.float() + 0.0).view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     return (ordered << 32) | (_ID_BIAS - ids.to(torch.int64))
-
-
-_FIXED_ONE = 2.0**40

@@ -217,3 +217,90 @@ def rest_fold_kernel(
         m = m_new
     tl.store(m_out_ptr + rows, m, mask=row_ok)
     tl.store(s_out_ptr + rows, s, mask=row_ok)
+
+
+@triton.jit
+def _order_key(value, col):
+    """int64 keys ordered as the tie rule (larger fp32 value, then smaller column), as the host's
+    ``_order_key``: the fp32 bits mapped to an order-preserving int32, above ``2**31 - 1 - col``."""
+    bits = (value + 0.0).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    return (ordered << 32) | (2147483647 - col.to(tl.int64))  # 2**31 - 1 - col
+
+
+@triton.jit
+def _key_value(key):
+    ordered = (key >> 32).to(tl.int32)
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_col(key):
+    return 2147483647 - (key & 0xFFFFFFFF)
+
+
+@triton.jit(do_not_specialize=["N", "V", "K", "num_tiles"])
+def merge_full_kernel(
+    top_v_ptr,
+    top_c_ptr,
+    full_ptr,
+    pair_start_ptr,
+    pair_end_ptr,
+    pair_tile_ptr,
+    z_ptr,
+    rest_m_ptr,
+    rest_s_ptr,
+    N,
+    V,
+    K,
+    num_tiles,
+    BLOCK_N: tl.constexpr,
+    TOP: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+):
+    """Row ``r``'s top ``K`` (``top_v`` / ``top_c`` ``[N, K]``, in any order) merged, in place,
+    with the whole recomputed tiles of its full pairs ``[pair_start[r], pair_end[r])`` (tile
+    ``pair_tile[p]``, values ``z [p, BLOCK_N]``): its entries that lie in full tiles (``full
+    [N, num_tiles]``, int8) give way to the tiles' own. Writes the top in the tie rule's order,
+    and folds every merged entry that drops out into the row's ``(rest_m, rest_s)``. A row with
+    no full tile returns at once. Each step sorts ``TOP`` kept keys and one tile's by one int64
+    key (``BLOCK_U >= TOP + BLOCK_N``), in a fixed order: the same bits on every run."""
+    r = tl.program_id(0)
+    start = tl.load(pair_start_ptr + r)
+    end = tl.load(pair_end_ptr + r)
+    if end > start:
+        offs = tl.arange(0, BLOCK_U)
+        in_top = offs < K
+        base = r.to(tl.int64) * K
+        value = tl.load(top_v_ptr + base + offs, mask=in_top, other=float("-inf"))
+        col = tl.load(top_c_ptr + base + offs, mask=in_top, other=0)
+        in_full = tl.load(full_ptr + r.to(tl.int64) * num_tiles + col // BLOCK_N, mask=in_top, other=1) != 0
+        valid = in_top & ~in_full
+        key = tl.where(valid, _order_key(value, col), 0)
+        m = tl.load(rest_m_ptr + r)
+        s = tl.load(rest_s_ptr + r)
+        j = offs - TOP
+        in_tile = (j >= 0) & (j < BLOCK_N)
+        for p in range(start, end):
+            tile = tl.load(pair_tile_ptr + p)
+            tile_col = tile * BLOCK_N + j
+            from_tile = in_tile & (tile_col < V)
+            z_row = z_ptr + start.to(tl.int64) * BLOCK_N + (p - start) * BLOCK_N  # 64-bit base
+            z = tl.load(z_row + j, mask=from_tile, other=float("-inf"))
+            key = tl.where(from_tile, _order_key(z, tile_col), key)
+            valid = valid | from_tile
+            # Sort the valid keys first: the others hold the smallest int64 and sort last.
+            key = tl.where(valid, key, -9223372036854775807 - 1)
+            key = tl.sort(key, descending=True)
+            valid = key != -9223372036854775807 - 1
+            drop = valid & (offs >= K)
+            dropped = tl.where(drop, _key_value(key), float("-inf"))
+            m_new = tl.maximum(m, tl.max(dropped, 0))
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp2((m - ref) * LOG2E) + tl.sum(tl.exp2((dropped - ref) * LOG2E), 0)
+            m = m_new
+            valid = valid & (offs < K)
+        tl.store(top_v_ptr + base + offs, _key_value(key), mask=in_top)
+        tl.store(top_c_ptr + base + offs, _key_col(key), mask=in_top)
+        tl.store(rest_m_ptr + r, m)
+        tl.store(rest_s_ptr + r, s)
