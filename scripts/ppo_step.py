@@ -9,6 +9,7 @@ or argument 2.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -50,4 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # The rank is done: its interpreter's shutdown would walk every object torch and Megatron left
+    # in its garbage collections (~1.5 s of CPU per rank, measured); frozen, they are skipped.
+    gc.freeze()
+    sys.exit(status)
