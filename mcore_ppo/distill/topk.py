@@ -9,11 +9,11 @@ deterministic repair of ties at the k-th value), merged with the rank's running 
 entry that is not (or stops being) a candidate is folded into the softmax statistics ``(m, s)`` of
 the shard's rest. The ranks then merge (:func:`parallel.topk.merge_topk_over_ranks`).
 
-On CUDA (fp16/bf16/fp32) the shard's pass is one fused Triton kernel instead
-(:mod:`mcore_ppo.kernels.topk`): logits tiles in registers, filtered by a per-row threshold into
-a small candidate buffer, the rest folded into ``(m, s)`` on the fly; the exact top ``k`` of the
-candidates is then selected here by a packed key (:func:`_split_candidates_topk`). The torch
-path stays the CPU/fp64 path and the exactness reference (``impl="torch"``).
+On CUDA (fp16/bf16/fp32) the shard's pass is fused Triton kernels instead
+(:mod:`mcore_ppo.kernels.topk`): logit tiles in registers, each giving its largest entries and
+its rest's statistics; the exact top ``k`` of the candidates is selected here by a packed key,
+and the few tiles that may hide more of it are recomputed whole and merged. The torch path
+stays the CPU/fp64 path and the exactness reference (``impl="torch"``).
 
 No gradient: the teacher is not trained, so the call runs under ``torch.no_grad()`` and its
 outputs never require grad, whatever ``hidden`` and ``weight`` do.

@@ -14,10 +14,11 @@ whatever the values, and every output is a pure function of its tile: no atomics
 on every run.
 
 The host takes the top ``K`` of all tiles' candidates; any entry of the top ``K`` that a tile did
-not keep lies in a tile whose ``C``-th candidate is itself in that top ``K`` (a *full* tile). Those
+not keep lies in a tile whose rest's max reaches the candidates' ``K``-th (a *full* tile). Those
 few (row, tile) pairs are recomputed whole by ``tile_rows_kernel`` (grouped by tile: one weight
-tile serves up to ``BLOCK_M`` gathered rows) and merged; on random logits a row has ~``K·C⁻¹``
-chances in ``(tiles/K)^C`` of one.
+tile serves up to ``BLOCK_M`` gathered rows) and merged into the row's top by
+``merge_full_kernel`` (one sort by a packed int64 key per tile). ``rest_fold_kernel`` sums the
+rest from its own terms.
 
 ``ROW_TEMP`` (constexpr, default off) reads ``1/T`` per row from ``inv_temp_ptr`` (fp32, each the
 rounding of the exact ``1/T_i``) instead of the scalar ``inv_temp``, as the head's kernels do.
