@@ -446,6 +446,36 @@ def test_triton_equal_values_above_the_kth_in_tie_rule_order(triton_path, monkey
     assert torch.equal(out.ids, ref.ids)
 
 
+@pytest.mark.parametrize("case", range(6))
+def test_triton_random_structures(case, triton_path, monkeypatch):
+    """Six random draws (fixed, printed seed) of size, k, splits, temperature and logit
+    structure: plain Gaussian, a block of boosted vocab rows (full tiles), small integers
+    (ties inside and at the end of the top), and a vocab smaller than the candidates' need.
+    Every selection path against fp64: the ids (exact where the logits are exact), the order,
+    the log-probs and the tail."""
+    gen = generator(next_seed() + case)
+    n = int(torch.randint(3, 24, (1,), generator=gen))
+    vocab = int(torch.randint(40, 400, (1,), generator=gen))
+    k = int(torch.randint(1, min(vocab, 48) + 1, (1,), generator=gen))
+    splits = int(torch.randint(1, 5, (1,), generator=gen))
+    structure = ("gaussian", "boosted", "integer")[case % 3]
+    if structure == "integer":
+        hidden, weight = (t.float() for t in integer_case((n,), vocab, 6, gen))
+        temperature = 1.0
+    else:
+        hidden = torch.randn(n, HIDDEN, generator=gen)
+        weight = torch.randn(vocab, HIDDEN, generator=gen)
+        temperature = float(torch.empty(1).uniform_(0.3, 2.0, generator=gen))
+        if structure == "boosted":
+            start = int(torch.randint(0, vocab - 20, (1,), generator=gen))
+            weight[start : start + 20] *= 4.0
+    print(f"n={n} vocab={vocab} k={k} splits={splits} {structure} T={temperature:.3f}")
+    out = triton_topk(hidden, weight, k, splits, monkeypatch, temperature=temperature)
+    assert triton_path == []
+    ref = topk_reference(hidden.double(), weight.double(), k, temperature)
+    check_against_reference(out, ref, torch.float32, exact_ids=structure == "integer")
+
+
 def test_order_key_is_the_tie_rule():
     """The packed int64 key sorts as (larger value, then smaller id), over signs, zeros and
     magnitudes; -0.0 and +0.0 tie."""
