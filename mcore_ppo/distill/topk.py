@@ -76,6 +76,10 @@ TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
 #: Per-(row, tile) outputs of one launch (``8·C + 8`` bytes each): longer batches run in
 #: token chunks that fit.
 TRITON_SCRATCH_BYTES = 512 * 2**20
+#: How the full tiles' merge orders its keys: ``tl.sort`` (True), or by counting each key's
+#: larger ones (False); the same result. None: ``tl.sort`` but under the interpreter, whose sort
+#: costs ~0.7 s per 256 keys.
+TRITON_MERGE_BY_SORT: bool | None = None
 #: Forces the number of vocab splits (tests); None: the rule above.
 TRITON_SPLITS: int | None = None
 
@@ -627,11 +631,12 @@ def _merge_full_tiles(
     rows = pairs[:, 0].contiguous()
     every_row = torch.arange(n, device=rows.device)
     top = _next_pow2(c_out)
+    by_sort = not interpreting() if TRITON_MERGE_BY_SORT is None else TRITON_MERGE_BY_SORT
     merge_full_kernel[(n,)](
         top_values, top_cols, full.view(torch.int8), torch.searchsorted(rows, every_row),
         torch.searchsorted(rows, every_row, right=True), pairs[:, 1].contiguous(), recomputed, rest_m, rest_s,
         n, vocab, c_out, full.shape[1],
-        BLOCK_N=block_n, TOP=top, BLOCK_U=_next_pow2(top + block_n),
+        BLOCK_N=block_n, TOP=top, BLOCK_U=_next_pow2(top + block_n), BY_SORT=by_sort,
     )  # fmt: skip
 
 

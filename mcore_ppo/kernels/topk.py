@@ -258,14 +258,18 @@ def merge_full_kernel(
     BLOCK_N: tl.constexpr,
     TOP: tl.constexpr,
     BLOCK_U: tl.constexpr,
+    BY_SORT: tl.constexpr = True,
 ):
     """Row ``r``'s top ``K`` (``top_v`` / ``top_c`` ``[N, K]``, in any order) merged, in place,
     with the whole recomputed tiles of its full pairs ``[pair_start[r], pair_end[r])`` (tile
     ``pair_tile[p]``, values ``z [p, BLOCK_N]``): its entries that lie in full tiles (``full
     [N, num_tiles]``, int8) give way to the tiles' own. Writes the top in the tie rule's order,
     and folds every merged entry that drops out into the row's ``(rest_m, rest_s)``. A row with
-    no full tile returns at once. Each step sorts ``TOP`` kept keys and one tile's by one int64
-    key (``BLOCK_U >= TOP + BLOCK_N``), in a fixed order: the same bits on every run."""
+    no full tile returns at once. Each step orders ``TOP`` kept keys and one tile's by one int64
+    key (``BLOCK_U >= TOP + BLOCK_N``), in a fixed order: the same bits on every run; by
+    ``tl.sort`` (``BY_SORT``), or by counting each key's larger ones (the same result).
+    Invalid keys are the smallest int64, which no entry's key is (its top 32 bits would be a
+    NaN's)."""
     r = tl.program_id(0)
     start = tl.load(pair_start_ptr + r)
     end = tl.load(pair_end_ptr + r)
@@ -290,9 +294,15 @@ def merge_full_kernel(
             z = tl.load(z_row + j, mask=from_tile, other=float("-inf"))
             key = tl.where(from_tile, _order_key(z, tile_col), key)
             valid = valid | from_tile
-            # Sort the valid keys first: the others hold the smallest int64 and sort last.
+            # The valid keys in descending order first: the others hold the smallest int64.
             key = tl.where(valid, key, -9223372036854775807 - 1)
-            key = tl.sort(key, descending=True)
+            if BY_SORT:
+                key = tl.sort(key, descending=True)
+            else:
+                # Slot i takes the key with i larger ones (keys are distinct): the same order,
+                # by two [BLOCK_U, BLOCK_U] reductions, far cheaper than a sort in the interpreter.
+                rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
+                key = tl.max(tl.where(rank[None, :] == offs[:, None], key[None, :], -9223372036854775807 - 1), 1)
             valid = key != -9223372036854775807 - 1
             drop = valid & (offs >= K)
             dropped = tl.where(drop, _key_value(key), float("-inf"))

@@ -476,6 +476,19 @@ def test_triton_random_structures(case, triton_path, monkeypatch):
     check_against_reference(out, ref, torch.float32, exact_ids=structure == "integer")
 
 
+@pytest.mark.parametrize("by_sort", [True, False], ids=["tl.sort", "by-count"])
+def test_triton_full_tile_merge_orders(by_sort, triton_path, monkeypatch):
+    """The full tiles' merge orders keys by ``tl.sort`` (the GPU's choice) or by counting (the
+    interpreter's): the same ids, log-probs and tails, both against fp64, on small-integer logits
+    (ties) with more candidates than places in several tiles."""
+    monkeypatch.setattr(topk_module, "TRITON_MERGE_BY_SORT", by_sort)
+    hidden, weight = integer_case((4,), 160, 6, generator(next_seed()))
+    out = triton_topk(hidden.float(), weight.float(), 12, 5, monkeypatch)
+    assert triton_path == [] and sum(len(pairs) for pairs in triton_path.full_tiles) > 0
+    ref = topk_reference(hidden, weight, 12)
+    check_against_reference(out, ref, torch.float32, exact_ids=True)
+
+
 def test_order_key_is_the_tie_rule():
     """The packed int64 key sorts as (larger value, then smaller id), over signs, zeros and
     magnitudes; -0.0 and +0.0 tie."""
