@@ -23,12 +23,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # last; each worker starts with two files and takes the next as one finishes): first the files
 # whose tests run subprocesses for a long time (torchrun, bash, fresh processes), longest first,
 # so that the many short files fill the end instead of one long file running alone on one
-# worker. The teacher top-k kernel's file comes first of all: its many tests run the kernel under
-# Triton's interpreter, the longest file in this process's time; a worker that starts a file of
-# many tests takes no second one until it nearly ends, so the other worker runs everything else
-# beside it. Then every other test file of tests/ but tests/distributed, each once.
+# worker. Then every other test file of tests/ but tests/distributed, each once.
 files=(
-  tests/distill/test_topk.py                   # the teacher kernel under Triton's interpreter
   tests/harness/test_run_distributed_tests.py  # runner self-tests: 6 torchruns, deadlocks, a late start
   tests/harness/test_launch.py                 # launch.sh: the 4-rank demo, the parity failure, refusals
   tests/actor/test_distill_demo.py             # the 4-rank distillation demo
