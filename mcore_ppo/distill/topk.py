@@ -496,10 +496,10 @@ def _select_from_tiles(
     The top ``c_out`` of the candidates sets a bound ``b`` (their last): every entry of the true
     top ``c_out`` is ``>= b`` by the tie rule. A tile's unkept entries are at most its rest's max,
     so only *full* tiles (rest max ``>= b``) can hide one: those (row, tile) pairs are
-    recomputed whole (:func:`_recompute_full_tiles`) and their entries replace the tile's
-    candidates. The rest is then summed from its own terms: the other tiles' rest statistics,
-    the unselected candidates and the full tiles' unselected entries (in fixed point where a
-    scatter sums them, so the same bits in any order).
+    recomputed whole (:func:`_recompute_full_tiles`) and merged in place of the tile's
+    candidates (:func:`_merge_full_tiles`). The rest is summed from its own terms, each row in a
+    fixed order: the other tiles' rest statistics and unselected candidates
+    (:func:`_fold_rest`), then the entries the merge drops.
     """
     n, width = tiles.values.shape
     values, cols = tiles.values, tiles.cols
