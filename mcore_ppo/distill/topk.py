@@ -598,16 +598,16 @@ def _recompute_full_tiles(
     item_start = ends[item_tile] - counts[item_tile] + (item - (block_ends - blocks)[item_tile]) * block
     item_end = torch.where(item < block_ends[-1], torch.minimum(item_start + block, ends[item_tile]), item_start)
     sorted_rows = rows[by_tile].to(torch.int32)
-    z_sorted = torch.empty(pairs.shape[0], cfg.block_n, dtype=torch.float32, device=device)
-    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, z_sorted)
+    z = torch.empty(pairs.shape[0], cfg.block_n, dtype=torch.float32, device=device)
+    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, z)
+    # Computed in tile order, each pair's row written to its place in the pairs' (row) order.
     tile_rows_kernel[(num_items,)](
         tokens, weight, item_tile.to(torch.int32), item_start.to(torch.int32), item_end.to(torch.int32),
-        sorted_rows, z_sorted, n, v, h, tokens.stride(0), weight.stride(0), num_items, inv_temp, inv_temp_rows,
+        sorted_rows, by_tile.to(torch.int32), z, n, v, h, tokens.stride(0), weight.stride(0), num_items,
+        inv_temp, inv_temp_rows,
         BLOCK_M=block, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=min(4, cfg.num_warps),
         num_stages=cfg.num_stages, **kernel_flags(tokens, cfg), **({"ROW_TEMP": True} if row_temp else {}),
     )  # fmt: skip
-    z = torch.empty_like(z_sorted)
-    z[by_tile] = z_sorted
     return z
 
 

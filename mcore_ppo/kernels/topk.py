@@ -110,7 +110,14 @@ def topk_tiles_kernel(
 
 @triton.jit(
     do_not_specialize=["N", "V", "num_items"],
-    do_not_specialize_on_alignment=["item_tile_ptr", "item_start_ptr", "item_end_ptr", "pair_row_ptr", "inv_temp_ptr"],
+    do_not_specialize_on_alignment=[
+        "item_tile_ptr",
+        "item_start_ptr",
+        "item_end_ptr",
+        "pair_row_ptr",
+        "pair_dest_ptr",
+        "inv_temp_ptr",
+    ],
 )
 def tile_rows_kernel(
     x_ptr,
@@ -119,6 +126,7 @@ def tile_rows_kernel(
     item_start_ptr,
     item_end_ptr,
     pair_row_ptr,
+    pair_dest_ptr,
     out_ptr,
     N,
     V,
@@ -138,8 +146,8 @@ def tile_rows_kernel(
 ):
     """Whole tiles for listed rows: work item ``i`` is tile ``item_tile[i]`` for the pairs
     ``[item_start[i], item_end[i])`` (at most ``BLOCK_M``), whose rows are ``pair_row``; writes
-    ``z`` of each pair's row over the tile's ``BLOCK_N`` columns to ``out [pairs, BLOCK_N]``
-    (``-inf`` past ``V``), computed as :func:`topk_tiles_kernel` computes it."""
+    ``z`` of each pair's row over the tile's ``BLOCK_N`` columns to row ``pair_dest`` of ``out
+    [pairs, BLOCK_N]`` (``-inf`` past ``V``), computed as :func:`topk_tiles_kernel` computes it."""
     item = tl.program_id(0)
     tile = tl.load(item_tile_ptr + item)
     start = tl.load(item_start_ptr + item)
@@ -160,8 +168,18 @@ def tile_rows_kernel(
     else:
         inv_t = inv_temp
     z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
-    dest = pairs.to(tl.int64)[:, None] * BLOCK_N + local[None, :]
+    dest_rows = tl.load(pair_dest_ptr + pairs, mask=pair_ok, other=0)
+    dest = dest_rows.to(tl.int64)[:, None] * BLOCK_N + local[None, :]
     tl.store(out_ptr + dest, z, mask=pair_ok[:, None])
+
+
+@triton.jit
+def _fold_rows(m, s, v, weight):
+    """``(m, s)`` per row extended by ``Σ weight · exp(v)`` over each row of ``v [rows, cols]``
+    (``weight`` a scalar or ``[rows, cols]``; ``-inf`` entries add nothing)."""
+    m_new = tl.maximum(m, tl.max(v, 1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, s * tl.exp2((m - ref) * LOG2E) + tl.sum(weight * tl.exp2((v - ref[:, None]) * LOG2E), 1)
 
 
 @triton.jit(do_not_specialize=["N", "W", "num_tiles"])
@@ -201,21 +219,14 @@ def rest_fold_kernel(
         c = tl.load(cand_c_ptr + r64 * W + offs, mask=ok, other=0)
         in_full = tl.load(full_ptr + r64 * num_tiles + offs // C, mask=ok, other=1) != 0
         below = (v < last_v) | ((v == last_v) & (c > last_c))
-        v = tl.where(below & ~in_full, v, float("-inf"))
-        m_new = tl.maximum(m, tl.max(v, 1))
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp2((m - ref) * LOG2E) + tl.sum(tl.exp2((v - ref[:, None]) * LOG2E), 1)
-        m = m_new
+        m, s = _fold_rows(m, s, tl.where(below & ~in_full, v, float("-inf")), 1.0)
     for t0 in range(0, num_tiles, BLOCK_W):
         offs = t0 + tl.arange(0, BLOCK_W)[None, :]
         ok = row_ok[:, None] & (offs < num_tiles)
         in_full = tl.load(full_ptr + r64 * num_tiles + offs, mask=ok, other=1) != 0
         tm = tl.load(rest_m_ptr + r64 * num_tiles + offs, mask=ok & ~in_full, other=float("-inf"))
         ts = tl.load(rest_s_ptr + r64 * num_tiles + offs, mask=ok & ~in_full, other=0.0)
-        m_new = tl.maximum(m, tl.max(tm, 1))
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp2((m - ref) * LOG2E) + tl.sum(ts * tl.exp2((tm - ref[:, None]) * LOG2E), 1)
-        m = m_new
+        m, s = _fold_rows(m, s, tm, ts)
     tl.store(m_out_ptr + rows, m, mask=row_ok)
     tl.store(s_out_ptr + rows, s, mask=row_ok)
 
