@@ -73,12 +73,14 @@ TRITON_CANDIDATES = 5
 #: Rows per work item of the full-tile recompute (one weight tile, gathered rows).
 TRITON_RECOMPUTE_ROWS = 64
 TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
+#: Rows per program of the selection under the interpreter (its cost is per program and op).
+TRITON_INTERPRETER_SELECT_ROWS = 16
 #: Per-(row, tile) outputs of one launch (``8·C + 8`` bytes each): longer batches run in
 #: token chunks that fit.
 TRITON_SCRATCH_BYTES = 512 * 2**20
-#: How the full tiles' merge orders its keys: ``tl.sort`` (True), or by counting each key's
-#: larger ones (False); the same result. None: ``tl.sort`` but under the interpreter, whose sort
-#: costs ~0.7 s per 256 keys.
+#: How the selection and the full tiles' merge order their keys: ``tl.sort`` (True), or by
+#: counting each key's larger ones (False); the same result. None: ``tl.sort`` but under the
+#: interpreter, whose sort costs ~0.7 s per 256 keys.
 TRITON_MERGE_BY_SORT: bool | None = None
 #: Forces the number of vocab splits (tests); None: the rule above.
 TRITON_SPLITS: int | None = None
@@ -493,82 +495,52 @@ def _select_from_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact top ``c_out`` of a shard from its tiles' candidates, and the rest's ``(m, s)``.
 
-    The top ``c_out`` of the candidates sets a bound ``b`` (their last): every entry of the true
-    top ``c_out`` is ``>= b`` by the tie rule. A tile's unkept entries are at most its rest's max,
-    so only *full* tiles (rest max ``>= b``) can hide one: those (row, tile) pairs are
-    recomputed whole (:func:`_recompute_full_tiles`) and merged in place of the tile's
-    candidates (:func:`_merge_full_tiles`). The rest is summed from its own terms, each row in a
-    fixed order: the other tiles' rest statistics and unselected candidates
-    (:func:`_fold_rest`), then the entries the merge drops.
+    :func:`~mcore_ppo.kernels.topk.select_top_kernel` takes each row's top ``c_out`` of the
+    candidates in the tie rule's order; its last value ``b`` bounds the true top ``c_out`` from
+    below. A tile's unkept entries are at most its rest's max, so only *full* tiles (rest max
+    ``>= b``) can hide one: those (row, tile) pairs are recomputed whole
+    (:func:`_recompute_full_tiles`) and merged in place of the tile's candidates
+    (:func:`_merge_full_tiles`). The rest is summed from its own terms, each row in a fixed
+    order: the unselected candidates and the tiles' rests outside full tiles, then the entries
+    the merge drops. One host sync: whether any tile is full.
     """
+    from mcore_ppo.kernels.topk import select_top_kernel
+
     n, width = tiles.values.shape
     values, cols = tiles.values, tiles.cols
     if width < c_out:  # a tiny shard, fewer candidates than wanted: the bound is -inf below
         pad = c_out - width
         values = torch.cat([values, values.new_full((n, pad), -torch.inf)], dim=1)
         cols = torch.cat([cols, cols.new_zeros(n, pad)], dim=1)
-    top_values, pos = torch.topk(values, c_out, dim=1)  # by value; equal values in any order
-    top_cols = cols.gather(1, pos).to(torch.int64)
-    bound = top_values[:, -1:]
-    # torch.topk takes any of the candidates equal to the bound; the tie rule wants the first
-    # ones (among equal values the candidates' order is the columns': tiles in order, each
-    # tile's by the rule). Rows with more of them than places are repaired by _chunk_topk.
-    tied = (values == bound).sum(dim=1) > (top_values == bound).sum(dim=1)
-    full = (tiles.rest_m >= bound) & (tiles.rest_m > -torch.inf)
-    unordered = (top_values[:, 1:] == top_values[:, :-1]).any(dim=1) | tied
-    counts = torch.stack([tied.sum(), full.sum(), unordered.sum()])
-    # The common case (no tie in the top, no full tile) is queued before the one host sync.
-    rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
-    num_tied, num_full, num_unordered = counts.tolist()
-    if num_tied:
-        rows = tied.nonzero().squeeze(1)
-        fixed_values, fixed_pos = _chunk_topk(values[rows], c_out)
-        top_values[rows], top_cols[rows] = fixed_values, cols[rows].gather(1, fixed_pos).to(torch.int64)
-        rest_m, rest_s = _fold_rest(tiles, full, top_values, top_cols)
-    if num_full:
+        width = c_out
+    num_tiles = tiles.rest_m.shape[1]
+    device = values.device
+    top_values = torch.empty(n, c_out, dtype=torch.float32, device=device)
+    top_cols = torch.empty(n, c_out, dtype=torch.int64, device=device)
+    full = torch.empty(n, num_tiles, dtype=torch.int8, device=device)
+    full_rows = torch.empty(n, dtype=torch.int32, device=device)
+    rest_m = torch.empty(n, dtype=torch.float32, device=device)
+    rest_s = torch.empty_like(rest_m)
+    block_w = _next_pow2(width)
+    # Rows per program: a few short rows share one (the interpreter's cost is per program).
+    block_r = max(1, min(TRITON_INTERPRETER_SELECT_ROWS if interpreting() else 4, 2048 // block_w))
+    select_top_kernel[(cdiv(n, block_r),)](
+        values, cols, tiles.rest_m, tiles.rest_s, top_values, top_cols, full, full_rows, rest_m, rest_s,
+        n, width, c_out, num_tiles,
+        C=TRITON_CANDIDATES, BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=_next_pow2(num_tiles), TOP=_next_pow2(c_out),
+        BY_SORT=_merge_by_sort(), num_warps=4 if block_r * block_w <= 1024 else (8 if block_w <= 8192 else 16),
+    )  # fmt: skip
+    if bool(full_rows.any()):  # the one host sync
         # The rest so far holds every entry outside full tiles that ranks after the top's last;
         # the merge folds in the top's and the full tiles' entries that drop out of it.
         pairs = full.nonzero()  # (row, tile), by row
         recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
         _merge_full_tiles(top_values, top_cols, full, pairs, recomputed, rest_m, rest_s, weight.shape[0], cfg.block_n)
-    if num_unordered:
-        rows = unordered.nonzero().squeeze(1)
-        top_values[rows], top_cols[rows] = _tie_rule_order(top_values[rows], top_cols[rows])
     return top_values, top_cols, rest_m, rest_s
 
 
-def _last(top_values: torch.Tensor, top_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(value [n], id [n])`` of the top's last by the tie rule, whatever the order within the
-    top: its smallest value, and the largest id holding it."""
-    last_value = top_values[:, -1]  # topk's order is by value
-    return last_value, torch.where(top_values == last_value[:, None], top_ids, -1).amax(dim=1)
-
-
-def _tie_rule_order(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, ids)`` rows sorted by the tie rule (larger value, then smaller id)."""
-    order = _order_key(values, ids).argsort(dim=1, descending=True)
-    return values.gather(1, order), ids.gather(1, order)
-
-
-def _fold_rest(
-    tiles: _Tiles, full: torch.Tensor, top_values: torch.Tensor, top_cols: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, s)`` of the entries outside the top that lie outside full tiles: each tile's rest
-    and the candidates ranking after the top's last (:func:`~mcore_ppo.kernels.topk.rest_fold_kernel`)."""
-    from mcore_ppo.kernels.topk import rest_fold_kernel
-
-    n, width = tiles.values.shape
-    num_tiles = tiles.rest_m.shape[1]
-    m = torch.empty(n, dtype=torch.float32, device=full.device)
-    s = torch.empty_like(m)
-    block_r = 4
-    last_value, last_col = _last(top_values, top_cols)
-    last_value, last_col = last_value.contiguous(), last_col.to(torch.int32)
-    rest_fold_kernel[(cdiv(n, block_r),)](
-        tiles.values, tiles.cols, tiles.rest_m, tiles.rest_s, full.view(torch.int8), last_value, last_col, m, s,
-        n, width, num_tiles, C=TRITON_CANDIDATES, BLOCK_R=block_r, BLOCK_W=256 if interpreting() else 1024,
-    )  # fmt: skip
-    return m, s
+def _merge_by_sort() -> bool:
+    return not interpreting() if TRITON_MERGE_BY_SORT is None else TRITON_MERGE_BY_SORT
 
 
 def _recompute_full_tiles(
@@ -631,29 +603,13 @@ def _merge_full_tiles(
     rows = pairs[:, 0].contiguous()
     every_row = torch.arange(n, device=rows.device)
     top = _next_pow2(c_out)
-    by_sort = not interpreting() if TRITON_MERGE_BY_SORT is None else TRITON_MERGE_BY_SORT
     merge_full_kernel[(n,)](
-        top_values, top_cols, full.view(torch.int8), torch.searchsorted(rows, every_row),
+        top_values, top_cols, full, torch.searchsorted(rows, every_row),
         torch.searchsorted(rows, every_row, right=True), pairs[:, 1].contiguous(), recomputed, rest_m, rest_s,
         n, vocab, c_out, full.shape[1],
-        BLOCK_N=block_n, TOP=top, BLOCK_U=_next_pow2(top + block_n), BY_SORT=by_sort,
+        BLOCK_N=block_n, TOP=top, BLOCK_U=_next_pow2(top + block_n), BY_SORT=_merge_by_sort(),
     )  # fmt: skip
 
 
 def _next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
-
-
-_ID_BIAS = 2**31 - 1
-
-
-def _order_key(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered as the tie rule: larger fp32 value first, then the smaller id.
-
-    The fp32 bits map to an order-preserving int32 (negative values get their magnitude bits
-    flipped; ``+ 0.0`` turns ``-0.0`` into ``+0.0``, which compare equal), shifted above
-    ``2**31 - 1 - id``.
-    """
-    bits = (values.float() + 0.0).view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    return (ordered << 32) | (_ID_BIAS - ids.to(torch.int64))

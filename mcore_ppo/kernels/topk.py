@@ -13,12 +13,13 @@ The cost per tile is fixed (``C`` reductions and one exp per entry, like the hea
 whatever the values, and every output is a pure function of its tile: no atomics, the same bits
 on every run.
 
-The host takes the top ``K`` of all tiles' candidates; any entry of the top ``K`` that a tile did
-not keep lies in a tile whose rest's max reaches the candidates' ``K``-th (a *full* tile). Those
-few (row, tile) pairs are recomputed whole by ``tile_rows_kernel`` (grouped by tile: one weight
-tile serves up to ``BLOCK_M`` gathered rows) and merged into the row's top by
-``merge_full_kernel`` (one sort by a packed int64 key per tile). ``rest_fold_kernel`` sums the
-rest from its own terms.
+``select_top_kernel`` takes each row's top ``K`` of all its tiles' candidates (one program per
+row, a bisection over the values' bits, no sort of the candidates) and sums the row's rest from
+its own terms. Any entry of the top ``K`` that a tile did not keep lies in a tile whose rest's
+max reaches the candidates' ``K``-th (a *full* tile). Those few (row, tile) pairs are
+recomputed whole by ``tile_rows_kernel`` (grouped by tile: one weight tile serves up to
+``BLOCK_M`` gathered rows) and merged into the row's top by ``merge_full_kernel`` (one sort by a
+packed int64 key per tile).
 
 ``ROW_TEMP`` (constexpr, default off) reads ``1/T`` per row from ``inv_temp_ptr`` (fp32, each the
 rounding of the exact ``1/T_i``) instead of the scalar ``inv_temp``, as the head's kernels do.
@@ -182,62 +183,124 @@ def _fold_rows(m, s, v, weight):
     return m_new, s * tl.exp2((m - ref) * LOG2E) + tl.sum(weight * tl.exp2((v - ref[:, None]) * LOG2E), 1)
 
 
-@triton.jit(do_not_specialize=["N", "W", "num_tiles"])
-def rest_fold_kernel(
+@triton.jit
+def _ordered_bits(value):
+    """fp32 values as int32 in the same order (``-0.0`` as ``+0.0``, which compare equal)."""
+    bits = (value + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit(do_not_specialize=["N", "W", "K", "num_tiles"])
+def select_top_kernel(
     cand_v_ptr,
     cand_c_ptr,
     rest_m_ptr,
     rest_s_ptr,
+    top_v_ptr,
+    top_c_ptr,
     full_ptr,
-    last_v_ptr,
-    last_c_ptr,
+    full_rows_ptr,
     m_out_ptr,
     s_out_ptr,
     N,
     W,
+    K,
     num_tiles,
     C: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    TOP: tl.constexpr,
+    BY_SORT: tl.constexpr = True,
 ):
-    """``(m, s)`` per row of every entry outside the top that the tiles kernel accounted for:
-    the candidates ranking after the row's last ``(last_v, last_c)`` by the tie rule and the
-    tiles' rests, both outside the row's full tiles (``full [N, num_tiles]``, int8), whose
-    entries the host adds from their recompute. One pass, in a fixed order (the same bits on
-    every run)."""
+    """Each row's top ``K`` of its ``W`` candidates (``cand_v`` / ``cand_c`` ``[N, W]``, tile by
+    tile, each tile's ``C`` in the tie rule's order), with the tiles' rests ``(rest_m, rest_s)``
+    ``[N, num_tiles]``. ``BLOCK_R`` rows per program, each row whole in registers.
+
+    The ``K``-th largest value is found by bisection over its order-preserving int32 bits (32
+    counting passes); equal values at it are taken by position, which for equal values is the
+    columns' order (tiles in order, each tile's candidates by the tie rule). Writes the top in
+    the tie rule's order to ``top_v`` / ``top_c`` ``[N, K]`` (int64 shard columns), the *full*
+    tiles (rest max ``>=`` the top's last value: they may hide more of the top) to ``full
+    [N, num_tiles]`` (int8) and their count to ``full_rows [N]``, and the ``(m, s)`` of the
+    entries outside the top and outside full tiles (unselected candidates, then the tiles'
+    rests) to ``m_out`` / ``s_out``: a fixed reduction order, the same bits on every run."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
-    r64 = rows.to(tl.int64)[:, None]
-    last_v = tl.load(last_v_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    last_c = tl.load(last_c_ptr + rows, mask=row_ok, other=0)[:, None]
-    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_R,), tl.float32)
-    for w0 in range(0, W, BLOCK_W):
-        offs = w0 + tl.arange(0, BLOCK_W)[None, :]
-        ok = row_ok[:, None] & (offs < W)
-        v = tl.load(cand_v_ptr + r64 * W + offs, mask=ok, other=float("-inf"))
-        c = tl.load(cand_c_ptr + r64 * W + offs, mask=ok, other=0)
-        in_full = tl.load(full_ptr + r64 * num_tiles + offs // C, mask=ok, other=1) != 0
-        below = (v < last_v) | ((v == last_v) & (c > last_c))
-        m, s = _fold_rows(m, s, tl.where(below & ~in_full, v, float("-inf")), 1.0)
-    for t0 in range(0, num_tiles, BLOCK_W):
-        offs = t0 + tl.arange(0, BLOCK_W)[None, :]
-        ok = row_ok[:, None] & (offs < num_tiles)
-        in_full = tl.load(full_ptr + r64 * num_tiles + offs, mask=ok, other=1) != 0
-        tm = tl.load(rest_m_ptr + r64 * num_tiles + offs, mask=ok & ~in_full, other=float("-inf"))
-        ts = tl.load(rest_s_ptr + r64 * num_tiles + offs, mask=ok & ~in_full, other=0.0)
-        m, s = _fold_rows(m, s, tm, ts)
+    r = rows.to(tl.int64)[:, None]
+    pos = tl.arange(0, BLOCK_W)[None, :]
+    present = row_ok[:, None] & (pos < W)
+    v = tl.load(cand_v_ptr + r * W + pos, mask=present, other=float("-inf"))
+    # Absent slots rank below every entry (-inf's bits are above the smallest int32).
+    u = tl.where(present, _ordered_bits(v), -2147483648)
+    lo = tl.full((BLOCK_R,), -2147483648, tl.int64)
+    hi = tl.full((BLOCK_R,), 2147483647, tl.int64)
+    for _ in range(32):  # lo: the largest t with at least K entries >= t
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((u >= mid.to(tl.int32)[:, None]).to(tl.int32), 1) >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    kth = lo.to(tl.int32)[:, None]
+    above = u > kth
+    tied = present & (u == kth)
+    need = K - tl.sum(above.to(tl.int32), 1)
+    chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= need[:, None]))
+    bound = tl.where(kth < 0, kth ^ 0x7FFFFFFF, kth).to(tl.float32, bitcast=True)
+
+    tiles = tl.arange(0, BLOCK_T)[None, :]
+    tile_ok = row_ok[:, None] & (tiles < num_tiles)
+    rm = tl.load(rest_m_ptr + r * num_tiles + tiles, mask=tile_ok, other=float("-inf"))
+    rs = tl.load(rest_s_ptr + r * num_tiles + tiles, mask=tile_ok, other=0.0)
+    full = (rm >= bound) & (rm > float("-inf"))
+    tl.store(full_ptr + r * num_tiles + tiles, full.to(tl.int8), mask=tile_ok)
+    tl.store(full_rows_ptr + rows, tl.sum(full.to(tl.int32), 1), mask=row_ok)
+
+    # The rest: unselected candidates outside full tiles, then the other tiles' rests.
+    own_m = tl.load(rest_m_ptr + r * num_tiles + tl.minimum(pos // C, num_tiles - 1), mask=present, other=0.0)
+    in_full = (own_m >= bound) & (own_m > float("-inf"))
+    loose = tl.where(present & ~chosen & ~in_full, v, float("-inf"))
+    rm = tl.where(full, float("-inf"), rm)
+    m = tl.maximum(tl.max(loose, 1), tl.max(rm, 1))
+    ref = tl.where(m == float("-inf"), 0.0, m)[:, None]
+    s = tl.sum(tl.exp2((loose - ref) * LOG2E), 1) + tl.sum(rs * tl.exp2((rm - ref) * LOG2E), 1)
     tl.store(m_out_ptr + rows, m, mask=row_ok)
     tl.store(s_out_ptr + rows, s, mask=row_ok)
+
+    # The top in the tie rule's order: staged by position, reloaded, ordered by (value, position).
+    slot = tl.cumsum(chosen.to(tl.int32), 1) - 1
+    tl.store(top_v_ptr + r * K + slot, v, mask=chosen)
+    tl.store(top_c_ptr + r * K + slot, pos.to(tl.int64), mask=chosen)
+    tl.debug_barrier()
+    offs = tl.arange(0, TOP)[None, :]
+    in_top = row_ok[:, None] & (offs < K)
+    staged_v = tl.load(top_v_ptr + r * K + offs, mask=in_top, other=float("-inf"))
+    staged_p = tl.load(top_c_ptr + r * K + offs, mask=in_top, other=0)
+    key = tl.where(in_top, _order_key(staged_v, staged_p), -9223372036854775807 - 1)
+    key = _descending(key, BY_SORT)
+    col = tl.load(cand_c_ptr + r * W + _key_col(key), mask=in_top, other=0)
+    tl.debug_barrier()
+    tl.store(top_v_ptr + r * K + offs, _key_value(key), mask=in_top)
+    tl.store(top_c_ptr + r * K + offs, col.to(tl.int64), mask=in_top)
+
+
+@triton.jit
+def _descending(key, BY_SORT: tl.constexpr):
+    """Each row of distinct int64 ``key [rows, cols]`` in descending order: by ``tl.sort``, or
+    (``BY_SORT`` off) slot ``i`` takes the key with ``i`` larger ones, by two reductions over
+    ``[rows, cols, cols]``: the same order, far cheaper than a sort in the interpreter."""
+    if BY_SORT:
+        return tl.sort(key, 1, descending=True)
+    slots = tl.arange(0, key.shape[1])
+    rank = tl.sum((key[:, None, :] > key[:, :, None]).to(tl.int32), 2)
+    match = rank[:, None, :] == slots[None, :, None]
+    return tl.max(tl.where(match, key[:, None, :], -9223372036854775807 - 1), 2)
 
 
 @triton.jit
 def _order_key(value, col):
-    """int64 keys ordered as the tie rule (larger fp32 value, then smaller column), as the host's
-    ``_order_key``: the fp32 bits mapped to an order-preserving int32, above ``2**31 - 1 - col``."""
-    bits = (value + 0.0).to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    return (ordered << 32) | (2147483647 - col.to(tl.int64))  # 2**31 - 1 - col
+    """int64 keys ordered as the tie rule (larger fp32 value, then smaller column): the value's
+    order-preserving bits above ``2**31 - 1 - col``."""
+    return (_ordered_bits(value).to(tl.int64) << 32) | (2147483647 - col.to(tl.int64))  # 2**31 - 1 - col
 
 
 @triton.jit
@@ -307,13 +370,7 @@ def merge_full_kernel(
             valid = valid | from_tile
             # The valid keys in descending order first: the others hold the smallest int64.
             key = tl.where(valid, key, -9223372036854775807 - 1)
-            if BY_SORT:
-                key = tl.sort(key, descending=True)
-            else:
-                # Slot i takes the key with i larger ones (keys are distinct): the same order,
-                # by two [BLOCK_U, BLOCK_U] reductions, far cheaper than a sort in the interpreter.
-                rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
-                key = tl.max(tl.where(rank[None, :] == offs[:, None], key[None, :], -9223372036854775807 - 1), 1)
+            key = tl.reshape(_descending(tl.reshape(key, (1, BLOCK_U)), BY_SORT), (BLOCK_U,))
             valid = key != -9223372036854775807 - 1
             drop = valid & (offs >= K)
             dropped = tl.where(drop, _key_value(key), float("-inf"))

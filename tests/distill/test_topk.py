@@ -489,14 +489,50 @@ def test_triton_full_tile_merge_orders(by_sort, triton_path, monkeypatch):
     check_against_reference(out, ref, torch.float32, exact_ids=True)
 
 
-def test_order_key_is_the_tie_rule():
-    """The packed int64 key sorts as (larger value, then smaller id), over signs, zeros and
-    magnitudes; -0.0 and +0.0 tie."""
-    values = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 1.0, -1.0, 2.5, 0.0])
-    ids = torch.tensor([5, 3, 7, 0, 11, 2, 9, 4, 1, 6, 10, 8])
-    order = topk_module._order_key(values, ids).argsort(descending=True)
-    expected = sorted(range(len(ids)), key=lambda i: (-values[i].item(), ids[i].item()))
-    assert order.tolist() == expected
+@pytest.mark.parametrize("by_sort", [True, False], ids=["tl.sort", "by-count"])
+def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypatch):
+    """The selection kernel alone, on crafted candidate rows: the top in the tie rule's order
+    over signs, ±0.0 (equal), magnitudes and equal values at the k-th (by column); the full
+    tiles (rest max at or above the k-th value); the rest's ``(m, s)`` against fp64 over the
+    unselected candidates and the other tiles' rests."""
+    from mcore_ppo.kernels.topk import select_top_kernel
+
+    monkeypatch.setattr(topk_module, "TRITON_MERGE_BY_SORT", by_sort)
+    c = topk_module.TRITON_CANDIDATES
+    gen = generator(next_seed())
+    pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 2.5, 2.5, -2.5, 7.0])
+    rows, num_tiles, k, block_n = 6, 5, 7, 32
+    values = pool[torch.randint(0, len(pool), (rows, num_tiles, c), generator=gen)]
+    # Each tile's candidates as the tiles kernel writes them: the tie rule's order, distinct columns.
+    values = values.sort(dim=2, descending=True, stable=True).values.contiguous()
+    cols = (torch.arange(num_tiles)[:, None] * block_n + torch.arange(c)).expand(rows, -1, -1)
+    rest_m = torch.randn(rows, num_tiles, generator=gen) - 1.0
+    rest_m[0] = 5.0  # row 0: every tile's rest reaches the bound
+    rest_m[1, 2] = -torch.inf  # an empty rest
+    rest_s = torch.rand(rows, num_tiles, generator=gen) + 1.0
+    rest_s[1, 2] = 0.0
+    out = [torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)]
+    out += [torch.empty(rows, num_tiles, dtype=torch.int8), torch.empty(rows, dtype=torch.int32)]
+    out += [torch.empty(rows), torch.empty(rows)]
+    width = num_tiles * c
+    select_top_kernel[(2,)](
+        values.reshape(rows, width), cols.reshape(rows, width).to(torch.int32).contiguous(), rest_m, rest_s, *out,
+        rows, width, k, num_tiles, C=c, BLOCK_R=4, BLOCK_W=32, BLOCK_T=8, TOP=8, BY_SORT=by_sort,
+    )  # fmt: skip
+    top_v, top_c, full, full_rows, m, s = out
+    for r in range(rows):
+        pairs = zip(values[r].flatten().tolist(), cols[r].flatten().tolist(), strict=True)
+        entries = sorted(pairs, key=lambda e: (-e[0], e[1]))
+        assert top_v[r].tolist() == [e[0] for e in entries[:k]]
+        assert top_c[r].tolist() == [e[1] for e in entries[:k]]
+        bound = entries[k - 1][0]
+        expect_full = (rest_m[r] >= bound) & (rest_m[r] > -torch.inf)
+        assert full[r].bool().tolist() == expect_full.tolist() and full_rows[r].item() == expect_full.sum().item()
+        terms = [torch.tensor(v, dtype=torch.float64) for v, col in entries[k:] if not expect_full[col // block_n]]
+        terms += [rest_m[r, t].double() + rest_s[r, t].double().log() for t in range(num_tiles) if not expect_full[t]]
+        expected = torch.logsumexp(torch.stack(terms), 0) if terms else torch.tensor(-torch.inf, dtype=torch.float64)
+        got = m[r].double() + s[r].double().log() if s[r] > 0 else torch.tensor(-torch.inf, dtype=torch.float64)
+        assert torch.allclose(got, expected, rtol=1e-6, atol=0) or (got == expected), (r, got, expected)
 
 
 def test_impl_argument():
