@@ -11,8 +11,9 @@ the shard's rest. The ranks then merge (:func:`parallel.topk.merge_topk_over_ran
 
 On CUDA (fp16/bf16/fp32) the shard's pass is fused Triton kernels instead
 (:mod:`mcore_ppo.kernels.topk`): logit tiles in registers, each giving its largest entries and
-its rest's statistics; the exact top ``k`` of the candidates is selected here by a packed key,
-and the few tiles that may hide more of it are recomputed whole and merged. The torch path
+its rest's statistics; a second kernel selects the exact top ``k`` of each token's candidates
+and sums its rest, and the few tiles that may hide more of the top are recomputed whole and
+merged. The torch path
 stays the CPU/fp64 path and the exactness reference (``impl="torch"``).
 
 No gradient: the teacher is not trained, so the call runs under ``torch.no_grad()`` and its
