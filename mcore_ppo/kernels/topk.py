@@ -217,8 +217,8 @@ def select_top_kernel(
     tile, each tile's ``C`` in the tie rule's order), with the tiles' rests ``(rest_m, rest_s)``
     ``[N, num_tiles]``. ``BLOCK_R`` rows per program, each row whole in registers.
 
-    The ``K``-th largest value is found by bisection over its order-preserving int32 bits (32
-    counting passes); equal values at it are taken by position, which for equal values is the
+    The ``K``-th largest value is found by bisection over its order-preserving int32 bits (at
+    most 32 counting passes); equal values at it are taken by position, which for equal values is the
     columns' order (tiles in order, each tile's candidates by the tie rule). Writes the top in
     the tie rule's order to ``top_v`` / ``top_c`` ``[N, K]`` (int64 shard columns), the *full*
     tiles (rest max ``>=`` the top's last value: they may hide more of the top) to ``full
@@ -233,18 +233,26 @@ def select_top_kernel(
     v = tl.load(cand_v_ptr + r * W + pos, mask=present, other=float("-inf"))
     # Absent slots rank below every entry (-inf's bits are above the smallest int32).
     u = tl.where(present, _ordered_bits(v), -2147483648)
+    # lo: the K-th largest, by bisection; a row stops early at a threshold with exactly K
+    # entries at or above it (the K-th is then their smallest), which random logits reach in
+    # about half of the 32 steps.
     lo = tl.full((BLOCK_R,), -2147483648, tl.int64)
     hi = tl.full((BLOCK_R,), 2147483647, tl.int64)
-    for _ in range(32):  # lo: the largest t with at least K entries >= t
+    active = row_ok
+    while tl.max(active.to(tl.int32), 0) > 0:
         mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((u >= mid.to(tl.int32)[:, None]).to(tl.int32), 1) >= K
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    kth = lo.to(tl.int32)[:, None]
-    above = u > kth
-    tied = present & (u == kth)
-    need = K - tl.sum(above.to(tl.int32), 1)
-    chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= need[:, None]))
+        count = tl.sum((u >= mid.to(tl.int32)[:, None]).to(tl.int32), 1)
+        lo = tl.where(active & (count >= K), mid, lo)
+        hi = tl.where(active & (count < K), mid - 1, hi)
+        active = active & (count != K) & (hi > lo)
+    at_least = present & (u >= lo.to(tl.int32)[:, None])
+    kth = tl.min(tl.where(at_least, u, 2147483647), 1)[:, None]
+    chosen = at_least
+    excess = tl.sum(at_least.to(tl.int32), 1) - K
+    if tl.max(excess, 0) > 0:  # equal values at the K-th beyond the places left: by position
+        tied = present & (u == kth)
+        places = tl.sum(tied.to(tl.int32), 1) - excess
+        chosen = (u > kth) | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= places[:, None]))
     bound = tl.where(kth < 0, kth ^ 0x7FFFFFFF, kth).to(tl.float32, bitcast=True)
 
     tiles = tl.arange(0, BLOCK_T)[None, :]
@@ -252,13 +260,16 @@ def select_top_kernel(
     rm = tl.load(rest_m_ptr + r * num_tiles + tiles, mask=tile_ok, other=float("-inf"))
     rs = tl.load(rest_s_ptr + r * num_tiles + tiles, mask=tile_ok, other=0.0)
     full = (rm >= bound) & (rm > float("-inf"))
+    full_count = tl.sum(full.to(tl.int32), 1)
     tl.store(full_ptr + r * num_tiles + tiles, full.to(tl.int8), mask=tile_ok)
-    tl.store(full_rows_ptr + rows, tl.sum(full.to(tl.int32), 1), mask=row_ok)
+    tl.store(full_rows_ptr + rows, full_count, mask=row_ok)
 
     # The rest: unselected candidates outside full tiles, then the other tiles' rests.
-    own_m = tl.load(rest_m_ptr + r * num_tiles + tl.minimum(pos // C, num_tiles - 1), mask=present, other=0.0)
-    in_full = (own_m >= bound) & (own_m > float("-inf"))
-    loose = tl.where(present & ~chosen & ~in_full, v, float("-inf"))
+    loose = present & ~chosen
+    if tl.max(full_count, 0) > 0:  # rare: each candidate's tile looked up
+        own_m = tl.load(rest_m_ptr + r * num_tiles + tl.minimum(pos // C, num_tiles - 1), mask=present, other=0.0)
+        loose = loose & ~((own_m >= bound) & (own_m > float("-inf")))
+    loose = tl.where(loose, v, float("-inf"))
     rm = tl.where(full, float("-inf"), rm)
     m = tl.maximum(tl.max(loose, 1), tl.max(rm, 1))
     ref = tl.where(m == float("-inf"), 0.0, m)[:, None]
