@@ -415,14 +415,18 @@ def _shard_topk_triton(
     n, v = tokens.shape[0], weight.shape[0]
     c = min(k, v)
     device = tokens.device
-    values = torch.empty(n, c, dtype=torch.float32, device=device)
-    ids = torch.empty(n, c, dtype=torch.int64, device=device)
-    rest_max = torch.empty(n, dtype=torch.float32, device=device)
-    rest_sum = torch.empty(n, dtype=torch.float32, device=device)
     tokens, weight = rowmajor(tokens), rowmajor(weight)
     cfg = _triton_config(tokens.dtype)
     per_row = cdiv(v, cfg.block_n) * (8 * TRITON_CANDIDATES + 8)
     chunk = max(cfg.block_m, TRITON_SCRATCH_BYTES // per_row // cfg.block_m * cfg.block_m)
+    if n <= chunk:  # one launch: its outputs are the shard's
+        values, ids, rest_max, rest_sum = _triton_chunk(tokens, weight, k, temperature, cfg)
+        ids += vocab_start
+        return values, ids, rest_max, rest_sum
+    values = torch.empty(n, c, dtype=torch.float32, device=device)
+    ids = torch.empty(n, c, dtype=torch.int64, device=device)
+    rest_max = torch.empty(n, dtype=torch.float32, device=device)
+    rest_sum = torch.empty(n, dtype=torch.float32, device=device)
     for t0, t1 in _chunks(n, chunk):
         row_t = temperature[t0:t1] if isinstance(temperature, torch.Tensor) else temperature
         out = _triton_chunk(tokens[t0:t1], weight, k, row_t, cfg)
@@ -531,8 +535,8 @@ def _select_from_tiles(
     rest_m = torch.empty(n, dtype=torch.float32, device=device)
     rest_s = torch.empty_like(rest_m)
     block_w = _next_pow2(width)
-    # One row per program on a GPU, one warp per 512 candidates up to 8 (the fastest on the
-    # H200 at 375 and 2970 candidates); rows share a program in the interpreter, whose cost
+    # One row per program on a GPU, a warp per 512 candidates up to 4 (the fastest on the H200
+    # at 375, 2970 and 5120 candidates); rows share a program in the interpreter, whose cost
     # is per program.
     block_r = TRITON_INTERPRETER_SELECT_ROWS if interpreting() else 1
     launch(
@@ -543,7 +547,7 @@ def _select_from_tiles(
         dict(
             C=TRITON_CANDIDATES, BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=_next_pow2(num_tiles),
             TOP=_next_pow2(c_out), BY_SORT=_merge_by_sort(),
-            num_warps=max(1, min(8, block_w // 512)),
+            num_warps=max(1, min(4, block_w // 512)),
         ),
     )  # fmt: skip
     if bool(full_rows.any()):  # the one host sync

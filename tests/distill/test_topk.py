@@ -339,6 +339,25 @@ def test_triton_matches_fp64_and_torch(dtype, k, vocab, splits, triton_path, mon
     torch.testing.assert_close(out.tail_log_mass, chunked.tail_log_mass, rtol=0, atol=2e-5)
 
 
+def test_triton_token_chunks(triton_path, monkeypatch):
+    """A batch longer than one launch's scratch runs in token chunks (three here, the last
+    ragged), with per-token temperatures split along: the same as fp64 and as one launch."""
+    gen = generator(next_seed())
+    hidden = torch.randn(40, HIDDEN, generator=gen)
+    weight = torch.randn(300, HIDDEN, generator=gen)
+    temperature = torch.rand(40, generator=gen) + 0.5
+    whole = triton_topk(hidden, weight, 8, 2, monkeypatch, temperature=temperature)
+    config = topk_module.TRITON_INTERPRETER_CONFIG
+    per_row = topk_module.cdiv(300, config.block_n) * (8 * topk_module.TRITON_CANDIDATES + 8)
+    monkeypatch.setattr(topk_module, "TRITON_SCRATCH_BYTES", per_row * config.block_m)  # one row block
+    chunked = triton_topk(hidden, weight, 8, 2, monkeypatch, temperature=temperature)
+    assert torch.equal(chunked.ids, whole.ids)
+    torch.testing.assert_close(chunked.log_probs, whole.log_probs, rtol=0, atol=0)
+    torch.testing.assert_close(chunked.tail_log_mass, whole.tail_log_mass, rtol=0, atol=0)
+    ref = topk_reference(hidden, weight, 8, temperature)
+    check_against_reference(chunked, ref, torch.float32, exact_ids=False)
+
+
 @pytest.mark.parametrize("k", [1, 8, 24])
 def test_triton_ties_across_tiles_and_splits(k, triton_path, monkeypatch):
     """Each weight row repeated every 37 columns (across tiles of 32 and 3 splits), integer
