@@ -6,7 +6,9 @@ work queued before them. This measures that cost alone: before each timed call t
 a long spin (``torch.cuda._sleep``), so every launch returns at once and the wall time of the call
 on the host is its host work (Python, argument checks, descriptor builds, launch overhead), with
 no wait on the GPU inside it. Medians over ``--reps`` calls after warm-up, for the no-grad forward,
-the forward that keeps a backward, and the backward; then a cProfile of one forward+backward.
+the forward that keeps a backward, and the backward, each call timed alone after a wait for the
+GPU; then the same calls back to back behind one spin (``*_steady``: the thread never idles, as in
+a training loop); then a cProfile of one forward+backward.
 
 The head runs with ``validate=False`` (``--validate`` turns it on): the value checks read labels
 and temperatures back, one host sync per call, which would wait for the spin.
@@ -55,6 +57,22 @@ def _host_ms(fn, reps: int, cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def _steady_host_ms(fn, calls: int, cuda: bool) -> float:
+    """Host time per call of ``calls`` back-to-back calls of ``fn`` behind one long GPU spin: the
+    thread never waits in between (as in a training step's loop), where :func:`_host_ms` times
+    each call after a wait for the GPU (a thread that has just idled: colder caches)."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(_SPIN_CYCLES)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    per_call = (time.perf_counter() - start) * 1e3 / calls
+    if cuda:
+        torch.cuda.synchronize()
+    return per_call
 
 
 class _CountOps(TorchDispatchMode):
@@ -206,6 +224,12 @@ def main() -> None:
         times.append(_host_ms(backward, 1, cuda))
         x.grad = w.grad = None
     result["backward_host_ms"] = statistics.median(times)
+    # The same calls back to back (the spin covers them: each is well under a millisecond of host
+    # time, and the launches stay within the GPU's queue).
+    result["nograd_forward_host_ms_steady"] = _steady_host_ms(nograd, args.reps, cuda)
+    result["forward_host_ms_steady"] = _steady_host_ms(lambda: (forward(), kept.clear()), args.reps, cuda)
+    result["forward_backward_host_ms_steady"] = _steady_host_ms(lambda: (forward(), backward()), args.reps, cuda)
+    x.grad = w.grad = None
     result["per_call_counts"] = {"nograd_forward": _counts(nograd), "forward": _counts(forward)}
     result["per_call_counts"]["backward"] = _counts(backward)
     x.grad = w.grad = None
