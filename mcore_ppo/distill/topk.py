@@ -82,7 +82,7 @@ TRITON_SCRATCH_BYTES = 512 * 2**20
 #: How the selection and the full tiles' merge order their keys: ``tl.sort`` (True), or by
 #: counting each key's larger ones (False); the same result. None: ``tl.sort`` but under the
 #: interpreter, whose sort costs ~0.7 s per 256 keys.
-TRITON_MERGE_BY_SORT: bool | None = None
+TRITON_SORT_KEYS: bool | None = None
 #: Forces the number of vocab splits (tests); None: the rule above.
 TRITON_SPLITS: int | None = None
 
@@ -546,7 +546,7 @@ def _select_from_tiles(
          c_out, num_tiles),
         dict(
             C=TRITON_CANDIDATES, BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=_next_pow2(num_tiles),
-            TOP=_next_pow2(c_out), BY_SORT=_merge_by_sort(),
+            TOP=_next_pow2(c_out), BY_SORT=_keys_by_sort(),
             num_warps=max(1, min(4, block_w // 512)),
         ),
     )  # fmt: skip
@@ -559,8 +559,8 @@ def _select_from_tiles(
     return top_values, top_cols, rest_m, rest_s
 
 
-def _merge_by_sort() -> bool:
-    return not interpreting() if TRITON_MERGE_BY_SORT is None else TRITON_MERGE_BY_SORT
+def _keys_by_sort() -> bool:
+    return not interpreting() if TRITON_SORT_KEYS is None else TRITON_SORT_KEYS
 
 
 def _recompute_full_tiles(
@@ -627,7 +627,7 @@ def _merge_full_tiles(
         top_values, top_cols, full, torch.searchsorted(rows, every_row),
         torch.searchsorted(rows, every_row, right=True), pairs[:, 1].contiguous(), recomputed, rest_m, rest_s,
         n, vocab, c_out, full.shape[1],
-        BLOCK_N=block_n, TOP=top, BLOCK_U=_next_pow2(top + block_n), BY_SORT=_merge_by_sort(),
+        BLOCK_N=block_n, TOP=top, BLOCK_U=_next_pow2(top + block_n), BY_SORT=_keys_by_sort(),
     )  # fmt: skip
 
 

@@ -500,7 +500,7 @@ def test_triton_full_tile_merge_orders(by_sort, triton_path, monkeypatch):
     """The full tiles' merge orders keys by ``tl.sort`` (the GPU's choice) or by counting (the
     interpreter's): the same ids, log-probs and tails, both against fp64, on small-integer logits
     (ties) with more candidates than places in several tiles."""
-    monkeypatch.setattr(topk_module, "TRITON_MERGE_BY_SORT", by_sort)
+    monkeypatch.setattr(topk_module, "TRITON_SORT_KEYS", by_sort)
     hidden, weight = integer_case((4,), 160, 6, generator(next_seed()))
     out = triton_topk(hidden.float(), weight.float(), 12, 5, monkeypatch)
     assert triton_path == [] and sum(len(pairs) for pairs in triton_path.full_tiles) > 0
@@ -516,7 +516,7 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
     unselected candidates and the other tiles' rests."""
     from mcore_ppo.kernels.topk import select_top_kernel
 
-    monkeypatch.setattr(topk_module, "TRITON_MERGE_BY_SORT", by_sort)
+    monkeypatch.setattr(topk_module, "TRITON_SORT_KEYS", by_sort)
     c = topk_module.TRITON_CANDIDATES
     gen = generator(next_seed())
     pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 2.5, 2.5, -2.5, 7.0])
