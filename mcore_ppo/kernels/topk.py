@@ -218,8 +218,8 @@ def select_top_kernel(
     ``[N, num_tiles]``. ``BLOCK_R`` rows per program, each row whole in registers.
 
     The ``K``-th largest value is found by bisection over its order-preserving int32 bits (at
-    most 32 counting passes); equal values at it are taken by position, which for equal values is the
-    columns' order (tiles in order, each tile's candidates by the tie rule). Writes the top in
+    most 32 counting passes); equal values at it are taken by position, which for equal values
+    is the columns' order (tiles in order, each tile's candidates by the tie rule). Writes the top in
     the tie rule's order to ``top_v`` / ``top_c`` ``[N, K]`` (int64 shard columns), the *full*
     tiles (rest max ``>=`` the top's last value: they may hide more of the top) to ``full
     [N, num_tiles]`` (int8) and their count to ``full_rows [N]``, and the ``(m, s)`` of the
