@@ -419,7 +419,7 @@ def _shard_topk_triton(
     cfg = _triton_config(tokens.dtype)
     per_row = cdiv(v, cfg.block_n) * (8 * TRITON_CANDIDATES + 8)
     chunk = max(cfg.block_m, TRITON_SCRATCH_BYTES // per_row // cfg.block_m * cfg.block_m)
-    if n <= chunk:  # one launch: its outputs are the shard's
+    if 0 < n <= chunk:  # one launch: its outputs are the shard's
         values, ids, rest_max, rest_sum = _triton_chunk(tokens, weight, k, temperature, cfg)
         ids += vocab_start
         return values, ids, rest_max, rest_sum

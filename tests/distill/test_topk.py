@@ -554,6 +554,20 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
         assert torch.allclose(got, expected, rtol=1e-6, atol=0) or (got == expected), (r, got, expected)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("shape", [(0, HIDDEN), (0, 2, HIDDEN), (3, 0, HIDDEN)], ids=["n0", "s0", "b0"])
+def test_no_tokens(impl, shape, monkeypatch):
+    """No tokens: empty outputs of the layout's shapes and dtypes on either path, no error."""
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the kernel runs CPU tensors only under TRITON_INTERPRET=1")
+    weight = torch.randn(300, HIDDEN, generator=generator(next_seed()))
+    out = fused_topk(torch.zeros(shape), weight, 8, impl=impl)
+    tokens = (shape[1], shape[0]) if len(shape) == 3 else (shape[0],)
+    assert out.ids.shape == (*tokens, 8) and out.ids.dtype == torch.int64
+    assert out.log_probs.shape == (*tokens, 8) and out.log_probs.dtype == torch.float32
+    assert out.tail_log_mass.shape == tokens and out.tail_log_mass.dtype == torch.float32
+
+
 def test_impl_argument():
     """impl: a TypeError for a non-str, a ValueError naming the choices or the tensors it needs."""
     hidden, weight, _ = random_case("nh", 50, torch.float64)
