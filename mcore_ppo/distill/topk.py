@@ -253,12 +253,13 @@ def _fused_topk(
 
 
 def _all_tokens(hidden: torch.Tensor, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
-    """Labels of the call's layout with no token ignored, for the head's layout checks."""
+    """Labels shaped for the call's layout, for the head's shape checks (their values, never
+    read, are left unset: no fill kernel)."""
     if hidden.dim() not in (2, 3):
-        return torch.zeros(0, dtype=torch.int64, device=hidden.device)  # check_layout names hidden
+        return torch.empty(0, dtype=torch.int64, device=hidden.device)  # check_layout names hidden
     seq = hidden.shape[0] * (tp_size if sequence_parallel and tp_size > 1 else 1)
     shape = (hidden.shape[1], seq) if hidden.dim() == 3 else (seq,)
-    return torch.zeros(shape, dtype=torch.int64, device=hidden.device)
+    return torch.empty(shape, dtype=torch.int64, device=hidden.device)
 
 
 def _row_temperature(
@@ -421,7 +422,8 @@ def _shard_topk_triton(
     chunk = max(cfg.block_m, TRITON_SCRATCH_BYTES // per_row // cfg.block_m * cfg.block_m)
     if 0 < n <= chunk:  # one launch: its outputs are the shard's
         values, ids, rest_max, rest_sum = _triton_chunk(tokens, weight, k, temperature, cfg)
-        ids += vocab_start
+        if vocab_start:
+            ids += vocab_start
         return values, ids, rest_max, rest_sum
     values = torch.empty(n, c, dtype=torch.float32, device=device)
     ids = torch.empty(n, c, dtype=torch.int64, device=device)
