@@ -13,8 +13,7 @@ On CUDA (fp16/bf16/fp32) the shard's pass is fused Triton kernels instead
 (:mod:`mcore_ppo.kernels.topk`): logit tiles in registers, each giving its largest entries and
 its rest's statistics; a second kernel selects the exact top ``k`` of each token's candidates
 and sums its rest, and the few tiles that may hide more of the top are recomputed whole and
-merged. The torch path
-stays the CPU/fp64 path and the exactness reference (``impl="torch"``).
+merged. The torch path stays the CPU/fp64 path and the exactness reference (``impl="torch"``).
 
 No gradient: the teacher is not trained, so the call runs under ``torch.no_grad()`` and its
 outputs never require grad, whatever ``hidden`` and ``weight`` do.

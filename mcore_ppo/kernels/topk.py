@@ -175,19 +175,16 @@ def tile_rows_kernel(
 
 
 @triton.jit
-def _fold_rows(m, s, v, weight):
-    """``(m, s)`` per row extended by ``Σ weight · exp(v)`` over each row of ``v [rows, cols]``
-    (``weight`` a scalar or ``[rows, cols]``; ``-inf`` entries add nothing)."""
-    m_new = tl.maximum(m, tl.max(v, 1))
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return m_new, s * tl.exp2((m - ref) * LOG2E) + tl.sum(weight * tl.exp2((v - ref[:, None]) * LOG2E), 1)
-
-
-@triton.jit
 def _ordered_bits(value):
     """fp32 values as int32 in the same order (``-0.0`` as ``+0.0``, which compare equal)."""
     bits = (value + 0.0).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _value_of_bits(ordered):
+    """The fp32 value of :func:`_ordered_bits`' int32 (the inverse map)."""
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["N", "W", "K", "num_tiles"])
@@ -253,7 +250,7 @@ def select_top_kernel(
         tied = present & (u == kth)
         places = tl.sum(tied.to(tl.int32), 1) - excess
         chosen = (u > kth) | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= places[:, None]))
-    bound = tl.where(kth < 0, kth ^ 0x7FFFFFFF, kth).to(tl.float32, bitcast=True)
+    bound = _value_of_bits(kth)
 
     tiles = tl.arange(0, BLOCK_T)[None, :]
     tile_ok = row_ok[:, None] & (tiles < num_tiles)
@@ -316,8 +313,7 @@ def _order_key(value, col):
 
 @triton.jit
 def _key_value(key):
-    ordered = (key >> 32).to(tl.int32)
-    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+    return _value_of_bits((key >> 32).to(tl.int32))
 
 
 @triton.jit
