@@ -134,15 +134,23 @@ def _max_entropy(vocab_size: int, dtype: torch.dtype) -> float:
     return bound.item()
 
 
-def _weight_grad_buffer(weight: torch.Tensor, accumulate_into_main_grad: bool, backend: Backend) -> torch.Tensor:
+def weight_grad_buffer(
+    weight: torch.Tensor, accumulate_into_main_grad: bool, backend: Backend, *, backend_writes_rows: bool = True
+) -> tuple[torch.Tensor, bool]:
+    """``(buffer, unset)``: where this shard's ``d_weight`` goes, and whether it was left unfilled.
+
+    Megatron's ``main_grad`` when asked for and present. Else, for a backend that forms each row
+    of ``d_W`` in one fp32-accumulated GEMM (``Backend.weight_grad_in_weight_dtype``) and here
+    forms all of them (``backend_writes_rows``), an unfilled buffer in the weight's dtype: half
+    the memory, no cast, no zero fill. Else fp32 (or wider) zeros.
+    """
     main_grad = getattr(weight, "main_grad", None) if accumulate_into_main_grad else None
     if main_grad is not None:
-        return main_grad
-    # A backend that forms each d_W row in one fp32-accumulated GEMM may take a buffer in the
-    # weight's dtype (see Backend.weight_grad_in_weight_dtype): half the memory, no cast.
-    if getattr(backend, "weight_grad_in_weight_dtype", False):
-        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-    return torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
+        return main_grad, False
+    if backend_writes_rows and getattr(backend, "weight_grad_in_weight_dtype", False):
+        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device), True
+    fp32_or_wider = torch.promote_types(weight.dtype, torch.float32)
+    return torch.zeros(weight.shape, dtype=fp32_or_wider, device=weight.device), False
 
 
 def _combine(m, s, u, y, *, tp_group: ProcessGroup):
@@ -284,12 +292,20 @@ class FusedPPOHeadFunction(torch.autograd.Function):
             return None, None, *nones
 
         main_grad = plan.accumulate_into_main_grad and hasattr(weight, "main_grad")
-        weight_grad = _weight_grad_buffer(weight, plan.accumulate_into_main_grad, plan.backend) if need_weight else None
+        weight_grad, unset = None, False
+        if need_weight:
+            weight_grad, unset = weight_grad_buffer(weight, plan.accumulate_into_main_grad, plan.backend)
         d_hidden, d_weight = plan.backend.shard_gradients(
             hidden,
             weight,
             SavedTokens(local_labels, valid, lse, entropy, residual),
-            GradientRequest(grad_log_prob, grad_entropy if entropy is not None else None, need_hidden, weight_grad),
+            GradientRequest(
+                grad_log_prob,
+                grad_entropy if entropy is not None else None,
+                need_hidden,
+                weight_grad,
+                weight_grad_unset=unset,
+            ),
             temperature=plan.temperature if row_temperature is None else row_temperature,
         )
         if d_hidden is not None:

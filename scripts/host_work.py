@@ -8,7 +8,10 @@ on the host is its host work (Python, argument checks, descriptor builds, launch
 no wait on the GPU inside it. Medians over ``--reps`` calls after warm-up, for the no-grad forward,
 the forward that keeps a backward, and the backward, each call timed alone after a wait for the
 GPU; then the same calls back to back behind one spin (``*_steady``: the thread never idles, as in
-a training loop); then a cProfile of one forward+backward.
+a training loop; as many calls as the GPU's launch queue holds, so the host never waits on it);
+then a cProfile of such calls. The backward's steady time includes what autograd's engine pays
+for any custom Function (``autograd_noop_backward_ms_steady``: a no-op Function's backward);
+``backward_node_host_ms_steady`` is the rest, the head's own.
 
 The head runs with ``validate=False`` (``--validate`` turns it on): the value checks read labels
 and temperatures back, one host sync per call, which would wait for the spin.
@@ -43,6 +46,7 @@ from mcore_ppo import fused_log_probs_and_entropy
 from mcore_ppo_testing.bench import SHAPES
 
 _SPIN_CYCLES = 200_000_000  # ~0.1 s at 1.98 GHz: far longer than any call's host work
+_QUEUED_LAUNCHES = 400  # per steady measurement
 
 
 def _host_ms(fn, reps: int, cuda: bool) -> float:
@@ -121,27 +125,48 @@ def _levels() -> dict:
     return out
 
 
-def _profile(name: str, fn, reps: int, cuda: bool) -> str:
-    """cProfile of ``reps`` calls of ``fn`` with the GPU busy: per call, in microseconds, the
-    functions with the most time of their own, then the most cumulative time."""
+def _profile(name: str, fn, calls: int, cuda: bool) -> str:
+    """cProfile of ``calls`` back-to-back calls of ``fn`` behind one GPU spin (as
+    :func:`_steady_host_ms`): per call, in microseconds, the functions with the most time of
+    their own, then the most cumulative time."""
     profile = cProfile.Profile()
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda._sleep(_SPIN_CYCLES)
-        profile.enable()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(_SPIN_CYCLES)
+    profile.enable()
+    for _ in range(calls):
         fn()
-        profile.disable()
+    profile.disable()
     if cuda:
         torch.cuda.synchronize()
     stats = pstats.Stats(profile).stats
-    rows = [(tt / reps * 1e6, ct / reps * 1e6, nc / reps, func) for func, (_, nc, tt, ct, _) in stats.items()]
-    lines = [f"== {name}: {sum(r[0] for r in rows):.0f} us per call under the profiler, {reps} calls"]
+    rows = [(tt / calls * 1e6, ct / calls * 1e6, nc / calls, func) for func, (_, nc, tt, ct, _) in stats.items()]
+    lines = [f"== {name}: {sum(r[0] for r in rows):.0f} us per call under the profiler, {calls} calls back to back"]
     for title, key in (("own time", 0), ("cumulative time", 1)):
         lines.append(f"-- by {title}: own_us cum_us calls/call  function")
-        for own, cum, calls, (path, line, func) in sorted(rows, key=lambda r: -r[key])[:30]:
-            lines.append(f"{own:8.1f} {cum:8.1f} {calls:6.1f}  {Path(path).name}:{line}({func})")
+        for own, cum, calls_per, (path, line, func) in sorted(rows, key=lambda r: -r[key])[:30]:
+            lines.append(f"{own:8.1f} {cum:8.1f} {calls_per:6.1f}  {Path(path).name}:{line}({func})")
     return "\n".join(lines) + "\n\n"
+
+
+class _NoOp(torch.autograd.Function):
+    """The cheapest node autograd can run: what any custom Function's backward pays before its
+    own work (the engine's start, its hand-over to the device's thread, the gradient's return)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _queue_calls(counts: dict, reps: int) -> int:
+    """Back-to-back calls that keep the GPU's launch queue (about a thousand entries) well short
+    of full: past it the host would wait for the GPU, and time the GPU's work instead."""
+    per_call = max(1, counts["aten_ops"] + counts["launches"])
+    return max(2, min(reps, _QUEUED_LAUNCHES // per_call))
 
 
 def main() -> None:
@@ -224,20 +249,40 @@ def main() -> None:
         times.append(_host_ms(backward, 1, cuda))
         x.grad = w.grad = None
     result["backward_host_ms"] = statistics.median(times)
-    # The same calls back to back (the spin covers them: each is well under a millisecond of host
-    # time, and the launches stay within the GPU's queue).
-    result["nograd_forward_host_ms_steady"] = _steady_host_ms(nograd, args.reps, cuda)
-    result["forward_host_ms_steady"] = _steady_host_ms(lambda: (forward(), kept.clear()), args.reps, cuda)
-    result["forward_backward_host_ms_steady"] = _steady_host_ms(lambda: (forward(), backward()), args.reps, cuda)
+    counts = {"nograd_forward": _counts(nograd), "forward": _counts(forward)}
+    counts["backward"] = _counts(backward)
     x.grad = w.grad = None
-    result["per_call_counts"] = {"nograd_forward": _counts(nograd), "forward": _counts(forward)}
-    result["per_call_counts"]["backward"] = _counts(backward)
+    result["per_call_counts"] = counts
+    # The same calls back to back behind one spin, as a training loop issues them; as many as
+    # the GPU's launch queue takes without making the host wait.
+    forward_calls = _queue_calls(counts["forward"], args.reps)
+    result["nograd_forward_host_ms_steady"] = _steady_host_ms(
+        nograd, _queue_calls(counts["nograd_forward"], args.reps), cuda
+    )
+    result["forward_host_ms_steady"] = _steady_host_ms(lambda: (forward(), kept.clear()), forward_calls, cuda)
+    backward_calls = _queue_calls(counts["backward"], args.reps)
+    graphs = []
+    for _ in range(backward_calls):  # the forwards first, untimed; then their backwards in a row
+        graphs.append(call())
+    result["backward_host_ms_steady"] = _steady_host_ms(
+        lambda: torch.autograd.backward(list(graphs.pop()), grads), backward_calls, cuda
+    )
     x.grad = w.grad = None
+    leaf = torch.zeros(n, device=device, requires_grad=True)
+    nodes = [_NoOp.apply(leaf) for _ in range(backward_calls)]
+    result["autograd_noop_backward_ms_steady"] = _steady_host_ms(
+        lambda: torch.autograd.backward([nodes.pop()], [grads[0]]), backward_calls, cuda
+    )
+    result["backward_node_host_ms_steady"] = (
+        result["backward_host_ms_steady"] - result["autograd_noop_backward_ms_steady"]
+    )
+    result["steady_calls"] = {"forward": forward_calls, "backward": backward_calls}
     result["fast_launch_levels"] = _levels()
 
     text = io.StringIO()
-    for name, fn in (("no-grad forward", nograd), ("forward + backward", lambda: (forward(), backward()))):
-        text.write(_profile(name, fn, args.reps, cuda))
+    text.write(_profile("no-grad forward", nograd, forward_calls, cuda))
+    pair = {key: counts["forward"][key] + counts["backward"][key] for key in ("aten_ops", "launches")}
+    text.write(_profile("forward + backward", lambda: (forward(), backward()), _queue_calls(pair, args.reps), cuda))
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

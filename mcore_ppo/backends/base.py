@@ -92,7 +92,9 @@ class GradientRequest:
     outputs, None for an output that is unused. ``need_hidden_grad``: ``d_hidden`` is wanted.
     ``weight_grad``: the ``[v, h]`` buffer ``d_weight`` is accumulated into (zeros in fp32 or,
     see :attr:`Backend.weight_grad_in_weight_dtype`, the weight's dtype; or Megatron's
-    ``main_grad``), None when no weight gradient is wanted. ``sparse``: extra one-hot terms,
+    ``main_grad``), None when no weight gradient is wanted. ``weight_grad_unset``: the buffer
+    was allocated and not zeroed (``torch.empty``): the backend writes every row of it instead of
+    adding (only for a backend with ``weight_grad_in_weight_dtype``). ``sparse``: extra one-hot terms,
     ``dz[t, ids[t, j]] += g[t, j]`` (then divided by ``T`` like the rest of ``dz``), summed into
     ``d_hidden`` and ``d_weight`` with the dense part; only for a backend whose optional
     ``folds_sparse_gradient(hidden, weight)`` returns True for these inputs (the triton one on
@@ -104,15 +106,17 @@ class GradientRequest:
     need_hidden_grad: bool
     weight_grad: torch.Tensor | None
     sparse: SparseGradient | None = None
+    weight_grad_unset: bool = False
 
 
 class Backend(Protocol):
     """Per-shard statistics and gradients of the fused head, stateless between calls."""
 
     name: str
-    # Optional (default False): True lets the Function pass a zero ``weight_grad`` in the
-    # weight's own dtype when Megatron's main_grad is not used. Only for backends that form
-    # every row of d_W in a single fp32-accumulated reduction over all tokens (one rounding).
+    # Optional (default False): True lets the Function pass an unset ``weight_grad`` in the
+    # weight's own dtype (``GradientRequest.weight_grad_unset``) when Megatron's main_grad is not
+    # used. Only for backends that form every row of d_W in a single fp32-accumulated reduction
+    # over all tokens (one rounding), so they can write each row once instead of adding to zeros.
     weight_grad_in_weight_dtype: bool
 
     def shard_statistics(

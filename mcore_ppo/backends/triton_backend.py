@@ -69,6 +69,7 @@ from mcore_ppo.backends.triton_host import (
     descriptor_ok,
     for_dtype,
     gathered_rows,
+    gemm_into,
     interpreting,
     kernel_flags,
     log_buffer_decision,
@@ -437,6 +438,8 @@ class TritonBackend:
                     "request.sparse needs the triton backend's kernels (folds_sparse_gradient is False for "
                     f"{hidden.dtype} inputs of shape {tuple(hidden.shape)})"
                 )
+            if request.weight_grad_unset:  # the reference adds into d_W
+                request.weight_grad.zero_()
             path = self._reference.shard_gradients
         elif isinstance(saved.residual, ProbabilityBuffer):
             path = self._gradients_from_buffer
@@ -516,7 +519,7 @@ class TritonBackend:
             elif request.need_hidden_grad:
                 addmm_fp32(hidden_grad_c, dz, w_rows)
             if weight_grad is not None:
-                addmm_fp32(g_chunks[index], dz.t(), x_c)
+                gemm_into(g_chunks[index], dz.t(), x_c, overwrite=request.weight_grad_unset)
         # Before the rows of d_hidden get a second buffer: every reference to the workspace and x_c.
         del workspace, x_c, x_arg, dz, dz_desc, x_desc, args, w_chunks, g_chunks
         hidden_grad = None
@@ -571,7 +574,7 @@ class TritonBackend:
             hidden_grad_c = mm_fp32(buf, weight)
         if weight_grad is not None:
             x_c = gathered_rows(hidden, perm, count, site=None if plan is None else (plan, "gather_backward"))
-            addmm_fp32(weight_grad, buf.t(), x_c)
+            gemm_into(weight_grad, buf.t(), x_c, overwrite=request.weight_grad_unset)
             del x_c
         del buf
         if request.need_hidden_grad:

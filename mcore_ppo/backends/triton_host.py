@@ -355,6 +355,20 @@ def addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.add_(torch.mm(a, b))
 
 
+def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, overwrite: bool) -> None:
+    """``out = a @ b`` (``overwrite``: ``out`` holds no values yet) or ``out += a @ b``.
+
+    Overwriting in ``out``'s own dtype is one GEMM that neither needs ``out`` zero-filled first
+    nor reads it; otherwise :func:`addmm_fp32` (after a zero fill when ``out`` is unset).
+    """
+    if overwrite and a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+        return
+    if overwrite:
+        out.zero_()
+    addmm_fp32(out, a, b)
+
+
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` as a new fp32 tensor from low-precision ``a``, ``b`` (fp32 accumulation).
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from mcore_ppo import validation
 from mcore_ppo.backends import Backend, import_optional, resolve_backend
 from mcore_ppo.backends.base import GradientRequest, SavedTokens, SparseGradient
-from mcore_ppo.function import NO_DOUBLE_BACKWARD, autocast_off
+from mcore_ppo.function import NO_DOUBLE_BACKWARD, autocast_off, weight_grad_buffer
 from mcore_ppo.pipeline import call_options
 from parallel.combine import combine_shard_statistics
 from parallel.groups import resolve_tp_group
@@ -453,15 +453,13 @@ class _StudentFunction(torch.autograd.Function):
             total = g.sum(dim=1)
         main_grad = getattr(weight, "main_grad", None) if plan.accumulate_into_main_grad else None
         fold = g is not None and _folds_sparse(plan.backend, tokens, weight)
-        weight_grad = None
-        if need_weight and main_grad is not None:
-            weight_grad = main_grad
-        elif need_weight:
-            # Folded, every row of d_W comes out of the backend's own GEMMs: a backend that forms
-            # each in one fp32-accumulated GEMM may take the weight's dtype (one rounding, as the head).
-            in_weight_dtype = fold and getattr(plan.backend, "weight_grad_in_weight_dtype", False)
-            grad_dtype = weight.dtype if in_weight_dtype else acc
-            weight_grad = torch.zeros(weight.shape, dtype=grad_dtype, device=weight.device)
+        weight_grad, unset = None, False
+        if need_weight:
+            # Folded, every row of d_W comes out of the backend's own GEMMs (one rounding, as
+            # the head); unfolded, the one-hot terms are added here afterwards.
+            weight_grad, unset = weight_grad_buffer(
+                weight, plan.accumulate_into_main_grad, plan.backend, backend_writes_rows=fold
+            )
         no_label = torch.full((n,), -1, dtype=torch.int64, device=tokens.device)
         sparse = None
         if fold:
@@ -470,7 +468,7 @@ class _StudentFunction(torch.autograd.Function):
             tokens,
             weight,
             SavedTokens(no_label, valid, lse, entropy, residual),
-            GradientRequest(total, grad_entropy, need_hidden, weight_grad, sparse),
+            GradientRequest(total, grad_entropy, need_hidden, weight_grad, sparse, weight_grad_unset=unset),
             temperature=scale,
         )
         if g is not None and not fold:

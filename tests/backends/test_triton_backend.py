@@ -27,6 +27,7 @@ from mcore_ppo.backends import resolve_backend  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
+from mcore_ppo_testing.unset_buffers import nan_filled_unset_buffers  # noqa: E402
 
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]  # the rest of the suite never sees it
@@ -424,6 +425,25 @@ def test_fp32_products_match_an_fp32_upcast(dtype):
     acc = torch.ones(7, 5, device=DEVICE)
     triton_host.addmm_fp32(acc, a, b)
     torch.testing.assert_close(acc, want + 1, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["recompute-chunks", "buffer", "fp64-reference"])
+def test_unset_weight_grad_is_written_whole(monkeypatch, buffer_backwards, path):
+    """The Function hands this backend ``d_W`` unfilled (``torch.empty``): every row must be
+    written, in the recompute path's vocab chunks (last one ragged), in the buffer's one GEMM and
+    in the fp64 fallback (which adds, so it zero-fills first). The buffer starts as NaN here."""
+    made = nan_filled_unset_buffers(monkeypatch)
+    block_n = triton_backend.TritonBackend().backward_config.block_n
+    dtype = torch.float64 if path == "fp64-reference" else torch.float32
+    if path == "recompute-chunks":
+        monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 30 * 4 * 2 * block_n)
+    if path == "buffer":
+        monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
+    hidden, weight, labels, g, e = make_case(30, 16, 4 * block_n + 22, seed=next_seed(), dtype=dtype)
+    tolerances = {"rtol": 1e-12, "grad_rtol": 1e-10} if dtype == torch.float64 else {}
+    check_against_reference(hidden, weight, labels, 0.6, g, e, **tolerances)
+    assert made == [True]
+    assert buffer_backwards == ([1] if path == "buffer" else [])
 
 
 def test_fp64_falls_back_to_reference():

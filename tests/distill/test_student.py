@@ -26,6 +26,7 @@ from mcore_ppo_testing.reference import assert_close
 from mcore_ppo_testing.seeds import generator, next_seed
 from mcore_ppo_testing.student_fold import record_folds, refuse_sparse_torch
 from mcore_ppo_testing.student_reference import student_reference
+from mcore_ppo_testing.unset_buffers import nan_filled_unset_buffers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -430,9 +431,11 @@ def test_fold_matches_fp64(mode, dtype_name, temperature_kind, monkeypatch):
     case = fold_case(dtype, gen)
     temperature = 0.7 if temperature_kind == "scalar" else 0.3 + 2.2 * torch.rand(FOLD_TOKENS, generator=gen)
     calls = spy_fold(monkeypatch)
+    unset_buffers = nan_filled_unset_buffers(monkeypatch)  # d_W comes unfilled: every row written
     out = run(case, temperature, backend=fold_backend(mode))
     expected = [(0, 32), (32, 32), (64, 32), (96, 4)] if mode == "recompute" else [(0, FOLD_VOCAB)]
     assert calls == expected
+    assert unset_buffers == [True]
     grad_rtol, cast = (1e-2, 8e-3) if dtype == torch.bfloat16 else (OUT_RTOL, None)
     compare(out, reference_of(case, temperature), dtype, grad_rtol=grad_rtol, cast=cast)
     for name in ("d_hidden", "d_weight"):
