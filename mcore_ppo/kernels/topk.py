@@ -16,7 +16,8 @@ on every run.
 ``select_top_kernel`` takes each row's top ``K`` of all its tiles' candidates (one program per
 row, a bisection over the values' bits, no sort of the candidates) and sums the row's rest from
 its own terms. Any entry of the top ``K`` that a tile did not keep lies in a tile whose rest's
-max reaches the candidates' ``K``-th (a *full* tile). Those few (row, tile) pairs are
+max reaches the candidates' ``K``-th and whose candidates all made the top (a *full* tile: at
+most ``K // C`` per row). Those few (row, tile) pairs are
 recomputed whole by ``tile_rows_kernel`` (grouped by tile: one weight tile serves up to
 ``BLOCK_M`` gathered rows) and merged into the row's top by ``merge_full_kernel`` (one sort by a
 packed int64 key per tile).
@@ -218,8 +219,9 @@ def select_top_kernel(
     most 32 counting passes); equal values at it are taken by position, which for equal values
     is the columns' order (tiles in order, each tile's candidates by the tie rule). Writes the top in
     the tie rule's order to ``top_v`` / ``top_c`` ``[N, K]`` (int64 shard columns), the *full*
-    tiles (rest max ``>=`` the top's last value: they may hide more of the top) to ``full
-    [N, num_tiles]`` (int8) and their count to ``full_rows [N]``, and the ``(m, s)`` of the
+    tiles (rest max ``>=`` the top's last value and every candidate in the top: they may hide
+    more of the top; at most ``K // C`` per row) to ``full [N, num_tiles]`` (int8) and their
+    count to ``full_rows [N]``, and the ``(m, s)`` of the
     entries outside the top and outside full tiles (unselected candidates, then the tiles'
     rests) to ``m_out`` / ``s_out``: a fixed reduction order, the same bits on every run."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -245,18 +247,29 @@ def select_top_kernel(
     at_least = present & (u >= lo.to(tl.int32)[:, None])
     kth = tl.min(tl.where(at_least, u, 2147483647), 1)[:, None]
     chosen = at_least
+    # The last position taken among the values equal to the K-th (all of them when none is left out).
+    cutoff = tl.full((BLOCK_R,), BLOCK_W, tl.int32)
     excess = tl.sum(at_least.to(tl.int32), 1) - K
     if tl.max(excess, 0) > 0:  # equal values at the K-th beyond the places left: by position
         tied = present & (u == kth)
         places = tl.sum(tied.to(tl.int32), 1) - excess
         chosen = (u > kth) | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= places[:, None]))
+        cutoff = tl.max(tl.where(chosen & tied, pos, -1), 1)
     bound = _value_of_bits(kth)
 
+    # A tile can hide an entry of the top only if its rest reaches the bound and all its C
+    # candidates are in the top: were one left out, every hidden entry would rank after it
+    # (smaller, or equal with a larger column), so after the whole top. Each full tile thus
+    # holds C entries of the top: at most K // C full tiles per row, whatever the ties. A
+    # tile's candidates are all in the top when its last one is (the tie rule's order).
     tiles = tl.arange(0, BLOCK_T)[None, :]
     tile_ok = row_ok[:, None] & (tiles < num_tiles)
     rm = tl.load(rest_m_ptr + r * num_tiles + tiles, mask=tile_ok, other=float("-inf"))
     rs = tl.load(rest_s_ptr + r * num_tiles + tiles, mask=tile_ok, other=0.0)
-    full = (rm >= bound) & (rm > float("-inf"))
+    last = tiles * C + (C - 1)
+    last_u = _ordered_bits(tl.load(cand_v_ptr + r * W + last, mask=tile_ok, other=float("-inf")))
+    last_in_top = (last_u > kth) | ((last_u == kth) & (last <= cutoff[:, None]))
+    full = (rm >= bound) & (rm > float("-inf")) & last_in_top & tile_ok
     full_count = tl.sum(full.to(tl.int32), 1)
     tl.store(full_ptr + r * num_tiles + tiles, full.to(tl.int8), mask=tile_ok)
     tl.store(full_rows_ptr + rows, full_count, mask=row_ok)
@@ -264,8 +277,9 @@ def select_top_kernel(
     # The rest: unselected candidates outside full tiles, then the other tiles' rests.
     loose = present & ~chosen
     if tl.max(full_count, 0) > 0:  # rare: each candidate's tile looked up
-        own_m = tl.load(rest_m_ptr + r * num_tiles + tl.minimum(pos // C, num_tiles - 1), mask=present, other=0.0)
-        loose = loose & ~((own_m >= bound) & (own_m > float("-inf")))
+        tl.debug_barrier()  # the flags just stored
+        own_tile = r * num_tiles + tl.minimum(pos // C, num_tiles - 1)
+        loose = loose & (tl.load(full_ptr + own_tile, mask=present, other=0) == 0)
     loose = tl.where(loose, v, float("-inf"))
     rm = tl.where(full, float("-inf"), rm)
     m = tl.maximum(tl.max(loose, 1), tl.max(rm, 1))

@@ -419,20 +419,43 @@ def test_triton_ignored_tokens_and_layout(triton_path, monkeypatch):
     assert torch.equal(out.ids, chunked.ids)
 
 
-def test_triton_all_equal_logits_recompute_every_tile(triton_path, monkeypatch):
-    """Every logit equal (zero hidden): each tile's candidates tie with the k-th value, so every
-    tile is full and recomputed whole (tiles of 32 over a vocab of 300: 10 per row): ids
-    0..k-1, log p = -log V, exact tail."""
-    vocab, k = 300, 8
+@pytest.mark.parametrize("k", [8, 23])
+def test_triton_all_equal_logits_recompute_only_the_first_tiles(k, triton_path, monkeypatch):
+    """Every logit equal (zero hidden): each tile's candidates tie with the k-th value, yet only
+    the tiles whose candidates all made the top can hide one of it: the first ``k // C`` (tiles
+    of 32 over a vocab of 300), not all 10 per row. Ids 0..k-1, log p = -log V, exact tail."""
+    vocab = 300
     hidden = torch.zeros(5, 8)
     weight = torch.randn(vocab, 8, generator=generator(next_seed()))
     out = triton_topk(hidden, weight, k, 2, monkeypatch)
     assert triton_path == []
-    assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, tile) for row in range(5) for tile in range(10)]
+    first = k // topk_module.TRITON_CANDIDATES
+    assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, tile) for row in range(5) for tile in range(first)]
     assert torch.equal(out.ids, torch.arange(k).expand(5, k))
     torch.testing.assert_close(out.log_probs.double(), torch.full((5, k), -math.log(vocab), dtype=torch.float64))
     expected_tail = torch.full((5,), math.log((vocab - k) / vocab), dtype=torch.float64)
     torch.testing.assert_close(out.tail_log_mass.double(), expected_tail, rtol=0, atol=2e-6)
+
+
+def test_triton_kth_value_hidden_in_a_tile_without_excess(triton_path, monkeypatch):
+    """Exactly k candidates reach the k-th value (no tie to break among them), yet tile 0 hides
+    an entry equal to it with a smaller id than tile 1's: tile 0's last candidate (at the k-th
+    value) is in the top and its rest reaches the bound, so it is full and recomputed, and id 5
+    wins over id 32. Logits per id: 10 for 0-3, 5 for 4, 5 and 32, 0 elsewhere (tiles of 32)."""
+    vocab, k = 64, 6
+    logits = torch.zeros(vocab)
+    logits[:4] = 10.0
+    logits[[4, 5, 32]] = 5.0
+    weight = torch.zeros(vocab, 8)
+    weight[:, 0] = logits
+    hidden = torch.zeros(3, 8)
+    hidden[:, 0] = 1.0
+    out = triton_topk(hidden, weight, k, 1, monkeypatch)
+    assert triton_path == []
+    assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, 0) for row in range(3)]
+    assert out.ids.tolist() == [[0, 1, 2, 3, 4, 5]] * 3
+    ref = topk_reference(hidden.double(), weight.double(), k)
+    check_against_reference(out, ref, torch.float32, exact_ids=True)
 
 
 @pytest.mark.parametrize("k", [8, 40])
@@ -512,7 +535,8 @@ def test_triton_full_tile_merge_orders(by_sort, triton_path, monkeypatch):
 def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypatch):
     """The selection kernel alone, on crafted candidate rows: the top in the tie rule's order
     over signs, ±0.0 (equal), magnitudes and equal values at the k-th (by column); the full
-    tiles (rest max at or above the k-th value); the rest's ``(m, s)`` against fp64 over the
+    tiles (rest max at or above the k-th value, every candidate in the top); the rest's
+    ``(m, s)`` against fp64 over the
     unselected candidates and the other tiles' rests."""
     from mcore_ppo.kernels.topk import select_top_kernel
 
@@ -545,7 +569,11 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
         assert top_v[r].tolist() == [e[0] for e in entries[:k]]
         assert top_c[r].tolist() == [e[1] for e in entries[:k]]
         bound = entries[k - 1][0]
-        expect_full = (rest_m[r] >= bound) & (rest_m[r] > -torch.inf)
+        # Full: the rest reaches the bound and the tile's last candidate (so all) is in the top.
+        last_in_top = torch.tensor(
+            [(values[r, t, -1].item(), cols[r, t, -1].item()) in entries[:k] for t in range(num_tiles)]
+        )
+        expect_full = (rest_m[r] >= bound) & (rest_m[r] > -torch.inf) & last_in_top
         assert full[r].bool().tolist() == expect_full.tolist() and full_rows[r].item() == expect_full.sum().item()
         terms = [torch.tensor(v, dtype=torch.float64) for v, col in entries[k:] if not expect_full[col // block_n]]
         terms += [rest_m[r, t].double() + rest_s[r, t].double().log() for t in range(num_tiles) if not expect_full[t]]
