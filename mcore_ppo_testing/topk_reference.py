@@ -70,3 +70,13 @@ def integer_case(shape: tuple[int, ...], vocab: int, hidden_size: int, generator
     hidden = torch.randint(-1, 2, (*shape, hidden_size), generator=generator).double()
     weight = torch.randint(-1, 2, (vocab, hidden_size), generator=generator).double()
     return hidden, weight
+
+
+def full_pairs(full_rows: torch.Tensor, full_list: torch.Tensor) -> list[tuple[int, int]]:
+    """The (row, tile) pairs that a launch of the teacher's kernel path recomputed whole, from
+    its per-row count of full tiles and their fixed slots (``full_list [n, cap]``), by row then
+    tile; reads them back to the host (for tests and benchmarks)."""
+    counts = full_rows.tolist()
+    tiles = full_list.tolist()
+    return [(row, tiles[row][j]) for row, count in enumerate(counts) for j in range(count)]
+

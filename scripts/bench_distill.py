@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcore_ppo.backends.triton_host import fp32_gemm_path, mm_fp32
 from mcore_ppo.distill import topk as topk_module
 from mcore_ppo.distill.topk import fused_topk
+from mcore_ppo_testing.topk_reference import full_pairs
 
 GIB = 2**30
 
@@ -127,9 +128,9 @@ def candidate_stats(x, w, k, temperature) -> dict:
     seen = {"full_pairs": 0}
     original = topk_module._recompute_full_tiles
 
-    def spy(tokens, weight, pairs, *rest):
-        seen["full_pairs"] += pairs.shape[0]
-        return original(tokens, weight, pairs, *rest)
+    def spy(tokens, weight, full_rows, full_list, *rest):
+        seen["full_pairs"] += len(full_pairs(full_rows, full_list))
+        return original(tokens, weight, full_rows, full_list, *rest)
 
     topk_module._recompute_full_tiles = spy
     try:

@@ -417,7 +417,9 @@ def _shard_topk_triton(
     device = tokens.device
     tokens, weight = rowmajor(tokens), rowmajor(weight)
     cfg = _triton_config(tokens.dtype)
-    per_row = cdiv(v, cfg.block_n) * (8 * TRITON_CANDIDATES + 8)
+    # Per row: the tiles' candidates and rests, and the slots of its full tiles' recompute.
+    num_tiles = cdiv(v, cfg.block_n)
+    per_row = num_tiles * (8 * TRITON_CANDIDATES + 8) + _full_tiles_cap(num_tiles, c) * cfg.block_n * 4
     chunk = max(cfg.block_m, TRITON_SCRATCH_BYTES // per_row // cfg.block_m * cfg.block_m)
     if 0 < n <= chunk:  # one launch: its outputs are the shard's
         values, ids, rest_max, rest_sum = _triton_chunk(tokens, weight, k, temperature, cfg)
@@ -512,11 +514,13 @@ def _select_from_tiles(
     :func:`~mcore_ppo.kernels.topk.select_top_kernel` takes each row's top ``c_out`` of the
     candidates in the tie rule's order; its last value ``b`` bounds the true top ``c_out`` from
     below. A tile's unkept entries are at most its rest's max, so only *full* tiles (rest max
-    ``>= b``) can hide one: those (row, tile) pairs are recomputed whole
-    (:func:`_recompute_full_tiles`) and merged in place of the tile's candidates
+    ``>= b``, every candidate in the top) can hide one: those (row, tile) pairs are recomputed
+    whole (:func:`_recompute_full_tiles`) and merged in place of the tile's candidates
     (:func:`_merge_full_tiles`). The rest is summed from its own terms, each row in a fixed
     order: the unselected candidates and the tiles' rests outside full tiles, then the entries
-    the merge drops. One host sync: whether any tile is full.
+    the merge drops. No host sync: a row has at most ``c_out // C`` full tiles, so their pairs
+    have fixed slots (``[n, cap]``), and the recompute and the merge run whether or not any
+    tile is full (a row or work item without one returns at once).
     """
     from mcore_ppo.kernels.topk import select_top_kernel
 
@@ -528,11 +532,13 @@ def _select_from_tiles(
         cols = torch.cat([cols, cols.new_zeros(n, pad)], dim=1)
         width = c_out
     num_tiles = tiles.rest_m.shape[1]
+    cap = _full_tiles_cap(num_tiles, c_out)
     device = values.device
     top_values = torch.empty(n, c_out, dtype=torch.float32, device=device)
     top_cols = torch.empty(n, c_out, dtype=torch.int64, device=device)
     full = torch.empty(n, num_tiles, dtype=torch.int8, device=device)
     full_rows = torch.empty(n, dtype=torch.int32, device=device)
+    full_list = torch.empty(n, max(cap, 1), dtype=torch.int32, device=device)
     rest_m = torch.empty(n, dtype=torch.float32, device=device)
     rest_s = torch.empty_like(rest_m)
     block_w = _next_pow2(width)
@@ -543,21 +549,25 @@ def _select_from_tiles(
     launch(
         select_top_kernel,
         (cdiv(n, block_r),),
-        (values, cols, tiles.rest_m, tiles.rest_s, top_values, top_cols, full, full_rows, rest_m, rest_s, n, width,
-         c_out, num_tiles),
+        (values, cols, tiles.rest_m, tiles.rest_s, top_values, top_cols, full, full_rows, full_list, rest_m, rest_s,
+         n, width, c_out, num_tiles, max(cap, 1)),
         dict(
             C=TRITON_CANDIDATES, BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=_next_pow2(num_tiles),
             TOP=_next_pow2(c_out), BY_SORT=_keys_by_sort(),
             num_warps=max(1, min(4, block_w // 512)),
         ),
     )  # fmt: skip
-    if bool(full_rows.any()):  # the one host sync
+    if cap and n:
         # The rest so far holds every entry outside full tiles that ranks after the top's last;
         # the merge folds in the top's and the full tiles' entries that drop out of it.
-        pairs = full.nonzero()  # (row, tile), by row
-        recomputed = _recompute_full_tiles(tokens, weight, pairs, temperature, cfg)
-        _merge_full_tiles(top_values, top_cols, full, pairs, recomputed, rest_m, rest_s, weight.shape[0], cfg.block_n)
+        recomputed = _recompute_full_tiles(tokens, weight, full_rows, full_list, temperature, cfg)
+        _merge_full_tiles(top_values, top_cols, full, full_rows, full_list, recomputed, rest_m, rest_s, weight, cfg)
     return top_values, top_cols, rest_m, rest_s
+
+
+def _full_tiles_cap(num_tiles: int, c_out: int) -> int:
+    """The most full tiles a row can have: each holds ``C`` entries of the top ``c_out``."""
+    return min(num_tiles, c_out // TRITON_CANDIDATES)
 
 
 def _keys_by_sort() -> bool:
@@ -565,41 +575,56 @@ def _keys_by_sort() -> bool:
 
 
 def _recompute_full_tiles(
-    tokens: torch.Tensor, weight: torch.Tensor, pairs: torch.Tensor, temperature: float | torch.Tensor, cfg: GemmConfig
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    full_rows: torch.Tensor,
+    full_list: torch.Tensor,
+    temperature: float | torch.Tensor,
+    cfg: GemmConfig,
 ) -> torch.Tensor:
-    """``z [p, BLOCK_N]`` of each (row, tile) pair's whole tile (``-inf`` past the shard), as the
-    tiles kernel computes it; one launch, the pairs grouped by tile in work items of at most
-    :data:`TRITON_RECOMPUTE_ROWS` rows."""
+    """``z [n·cap, BLOCK_N]``: slot ``r·cap + j`` (``j < full_rows[r]``) holds row ``r``'s whole
+    tile ``full_list[r, j]`` (``-inf`` past the shard), as the tiles kernel computes it; other
+    slots are left unwritten. One launch, the pairs grouped by tile in work items of at most
+    :data:`TRITON_RECOMPUTE_ROWS` rows, all from device-side counts (no host sync): the grid is
+    the most work items the slots could need, and those past the last find no pairs."""
     from mcore_ppo.kernels.topk import tile_rows_kernel
 
     n, h = tokens.shape
     v = weight.shape[0]
+    cap = full_list.shape[1]
+    slots = n * cap
     device = tokens.device
     num_tiles = cdiv(v, cfg.block_n)
     block = TRITON_INTERPRETER_RECOMPUTE_ROWS if interpreting() else TRITON_RECOMPUTE_ROWS
-    rows, tile_of = pairs[:, 0], pairs[:, 1]
-    by_tile = torch.argsort(tile_of * n + rows)  # keys are distinct: no tie to order
-    counts = torch.bincount(tile_of, minlength=num_tiles)
+    slot = torch.arange(slots, device=device)
+    rows = slot // cap
+    used = (slot % cap) < full_rows.repeat_interleave(cap)
+    tile_of = torch.where(used, full_list.reshape(-1).long(), num_tiles)  # unused slots: past the last tile
+    by_tile = torch.argsort(tile_of * n + rows)  # distinct keys: no tie to order
+    counts = torch.zeros(num_tiles + 1, dtype=torch.int64, device=device)
+    counts.index_add_(0, tile_of, torch.ones_like(tile_of))
+    counts = counts[:num_tiles]
     ends = counts.cumsum(0)
     blocks = (counts + block - 1) // block
     block_ends = blocks.cumsum(0)
-    # At most this many work items (no host sync for the exact count); those past the last find
-    # an empty range of pairs.
-    num_items = cdiv(pairs.shape[0], block) + min(num_tiles, pairs.shape[0])
+    num_items = cdiv(slots, block) + min(num_tiles, slots)
     item = torch.arange(num_items, device=device)
     item_tile = torch.searchsorted(block_ends, item, right=True).clamp(max=num_tiles - 1)
     item_start = ends[item_tile] - counts[item_tile] + (item - (block_ends - blocks)[item_tile]) * block
     item_end = torch.where(item < block_ends[-1], torch.minimum(item_start + block, ends[item_tile]), item_start)
-    sorted_rows = rows[by_tile].to(torch.int32)
-    z = torch.empty(pairs.shape[0], cfg.block_n, dtype=torch.float32, device=device)
+    z = torch.empty(slots, cfg.block_n, dtype=torch.float32, device=device)
     inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, z)
-    # Computed in tile order, each pair's row written to its place in the pairs' (row) order.
-    tile_rows_kernel[(num_items,)](
-        tokens, weight, item_tile.to(torch.int32), item_start.to(torch.int32), item_end.to(torch.int32),
-        sorted_rows, by_tile.to(torch.int32), z, n, v, h, tokens.stride(0), weight.stride(0), num_items,
-        inv_temp, inv_temp_rows,
-        BLOCK_M=block, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=min(4, cfg.num_warps),
-        num_stages=cfg.num_stages, **kernel_flags(tokens, cfg), **({"ROW_TEMP": True} if row_temp else {}),
+    # Computed in tile order, each pair's row written to its slot.
+    launch(
+        tile_rows_kernel,
+        (num_items,),
+        (tokens, weight, item_tile.to(torch.int32), item_start.to(torch.int32), item_end.to(torch.int32),
+         rows[by_tile].to(torch.int32), by_tile.to(torch.int32), z, n, v, h, tokens.stride(0), weight.stride(0),
+         num_items, inv_temp, inv_temp_rows),
+        dict(
+            BLOCK_M=block, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=min(4, cfg.num_warps),
+            num_stages=cfg.num_stages, **kernel_flags(tokens, cfg), **({"ROW_TEMP": True} if row_temp else {}),
+        ),
     )  # fmt: skip
     return z
 
@@ -608,27 +633,28 @@ def _merge_full_tiles(
     top_values: torch.Tensor,
     top_cols: torch.Tensor,
     full: torch.Tensor,
-    pairs: torch.Tensor,
+    full_rows: torch.Tensor,
+    full_list: torch.Tensor,
     recomputed: torch.Tensor,
     rest_m: torch.Tensor,
     rest_s: torch.Tensor,
-    vocab: int,
-    block_n: int,
+    weight: torch.Tensor,
+    cfg: GemmConfig,
 ) -> None:
     """In place, for the rows with full tiles: the top over the entries outside full tiles and the
     recomputed tiles' (in the tie rule's order), and the entries that drop out of it folded into
-    the rest (:func:`~mcore_ppo.kernels.topk.merge_full_kernel`, one program per row)."""
+    the rest (:func:`~mcore_ppo.kernels.topk.merge_full_kernel`, one program per row; a row
+    without a full tile returns at once)."""
     from mcore_ppo.kernels.topk import merge_full_kernel
 
     n, c_out = top_values.shape
-    rows = pairs[:, 0].contiguous()
-    every_row = torch.arange(n, device=rows.device)
     top = _next_pow2(c_out)
-    merge_full_kernel[(n,)](
-        top_values, top_cols, full, torch.searchsorted(rows, every_row),
-        torch.searchsorted(rows, every_row, right=True), pairs[:, 1].contiguous(), recomputed, rest_m, rest_s,
-        n, vocab, c_out, full.shape[1],
-        BLOCK_N=block_n, TOP=top, BLOCK_U=_next_pow2(top + block_n), BY_SORT=_keys_by_sort(),
+    launch(
+        merge_full_kernel,
+        (n,),
+        (top_values, top_cols, full, full_rows, full_list, recomputed, rest_m, rest_s, n, weight.shape[0], c_out,
+         full.shape[1], full_list.shape[1]),
+        dict(BLOCK_N=cfg.block_n, TOP=top, BLOCK_U=_next_pow2(top + cfg.block_n), BY_SORT=_keys_by_sort()),
     )  # fmt: skip
 
 

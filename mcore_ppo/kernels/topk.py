@@ -188,7 +188,7 @@ def _value_of_bits(ordered):
     return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["N", "W", "K", "num_tiles"])
+@triton.jit(do_not_specialize=["N", "W", "K", "num_tiles", "CAP"])
 def select_top_kernel(
     cand_v_ptr,
     cand_c_ptr,
@@ -198,12 +198,14 @@ def select_top_kernel(
     top_c_ptr,
     full_ptr,
     full_rows_ptr,
+    full_list_ptr,
     m_out_ptr,
     s_out_ptr,
     N,
     W,
     K,
     num_tiles,
+    CAP,
     C: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -220,8 +222,9 @@ def select_top_kernel(
     is the columns' order (tiles in order, each tile's candidates by the tie rule). Writes the top in
     the tie rule's order to ``top_v`` / ``top_c`` ``[N, K]`` (int64 shard columns), the *full*
     tiles (rest max ``>=`` the top's last value and every candidate in the top: they may hide
-    more of the top; at most ``K // C`` per row) to ``full [N, num_tiles]`` (int8) and their
-    count to ``full_rows [N]``, and the ``(m, s)`` of the
+    more of the top; at most ``K // C`` per row) to ``full [N, num_tiles]`` (int8), their
+    count to ``full_rows [N]`` and their tiles, ascending, to ``full_list [N, CAP]`` (int32,
+    ``CAP >= min(num_tiles, K // C)``), and the ``(m, s)`` of the
     entries outside the top and outside full tiles (unselected candidates, then the tiles'
     rests) to ``m_out`` / ``s_out``: a fixed reduction order, the same bits on every run."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -273,6 +276,8 @@ def select_top_kernel(
     full_count = tl.sum(full.to(tl.int32), 1)
     tl.store(full_ptr + r * num_tiles + tiles, full.to(tl.int8), mask=tile_ok)
     tl.store(full_rows_ptr + rows, full_count, mask=row_ok)
+    slot = tl.cumsum(full.to(tl.int32), 1) - 1
+    tl.store(full_list_ptr + r * CAP + slot, tiles, mask=full & (slot < CAP))
 
     # The rest: unselected candidates outside full tiles, then the other tiles' rests.
     loose = present & ~chosen
@@ -335,14 +340,13 @@ def _key_col(key):
     return 2147483647 - (key & 0xFFFFFFFF)
 
 
-@triton.jit(do_not_specialize=["N", "V", "K", "num_tiles"])
+@triton.jit(do_not_specialize=["N", "V", "K", "num_tiles", "CAP"])
 def merge_full_kernel(
     top_v_ptr,
     top_c_ptr,
     full_ptr,
-    pair_start_ptr,
-    pair_end_ptr,
-    pair_tile_ptr,
+    full_rows_ptr,
+    full_list_ptr,
     z_ptr,
     rest_m_ptr,
     rest_s_ptr,
@@ -350,15 +354,17 @@ def merge_full_kernel(
     V,
     K,
     num_tiles,
+    CAP,
     BLOCK_N: tl.constexpr,
     TOP: tl.constexpr,
     BLOCK_U: tl.constexpr,
     BY_SORT: tl.constexpr = True,
 ):
     """Row ``r``'s top ``K`` (``top_v`` / ``top_c`` ``[N, K]``, in any order) merged, in place,
-    with the whole recomputed tiles of its full pairs ``[pair_start[r], pair_end[r])`` (tile
-    ``pair_tile[p]``, values ``z [p, BLOCK_N]``): its entries that lie in full tiles (``full
-    [N, num_tiles]``, int8) give way to the tiles' own. Writes the top in the tie rule's order,
+    with the whole recomputed tiles of its ``full_rows[r]`` full pairs: pair ``p`` in
+    ``[r·CAP, r·CAP + full_rows[r])`` is tile ``full_list[p]`` (``[N, CAP]`` flat), its values
+    ``z [p, BLOCK_N]``. The row's entries that lie in full tiles (``full [N, num_tiles]``, int8)
+    give way to the tiles' own. Writes the top in the tie rule's order,
     and folds every merged entry that drops out into the row's ``(rest_m, rest_s)``. A row with
     no full tile returns at once. Each step orders ``TOP`` kept keys and one tile's by one int64
     key (``BLOCK_U >= TOP + BLOCK_N``), in a fixed order: the same bits on every run; by
@@ -366,8 +372,8 @@ def merge_full_kernel(
     Invalid keys are the smallest int64, which no entry's key is (its top 32 bits would be a
     NaN's)."""
     r = tl.program_id(0)
-    start = tl.load(pair_start_ptr + r)
-    end = tl.load(pair_end_ptr + r)
+    start = r.to(tl.int64) * CAP
+    end = start + tl.load(full_rows_ptr + r)
     if end > start:
         offs = tl.arange(0, BLOCK_U)
         in_top = offs < K
@@ -382,11 +388,10 @@ def merge_full_kernel(
         j = offs - TOP
         in_tile = (j >= 0) & (j < BLOCK_N)
         for p in range(start, end):
-            tile = tl.load(pair_tile_ptr + p)
+            tile = tl.load(full_list_ptr + p)
             tile_col = tile * BLOCK_N + j
             from_tile = in_tile & (tile_col < V)
-            z_row = z_ptr + start.to(tl.int64) * BLOCK_N + (p - start) * BLOCK_N  # 64-bit base
-            z = tl.load(z_row + j, mask=from_tile, other=float("-inf"))
+            z = tl.load(z_ptr + p * BLOCK_N + j, mask=from_tile, other=float("-inf"))
             key = tl.where(from_tile, _order_key(z, tile_col), key)
             valid = valid | from_tile
             # The valid keys in descending order first: the others hold the smallest int64.

@@ -23,7 +23,7 @@ import mcore_ppo
 from mcore_ppo.distill import MAX_TOPK, fused_topk
 from mcore_ppo.distill import topk as topk_module
 from mcore_ppo_testing.seeds import generator, next_seed
-from mcore_ppo_testing.topk_reference import integer_case, log_probs_at, topk_reference
+from mcore_ppo_testing.topk_reference import full_pairs, integer_case, log_probs_at, topk_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -304,9 +304,9 @@ def triton_path(monkeypatch):
         record.torch_rows.append(tokens.shape[0])
         return shard_topk(tokens, *args, **kwargs)
 
-    def recompute_spy(tokens, weight, pairs, *args, **kwargs):
-        record.full_tiles.append(pairs.tolist())
-        return recompute(tokens, weight, pairs, *args, **kwargs)
+    def recompute_spy(tokens, weight, full_rows, full_list, *args, **kwargs):
+        record.full_tiles.append(full_pairs(full_rows, full_list))
+        return recompute(tokens, weight, full_rows, full_list, *args, **kwargs)
 
     monkeypatch.setattr(topk_module, "_shard_topk", torch_spy)
     monkeypatch.setattr(topk_module, "_recompute_full_tiles", recompute_spy)
@@ -546,6 +546,9 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
     pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 2.5, 2.5, -2.5, 7.0])
     rows, num_tiles, k, block_n = 6, 5, 7, 32
     values = pool[torch.randint(0, len(pool), (rows, num_tiles, c), generator=gen)]
+    # Row 0: tile 0's candidates all in the top (full, with its rest at 5.0), the others' last not.
+    values[0] = torch.tensor([-1.0, -1.0, 0.0, 0.0, 1.0])[:c]
+    values[0, 0] = torch.tensor([3e38, 7.0, 7.0, 2.5, 2.5])[:c]
     # Each tile's candidates as the tiles kernel writes them: the tie rule's order, distinct columns.
     values = values.sort(dim=2, descending=True, stable=True).values.contiguous()
     cols = (torch.arange(num_tiles)[:, None] * block_n + torch.arange(c)).expand(rows, -1, -1)
@@ -555,14 +558,16 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
     rest_s = torch.rand(rows, num_tiles, generator=gen) + 1.0
     rest_s[1, 2] = 0.0
     out = [torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)]
+    cap = topk_module._full_tiles_cap(num_tiles, k)
     out += [torch.empty(rows, num_tiles, dtype=torch.int8), torch.empty(rows, dtype=torch.int32)]
-    out += [torch.empty(rows), torch.empty(rows)]
+    out += [torch.full((rows, cap), -1, dtype=torch.int32), torch.empty(rows), torch.empty(rows)]
     width = num_tiles * c
     select_top_kernel[(2,)](
         values.reshape(rows, width), cols.reshape(rows, width).to(torch.int32).contiguous(), rest_m, rest_s, *out,
-        rows, width, k, num_tiles, C=c, BLOCK_R=4, BLOCK_W=32, BLOCK_T=8, TOP=8, BY_SORT=by_sort,
+        rows, width, k, num_tiles, cap, C=c, BLOCK_R=4, BLOCK_W=32, BLOCK_T=8, TOP=8, BY_SORT=by_sort,
     )  # fmt: skip
-    top_v, top_c, full, full_rows, m, s = out
+    top_v, top_c, full, full_rows, full_list, m, s = out
+    assert 0 < full_rows.sum() < rows * num_tiles  # full tiles and others
     for r in range(rows):
         pairs = zip(values[r].flatten().tolist(), cols[r].flatten().tolist(), strict=True)
         entries = sorted(pairs, key=lambda e: (-e[0], e[1]))
@@ -575,6 +580,7 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
         )
         expect_full = (rest_m[r] >= bound) & (rest_m[r] > -torch.inf) & last_in_top
         assert full[r].bool().tolist() == expect_full.tolist() and full_rows[r].item() == expect_full.sum().item()
+        assert full_list[r, : full_rows[r]].tolist() == expect_full.nonzero().flatten().tolist()
         terms = [torch.tensor(v, dtype=torch.float64) for v, col in entries[k:] if not expect_full[col // block_n]]
         terms += [rest_m[r, t].double() + rest_s[r, t].double().log() for t in range(num_tiles) if not expect_full[t]]
         expected = torch.logsumexp(torch.stack(terms), 0) if terms else torch.tensor(-torch.inf, dtype=torch.float64)
