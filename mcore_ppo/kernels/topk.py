@@ -154,25 +154,26 @@ def tile_rows_kernel(
     tile = tl.load(item_tile_ptr + item)
     start = tl.load(item_start_ptr + item)
     end = tl.load(item_end_ptr + item)
-    pairs = start + tl.arange(0, BLOCK_M)
-    pair_ok = pairs < end
-    rows = tl.load(pair_row_ptr + pairs, mask=pair_ok, other=0)
-    local = tl.arange(0, BLOCK_N)
-    n0 = tile * BLOCK_N
-    offs_n = n0 + local
-    col_ok = offs_n < V
-    acc = tile_dot(
-        x_ptr, w_ptr, x_ptr, w_ptr, rows, tl.minimum(offs_n, V - 1), 0, n0, H, stride_x, stride_w,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, False,
-    )  # fmt: skip
-    if ROW_TEMP:
-        inv_t = tl.load(inv_temp_ptr + rows)[:, None]
-    else:
-        inv_t = inv_temp
-    z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
-    dest_rows = tl.load(pair_dest_ptr + pairs, mask=pair_ok, other=0)
-    dest = dest_rows.to(tl.int64)[:, None] * BLOCK_N + local[None, :]
-    tl.store(out_ptr + dest, z, mask=pair_ok[:, None])
+    if end > start:  # the grid covers the most items the slots could need; the rest are empty
+        pairs = start + tl.arange(0, BLOCK_M)
+        pair_ok = pairs < end
+        rows = tl.load(pair_row_ptr + pairs, mask=pair_ok, other=0)
+        local = tl.arange(0, BLOCK_N)
+        n0 = tile * BLOCK_N
+        offs_n = n0 + local
+        col_ok = offs_n < V
+        acc = tile_dot(
+            x_ptr, w_ptr, x_ptr, w_ptr, rows, tl.minimum(offs_n, V - 1), 0, n0, H, stride_x, stride_w,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, False,
+        )  # fmt: skip
+        if ROW_TEMP:
+            inv_t = tl.load(inv_temp_ptr + rows)[:, None]
+        else:
+            inv_t = inv_temp
+        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
+        dest_rows = tl.load(pair_dest_ptr + pairs, mask=pair_ok, other=0)
+        dest = dest_rows.to(tl.int64)[:, None] * BLOCK_N + local[None, :]
+        tl.store(out_ptr + dest, z, mask=pair_ok[:, None])
 
 
 @triton.jit

@@ -108,9 +108,9 @@ def test_exact_ties_and_ignored_tokens(dtype, k):
     assert torch.equal(out.ids, fused_topk(x, w, k, labels=labels, impl="torch").ids)
 
 
-def test_all_equal_logits_recompute_every_tile():
-    """Every logit equal: every tile's candidates tie with the k-th value, so every tile is
-    recomputed whole; the ids are still 0..k-1 and the tail exact."""
+def test_all_equal_logits():
+    """Every logit equal: every tile's candidates tie with the k-th value, and the first
+    ``k // C`` tiles are recomputed whole; the ids are still 0..k-1 and the tail exact."""
     v, k = 5000, 64
     x = torch.zeros(300, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(v, 128, device="cuda").to(torch.bfloat16)
