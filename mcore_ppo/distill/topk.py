@@ -68,7 +68,9 @@ TRITON_MAX_REGISTERS: int | None = None
 #: Candidates each tile keeps per row (``C``, one max-reduction each). A row recomputes the
 #: tiles holding more than ``C`` of its top ``k``: on random logits about ``tiles·P(X > C)`` for
 #: ``X ~ Poisson(k / tiles)`` (TP 8 of a 152k vocab, ``k`` 128, 74 tiles of 256: 0.6 per row at
-#: ``C`` 5, 2.3 at ``C`` 4); 5 was the fastest of 3-5 on the H200 over k 8-128, TP 1 and 8.
+#: ``C`` 5, 2.3 at ``C`` 4). Each costs ~3.5 % of a GEMM; 5 was the best overall of 2-7 on
+#: the H200 over k 8-128, TP 1 and 8 (3 or fewer are faster at TP 1 only). A row has at most
+#: ``k // C`` full tiles: their recompute's slots.
 TRITON_CANDIDATES = 5
 #: Rows per work item of the full-tile recompute (one weight tile, gathered rows).
 TRITON_RECOMPUTE_ROWS = 64
