@@ -77,8 +77,9 @@ TRITON_RECOMPUTE_ROWS = 64
 TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
 #: Rows per program of the selection under the interpreter (its cost is per program and op).
 TRITON_INTERPRETER_SELECT_ROWS = 16
-#: Per-(row, tile) outputs of one launch (``8·C + 8`` bytes each): longer batches run in
-#: token chunks that fit.
+#: Scratch of one launch: the per-(row, tile) outputs (``8·C + 8`` bytes each) and each row's
+#: full-tile slots (``k // C`` recomputed tiles of fp32); longer batches run in token chunks
+#: that fit.
 TRITON_SCRATCH_BYTES = 512 * 2**20
 #: How the selection and the full tiles' merge order their keys: ``tl.sort`` (True), or by
 #: counting each key's larger ones (False); the same result. None: ``tl.sort`` but under the
