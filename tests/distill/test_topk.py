@@ -341,20 +341,28 @@ def test_triton_matches_fp64_and_torch(dtype, k, vocab, splits, triton_path, mon
 
 def test_triton_token_chunks(triton_path, monkeypatch):
     """A batch longer than one launch's scratch runs in token chunks (three here, the last
-    ragged), with per-token temperatures split along: the same as fp64 and as one launch."""
+    ragged), with per-token temperatures split along and full tiles in every chunk (vocab rows
+    40..79 boosted, k 12: two full-tile slots per row): the same as fp64 and as one launch."""
     gen = generator(next_seed())
     hidden = torch.randn(40, HIDDEN, generator=gen)
     weight = torch.randn(300, HIDDEN, generator=gen)
+    weight[40:80] *= 3.0
     temperature = torch.rand(40, generator=gen) + 0.5
-    whole = triton_topk(hidden, weight, 8, 2, monkeypatch, temperature=temperature)
+    whole = triton_topk(hidden, weight, 12, 2, monkeypatch, temperature=temperature)
     config = topk_module.TRITON_INTERPRETER_CONFIG
-    per_row = topk_module.cdiv(300, config.block_n) * (8 * topk_module.TRITON_CANDIDATES + 8)
+    tiles = topk_module.cdiv(300, config.block_n)
+    per_row = tiles * (8 * topk_module.TRITON_CANDIDATES + 8) + 2 * config.block_n * 4
+    assert topk_module._full_tiles_cap(tiles, 12) == 2
     monkeypatch.setattr(topk_module, "TRITON_SCRATCH_BYTES", per_row * config.block_m)  # one row block
-    chunked = triton_topk(hidden, weight, 8, 2, monkeypatch, temperature=temperature)
+    triton_path.full_tiles.clear()
+    chunked = triton_topk(hidden, weight, 12, 2, monkeypatch, temperature=temperature)
+    assert len(triton_path.full_tiles) == 3 and all(triton_path.full_tiles)  # three launches, each with full tiles
     assert torch.equal(chunked.ids, whole.ids)
-    torch.testing.assert_close(chunked.log_probs, whole.log_probs, rtol=0, atol=0)
-    torch.testing.assert_close(chunked.tail_log_mass, whole.tail_log_mass, rtol=0, atol=0)
-    ref = topk_reference(hidden, weight, 8, temperature)
+    # Not to the bit here: the interpreter's tl.dot is a numpy product, whose summation order
+    # follows the rows grouped with a recomputed tile's (other rows in another chunk).
+    torch.testing.assert_close(chunked.log_probs, whole.log_probs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(chunked.tail_log_mass, whole.tail_log_mass, rtol=0, atol=2e-5)
+    ref = topk_reference(hidden, weight, 12, temperature)
     check_against_reference(chunked, ref, torch.float32, exact_ids=False)
 
 
