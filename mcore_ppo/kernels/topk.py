@@ -101,7 +101,8 @@ def topk_tiles_kernel(
             # The smallest column holding the max: the tie rule within the tile.
             col = tl.min(tl.where(z == top[:, None], local[None, :], BLOCK_N), 1)
             tl.store(cand_v_ptr + out * C + j, top, mask=row_ok)
-            tl.store(cand_c_ptr + out * C + j, n0 + col, mask=row_ok)
+            # Within the shard even when no column holds the max (a NaN row): every id valid.
+            tl.store(cand_c_ptr + out * C + j, tl.minimum(n0 + col, V - 1), mask=row_ok)
             z = tl.where(local[None, :] == col[:, None], float("-inf"), z)
         m = tl.max(z, 1)
         ref = tl.where(m == float("-inf"), 0.0, m)

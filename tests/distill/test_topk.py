@@ -176,6 +176,33 @@ def test_extreme_logits(scale, monkeypatch):
     torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_nan_and_inf_inputs_poison_their_tokens_with_valid_ids(impl, monkeypatch):
+    """A NaN in a token's hidden state, an inf hidden row, a NaN or inf weight row: the tokens
+    that meet them get NaN log-probs and tails (never a plausible number), and every id stays a
+    vocab id (a consumer may index with them); the other tokens are untouched."""
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the kernel runs CPU tensors only under TRITON_INTERPRET=1")
+    gen = generator(next_seed())
+    hidden = torch.randn(6, HIDDEN, generator=gen)
+    weight = torch.randn(300, HIDDEN, generator=gen)
+    clean = fused_topk(hidden, weight, 12, impl=impl)
+    hidden[1, 3] = torch.nan
+    hidden[2] = torch.inf
+    for k in (5, 12, 40):
+        out = fused_topk(hidden, weight, k, impl=impl)
+        assert ((out.ids >= 0) & (out.ids < 300)).all()
+        assert out.log_probs[1:3].isnan().all() and out.tail_log_mass[1:3].isnan().all()
+        if k == 12:
+            others = [0, 3, 4, 5]
+            assert torch.equal(out.ids[others], clean.ids[others])
+            assert torch.equal(out.log_probs[others], clean.log_probs[others])
+    weight[37] = torch.nan
+    weight[100, 0] = torch.inf
+    out = fused_topk(hidden, weight, 12, impl=impl)
+    assert ((out.ids >= 0) & (out.ids < 300)).all() and out.log_probs.isnan().all()
+
+
 def test_ignored_tokens(monkeypatch):
     """Ignored tokens: ids = ignore_index in every slot, log_probs and tail 0; a custom ignore_index."""
     set_chunks(monkeypatch, 4, 30)
