@@ -30,13 +30,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import DEVICE, shared_seed, tp_cp_groups
-from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, TEMPERATURE, VOCAB, draw_ids
+from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, NH, TEMPERATURE, VOCAB, draw_ids
 
 from mcore_ppo import fused_log_probs_at, fused_topk
 from mcore_ppo.distill import topk as topk_module
 from mcore_ppo_testing.student_fold import record_folds, refuse_sparse_torch
 from mcore_ppo_testing.student_reference import student_reference
-from mcore_ppo_testing.topk_reference import topk_reference
+from mcore_ppo_testing.topk_reference import full_pairs, topk_reference
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
@@ -165,6 +165,57 @@ def test_tp_layouts_match_single_rank_and_fp64(tp, per_token, sp, check):
                     labels=labels.to(DEVICE),
                 )
                 compare(check, out, single, ref, lambda t: t, kind, dtype, f"{prefix}TP{tp} sp={sp}")
+    check.done()
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
+def test_triton_path_tp2_matches_single_rank_and_fp64(sp, check, monkeypatch):
+    """The fused kernels' path (``impl="triton"``: the default on GPUs; Triton's interpreter on
+    CPU) under TP 2, ``[n, h]``: each rank's presorted top merged over the ranks. Integer logits
+    (ties across the shards), random fp32 logits, and random ones with vocab rows 40..59 (across
+    the shards' boundary at 48) boosted so that tiles fill (their whole-tile recompute on both
+    ranks); k 8, 24 and 96 = V, against the single-rank torch call and fp64."""
+    pytest.importorskip("triton")
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the triton path runs CPU tensors only under TRITON_INTERPRET=1")
+    recompute = topk_module._recompute_full_tiles
+    full = []  # (row, tile) pairs each call recomputed whole
+
+    def counted(tokens, weight, full_rows, full_list, *args):
+        full.append(len(full_pairs(full_rows, full_list)))
+        return recompute(tokens, weight, full_rows, full_list, *args)
+
+    monkeypatch.setattr(topk_module, "_recompute_full_tiles", counted)
+    tp, seq = 2, LAYOUT_SHAPES[NH][0]
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    for kind, dtype in (("integer", torch.float32), ("random", torch.float32), ("boosted", torch.float32)):
+        hidden, weight = draw("random" if kind == "boosted" else kind, dtype, (seq,))
+        if kind == "boosted":
+            weight[40:60] *= 4.0
+        labels = draw_ids(seq)
+        temperature = 1.0 if kind == "integer" else TEMPERATURE
+        for k in (8, 24, VOCAB):
+            single = single_rank(hidden, weight, k, labels, temperature)
+            ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
+            if layout.tp_group is None:
+                continue
+            check.case(f"triton path tp={tp} sp={sp} {kind} k={k}")
+            full.clear()
+            out = fused_topk(
+                (hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else hidden).to(DEVICE),
+                weight.chunk(tp, dim=0)[layout.tp_rank].to(DEVICE),
+                k,
+                temperature=temperature,
+                tp_group=layout.tp_group,
+                sequence_parallel=sp,
+                labels=labels.to(DEVICE),
+                impl="triton",
+            )
+            compare(check, out, single, ref, lambda t: t, "integer" if kind == "integer" else "random", dtype,
+                    f"triton TP{tp} sp={sp}")  # fmt: skip
+            if kind == "boosted" and k == 8:
+                check.equal("whole tiles recomputed on this rank", torch.tensor(sum(full) > 0), torch.tensor(True))
     check.done()
 
 
