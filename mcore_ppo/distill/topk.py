@@ -65,13 +65,16 @@ TRITON_INTERPRETER_CONFIG = GemmConfig(
 )
 #: ptxas register cap per thread for the tiles kernel (None: ptxas decides).
 TRITON_MAX_REGISTERS: int | None = None
-#: Candidates each tile keeps per row (``C``, one max-reduction each). A row recomputes the
-#: tiles holding more than ``C`` of its top ``k``: on random logits about ``tiles·P(X > C)`` for
-#: ``X ~ Poisson(k / tiles)`` (TP 8 of a 152k vocab, ``k`` 128, 74 tiles of 256: 0.6 per row at
-#: ``C`` 5, 2.3 at ``C`` 4). Each costs ~3.5 % of a GEMM; 5 was the best overall of 2-7 on
-#: the H200 over k 8-128, TP 1 and 8 (3 or fewer are faster at TP 1 only). A row has at most
-#: ``k // C`` full tiles: their recompute's slots.
-TRITON_CANDIDATES = 5
+#: Candidates each tile keeps per row (``C``, one max-reduction each: ~3.5 % of a GEMM on the
+#: H200). A row recomputes the tiles holding more than ``C`` of its top ``k``: on random logits
+#: about ``tiles·P(X > C)`` for ``X ~ Poisson(k / tiles)``, and at most ``k // C`` (the slots of
+#: their recompute). None: by the shard (:func:`_candidates_per_tile`); an int forces it.
+TRITON_CANDIDATES: int | None = None
+#: Shards of at least this many tiles keep 3 candidates per tile, others 5. On the H200 (bf16,
+#: V 151,936, k 8-128) 3 was the fastest of 2-7 at TP 1 (594 tiles: 1.09-1.15× one GEMM against
+#: 1.16-1.24× for 5), where a token's top k spreads over many tiles; at TP 8 (75 tiles) 4-5
+#: were, since fewer leave full tiles at k 64-128.
+TRITON_FEW_CANDIDATES_TILES = 256
 #: Rows per work item of the full-tile recompute (one weight tile, gathered rows).
 TRITON_RECOMPUTE_ROWS = 64
 TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
@@ -422,7 +425,8 @@ def _shard_topk_triton(
     cfg = _triton_config(tokens.dtype)
     # Per row: the tiles' candidates and rests, and the slots of its full tiles' recompute.
     num_tiles = cdiv(v, cfg.block_n)
-    per_row = num_tiles * (8 * TRITON_CANDIDATES + 8) + _full_tiles_cap(num_tiles, c) * cfg.block_n * 4
+    candidates = num_tiles * (8 * _candidates_per_tile(num_tiles) + 8)
+    per_row = candidates + _full_tiles_cap(num_tiles, c) * cfg.block_n * 4
     chunk = max(cfg.block_m, TRITON_SCRATCH_BYTES // per_row // cfg.block_m * cfg.block_m)
     if 0 < n <= chunk:  # one launch: its outputs are the shard's
         values, ids, rest_max, rest_sum = _triton_chunk(tokens, weight, k, temperature, cfg)
@@ -476,7 +480,7 @@ def _triton_chunk(
     splits = _triton_splits(num_tiles, cfg)
     tiles_per_split = cdiv(num_tiles, splits)
     splits = cdiv(num_tiles, tiles_per_split)
-    c = TRITON_CANDIDATES
+    c = _candidates_per_tile(num_tiles)
     values = torch.empty(n, num_tiles * c, dtype=torch.float32, device=device)
     cols = torch.empty(n, num_tiles * c, dtype=torch.int32, device=device)
     rest = torch.empty(2, n, num_tiles, dtype=torch.float32, device=device)
@@ -555,7 +559,7 @@ def _select_from_tiles(
         (values, cols, tiles.rest_m, tiles.rest_s, top_values, top_cols, full, full_rows, full_list, rest_m, rest_s,
          n, width, c_out, num_tiles, max(cap, 1)),
         dict(
-            C=TRITON_CANDIDATES, BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=_next_pow2(num_tiles),
+            C=_candidates_per_tile(num_tiles), BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=_next_pow2(num_tiles),
             TOP=_next_pow2(c_out), BY_SORT=_keys_by_sort(),
             num_warps=max(1, min(4, block_w // 512)),
         ),
@@ -568,9 +572,16 @@ def _select_from_tiles(
     return top_values, top_cols, rest_m, rest_s
 
 
+def _candidates_per_tile(num_tiles: int) -> int:
+    """``C`` for a shard of ``num_tiles`` logit tiles (:data:`TRITON_CANDIDATES`)."""
+    if TRITON_CANDIDATES is not None:
+        return TRITON_CANDIDATES
+    return 3 if num_tiles >= TRITON_FEW_CANDIDATES_TILES else 5
+
+
 def _full_tiles_cap(num_tiles: int, c_out: int) -> int:
     """The most full tiles a row can have: each holds ``C`` entries of the top ``c_out``."""
-    return min(num_tiles, c_out // TRITON_CANDIDATES)
+    return min(num_tiles, c_out // _candidates_per_tile(num_tiles))
 
 
 def _keys_by_sort() -> bool:

@@ -378,7 +378,7 @@ def test_triton_token_chunks(triton_path, monkeypatch):
     whole = triton_topk(hidden, weight, 12, 2, monkeypatch, temperature=temperature)
     config = topk_module.TRITON_INTERPRETER_CONFIG
     tiles = topk_module.cdiv(300, config.block_n)
-    per_row = tiles * (8 * topk_module.TRITON_CANDIDATES + 8) + 2 * config.block_n * 4
+    per_row = tiles * (8 * topk_module._candidates_per_tile(tiles) + 8) + 2 * config.block_n * 4
     assert topk_module._full_tiles_cap(tiles, 12) == 2
     monkeypatch.setattr(topk_module, "TRITON_SCRATCH_BYTES", per_row * config.block_m)  # one row block
     triton_path.full_tiles.clear()
@@ -464,7 +464,7 @@ def test_triton_all_equal_logits_recompute_only_the_first_tiles(k, triton_path, 
     weight = torch.randn(vocab, 8, generator=generator(next_seed()))
     out = triton_topk(hidden, weight, k, 2, monkeypatch)
     assert triton_path == []
-    first = k // topk_module.TRITON_CANDIDATES
+    first = k // topk_module._candidates_per_tile(10)
     assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, tile) for row in range(5) for tile in range(first)]
     assert torch.equal(out.ids, torch.arange(k).expand(5, k))
     torch.testing.assert_close(out.log_probs.double(), torch.full((5, k), -math.log(vocab), dtype=torch.float64))
@@ -553,6 +553,35 @@ def test_triton_random_structures(case, triton_path, monkeypatch):
     check_against_reference(out, ref, torch.float32, exact_ids=structure == "integer")
 
 
+def test_candidates_per_tile_follow_the_shard(monkeypatch):
+    """3 candidates per tile on shards of at least 256 tiles (TP 1 of a 152k vocab: 594 tiles
+    of 256), 5 on smaller ones (TP 8: 75 tiles); TRITON_CANDIDATES forces a count."""
+    assert topk_module._candidates_per_tile(594) == 3 and topk_module._candidates_per_tile(256) == 3
+    assert topk_module._candidates_per_tile(75) == 5 and topk_module._candidates_per_tile(255) == 5
+    assert topk_module._full_tiles_cap(594, 128) == 42 and topk_module._full_tiles_cap(75, 128) == 25
+    monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", 4)
+    assert topk_module._candidates_per_tile(594) == 4 and topk_module._full_tiles_cap(594, 128) == 32
+
+
+@pytest.mark.parametrize("structure", ["integer", "boosted"])
+def test_triton_three_candidates_per_tile(structure, triton_path, monkeypatch):
+    """The large-shard setting (3 candidates per tile) on the interpreter's small shards: ties
+    across tiles and tiles that fill (whole-tile recompute), ids and values against fp64."""
+    monkeypatch.setattr(topk_module, "TRITON_FEW_CANDIDATES_TILES", 4)
+    assert topk_module._candidates_per_tile(10) == 3
+    gen = generator(next_seed())
+    if structure == "integer":
+        hidden, weight = (t.float() for t in integer_case((6,), 200, 6, gen))
+    else:
+        hidden = torch.randn(10, HIDDEN, generator=gen)
+        weight = torch.randn(200, HIDDEN, generator=gen)
+        weight[60:90] *= 3.0
+    out = triton_topk(hidden, weight, 12, 3, monkeypatch)
+    assert triton_path == [] and sum(len(pairs) for pairs in triton_path.full_tiles) > 0
+    ref = topk_reference(hidden.double(), weight.double(), 12)
+    check_against_reference(out, ref, torch.float32, exact_ids=structure == "integer")
+
+
 @pytest.mark.parametrize("by_sort", [True, False], ids=["tl.sort", "by-count"])
 def test_triton_full_tile_merge_orders(by_sort, triton_path, monkeypatch):
     """The full tiles' merge orders keys by ``tl.sort`` (the GPU's choice) or by counting (the
@@ -576,7 +605,7 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
     from mcore_ppo.kernels.topk import select_top_kernel
 
     monkeypatch.setattr(topk_module, "TRITON_SORT_KEYS", by_sort)
-    c = topk_module.TRITON_CANDIDATES
+    c = topk_module._candidates_per_tile(5)
     gen = generator(next_seed())
     pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 2.5, 2.5, -2.5, 7.0])
     rows, num_tiles, k, block_n = 6, 5, 7, 32
