@@ -141,14 +141,17 @@ def weight_grad_buffer(
 
     Megatron's ``main_grad`` when asked for and present. Else, for a backend that forms each row
     of ``d_W`` in one fp32-accumulated GEMM (``Backend.weight_grad_in_weight_dtype``) and here
-    forms all of them (``backend_writes_rows``), an unfilled buffer in the weight's dtype: half
-    the memory, no cast, no zero fill. Else fp32 (or wider) zeros.
+    forms all of them (``backend_writes_rows``), a buffer in the weight's dtype (half the memory,
+    no cast), left unfilled when the backend writes its rows (``Backend.writes_weight_grad``).
+    Else fp32 (or wider) zeros.
     """
     main_grad = getattr(weight, "main_grad", None) if accumulate_into_main_grad else None
     if main_grad is not None:
         return main_grad, False
     if backend_writes_rows and getattr(backend, "weight_grad_in_weight_dtype", False):
-        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device), True
+        if getattr(backend, "writes_weight_grad", False):
+            return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device), True
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device), False
     fp32_or_wider = torch.promote_types(weight.dtype, torch.float32)
     return torch.zeros(weight.shape, dtype=fp32_or_wider, device=weight.device), False
 

@@ -94,7 +94,7 @@ class GradientRequest:
     see :attr:`Backend.weight_grad_in_weight_dtype`, the weight's dtype; or Megatron's
     ``main_grad``), None when no weight gradient is wanted. ``weight_grad_unset``: the buffer
     was allocated and not zeroed (``torch.empty``): the backend writes every row of it instead of
-    adding (only for a backend with ``weight_grad_in_weight_dtype``). ``sparse``: extra one-hot terms,
+    adding (only for a backend with ``writes_weight_grad``). ``sparse``: extra one-hot terms,
     ``dz[t, ids[t, j]] += g[t, j]`` (then divided by ``T`` like the rest of ``dz``), summed into
     ``d_hidden`` and ``d_weight`` with the dense part; only for a backend whose optional
     ``folds_sparse_gradient(hidden, weight)`` returns True for these inputs (the triton one on
@@ -113,11 +113,13 @@ class Backend(Protocol):
     """Per-shard statistics and gradients of the fused head, stateless between calls."""
 
     name: str
-    # Optional (default False): True lets the Function pass an unset ``weight_grad`` in the
-    # weight's own dtype (``GradientRequest.weight_grad_unset``) when Megatron's main_grad is not
-    # used. Only for backends that form every row of d_W in a single fp32-accumulated reduction
-    # over all tokens (one rounding), so they can write each row once instead of adding to zeros.
+    # Optional (default False): True lets the Function pass a zero ``weight_grad`` in the
+    # weight's own dtype when Megatron's main_grad is not used. Only for backends that form
+    # every row of d_W in a single fp32-accumulated reduction over all tokens (one rounding).
     weight_grad_in_weight_dtype: bool
+    # Optional (default False), with the above: True lets the Function pass that buffer unset
+    # (``torch.empty``, ``GradientRequest.weight_grad_unset``): the backend writes every row.
+    writes_weight_grad: bool
 
     def shard_statistics(
         self,

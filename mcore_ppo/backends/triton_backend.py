@@ -158,13 +158,15 @@ class TritonBackend:
     """Fused Triton kernels behind the :class:`~mcore_ppo.backends.base.Backend` protocol.
 
     ``weight_grad_in_weight_dtype``: when Megatron's ``main_grad`` is not used, the Function
-    may hand this backend a zero ``d_W`` buffer in the weight's own dtype: every row of ``d_W``
+    may hand this backend a ``d_W`` buffer in the weight's own dtype: every row of ``d_W``
     comes out of one fp32-accumulated GEMM over all tokens, so rounding it once into bf16 is
     what an fp32 buffer cast at the end would give, for half the memory and no cast.
+    ``writes_weight_grad``: that buffer may come unfilled; each row is written, not added to.
     """
 
     name = "triton"
     weight_grad_in_weight_dtype = True
+    writes_weight_grad = True
 
     def __init__(
         self,

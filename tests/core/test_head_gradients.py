@@ -255,3 +255,27 @@ def test_ignored_rows_with_inf_hidden_give_finite_gradients():
     torch.testing.assert_close(ent[keep], ent_ref)
     torch.testing.assert_close(gx[keep], gx_ref)
     torch.testing.assert_close(gw, gw_ref)
+
+
+def test_backend_that_adds_into_a_weight_dtype_buffer_gets_zeros(monkeypatch):
+    """A backend written for the protocol's ``weight_grad_in_weight_dtype`` alone adds into the
+    ``d_W`` buffer it is handed: it gets zeros, not an unfilled buffer (that one is only for a
+    backend that also declares ``writes_weight_grad``). Unfilled buffers start as NaN here."""
+    from mcore_ppo.backends import TorchBackend
+    from mcore_ppo_testing.unset_buffers import nan_filled_unset_buffers
+
+    class AddsInWeightDtype(TorchBackend):
+        weight_grad_in_weight_dtype = True
+
+    made = nan_filled_unset_buffers(monkeypatch)
+    gen = generator(next_seed())
+    hidden = torch.randn(9, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(30, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 30, (9,), generator=gen)
+    w = weight.clone().requires_grad_(True)
+    log_p, ent = mcore_ppo.fused_log_probs_and_entropy(hidden, w, labels, backend=AddsInWeightDtype())
+    g, e = torch.randn(9, generator=gen), torch.randn(9, generator=gen)
+    torch.autograd.backward([log_p, ent], [g.double(), e.double()])
+    ref = reference(hidden, weight, labels, 1.0, g, e)
+    assert made == [False]
+    assert_close(w.grad, ref["d_weight"], name="d_weight", dtype=torch.float64, rtol=1e-10, terms=ref["d_weight_terms"])
