@@ -31,6 +31,7 @@ from mcore_ppo.backends.triton_host import (
     GemmConfig,
     cdiv,
     for_dtype,
+    fp32_output_gemms,
     interpreting,
     kernel_flags,
     operands_by_tma,
@@ -295,19 +296,15 @@ def _chunks(total: int, size: int):
         yield start, min(start + size, total)
 
 
-_MM_OUT_DTYPE = {"ok": True}  # torch.mm(..., out_dtype=) on this build's CUDA (probed once)
-
-
 def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """``x @ w.T / T`` in the accumulation dtype (fp32; fp64 for fp64 inputs), a fresh tensor;
     ``T`` a float or the rows' ``[c, 1]`` column."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    if x.is_cuda and x.dtype != acc and _MM_OUT_DTYPE["ok"]:
-        # One cuBLAS GEMM with 16-bit inputs and an fp32 output: no upcast copies.
-        try:
-            return torch.mm(x, w.t(), out_dtype=acc).div_(temperature)
-        except (RuntimeError, TypeError):
-            _MM_OUT_DTYPE["ok"] = False
+    # One cuBLAS GEMM with 16-bit inputs and an fp32 output where this torch has it (decided
+    # once, by capability: an error of the real product, out of memory above all, propagates);
+    # else the operands upcast first, the same fp32 products.
+    if x.is_cuda and x.dtype != acc and fp32_output_gemms(x.device.type)[0]:
+        return torch.mm(x, w.t(), out_dtype=acc).div_(temperature)
     return torch.mm(x.to(acc), w.to(acc).t()).div_(temperature)
 
 
