@@ -612,10 +612,9 @@ def _recompute_full_tiles(
     used = (slot % cap) < full_rows.repeat_interleave(cap)
     tile_of = torch.where(used, full_list.reshape(-1).long(), num_tiles)  # unused slots: past the last tile
     by_tile = torch.argsort(tile_of * n + rows)  # distinct keys: no tie to order
-    counts = torch.zeros(num_tiles + 1, dtype=torch.int64, device=device)
-    counts.index_add_(0, tile_of, torch.ones_like(tile_of))
-    counts = counts[:num_tiles]
-    ends = counts.cumsum(0)
+    # Each tile's pairs end where the sorted tiles pass it (no atomics: deterministic mode holds).
+    ends = torch.searchsorted(tile_of[by_tile], torch.arange(num_tiles, device=device), right=True)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
     blocks = (counts + block - 1) // block
     block_ends = blocks.cumsum(0)
     num_items = cdiv(slots, block) + min(num_tiles, slots)
