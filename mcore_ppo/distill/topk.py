@@ -502,7 +502,8 @@ def _triton_chunk(
         ),
     )  # fmt: skip
     tiles = _Tiles(values, cols, rest[0], rest[1])
-    return _select_from_tiles(tokens, weight, tiles, min(k, v), temperature, cfg)
+    inverse = (inv_temp, inv_temp_rows, row_temp)  # the recompute takes the same roundings
+    return _select_from_tiles(tokens, weight, tiles, min(k, v), inverse, cfg)
 
 
 def _select_from_tiles(
@@ -510,10 +511,11 @@ def _select_from_tiles(
     weight: torch.Tensor,
     tiles: _Tiles,
     c_out: int,
-    temperature: float | torch.Tensor,
+    inverse: tuple[float, torch.Tensor, bool],
     cfg: GemmConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The exact top ``c_out`` of a shard from its tiles' candidates, and the rest's ``(m, s)``.
+    """The exact top ``c_out`` of a shard from its tiles' candidates, and the rest's ``(m, s)``;
+    ``inverse``: the tiles kernel's :func:`_inverse_temperature`, for the recompute.
 
     :func:`~mcore_ppo.kernels.topk.select_top_kernel` takes each row's top ``c_out`` of the
     candidates in the tie rule's order; its last value ``b`` bounds the true top ``c_out`` from
@@ -564,7 +566,7 @@ def _select_from_tiles(
     if cap and n:
         # The rest so far holds every entry outside full tiles that ranks after the top's last;
         # the merge folds in the top's and the full tiles' entries that drop out of it.
-        recomputed = _recompute_full_tiles(tokens, weight, full_rows, full_list, temperature, cfg)
+        recomputed = _recompute_full_tiles(tokens, weight, full_rows, full_list, inverse, cfg)
         _merge_full_tiles(top_values, top_cols, full, full_rows, full_list, recomputed, rest_m, rest_s, weight, cfg)
     return top_values, top_cols, rest_m, rest_s
 
@@ -590,14 +592,15 @@ def _recompute_full_tiles(
     weight: torch.Tensor,
     full_rows: torch.Tensor,
     full_list: torch.Tensor,
-    temperature: float | torch.Tensor,
+    inverse: tuple[float, torch.Tensor, bool],
     cfg: GemmConfig,
 ) -> torch.Tensor:
     """``z [n·cap, BLOCK_N]``: slot ``r·cap + j`` (``j < full_rows[r]``) holds row ``r``'s whole
-    tile ``full_list[r, j]`` (``-inf`` past the shard), as the tiles kernel computes it; other
-    slots are left unwritten. One launch, the pairs grouped by tile in work items of at most
-    :data:`TRITON_RECOMPUTE_ROWS` rows, all from device-side counts (no host sync): the grid is
-    the most work items the slots could need, and those past the last find no pairs."""
+    tile ``full_list[r, j]`` (``-inf`` past the shard), as the tiles kernel computes it (with its
+    ``inverse`` temperature); other slots are left unwritten. One launch, the pairs grouped by
+    tile in work items of at most :data:`TRITON_RECOMPUTE_ROWS` rows, all from device-side
+    counts (no host sync): the grid is the most work items the slots could need, and those past
+    the last find no pairs."""
     from mcore_ppo.kernels.topk import tile_rows_kernel
 
     n, h = tokens.shape
@@ -623,7 +626,7 @@ def _recompute_full_tiles(
     item_start = ends[item_tile] - counts[item_tile] + (item - (block_ends - blocks)[item_tile]) * block
     item_end = torch.where(item < block_ends[-1], torch.minimum(item_start + block, ends[item_tile]), item_start)
     z = torch.empty(slots, cfg.block_n, dtype=torch.float32, device=device)
-    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, z)
+    inv_temp, inv_temp_rows, row_temp = inverse
     # Computed in tile order, each pair's row written to its slot.
     launch(
         tile_rows_kernel,
