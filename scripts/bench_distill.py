@@ -19,9 +19,9 @@ full tiles (the (row, tile) pairs recomputed whole) and a profile of one call ar
 
 Usage (GPU): ``python scripts/bench_distill.py --out DIR [--vocab 151936,262144] [--tp 1,8]
 [--k 8,64,128] [--reps 5]``. Writes ``DIR/bench_distill.json`` (after every configuration) and
-``DIR/bench_distill.md``. ``--triton-variants candidates=3,block_n=256;candidates=4`` also times
-the kernel with other settings (a ``TRITON_CONFIG`` field, or ``TRITON_<NAME>`` of
-:mod:`mcore_ppo.distill.topk`).
+``DIR/bench_distill.md``. ``--triton-variants 'candidates=3;block_n=256,candidates=4'`` also times
+the kernel with other settings, one variant per comma, its settings joined by ``;`` (a
+``TRITON_CONFIG`` field, or ``TRITON_<NAME>`` of :mod:`mcore_ppo.distill.topk`).
 
 One call on the lent H200 (device tool, ``carry=[".whl", ".carry"]``), the GPU test and then
 the benchmark, logs under ``$OUT`` (about 5 minutes)::
@@ -31,7 +31,7 @@ the benchmark, logs under ``$OUT`` (about 5 minutes)::
     timeout 170 python3 -m pytest tests/gpu/test_gpu_topk.py -q -p no:cacheprovider -rA 2>&1 \
       | tee $OUT/topk_gpu_test.log;
     timeout 300 python3 scripts/bench_distill.py --out $OUT --profile \
-      --triton-variants 'candidates=3,max_registers=128' 2>&1 | tee $OUT/bench_distill.log
+      --triton-variants 'candidates=3,candidates=4' 2>&1 | tee $OUT/bench_distill.log
 """
 
 from __future__ import annotations
@@ -277,7 +277,8 @@ def main() -> int:
     parser.add_argument(
         "--triton-variants",
         default="",
-        help="extra teacher-kernel configurations to time, e.g. candidates=3,block_n=256;candidates=4",
+        help="extra teacher-kernel configurations to time: one variant per comma, its settings joined by ';', "
+        "e.g. 'candidates=3;block_n=256,candidates=4'",
     )
     parser.add_argument("--profile", action="store_true", help="profile one fused call at the largest k")
     parser.add_argument(
