@@ -11,7 +11,9 @@ A B C D D C B A (medians of ``--reps`` calls per visit, both visits pooled):
 - ``naive``: full fp32 logits per token chunk of ``--naive-chunk`` tokens, ``log_softmax``,
   ``torch.topk``, tail ``log(1 - Σ p_topk)`` (what a plain PyTorch teacher does).
 
-Reported: median ms, ratio to ``gemm``, peak memory above the inputs (the outputs included), and
+Reported: median ms and the ratio to ``gemm`` twice, each call from an idle GPU (the host's work
+before the first kernel counted) and queued behind a GPU spin (the GPU's time, as inside a model
+step: the difference is host work); peak memory above the inputs (the outputs included), and
 against float64 on ``--check-rows`` random tokens: the fraction of tokens whose ``k`` ids equal
 the fp64 top-k's (a near-tie within fp32 rounding may legitimately differ), the largest
 ``|Δ log p|`` and the largest relative error of the tail mass ``Σ_{j∉S} p_j``. The fused kernel's
@@ -57,6 +59,7 @@ from mcore_ppo.distill.topk import fused_topk
 from mcore_ppo_testing.topk_reference import full_pairs
 
 GIB = 2**30
+SPIN_CYCLES = 40_000_000  # ~20 ms of GPU spin: longer than any call's host work here
 
 
 def gemm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -81,10 +84,15 @@ def naive_topk(x: torch.Tensor, w: torch.Tensor, k: int, temperature: float, chu
     return ids, logp, tail
 
 
-def time_visit(fn, reps: int) -> list[float]:
+def time_visit(fn, reps: int, *, behind_spin: bool) -> list[float]:
+    """CUDA-event times of ``reps`` calls, each alone: from an idle GPU (the host's work before
+    the first kernel counted), or ``behind_spin`` queued behind a GPU spin (the GPU's time, as
+    when the call is issued while the model's earlier layers still run)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if behind_spin:
+            torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         fn()
         end.record()
@@ -206,18 +214,29 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
             del impls[name]
     names = list(impls)
     times = {name: [] for name in names}
+    gpu_times = {name: [] for name in names}
     for name in names + names[::-1]:
-        times[name] += time_visit(impls[name], args.reps)
+        times[name] += time_visit(impls[name], args.reps, behind_spin=False)
+        gpu_times[name] += time_visit(impls[name], args.reps, behind_spin=True)
     result = {"vocab": vocab, "tp": tp, "v_shard": v, "k": k, "n": x.shape[0], "h": x.shape[1], "impls": {}}
     if failed:
         result["failed"] = failed
     gemm_ms = statistics.median(times["gemm"])
+    gemm_gpu_ms = statistics.median(gpu_times["gemm"])
     g = torch.Generator(device="cpu").manual_seed(1234)
     rows = torch.randperm(x.shape[0], generator=g)[: args.check_rows].to(x.device)
     ref = fp64_reference(x, shard, k, temperature, rows)
     for name in names:
         ms = statistics.median(times[name])
-        entry = {"median_ms": ms, "ratio_to_gemm": ms / gemm_ms, "times_ms": times[name]}
+        gpu_ms = statistics.median(gpu_times[name])
+        entry = {
+            "median_ms": ms,
+            "ratio_to_gemm": ms / gemm_ms,
+            "times_ms": times[name],
+            "gpu_median_ms": gpu_ms,
+            "gpu_ratio_to_gemm": gpu_ms / gemm_gpu_ms,
+            "gpu_times_ms": gpu_times[name],
+        }
         if name in settings:
             # Config overrides as their fields: the JSON holds plain values.
             entry["settings"] = {
@@ -241,9 +260,9 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = [
-        "| V | tp | V/tp | k | impl | median ms | × GEMM | peak extra GiB | ids = fp64 | max abs Δlog p "
-        "| max rel Δtail |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| V | tp | V/tp | k | impl | idle ms | × GEMM | GPU ms | × GEMM | peak extra GiB | ids = fp64 "
+        "| max abs Δlog p | max rel Δtail |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for name, e in r["impls"].items():
@@ -254,7 +273,8 @@ def markdown(results: list[dict]) -> str:
             )
             lines.append(
                 f"| {r['vocab']} | {r['tp']} | {r['v_shard']} | {r['k']} | {name} | {e['median_ms']:.3f} | "
-                f"{e['ratio_to_gemm']:.3f} | {e['peak_extra_gib']:.3f} | {err} |"
+                f"{e['ratio_to_gemm']:.3f} | {e['gpu_median_ms']:.3f} | {e['gpu_ratio_to_gemm']:.3f} | "
+                f"{e['peak_extra_gib']:.3f} | {err} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -326,7 +346,8 @@ def main() -> int:
                     print(result["error"], file=sys.stderr)
                 report["results"].append(result)
                 summary = ", ".join(
-                    f"{name} {e['median_ms']:.2f} ms ({e['ratio_to_gemm']:.2f}x)" for name, e in result["impls"].items()
+                    f"{name} {e['median_ms']:.2f} ms ({e['ratio_to_gemm']:.2f}x; GPU {e['gpu_ratio_to_gemm']:.2f}x)"
+                    for name, e in result["impls"].items()
                 )
                 print(f"[{time.time() - started:6.1f}s] V {vocab} tp {tp} k {k}: {summary}", flush=True)
                 if "triton_candidates" in result:
