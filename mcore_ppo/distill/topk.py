@@ -21,6 +21,7 @@ outputs never require grad, whatever ``hidden`` and ``weight`` do.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -66,16 +67,19 @@ TRITON_INTERPRETER_CONFIG = GemmConfig(
 )
 #: ptxas register cap per thread for the tiles kernel (None: ptxas decides).
 TRITON_MAX_REGISTERS: int | None = None
-#: Candidates each tile keeps per row (``C``, one max-reduction each: ~3.5 % of a GEMM on the
-#: H200). A row recomputes the tiles holding more than ``C`` of its top ``k``: on random logits
-#: about ``tiles·P(X > C)`` for ``X ~ Poisson(k / tiles)``, and at most ``k // C`` (the slots of
-#: their recompute). None: by the shard (:func:`_candidates_per_tile`); an int forces it.
+#: Candidates each tile keeps per row (``C``). Each costs one more max-reduction per tile (~4 %
+#: of a GEMM on the H200); a row recomputes the tiles holding more than ``C`` of its top ``k``
+#: (each such *full* tile per row ~8-19 % of a GEMM at TP 8: its recompute and merge), at most
+#: ``k // C`` of them (the slots of their recompute). None: chosen per call by
+#: :func:`_candidates_per_tile`; an int forces it.
 TRITON_CANDIDATES: int | None = None
-#: Shards of at least this many tiles keep 3 candidates per tile, others 5. On the H200 (bf16,
-#: V 151,936, k 8-128) 3 was the fastest of 2-7 at TP 1 (594 tiles: 1.09-1.15× one GEMM against
-#: 1.16-1.24× for 5), where a token's top k spreads over many tiles; at TP 8 (75 tiles) 4-5
-#: were, since fewer leave full tiles at k 64-128.
-TRITON_FEW_CANDIDATES_TILES = 256
+#: The range ``C`` is chosen in, and the expected full tiles per row one more candidate must
+#: save to be taken (the cost ratio above: 0.04 / 0.15). On the H200 (bf16, V 151,936, n 16,384,
+#: GPU time) this picks what timing picked: 3 at TP 1 (594 tiles) for every k, and at TP 8 (75
+#: tiles) 3 / 4 / 5 for k 8 / 64 / 128 (1.22 / 1.32 / 1.43× one GEMM, against 1.31 / 1.36 /
+#: 1.43× for 5 everywhere and 1.22 / 1.34 / 2.34× for 3).
+TRITON_CANDIDATE_RANGE = (3, 5)
+TRITON_FULL_TILES_PER_CANDIDATE = 0.25
 #: Rows per work item of the full-tile recompute (one weight tile, gathered rows).
 TRITON_RECOMPUTE_ROWS = 64
 TRITON_INTERPRETER_RECOMPUTE_ROWS = 16
@@ -422,7 +426,7 @@ def _shard_topk_triton(
     cfg = _triton_config(tokens.dtype)
     # Per row: the tiles' candidates and rests, and the slots of its full tiles' recompute.
     num_tiles = cdiv(v, cfg.block_n)
-    candidates = num_tiles * (8 * _candidates_per_tile(num_tiles) + 8)
+    candidates = num_tiles * (8 * _candidates_per_tile(num_tiles, c) + 8)
     per_row = candidates + _full_tiles_cap(num_tiles, c) * cfg.block_n * 4
     chunk = max(cfg.block_m, TRITON_SCRATCH_BYTES // per_row // cfg.block_m * cfg.block_m)
     if 0 < n <= chunk:  # one launch: its outputs are the shard's
@@ -477,7 +481,7 @@ def _triton_chunk(
     splits = _triton_splits(num_tiles, cfg)
     tiles_per_split = cdiv(num_tiles, splits)
     splits = cdiv(num_tiles, tiles_per_split)
-    c = _candidates_per_tile(num_tiles)
+    c = _candidates_per_tile(num_tiles, min(k, v))
     values = torch.empty(n, num_tiles * c, dtype=torch.float32, device=device)
     cols = torch.empty(n, num_tiles * c, dtype=torch.int32, device=device)
     rest = torch.empty(2, n, num_tiles, dtype=torch.float32, device=device)
@@ -558,7 +562,7 @@ def _select_from_tiles(
         (values, cols, tiles.rest_m, tiles.rest_s, top_values, top_cols, full, full_rows, full_list, rest_m, rest_s,
          n, width, c_out, num_tiles, max(cap, 1)),
         dict(
-            C=_candidates_per_tile(num_tiles), BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=_next_pow2(num_tiles),
+            C=_candidates_per_tile(num_tiles, c_out), BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=_next_pow2(num_tiles),
             TOP=_next_pow2(c_out), BY_SORT=_keys_by_sort(),
             num_warps=max(1, min(4, block_w // 512)),
         ),
@@ -571,16 +575,39 @@ def _select_from_tiles(
     return top_values, top_cols, rest_m, rest_s
 
 
-def _candidates_per_tile(num_tiles: int) -> int:
-    """``C`` for a shard of ``num_tiles`` logit tiles (:data:`TRITON_CANDIDATES`)."""
+def _candidates_per_tile(num_tiles: int, c_out: int) -> int:
+    """``C`` for a shard of ``num_tiles`` logit tiles and a top ``c_out``: from the low end of
+    :data:`TRITON_CANDIDATE_RANGE` (or ``c_out + 1`` below it: then no tile fills), one more while it saves more than
+    :data:`TRITON_FULL_TILES_PER_CANDIDATE` expected full tiles per row (random logits: the top
+    spread over the tiles as ``Poisson(c_out / num_tiles)``). :data:`TRITON_CANDIDATES` forces it."""
     if TRITON_CANDIDATES is not None:
         return TRITON_CANDIDATES
-    return 3 if num_tiles >= TRITON_FEW_CANDIDATES_TILES else 5
+    return _chosen_candidates(num_tiles, c_out, TRITON_CANDIDATE_RANGE, TRITON_FULL_TILES_PER_CANDIDATE)
+
+
+@functools.lru_cache(maxsize=256)
+def _chosen_candidates(num_tiles: int, c_out: int, bounds: tuple[int, int], saving: float) -> int:
+    low, high = bounds
+    c = min(low, c_out + 1)  # more than c_out: no tile can fill, nothing to recompute
+    while c < high and expected_full_tiles(num_tiles, c_out, c) - expected_full_tiles(num_tiles, c_out, c + 1) > saving:
+        c += 1
+    return c
+
+
+def expected_full_tiles(num_tiles: int, c_out: int, candidates: int) -> float:
+    """Expected full tiles per row on random logits, ``tiles · P(X > C)`` for
+    ``X ~ Poisson(c_out / tiles)``: the tiles holding more of the row's top than they keep."""
+    lam = c_out / num_tiles
+    term = cdf = math.exp(-lam)
+    for i in range(1, candidates + 1):
+        term *= lam / i
+        cdf += term
+    return num_tiles * max(0.0, 1.0 - cdf)
 
 
 def _full_tiles_cap(num_tiles: int, c_out: int) -> int:
     """The most full tiles a row can have: each holds ``C`` entries of the top ``c_out``."""
-    return min(num_tiles, c_out // _candidates_per_tile(num_tiles))
+    return min(num_tiles, c_out // _candidates_per_tile(num_tiles, c_out))
 
 
 def _keys_by_sort() -> bool:

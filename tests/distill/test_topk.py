@@ -369,7 +369,9 @@ def test_triton_matches_fp64_and_torch(dtype, k, vocab, splits, triton_path, mon
 def test_triton_token_chunks(triton_path, monkeypatch):
     """A batch longer than one launch's scratch runs in token chunks (three here, the last
     ragged), with per-token temperatures split along and full tiles in every chunk (vocab rows
-    40..79 boosted, k 12: two full-tile slots per row): the same as fp64 and as one launch."""
+    40..79 boosted, k 12, 5 candidates per tile: two full-tile slots per row): the same as fp64
+    and as one launch."""
+    monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", 5)
     gen = generator(next_seed())
     hidden = torch.randn(40, HIDDEN, generator=gen)
     weight = torch.randn(300, HIDDEN, generator=gen)
@@ -378,7 +380,7 @@ def test_triton_token_chunks(triton_path, monkeypatch):
     whole = triton_topk(hidden, weight, 12, 2, monkeypatch, temperature=temperature)
     config = topk_module.TRITON_INTERPRETER_CONFIG
     tiles = topk_module.cdiv(300, config.block_n)
-    per_row = tiles * (8 * topk_module._candidates_per_tile(tiles) + 8) + 2 * config.block_n * 4
+    per_row = tiles * (8 * topk_module._candidates_per_tile(tiles, 12) + 8) + 2 * config.block_n * 4
     assert topk_module._full_tiles_cap(tiles, 12) == 2
     monkeypatch.setattr(topk_module, "TRITON_SCRATCH_BYTES", per_row * config.block_m)  # one row block
     triton_path.full_tiles.clear()
@@ -464,7 +466,7 @@ def test_triton_all_equal_logits_recompute_only_the_first_tiles(k, triton_path, 
     weight = torch.randn(vocab, 8, generator=generator(next_seed()))
     out = triton_topk(hidden, weight, k, 2, monkeypatch)
     assert triton_path == []
-    first = k // topk_module._candidates_per_tile(10)
+    first = k // topk_module._candidates_per_tile(10, k)
     assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, tile) for row in range(5) for tile in range(first)]
     assert torch.equal(out.ids, torch.arange(k).expand(5, k))
     torch.testing.assert_close(out.log_probs.double(), torch.full((5, k), -math.log(vocab), dtype=torch.float64))
@@ -553,22 +555,32 @@ def test_triton_random_structures(case, triton_path, monkeypatch):
     check_against_reference(out, ref, torch.float32, exact_ids=structure == "integer")
 
 
-def test_candidates_per_tile_follow_the_shard(monkeypatch):
-    """3 candidates per tile on shards of at least 256 tiles (TP 1 of a 152k vocab: 594 tiles
-    of 256), 5 on smaller ones (TP 8: 75 tiles); TRITON_CANDIDATES forces a count."""
-    assert topk_module._candidates_per_tile(594) == 3 and topk_module._candidates_per_tile(256) == 3
-    assert topk_module._candidates_per_tile(75) == 5 and topk_module._candidates_per_tile(255) == 5
+def test_candidates_per_tile_follow_the_expected_full_tiles(monkeypatch):
+    """``C`` grows from 3 while one more candidate saves over 0.25 expected full tiles per row:
+    3 at TP 1 of a 152k vocab (594 tiles of 256) for every k, 3 / 4 / 5 at TP 8 (75 tiles) for
+    k 8 / 64 / 128, never above 5; ``k + 1`` below 3 (no tile can fill). The expectation is
+    Poisson's tail, checked against a direct sum; TRITON_CANDIDATES forces a count."""
+    choose = topk_module._candidates_per_tile
+    assert [choose(594, k) for k in (8, 64, 128)] == [3, 3, 3]
+    assert [choose(75, k) for k in (8, 64, 128)] == [3, 4, 5]
+    assert choose(1, 128) == 3 and choose(2, 128) == 3  # every tile fills whatever C: the cheapest
+    assert choose(594, 1) == 2 and choose(594, 2) == 3
     assert topk_module._full_tiles_cap(594, 128) == 42 and topk_module._full_tiles_cap(75, 128) == 25
+    assert topk_module._full_tiles_cap(594, 1) == 0
+    lam = 128 / 75
+    tail = 1 - sum(math.exp(-lam) * lam**i / math.factorial(i) for i in range(6))
+    assert topk_module.expected_full_tiles(75, 128, 5) == pytest.approx(75 * tail, rel=1e-12)
+    assert topk_module.expected_full_tiles(594, 128, 3) == pytest.approx(0.045, abs=5e-4)  # 0.042 measured
     monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", 4)
-    assert topk_module._candidates_per_tile(594) == 4 and topk_module._full_tiles_cap(594, 128) == 32
+    assert choose(594, 128) == 4 and topk_module._full_tiles_cap(594, 128) == 32
 
 
+@pytest.mark.parametrize("candidates", [2, 3, 4, 5])
 @pytest.mark.parametrize("structure", ["integer", "boosted"])
-def test_triton_three_candidates_per_tile(structure, triton_path, monkeypatch):
-    """The large-shard setting (3 candidates per tile) on the interpreter's small shards: ties
-    across tiles and tiles that fill (whole-tile recompute), ids and values against fp64."""
-    monkeypatch.setattr(topk_module, "TRITON_FEW_CANDIDATES_TILES", 4)
-    assert topk_module._candidates_per_tile(10) == 3
+def test_triton_candidates_per_tile(structure, candidates, triton_path, monkeypatch):
+    """Every candidate count the choice can make (and 2), on the interpreter's small shards:
+    ties across tiles and tiles that fill (whole-tile recompute), ids and values against fp64."""
+    monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", candidates)
     gen = generator(next_seed())
     if structure == "integer":
         hidden, weight = (t.float() for t in integer_case((6,), 200, 6, gen))
@@ -605,7 +617,8 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
     from mcore_ppo.kernels.topk import select_top_kernel
 
     monkeypatch.setattr(topk_module, "TRITON_SORT_KEYS", by_sort)
-    c = topk_module._candidates_per_tile(5)
+    monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", 5)
+    c = topk_module._candidates_per_tile(5, 7)
     gen = generator(next_seed())
     pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 2.5, 2.5, -2.5, 7.0])
     rows, num_tiles, k, block_n = 6, 5, 7, 32
