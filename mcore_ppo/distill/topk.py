@@ -424,10 +424,11 @@ def _shard_topk_triton(
     device = tokens.device
     tokens, weight = rowmajor(tokens), rowmajor(weight)
     cfg = _triton_config(tokens.dtype)
-    # Per row: the tiles' candidates and rests, and the slots of its full tiles' recompute.
+    # Per row: the tiles' candidates and rests, the slots of its full tiles' recompute, and its
+    # place in the full pairs' lists by tile (one int32 per tile).
     num_tiles = cdiv(v, cfg.block_n)
     candidates = num_tiles * (8 * _candidates_per_tile(num_tiles, c) + 8)
-    per_row = candidates + _full_tiles_cap(num_tiles, c) * cfg.block_n * 4
+    per_row = candidates + _full_tiles_cap(num_tiles, c) * cfg.block_n * 4 + num_tiles * 4
     chunk = max(cfg.block_m, TRITON_SCRATCH_BYTES // per_row // cfg.block_m * cfg.block_m)
     if 0 < n <= chunk:  # one launch: its outputs are the shard's
         values, ids, rest_max, rest_sum = _triton_chunk(tokens, weight, k, temperature, cfg)
@@ -570,7 +571,7 @@ def _select_from_tiles(
     if cap and n:
         # The rest so far holds every entry outside full tiles that ranks after the top's last;
         # the merge folds in the top's and the full tiles' entries that drop out of it.
-        recomputed = _recompute_full_tiles(tokens, weight, full_rows, full_list, inverse, cfg)
+        recomputed = _recompute_full_tiles(tokens, weight, full_rows, full_list, full, inverse, cfg)
         _merge_full_tiles(top_values, top_cols, full, full_rows, full_list, recomputed, rest_m, rest_s, weight, cfg)
     return top_values, top_cols, rest_m, rest_s
 
@@ -619,51 +620,45 @@ def _recompute_full_tiles(
     weight: torch.Tensor,
     full_rows: torch.Tensor,
     full_list: torch.Tensor,
+    full: torch.Tensor,
     inverse: tuple[float, torch.Tensor, bool],
     cfg: GemmConfig,
 ) -> torch.Tensor:
     """``z [n·cap, BLOCK_N]``: slot ``r·cap + j`` (``j < full_rows[r]``) holds row ``r``'s whole
     tile ``full_list[r, j]`` (``-inf`` past the shard), as the tiles kernel computes it (with its
-    ``inverse`` temperature); other slots are left unwritten. One launch, the pairs grouped by
-    tile in work items of at most :data:`TRITON_RECOMPUTE_ROWS` rows, all from device-side
-    counts (no host sync): the grid is the most work items the slots could need, and those past
-    the last find no pairs."""
-    from mcore_ppo.kernels.topk import tile_rows_kernel
+    ``inverse`` temperature); other slots are left unwritten. Two launches and no host sync: the
+    pairs listed by tile (``full`` the rows' flags), then the tiles recomputed, each in work items
+    of at most :data:`TRITON_RECOMPUTE_ROWS` rows, on a grid of the most items the slots could
+    need (those past the last find no pairs)."""
+    from mcore_ppo.kernels.topk import full_pairs_kernel, tile_rows_kernel
 
     n, h = tokens.shape
     v = weight.shape[0]
     cap = full_list.shape[1]
     slots = n * cap
     device = tokens.device
-    num_tiles = cdiv(v, cfg.block_n)
-    block = TRITON_INTERPRETER_RECOMPUTE_ROWS if interpreting() else TRITON_RECOMPUTE_ROWS
-    slot = torch.arange(slots, device=device)
-    rows = slot // cap
-    used = (slot % cap) < full_rows.repeat_interleave(cap)
-    tile_of = torch.where(used, full_list.reshape(-1).long(), num_tiles)  # unused slots: past the last tile
-    by_tile = torch.argsort(tile_of * n + rows)  # distinct keys: no tie to order
-    # Each tile's pairs end where the sorted tiles pass it (no atomics: deterministic mode holds).
-    ends = torch.searchsorted(tile_of[by_tile], torch.arange(num_tiles, device=device), right=True)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    blocks = (counts + block - 1) // block
-    block_ends = blocks.cumsum(0)
-    num_items = cdiv(slots, block) + min(num_tiles, slots)
-    item = torch.arange(num_items, device=device)
-    item_tile = torch.searchsorted(block_ends, item, right=True).clamp(max=num_tiles - 1)
-    item_start = ends[item_tile] - counts[item_tile] + (item - (block_ends - blocks)[item_tile]) * block
-    item_end = torch.where(item < block_ends[-1], torch.minimum(item_start + block, ends[item_tile]), item_start)
+    num_tiles = full.shape[1]
+    counts = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    pair_slot = torch.empty(num_tiles, n, dtype=torch.int32, device=device)
+    interpreted = interpreting()
+    launch(
+        full_pairs_kernel,
+        (num_tiles,),
+        (full, full_rows, full_list, counts, pair_slot, n, num_tiles, cap),
+        dict(BLOCK_R=16 if interpreted else 1024, BLOCK_CAP=_next_pow2(cap), num_warps=4),
+    )
+    block = TRITON_INTERPRETER_RECOMPUTE_ROWS if interpreted else TRITON_RECOMPUTE_ROWS
     z = torch.empty(slots, cfg.block_n, dtype=torch.float32, device=device)
     inv_temp, inv_temp_rows, row_temp = inverse
-    # Computed in tile order, each pair's row written to its slot.
     launch(
         tile_rows_kernel,
-        (num_items,),
-        (tokens, weight, item_tile.to(torch.int32), item_start.to(torch.int32), item_end.to(torch.int32),
-         rows[by_tile].to(torch.int32), by_tile.to(torch.int32), z, n, v, h, tokens.stride(0), weight.stride(0),
-         num_items, inv_temp, inv_temp_rows),
+        (cdiv(slots, block) + min(num_tiles, slots),),
+        (tokens, weight, counts, pair_slot, z, n, v, h, tokens.stride(0), weight.stride(0), num_tiles, cap,
+         inv_temp, inv_temp_rows),
         dict(
-            BLOCK_M=block, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=min(4, cfg.num_warps),
-            num_stages=cfg.num_stages, **kernel_flags(tokens, cfg), **({"ROW_TEMP": True} if row_temp else {}),
+            BLOCK_M=block, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_T=_next_pow2(num_tiles),
+            num_warps=min(4, cfg.num_warps), num_stages=cfg.num_stages, **kernel_flags(tokens, cfg),
+            **({"ROW_TEMP": True} if row_temp else {}),
         ),
     )  # fmt: skip
     return z

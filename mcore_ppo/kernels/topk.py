@@ -17,8 +17,8 @@ on every run.
 row, a bisection over the values' bits, no sort of the candidates) and sums the row's rest from
 its own terms. Any entry of the top ``K`` that a tile did not keep lies in a tile whose rest's
 max reaches the candidates' ``K``-th and whose candidates all made the top (a *full* tile: at
-most ``K // C`` per row). Those few (row, tile) pairs are
-recomputed whole by ``tile_rows_kernel`` (grouped by tile: one weight tile serves up to
+most ``K // C`` per row). Those few (row, tile) pairs are listed by tile
+(``full_pairs_kernel``), recomputed whole by ``tile_rows_kernel`` (one weight tile serves up to
 ``BLOCK_M`` gathered rows) and merged into the row's top by ``merge_full_kernel`` (one sort by a
 packed int64 key per tile).
 
@@ -111,54 +111,89 @@ def topk_tiles_kernel(
         tl.store(rest_s_ptr + out, s, mask=row_ok)
 
 
-@triton.jit(
-    do_not_specialize=["N", "V", "num_items"],
-    do_not_specialize_on_alignment=[
-        "item_tile_ptr",
-        "item_start_ptr",
-        "item_end_ptr",
-        "pair_row_ptr",
-        "pair_dest_ptr",
-        "inv_temp_ptr",
-    ],
-)
+@triton.jit(do_not_specialize=["N", "num_tiles", "CAP"])
+def full_pairs_kernel(
+    full_ptr,
+    full_rows_ptr,
+    full_list_ptr,
+    counts_ptr,
+    pair_slot_ptr,
+    N,
+    num_tiles,
+    CAP,
+    BLOCK_R: tl.constexpr,
+    BLOCK_CAP: tl.constexpr,
+):
+    """The full (row, tile) pairs grouped by tile, one program per tile: the rows whose tile
+    ``t`` is full (``full [N, num_tiles]``, int8), ascending, as their slots ``r·CAP + j`` (``j``
+    the tile's place in the row's ascending ``full_list [N, CAP]``, of ``full_rows[r]`` entries)
+    into ``pair_slot [num_tiles, N]``, and their count into ``counts [num_tiles]``. A count per
+    tile and a fixed order, without atomics: the same lists on every run."""
+    t = tl.program_id(0)
+    places = tl.arange(0, BLOCK_CAP)[None, :]
+    count = tl.zeros((), tl.int32)
+    for r0 in range(0, N, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        flag = tl.load(full_ptr + rows.to(tl.int64) * num_tiles + t, mask=rows < N, other=0) != 0
+        found = tl.sum(flag.to(tl.int32), 0)
+        if found > 0:
+            listed_count = tl.load(full_rows_ptr + rows, mask=flag, other=0)
+            listed = tl.load(
+                full_list_ptr + rows.to(tl.int64)[:, None] * CAP + places,
+                mask=flag[:, None] & (places < listed_count[:, None]) & (places < CAP),
+                other=num_tiles,
+            )
+            place = tl.sum((listed < t).to(tl.int32), 1)
+            pair = count + tl.cumsum(flag.to(tl.int32), 0) - 1
+            tl.store(pair_slot_ptr + t.to(tl.int64) * N + pair, rows * CAP + place, mask=flag & (place < CAP))
+            count += found
+    tl.store(counts_ptr + t, count)
+
+
+@triton.jit(do_not_specialize=["N", "V", "num_tiles", "CAP"], do_not_specialize_on_alignment=["inv_temp_ptr"])
 def tile_rows_kernel(
     x_ptr,
     w_ptr,
-    item_tile_ptr,
-    item_start_ptr,
-    item_end_ptr,
-    pair_row_ptr,
-    pair_dest_ptr,
+    counts_ptr,
+    pair_slot_ptr,
     out_ptr,
     N,
     V,
     H,
     stride_x,
     stride_w,
-    num_items,
+    num_tiles,
+    CAP,
     inv_temp,
     inv_temp_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
 ):
-    """Whole tiles for listed rows: work item ``i`` is tile ``item_tile[i]`` for the pairs
-    ``[item_start[i], item_end[i])`` (at most ``BLOCK_M``), whose rows are ``pair_row``; writes
-    ``z`` of each pair's row over the tile's ``BLOCK_N`` columns to row ``pair_dest`` of ``out
-    [pairs, BLOCK_N]`` (``-inf`` past ``V``), computed as :func:`topk_tiles_kernel` computes it."""
+    """Whole tiles for listed rows (:func:`full_pairs_kernel`'s lists): work items run tile by
+    tile, ``ceil(counts[t] / BLOCK_M)`` for tile ``t``, each over ``BLOCK_M`` of its pairs (one
+    weight tile serves them all); the grid may hold more items than that, which return at once.
+    Writes ``z`` of each pair's row over the tile's ``BLOCK_N`` columns to row ``slot`` of
+    ``out [N·CAP, BLOCK_N]`` (``-inf`` past ``V``), computed as :func:`topk_tiles_kernel`
+    computes it."""
     item = tl.program_id(0)
-    tile = tl.load(item_tile_ptr + item)
-    start = tl.load(item_start_ptr + item)
-    end = tl.load(item_end_ptr + item)
-    if end > start:  # the grid covers the most items the slots could need; the rest are empty
+    tiles = tl.arange(0, BLOCK_T)
+    counts = tl.load(counts_ptr + tiles, mask=tiles < num_tiles, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, 0)
+    tile = tl.sum((ends <= item).to(tl.int32), 0)  # the tile whose items reach past this one
+    if tile < num_tiles:
+        own = tiles == tile
+        start = (item - tl.sum(tl.where(own, ends - blocks, 0), 0)) * BLOCK_M
         pairs = start + tl.arange(0, BLOCK_M)
-        pair_ok = pairs < end
-        rows = tl.load(pair_row_ptr + pairs, mask=pair_ok, other=0)
+        pair_ok = pairs < tl.sum(tl.where(own, counts, 0), 0)
+        slots = tl.load(pair_slot_ptr + tile.to(tl.int64) * N + pairs, mask=pair_ok, other=0)
+        rows = slots // CAP
         local = tl.arange(0, BLOCK_N)
         n0 = tile * BLOCK_N
         offs_n = n0 + local
@@ -172,8 +207,7 @@ def tile_rows_kernel(
         else:
             inv_t = inv_temp
         z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
-        dest_rows = tl.load(pair_dest_ptr + pairs, mask=pair_ok, other=0)
-        dest = dest_rows.to(tl.int64)[:, None] * BLOCK_N + local[None, :]
+        dest = slots.to(tl.int64)[:, None] * BLOCK_N + local[None, :]
         tl.store(out_ptr + dest, z, mask=pair_ok[:, None])
 
 

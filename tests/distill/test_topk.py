@@ -380,7 +380,7 @@ def test_triton_token_chunks(triton_path, monkeypatch):
     whole = triton_topk(hidden, weight, 12, 2, monkeypatch, temperature=temperature)
     config = topk_module.TRITON_INTERPRETER_CONFIG
     tiles = topk_module.cdiv(300, config.block_n)
-    per_row = tiles * (8 * topk_module._candidates_per_tile(tiles, 12) + 8) + 2 * config.block_n * 4
+    per_row = tiles * (8 * topk_module._candidates_per_tile(tiles, 12) + 8) + 2 * config.block_n * 4 + tiles * 4
     assert topk_module._full_tiles_cap(tiles, 12) == 2
     monkeypatch.setattr(topk_module, "TRITON_SCRATCH_BYTES", per_row * config.block_m)  # one row block
     triton_path.full_tiles.clear()
@@ -663,6 +663,48 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
         expected = torch.logsumexp(torch.stack(terms), 0) if terms else torch.tensor(-torch.inf, dtype=torch.float64)
         got = m[r].double() + s[r].double().log() if s[r] > 0 else torch.tensor(-torch.inf, dtype=torch.float64)
         assert torch.allclose(got, expected, rtol=1e-6, atol=0) or (got == expected), (r, got, expected)
+
+
+def test_full_pairs_kernel_lists_by_tile(triton_path):
+    """The full pairs grouped by tile, rows ascending, each as its slot ``r·cap + j`` (``j`` the
+    tile's place in the row's list), over several row blocks, with empty tiles and rows, and the
+    recompute's work items mapped from those counts: every listed slot gets its row's tile,
+    computed as fp64 computes it."""
+    from mcore_ppo.kernels.topk import full_pairs_kernel
+
+    gen = generator(next_seed())
+    rows, num_tiles, cap = 45, 7, 3
+    full = torch.zeros(rows, num_tiles, dtype=torch.int8)
+    for r in range(rows):
+        chosen = torch.randperm(num_tiles, generator=gen)[: int(torch.randint(0, cap + 1, (), generator=gen))]
+        full[r, chosen] = 1
+    full[:, 4] = 0  # a tile no row recomputes
+    full_rows = full.sum(1, dtype=torch.int32)
+    full_list = torch.full((rows, cap), -1, dtype=torch.int32)
+    for r in range(rows):
+        listed = full[r].nonzero().flatten()
+        full_list[r, : len(listed)] = listed.to(torch.int32)
+    counts = torch.full((num_tiles,), -1, dtype=torch.int32)
+    pair_slot = torch.full((num_tiles, rows), -1, dtype=torch.int32)
+    full_pairs_kernel[(num_tiles,)](
+        full, full_rows, full_list, counts, pair_slot, rows, num_tiles, cap, BLOCK_R=16, BLOCK_CAP=4
+    )
+    for t in range(num_tiles):
+        expected = [r * cap + full_list[r].tolist().index(t) for r in range(rows) if full[r, t]]
+        assert counts[t].item() == len(expected) and pair_slot[t, : len(expected)].tolist() == expected
+    block_n = topk_module.TRITON_INTERPRETER_CONFIG.block_n
+    hidden = torch.randn(rows, HIDDEN, generator=gen)
+    weight = torch.randn(num_tiles * block_n - 5, HIDDEN, generator=gen)  # the last tile ragged
+    inverse = topk_module._inverse_temperature(0.5, hidden[0])
+    z = topk_module._recompute_full_tiles(
+        hidden, weight, full_rows, full_list, full, inverse, topk_module.TRITON_INTERPRETER_CONFIG
+    )
+    logits = torch.nn.functional.pad(hidden.double() @ weight.double().t() / 0.5, (0, 5), value=-torch.inf)
+    for r in range(rows):
+        for j in range(full_rows[r]):
+            t = full_list[r, j].item()
+            expected = logits[r, t * block_n : (t + 1) * block_n]
+            torch.testing.assert_close(z[r * cap + j].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
