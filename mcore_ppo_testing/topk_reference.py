@@ -72,11 +72,8 @@ def integer_case(shape: tuple[int, ...], vocab: int, hidden_size: int, generator
     return hidden, weight
 
 
-def full_pairs(full_rows: torch.Tensor, full_list: torch.Tensor) -> list[tuple[int, int]]:
+def full_pairs(full: torch.Tensor) -> list[tuple[int, int]]:
     """The (row, tile) pairs that a launch of the teacher's kernel path recomputed whole, from
-    its per-row count of full tiles and their fixed slots (``full_list [n, cap]``), by row then
-    tile; reads them back to the host (for tests and benchmarks)."""
-    counts = full_rows.tolist()
-    tiles = full_list.tolist()
-    return [(row, tiles[row][j]) for row, count in enumerate(counts) for j in range(count)]
-
+    its flags ``full [n, tiles]`` (nonzero: full), by row then tile; reads them back to the host
+    (for tests and benchmarks)."""
+    return [tuple(pair) for pair in full.nonzero().tolist()]

@@ -136,9 +136,9 @@ def candidate_stats(x, w, k, temperature) -> dict:
     seen = {"full_pairs": 0}
     original = topk_module._recompute_full_tiles
 
-    def spy(tokens, weight, full_rows, full_list, *rest):
-        seen["full_pairs"] += len(full_pairs(full_rows, full_list))
-        return original(tokens, weight, full_rows, full_list, *rest)
+    def spy(tokens, weight, full, *rest):
+        seen["full_pairs"] += len(full_pairs(full))
+        return original(tokens, weight, full, *rest)
 
     topk_module._recompute_full_tiles = spy
     try:

@@ -571,7 +571,7 @@ def _select_from_tiles(
     if cap and n:
         # The rest so far holds every entry outside full tiles that ranks after the top's last;
         # the merge folds in the top's and the full tiles' entries that drop out of it.
-        recomputed = _recompute_full_tiles(tokens, weight, full_rows, full_list, full, inverse, cfg)
+        recomputed = _recompute_full_tiles(tokens, weight, full, full_list.shape[1], inverse, cfg)
         _merge_full_tiles(top_values, top_cols, full, full_rows, full_list, recomputed, rest_m, rest_s, weight, cfg)
     return top_values, top_cols, rest_m, rest_s
 
@@ -618,23 +618,21 @@ def _keys_by_sort() -> bool:
 def _recompute_full_tiles(
     tokens: torch.Tensor,
     weight: torch.Tensor,
-    full_rows: torch.Tensor,
-    full_list: torch.Tensor,
     full: torch.Tensor,
+    cap: int,
     inverse: tuple[float, torch.Tensor, bool],
     cfg: GemmConfig,
 ) -> torch.Tensor:
-    """``z [n·cap, BLOCK_N]``: slot ``r·cap + j`` (``j < full_rows[r]``) holds row ``r``'s whole
-    tile ``full_list[r, j]`` (``-inf`` past the shard), as the tiles kernel computes it (with its
-    ``inverse`` temperature); other slots are left unwritten. Two launches and no host sync: the
-    pairs listed by tile (``full`` the rows' flags), then the tiles recomputed, each in work items
-    of at most :data:`TRITON_RECOMPUTE_ROWS` rows, on a grid of the most items the slots could
-    need (those past the last find no pairs)."""
+    """``z [n·cap, BLOCK_N]``: slot ``r·cap + j`` holds row ``r``'s whole ``j``-th full tile
+    (``full [n, tiles]``: 0, or 1 + that place ``j``; ``-inf`` past the shard), as the tiles
+    kernel computes it (with its ``inverse`` temperature); other slots are left unwritten. Two
+    launches and no host sync: the pairs listed by tile, then the tiles recomputed, each in work
+    items of at most :data:`TRITON_RECOMPUTE_ROWS` rows, on a grid of the most items the slots
+    could need (those past the last find no pairs)."""
     from mcore_ppo.kernels.topk import full_pairs_kernel, tile_rows_kernel
 
     n, h = tokens.shape
     v = weight.shape[0]
-    cap = full_list.shape[1]
     slots = n * cap
     device = tokens.device
     num_tiles = full.shape[1]
@@ -644,8 +642,8 @@ def _recompute_full_tiles(
     launch(
         full_pairs_kernel,
         (num_tiles,),
-        (full, full_rows, full_list, counts, pair_slot, n, num_tiles, cap),
-        dict(BLOCK_R=16 if interpreted else 1024, BLOCK_CAP=_next_pow2(cap), num_warps=4),
+        (full, counts, pair_slot, n, num_tiles, cap),
+        dict(BLOCK_R=16 if interpreted else 4096, num_warps=8),
     )
     block = TRITON_INTERPRETER_RECOMPUTE_ROWS if interpreted else TRITON_RECOMPUTE_ROWS
     z = torch.empty(slots, cfg.block_n, dtype=torch.float32, device=device)

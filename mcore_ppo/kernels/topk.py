@@ -112,41 +112,21 @@ def topk_tiles_kernel(
 
 
 @triton.jit(do_not_specialize=["N", "num_tiles", "CAP"])
-def full_pairs_kernel(
-    full_ptr,
-    full_rows_ptr,
-    full_list_ptr,
-    counts_ptr,
-    pair_slot_ptr,
-    N,
-    num_tiles,
-    CAP,
-    BLOCK_R: tl.constexpr,
-    BLOCK_CAP: tl.constexpr,
-):
+def full_pairs_kernel(full_ptr, counts_ptr, pair_slot_ptr, N, num_tiles, CAP, BLOCK_R: tl.constexpr):
     """The full (row, tile) pairs grouped by tile, one program per tile: the rows whose tile
-    ``t`` is full (``full [N, num_tiles]``, int8), ascending, as their slots ``r·CAP + j`` (``j``
-    the tile's place in the row's ascending ``full_list [N, CAP]``, of ``full_rows[r]`` entries)
-    into ``pair_slot [num_tiles, N]``, and their count into ``counts [num_tiles]``. A count per
-    tile and a fixed order, without atomics: the same lists on every run."""
+    ``t`` is full (``full [N, num_tiles]``, int8: 0, or 1 + the tile's place ``j`` among the
+    row's full tiles), ascending, as their slots ``r·CAP + j`` into ``pair_slot [num_tiles, N]``,
+    and their count into ``counts [num_tiles]``. A count per tile and a fixed order, without
+    atomics: the same lists on every run."""
     t = tl.program_id(0)
-    places = tl.arange(0, BLOCK_CAP)[None, :]
     count = tl.zeros((), tl.int32)
     for r0 in range(0, N, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        flag = tl.load(full_ptr + rows.to(tl.int64) * num_tiles + t, mask=rows < N, other=0) != 0
-        found = tl.sum(flag.to(tl.int32), 0)
-        if found > 0:
-            listed_count = tl.load(full_rows_ptr + rows, mask=flag, other=0)
-            listed = tl.load(
-                full_list_ptr + rows.to(tl.int64)[:, None] * CAP + places,
-                mask=flag[:, None] & (places < listed_count[:, None]) & (places < CAP),
-                other=num_tiles,
-            )
-            place = tl.sum((listed < t).to(tl.int32), 1)
-            pair = count + tl.cumsum(flag.to(tl.int32), 0) - 1
-            tl.store(pair_slot_ptr + t.to(tl.int64) * N + pair, rows * CAP + place, mask=flag & (place < CAP))
-            count += found
+        place = tl.load(full_ptr + rows.to(tl.int64) * num_tiles + t, mask=rows < N, other=0).to(tl.int32) - 1
+        flag = place >= 0
+        pair = count + tl.cumsum(flag.to(tl.int32), 0) - 1
+        tl.store(pair_slot_ptr + t.to(tl.int64) * N + pair, rows * CAP + place, mask=flag & (place < CAP))
+        count += tl.sum(flag.to(tl.int32), 0)
     tl.store(counts_ptr + t, count)
 
 
@@ -255,14 +235,15 @@ def select_top_kernel(
 
     The ``K``-th largest value is found by bisection over its order-preserving int32 bits (at
     most 32 counting passes); equal values at it are taken by position, which for equal values
-    is the columns' order (tiles in order, each tile's candidates by the tie rule). Writes the top in
-    the tie rule's order to ``top_v`` / ``top_c`` ``[N, K]`` (int64 shard columns), the *full*
-    tiles (rest max ``>=`` the top's last value and every candidate in the top: they may hide
-    more of the top; at most ``K // C`` per row) to ``full [N, num_tiles]`` (int8), their
-    count to ``full_rows [N]`` and their tiles, ascending, to ``full_list [N, CAP]`` (int32,
-    ``CAP >= min(num_tiles, K // C)``), and the ``(m, s)`` of the
-    entries outside the top and outside full tiles (unselected candidates, then the tiles'
-    rests) to ``m_out`` / ``s_out``: a fixed reduction order, the same bits on every run."""
+    is the columns' order (tiles in order, each tile's candidates by the tie rule). Writes the
+    top in the tie rule's order to ``top_v`` / ``top_c`` ``[N, K]`` (int64 shard columns); the
+    *full* tiles (rest max ``>=`` the top's last value and every candidate in the top: they may
+    hide more of the top; at most ``K // C`` per row) to ``full [N, num_tiles]`` (int8: 0, or
+    1 + the tile's place among the row's full tiles), their count to ``full_rows [N]`` and
+    their tiles, ascending, to ``full_list [N, CAP]`` (int32, ``CAP >= min(num_tiles, K //
+    C)``); and the ``(m, s)`` of the entries outside the top and outside full tiles
+    (unselected candidates, then the tiles' rests) to ``m_out`` / ``s_out``: a fixed reduction
+    order, the same bits on every run."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
     r = rows.to(tl.int64)[:, None]
@@ -310,9 +291,9 @@ def select_top_kernel(
     last_in_top = (last_u > kth) | ((last_u == kth) & (last <= cutoff[:, None]))
     full = (rm >= bound) & (rm > float("-inf")) & last_in_top & tile_ok
     full_count = tl.sum(full.to(tl.int32), 1)
-    tl.store(full_ptr + r * num_tiles + tiles, full.to(tl.int8), mask=tile_ok)
-    tl.store(full_rows_ptr + rows, full_count, mask=row_ok)
     slot = tl.cumsum(full.to(tl.int32), 1) - 1
+    tl.store(full_ptr + r * num_tiles + tiles, tl.where(full, slot + 1, 0).to(tl.int8), mask=tile_ok)
+    tl.store(full_rows_ptr + rows, full_count, mask=row_ok)
     tl.store(full_list_ptr + r * CAP + slot, tiles, mask=full & (slot < CAP))
 
     # The rest: unselected candidates outside full tiles, then the other tiles' rests.

@@ -331,9 +331,9 @@ def triton_path(monkeypatch):
         record.torch_rows.append(tokens.shape[0])
         return shard_topk(tokens, *args, **kwargs)
 
-    def recompute_spy(tokens, weight, full_rows, full_list, *args, **kwargs):
-        record.full_tiles.append(full_pairs(full_rows, full_list))
-        return recompute(tokens, weight, full_rows, full_list, *args, **kwargs)
+    def recompute_spy(tokens, weight, full, *args, **kwargs):
+        record.full_tiles.append(full_pairs(full))
+        return recompute(tokens, weight, full, *args, **kwargs)
 
     monkeypatch.setattr(topk_module, "_shard_topk", torch_spy)
     monkeypatch.setattr(topk_module, "_recompute_full_tiles", recompute_spy)
@@ -667,44 +667,34 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
 
 def test_full_pairs_kernel_lists_by_tile(triton_path):
     """The full pairs grouped by tile, rows ascending, each as its slot ``r·cap + j`` (``j`` the
-    tile's place in the row's list), over several row blocks, with empty tiles and rows, and the
-    recompute's work items mapped from those counts: every listed slot gets its row's tile,
-    computed as fp64 computes it."""
+    tile's place among the row's full tiles, as the selection kernel writes it into ``full``),
+    over several row blocks, with empty tiles and rows; and the recompute's work items mapped
+    from those counts: every slot gets its row's tile, computed as fp64 computes it."""
     from mcore_ppo.kernels.topk import full_pairs_kernel
 
     gen = generator(next_seed())
     rows, num_tiles, cap = 45, 7, 3
-    full = torch.zeros(rows, num_tiles, dtype=torch.int8)
+    flags = torch.zeros(rows, num_tiles, dtype=torch.bool)
     for r in range(rows):
         chosen = torch.randperm(num_tiles, generator=gen)[: int(torch.randint(0, cap + 1, (), generator=gen))]
-        full[r, chosen] = 1
-    full[:, 4] = 0  # a tile no row recomputes
-    full_rows = full.sum(1, dtype=torch.int32)
-    full_list = torch.full((rows, cap), -1, dtype=torch.int32)
-    for r in range(rows):
-        listed = full[r].nonzero().flatten()
-        full_list[r, : len(listed)] = listed.to(torch.int32)
+        flags[r, chosen] = True
+    flags[:, 4] = False  # a tile no row recomputes
+    full = torch.where(flags, flags.int().cumsum(1), 0).to(torch.int8)  # 1 + the place among the row's
     counts = torch.full((num_tiles,), -1, dtype=torch.int32)
     pair_slot = torch.full((num_tiles, rows), -1, dtype=torch.int32)
-    full_pairs_kernel[(num_tiles,)](
-        full, full_rows, full_list, counts, pair_slot, rows, num_tiles, cap, BLOCK_R=16, BLOCK_CAP=4
-    )
+    full_pairs_kernel[(num_tiles,)](full, counts, pair_slot, rows, num_tiles, cap, BLOCK_R=16)
     for t in range(num_tiles):
-        expected = [r * cap + full_list[r].tolist().index(t) for r in range(rows) if full[r, t]]
+        expected = [r * cap + int(full[r, t]) - 1 for r in range(rows) if flags[r, t]]
         assert counts[t].item() == len(expected) and pair_slot[t, : len(expected)].tolist() == expected
     block_n = topk_module.TRITON_INTERPRETER_CONFIG.block_n
     hidden = torch.randn(rows, HIDDEN, generator=gen)
     weight = torch.randn(num_tiles * block_n - 5, HIDDEN, generator=gen)  # the last tile ragged
     inverse = topk_module._inverse_temperature(0.5, hidden[0])
-    z = topk_module._recompute_full_tiles(
-        hidden, weight, full_rows, full_list, full, inverse, topk_module.TRITON_INTERPRETER_CONFIG
-    )
+    z = topk_module._recompute_full_tiles(hidden, weight, full, cap, inverse, topk_module.TRITON_INTERPRETER_CONFIG)
     logits = torch.nn.functional.pad(hidden.double() @ weight.double().t() / 0.5, (0, 5), value=-torch.inf)
-    for r in range(rows):
-        for j in range(full_rows[r]):
-            t = full_list[r, j].item()
-            expected = logits[r, t * block_n : (t + 1) * block_n]
-            torch.testing.assert_close(z[r * cap + j].double(), expected, rtol=1e-5, atol=1e-5)
+    for r, t in flags.nonzero().tolist():
+        expected = logits[r, t * block_n : (t + 1) * block_n]
+        torch.testing.assert_close(z[r * cap + int(full[r, t]) - 1].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

@@ -181,9 +181,9 @@ def test_triton_path_tp2_matches_single_rank_and_fp64(sp, check, monkeypatch):
     recompute = topk_module._recompute_full_tiles
     full = []  # (row, tile) pairs each call recomputed whole
 
-    def counted(tokens, weight, full_rows, full_list, *args):
-        full.append(len(full_pairs(full_rows, full_list)))
-        return recompute(tokens, weight, full_rows, full_list, *args)
+    def counted(tokens, weight, flags, *args):
+        full.append(len(full_pairs(flags)))
+        return recompute(tokens, weight, flags, *args)
 
     monkeypatch.setattr(topk_module, "_recompute_full_tiles", counted)
     tp, seq = 2, LAYOUT_SHAPES[NH][0]
