@@ -95,6 +95,28 @@ def test_large_vocab(chunking, monkeypatch):
 
 
 @pytest.mark.parametrize("k", [1, 8, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_vocab_262144_relative_error(dtype, k):
+    """V = 262,144 (64 default vocab chunks), a few tokens with a temperature: the probabilities
+    of the top k and the tail mass within 1e-5 of fp64 relative to themselves (fp32; 1e-12 for
+    fp64), i.e. their logs within that much absolutely; the ids are fp64's exactly in fp64 (in
+    fp32 a near-tie at the k-th place may take another order, so there the log-probs are
+    checked at the returned ids too)."""
+    gen = generator(next_seed())
+    hidden = torch.randn(5, HIDDEN, generator=gen, dtype=torch.float64)
+    weight = torch.randn(262_144, HIDDEN, generator=gen, dtype=torch.float64)
+    out = fused_topk(hidden.to(dtype), weight.to(dtype), k, temperature=0.8)
+    ref = topk_reference(hidden.to(dtype).double(), weight.to(dtype).double(), k, 0.8)
+    rel = 1e-12 if dtype == torch.float64 else 1e-5
+    at_ids = ref.full_log_probs.gather(-1, out.ids)  # fp64's log p at the returned ids
+    assert (out.log_probs.double() - at_ids).abs().max() <= rel
+    assert (out.log_probs.double() - ref.log_probs).abs().max() <= rel
+    assert (out.tail_log_mass.double() - ref.tail_log_mass).abs().max() <= rel
+    if dtype == torch.float64:
+        assert torch.equal(out.ids, ref.ids)
+
+
+@pytest.mark.parametrize("k", [1, 8, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("chunking", [(3, 7), (4, 130), (2048, 4096)], ids=lambda c: f"tc{c[0]}-vc{c[1]}")
 def test_exact_ties_break_to_the_smaller_id(chunking, dtype, k, monkeypatch):
