@@ -489,7 +489,7 @@ def _triton_chunk(
     use_tma = operands_by_tma(tokens, weight, cfg) and tokens.data_ptr() % 16 == 0
     x_desc = TmaDesc(tokens, (cfg.block_m, cfg.block_k)) if use_tma else tokens
     w_desc = TmaDesc(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
-    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, rest[0, 0])
+    inv_temp, inv_temp_rows, row_temp = _inverse_temperature(temperature, rest)
     # The head's launcher: Triton's per-call dispatch and descriptor encoding cost ~0.1 ms of
     # host time per launch, a few percent of a 3 ms call at TP 8.
     launch(
