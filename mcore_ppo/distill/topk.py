@@ -578,9 +578,10 @@ def _select_from_tiles(
 
 def _candidates_per_tile(num_tiles: int, c_out: int) -> int:
     """``C`` for a shard of ``num_tiles`` logit tiles and a top ``c_out``: from the low end of
-    :data:`TRITON_CANDIDATE_RANGE` (or ``c_out + 1`` below it: then no tile fills), one more while it saves more than
-    :data:`TRITON_FULL_TILES_PER_CANDIDATE` expected full tiles per row (random logits: the top
-    spread over the tiles as ``Poisson(c_out / num_tiles)``). :data:`TRITON_CANDIDATES` forces it."""
+    :data:`TRITON_CANDIDATE_RANGE` (or ``c_out + 1`` below it: then no tile fills), one more
+    while it saves more than :data:`TRITON_FULL_TILES_PER_CANDIDATE` expected full tiles per row
+    (random logits: the top spread over the tiles as ``Poisson(c_out / num_tiles)``).
+    :data:`TRITON_CANDIDATES` forces it."""
     if TRITON_CANDIDATES is not None:
         return TRITON_CANDIDATES
     return _chosen_candidates(num_tiles, c_out, TRITON_CANDIDATE_RANGE, TRITON_FULL_TILES_PER_CANDIDATE)
