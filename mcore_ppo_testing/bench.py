@@ -65,13 +65,11 @@ class Progress:
             print(file=sys.stderr)
 
 
-def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1, *, hide_host_latency: bool = True) -> float:
-    """Median time of ``fn()`` on the GPU, by CUDA events, after ``warmup`` calls; with
-    ``hide_host_latency`` the host's work is queued behind a GPU spin (as inside a model step),
-    else the clock starts on an idle GPU."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def event_times(fn: Callable[[], Any], reps: int, *, hide_host_latency: bool = True) -> list[float]:
+    """CUDA-event times in ms of ``reps`` calls of ``fn()``, each alone: with
+    ``hide_host_latency`` the host's work is queued behind a GPU spin (the GPU's time, as inside
+    a model step), else the clock starts on an idle GPU (the host's work before the first
+    kernel counted)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -82,7 +80,15 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1, *, hide_host_late
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1, *, hide_host_latency: bool = True) -> float:
+    """Median of :func:`event_times` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(event_times(fn, reps, hide_host_latency=hide_host_latency))
 
 
 @dataclass(frozen=True)

@@ -48,24 +48,12 @@ from torch.utils.checkpoint import checkpoint
 
 from mcore_ppo.distill import student as student_module
 from mcore_ppo.distill.student import fused_log_probs_at
+from mcore_ppo_testing.bench import GIB, event_times
 
 __all__ = ["run_student_bench"]
 
-GIB = 2**30
 IGNORE = -100  # the ignore index of the slots outside the shard
 DEVICE = "cuda"  # a CPU smoke run of the code sets "cpu" (and stubs the CUDA timers)
-
-
-def _time(fn: Callable[[], object], reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def _peak(fn: Callable[[], object]) -> int:
@@ -221,7 +209,7 @@ def run_config(args, vocab: int, tp: int, k: int, x: torch.Tensor, w_full: torch
     working = [name for name in names if name not in result["impls"]]
     samples: dict[str, list[float]] = {name: [] for name in working}
     for name in working + working[::-1]:
-        samples[name] += _time(impls[name], args.reps)
+        samples[name] += event_times(impls[name], args.reps, hide_host_latency=False)
     floor = statistics.median(samples["gemm4"]) if "gemm4" in samples else math.nan
     rows = torch.randperm(x.shape[0], device=DEVICE, generator=gen)[: args.check_rows]
     for name in working:

@@ -56,10 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcore_ppo.backends.triton_host import fp32_gemm_path, mm_fp32
 from mcore_ppo.distill import topk as topk_module
 from mcore_ppo.distill.topk import fused_topk
+from mcore_ppo_testing.bench import GIB, event_times
 from mcore_ppo_testing.topk_reference import full_pairs
-
-GIB = 2**30
-SPIN_CYCLES = 40_000_000  # ~20 ms of GPU spin: longer than any call's host work here
 
 
 def gemm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -82,23 +80,6 @@ def naive_topk(x: torch.Tensor, w: torch.Tensor, k: int, temperature: float, chu
         ids[t0:t1], logp[t0:t1] = idx, vals
         tail[t0:t1] = torch.log(torch.clamp(1.0 - vals.exp().sum(-1), min=0.0))
     return ids, logp, tail
-
-
-def time_visit(fn, reps: int, *, behind_spin: bool) -> list[float]:
-    """CUDA-event times of ``reps`` calls, each alone: from an idle GPU (the host's work before
-    the first kernel counted), or ``behind_spin`` queued behind a GPU spin (the GPU's time, as
-    when the call is issued while the model's earlier layers still run)."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if behind_spin:
-            torch.cuda._sleep(SPIN_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def peak_extra_bytes(fn) -> int:
@@ -216,8 +197,8 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
     times = {name: [] for name in names}
     gpu_times = {name: [] for name in names}
     for name in names + names[::-1]:
-        times[name] += time_visit(impls[name], args.reps, behind_spin=False)
-        gpu_times[name] += time_visit(impls[name], args.reps, behind_spin=True)
+        times[name] += event_times(impls[name], args.reps, hide_host_latency=False)
+        gpu_times[name] += event_times(impls[name], args.reps, hide_host_latency=True)
     result = {"vocab": vocab, "tp": tp, "v_shard": v, "k": k, "n": x.shape[0], "h": x.shape[1], "impls": {}}
     if failed:
         result["failed"] = failed
