@@ -67,7 +67,7 @@ def check(out, x, w, k, temperature, rows):
 @pytest.mark.parametrize(
     ("n", "h", "v", "k"),
     [(4096, 3584, 18992, 128), (3000, 1024, 40000 + 77, 64), (1024, 3584, 151936, 8), (1024, 3584, 151936, 128)],
-    ids=["tp8-shard-k128", "ragged-k64", "tp1-vocab-k8", "tp1-vocab-k128"],  # 5 candidates per tile, then 3
+    ids=["tp8-shard-k128", "ragged-k64", "tp1-vocab-k8", "tp1-vocab-k128"],  # C: 5, then 3 for the rest
 )
 def test_triton_matches_torch_and_fp64(n, h, v, k, dtype):
     x, w = make(n, h, v, dtype, next_seed())
