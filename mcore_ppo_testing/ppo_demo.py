@@ -85,8 +85,17 @@ def _cp1_reference(config: DemoConfig, parallel: ActorParallel) -> MegatronPPOAc
     data-parallel replicas of the same data). None without CP or when the config turns it off."""
     if config.layout.cp == 1 or not config.run.cp1_reference:
         return None
+    # The CP ranks are data-parallel replicas here, so they count as DP ranks (the global counts
+    # then cover every copy, and the DP×CP gradient average gives the objective's gradient once).
+    # Megatron's schedule still runs with parallel_state's CP group: the reference says so.
     no_cp = ActorParallel(
-        tp=parallel.tp, cp=None, dp=parallel.dp, grad_avg=parallel.grad_avg, pp=parallel.pp, model_runs_cp=False
+        tp=parallel.tp,
+        cp=None,
+        dp=parallel.grad_avg,
+        grad_avg=parallel.grad_avg,
+        pp=parallel.pp,
+        model_runs_cp=False,
+        schedule_cp_size=parallel.schedule_cp_size,
     )
     return _build_actor(config, no_cp, context_parallel_size=1)
 

@@ -289,7 +289,7 @@ def full_log_softmax(
                 data_iterator=iter([mb]),
                 model=model,
                 num_microbatches=1,
-                seq_length=mb.input_ids.shape[1],
+                seq_length=parallel.schedule_seq_length(mb.input_ids.shape[1]),
                 micro_batch_size=1,
                 forward_only=True,
             )

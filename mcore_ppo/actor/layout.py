@@ -43,7 +43,9 @@ class ActorParallel:
         pp: pipeline group.
         model_runs_cp: True when the model's inputs are CP-split (TransformerEngine attention);
             False when CP is applied at the head (the decoder sees whole sequences).
-        schedule_cp_size: the CP size Megatron's schedule multiplies a 2-tuple loss by.
+        schedule_cp_size: the size of the CP group Megatron's schedule works with (``parallel_state``'s:
+            the actor hands it no groups of its own). The schedule multiplies a 2-tuple loss by
+            it and divides ``seq_length`` by it for the activations pipeline stages exchange.
     """
 
     tp: ProcessGroup | None
@@ -110,6 +112,18 @@ class ActorParallel:
     def cp_rank(self) -> int:
         """This rank's place in the CP group."""
         return group_rank(self.cp)
+
+    def schedule_seq_length(self, model_tokens: int) -> int:
+        """The ``seq_length`` Megatron's schedule needs for micro-batches of ``model_tokens``
+        tokens per rank (the model's input length here, after any CP split).
+
+        The schedule sizes the activations pipeline stages send and receive as
+        ``seq_length // schedule_cp_size`` (divided by TP too under SP, as the model's own
+        scatter divides them): it takes the length *before* the CP split. Handing it the
+        CP-local length would make one stage send ``schedule_cp_size`` times the tensor the
+        next one posts a receive for.
+        """
+        return model_tokens * self.schedule_cp_size
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:

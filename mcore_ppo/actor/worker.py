@@ -72,6 +72,13 @@ class MegatronPPOActor:
         self.optimizer = optimizer
         self.config = config
         self.parallel = parallel if parallel is not None else ActorParallel.from_parallel_state()
+        schedule_cp = parallel_state.get_context_parallel_world_size()
+        if self.parallel.schedule_cp_size != schedule_cp:
+            # The loss scale and the pipeline's activation shapes both depend on it.
+            raise ValueError(
+                f"parallel.schedule_cp_size = {self.parallel.schedule_cp_size}, but Megatron's schedule runs "
+                f"with parallel_state's CP size {schedule_cp}"
+            )
         self.forward_fn = forward_fn if forward_fn is not None else gpt_log_probs_and_entropy
         self.grads = ActorGradients(model, optimizer, self.parallel, config.max_grad_norm)
         mcfg = self.gpt.config
@@ -164,7 +171,7 @@ class MegatronPPOActor:
             data_iterator=data,
             model=self.model if model is None else model,
             num_microbatches=len(mbs),
-            seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+            seq_length=self.parallel.schedule_seq_length(max(mb.input_ids.shape[1] for mb in mbs)),
             micro_batch_size=1,
             forward_only=forward_only,
         )
