@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs mcore_ppo and what its demo and tests need on a CPU machine (Python 3.11).
+# Installs mcore_ppo and everything its demo and tests need (Python 3.11 on a CPU machine; on a
+# GPU machine it keeps the GPU stack it finds). The README's two commands and CI run this and
+# nothing else: a test (tests/harness/test_ci_commands.py) keeps `.ci/run` to those commands.
 #
 # torch comes first, as a CPU build of exactly 2.13.0, so nothing later floats it to a CUDA build:
 #   - a GPU build of torch already installed (CUDA or ROCm, any version) is kept, with the triton
@@ -40,4 +42,19 @@ sys.exit(0 if cpu_name or not cuda_deps else 1)
   rm -f "$report"
 fi
 python -m pip install -q "${stack[@]}" liger-kernel==0.8.5 pytest pytest-xdist hypothesis ruff import-linter pyyaml
+
+# verl 0.9.1's own source, for the integration tests against verl's real code (its fused path,
+# its Megatron engine's forward_step, MTP). verl goes in with --no-deps: its full requirements
+# pull Ray, vLLM-era pins and wandb that the fused forward under test never uses (where Ray is
+# absent the tests put a stand-in on the path: mcore_ppo_testing.real_verl). Beside it, what
+# `import verl` and verl.workers.engine.megatron.transformer_impl import: transformers (>= 5.5.3,
+# < 5.11, verl 0.9.1's range), tensordict, omegaconf, codetiming, orjson, and for the engine
+# package peft, datasets and pillow (verl.workers.engine imports its FSDP engines first).
+# tensordict 0.15 is newer than verl's pin (<= 0.10), which predates torch 2.13; verl's imports
+# of it work. mbridge (verl's Hugging Face -> Megatron bridge, pure Python; --no-deps: its
+# get_model needs TransformerEngine and CUDA) lets the HF model tests check this project's
+# conversion against mbridge's own.
+python -m pip install -q "transformers>=5.5.3,<5.11" "tensordict==0.15.3" "omegaconf==2.4.0" "codetiming==1.4.0" \
+  orjson "peft==0.21.2" "datasets==5.2.0" pillow "einops==0.8.2"
+python -m pip install -q --no-deps "verl==0.9.1" "mbridge==0.15.1"
 python -m pip install -q --no-deps -e .

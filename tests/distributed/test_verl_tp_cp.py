@@ -29,8 +29,6 @@ does with the SP gather's reduce-scatter.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,11 +41,11 @@ from mcore_ppo.integrations.verl.engine import call_site
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 from mcore_ppo_testing import verl_engine
 from mcore_ppo_testing.layer_specs import local_gpt_spec
+from mcore_ppo_testing.real_verl import require_verl
 from mcore_ppo_testing.reference import normwise_relative_error, outputs_from_logits
 from parallel.mappings import gather_sequence_parallel
 
-if importlib.util.find_spec("verl") is None:
-    pytest.skip("verl is not installed (bash scripts/install_verl_for_tests.sh)", allow_module_level=True)
+require_verl()
 
 VOCAB, HIDDEN, HEADS, LAYERS, MAX_LEN = 64, 32, 4, 2, 32
 LENGTHS = (9, 14, 5)

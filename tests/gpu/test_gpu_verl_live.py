@@ -10,7 +10,7 @@ plugin's ``triton`` backend, one rank (NCCL), as verl runs it: the TP 1 comparis
 - MTP (``MCORE_PPO_VERL_MTP=1``, depth 2, ``enable_train`` on and off), fp32: the plugin's fused
   path against verl's logits path with MTP (outputs, MTP losses, gradients).
 
-Skips without CUDA or without verl (``bash scripts/install_verl_for_tests.sh``).
+Skips without CUDA or without verl (``bash scripts/install.sh``).
 """
 
 from __future__ import annotations

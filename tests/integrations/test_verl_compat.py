@@ -89,7 +89,7 @@ def _verl_linear_cross_entropy():
     except ImportError as error:
         pytest.skip(f"verl's kernel module does not import here: {error}")
     if verl_lce is None:
-        pytest.skip(f"{info} (bash scripts/install_verl_for_tests.sh)")
+        pytest.skip(f"{info} (bash scripts/install.sh)")
     return verl_lce
 
 

@@ -18,7 +18,6 @@ path: no ``[s, b, V]`` logits. TP 2 with SP off and on: ``tests/distributed/test
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import ClassVar
 
@@ -30,13 +29,13 @@ from mcore_ppo.integrations import verl as plugin
 from mcore_ppo.integrations.verl import mtp as plugin_mtp
 from mcore_ppo.logs import forget_logged
 from mcore_ppo_testing.layer_specs import local_gpt_spec
+from mcore_ppo_testing.real_verl import require_verl
 from mcore_ppo_testing.reference import normwise_relative_error
 from mcore_ppo_testing.seeds import next_seed
 
-if importlib.util.find_spec("verl") is None:
-    pytest.skip("verl is not installed (bash scripts/install_verl_for_tests.sh)", allow_module_level=True)
+require_verl()
 
-from mcore_ppo_testing import verl_engine
+from mcore_ppo_testing import verl_engine  # noqa: E402  (it imports verl)
 
 VOCAB, HIDDEN, HEADS, LAYERS, MAX_LEN = 96, 32, 4, 2, 32
 LENGTHS = (7, 13, 3, 10)

@@ -27,16 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from mcore_ppo_testing.real_verl import RAY_STANDIN, ray_missing
+from mcore_ppo_testing.real_verl import RAY_STANDIN, ray_missing, require_verl
 
 REPO = Path(__file__).resolve().parents[2]
 
-if importlib.util.find_spec("verl") is None:
-    pytest.skip(
-        "verl is not installed (bash scripts/install_verl_for_tests.sh); the stand-in tree covers the plugin "
-        "in tests/integrations/test_verl_plugin.py",
-        allow_module_level=True,
-    )
+require_verl()
 
 
 def _child_env(**env: str) -> dict[str, str]:
