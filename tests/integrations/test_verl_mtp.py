@@ -27,6 +27,7 @@ import torch
 from mcore_ppo import build_gpt_model
 from mcore_ppo.integrations import verl as plugin
 from mcore_ppo.integrations.verl import mtp as plugin_mtp
+from mcore_ppo.integrations.verl import mtp_loss
 from mcore_ppo.logs import forget_logged
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.real_verl import require_verl
@@ -248,7 +249,7 @@ def test_mtp_tracker_apis_get_megatrons_loss_and_acceptance_counts(api, monkeypa
     loss_mask = torch.rand(1, t, generator=gen) < 0.7
     loss_sum, num_tokens = torch.tensor(3.5), loss_mask.sum()
     config = type("Config", (), {"sequence_parallel": False, "calculate_per_token_loss": False})()
-    plugin_mtp._save_to_tracker(loss_sum, num_tokens, hidden, weight, labels, loss_mask, 1, 2, config)
+    mtp_loss._save_to_tracker(loss_sum, num_tokens, hidden, weight, labels, loss_mask, 1, 2, config)
     correct = float(((preds == labels) & loss_mask).sum())
     assert 0 < correct < float(num_tokens)  # the case distinguishes right from wrong counts
     (call,) = api.calls

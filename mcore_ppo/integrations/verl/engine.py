@@ -25,8 +25,9 @@ And in ``verl.workers.engine.megatron.transformer_impl``:
   (its kernel takes one float); with the plugin the per-sample tensor goes through;
 - ``MegatronEngine._maybe_enable_fused_kernels``: records whether the fused path was asked for
   before verl turns it off (MTP, value models, no remove-padding); with ``MCORE_PPO_VERL_MTP=1``
-  it keeps the path on with MTP (:mod:`mcore_ppo.integrations.verl.mtp`, which also wraps verl's
-  MTP ``_postprocess`` in ``verl.models.mcore.mtp_patch``);
+  it keeps the path on with MTP (:mod:`mcore_ppo.integrations.verl.mtp`;
+  :mod:`mcore_ppo.integrations.verl.mtp_postprocess` wraps verl's MTP ``_postprocess`` in
+  ``verl.models.mcore.mtp_patch``);
 - ``MegatronEngineWithLMHead.forward_step`` / ``MegatronEngineWithValueHead.forward_step``: at an
   engine's first forward, a WARNING naming the verl setting to change when the engine runs its
   non-fused logits path (where the plugin does nothing); INFO for a value model, which computes
@@ -49,7 +50,7 @@ from typing import Any
 
 import torch
 
-from mcore_ppo.integrations.verl import mtp
+from mcore_ppo.integrations.verl import mtp, mtp_postprocess, mtp_step
 from mcore_ppo.logs import log_once
 
 __all__ = ["WRAPPERS", "CallSite", "call_site", "current_call_site", "fused_path_off_reason"]
@@ -127,9 +128,9 @@ def wrap_fused_gpt_model_forward(original: Callable[..., Any]) -> Callable[..., 
     def _fused_GPTModel_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
         sp = _sequence_parallel(getattr(model, "config", None), "_fused_GPTModel_forward")
         with call_site("_fused_GPTModel_forward", sequence_parallel=sp):
-            if mtp.reroutes_legacy_forward(model):
+            if mtp_postprocess.reroutes_legacy_forward(model):
                 # MTP trains: Megatron's forward and verl's MTP postprocess, the head as its processor.
-                return mtp.legacy_forward_through_postprocess(model, original, *args, **kwargs)
+                return mtp_postprocess.legacy_forward_through_postprocess(model, original, *args, **kwargs)
             return original(model, *args, **kwargs)
 
     return _fused_GPTModel_forward
@@ -155,7 +156,7 @@ def wrap_fused_forward_model_engine(original: Callable[..., Any]) -> Callable[..
                 per_token = _per_token_temperature(temperature, arguments)
                 arguments["temperature"] = 1.0  # verl's own code sees a float; the head reads per_token
             known = {"return_entropy": bool(arguments.get("calculate_entropy", True)), "temperature": per_token}
-            with call_site("fused_forward_model_engine", **known), mtp.fused_engine_inputs(arguments):
+            with call_site("fused_forward_model_engine", **known), mtp_step.fused_engine_inputs(arguments):
                 return inner(*bound.args, **bound.kwargs)
 
         return fused_forward_model_engine_inner
@@ -304,7 +305,7 @@ def wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
             args[0] = replay
         else:
             kwargs["batch_iter"] = replay
-        with mtp.engine_step(self, batch):
+        with mtp_step.engine_step(self, batch):
             return original(self, *args, **kwargs)
 
     return forward_step
@@ -319,7 +320,7 @@ WRAPPERS: dict[str, tuple[tuple[str, Callable[[Callable[..., Any]], Callable[...
         ("fused_forward_model_engine", wrap_fused_forward_model_engine),
     ),
     "verl.models.mcore.registry": (("fused_forward_model_engine", wrap_fused_forward_model_engine),),
-    "verl.models.mcore.mtp_patch": (("_megatron_gptmodel_postprocess", mtp.wrap_mtp_postprocess),),
+    "verl.models.mcore.mtp_patch": (("_megatron_gptmodel_postprocess", mtp_postprocess.wrap_mtp_postprocess),),
     "verl.workers.engine.megatron.transformer_impl": (
         ("_resolve_fused_temperature", wrap_resolve_fused_temperature),
         ("MegatronEngine._maybe_enable_fused_kernels", wrap_maybe_enable_fused_kernels),
