@@ -14,39 +14,49 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mcore_ppo.api import fused_log_probs_and_entropy
-    from mcore_ppo.backends import BACKENDS
-    from mcore_ppo.distill.student import fused_log_probs_at
-    from mcore_ppo.distill.topk import fused_topk
+    from mcore_ppo.api import fused_log_probs_and_entropy, fused_log_probs_at
+    from mcore_ppo.backends import BACKENDS, TorchBackend, TorchConfig, TritonBackend, TritonConfig
+    from mcore_ppo.distill.topk import TopKConfig, fused_topk
     from mcore_ppo.head import VocabParallelFusedPPOHead
     from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
-    from mcore_ppo.model import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
-    from mcore_ppo.pipeline import HeadOptions
+    from mcore_ppo.liger import liger_log_probs_and_entropy
+    from mcore_ppo.model import gpt_log_probs_and_entropy, install_fused_head
+    from mcore_ppo.options import HeadOptions
 
 # public name -> the module that defines it
 _EXPORTS = {
     "BACKENDS": "mcore_ppo.backends",
-    "HeadOptions": "mcore_ppo.pipeline",
+    "HeadOptions": "mcore_ppo.options",
+    "TopKConfig": "mcore_ppo.distill.topk",
+    "TorchBackend": "mcore_ppo.backends",
+    "TorchConfig": "mcore_ppo.backends",
+    "TritonBackend": "mcore_ppo.backends",
+    "TritonConfig": "mcore_ppo.backends",
     "VocabParallelFusedPPOHead": "mcore_ppo.head",
-    "build_gpt_model": "mcore_ppo.model",
     "fused_log_probs_and_entropy": "mcore_ppo.api",
-    "fused_log_probs_at": "mcore_ppo.distill.student",
+    "fused_log_probs_at": "mcore_ppo.api",
     "fused_topk": "mcore_ppo.distill.topk",
     "gpt_log_probs_and_entropy": "mcore_ppo.model",
     "install_fused_head": "mcore_ppo.model",
+    "liger_log_probs_and_entropy": "mcore_ppo.liger",
     "linear_cross_entropy": "mcore_ppo.integrations.verl.kernel",
 }
 
 __all__ = [
     "BACKENDS",
     "HeadOptions",
+    "TopKConfig",
+    "TorchBackend",
+    "TorchConfig",
+    "TritonBackend",
+    "TritonConfig",
     "VocabParallelFusedPPOHead",
-    "build_gpt_model",
     "fused_log_probs_and_entropy",
     "fused_log_probs_at",
     "fused_topk",
     "gpt_log_probs_and_entropy",
     "install_fused_head",
+    "liger_log_probs_and_entropy",
     "linear_cross_entropy",
 ]
 __version__ = "0.1.0"

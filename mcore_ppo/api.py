@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.distill.student import fused_log_probs_at
-from mcore_ppo.pipeline import call_options, run_head
+from mcore_ppo.head_call import run_head
+from mcore_ppo.options import HeadOptions, call_options, megatron_layout
 from parallel.groups import ProcessGroup, resolve_tp_group
 
 
@@ -18,10 +18,12 @@ def fused_log_probs_and_entropy(
     temperature: float | torch.Tensor = 1.0,
     tp_group: ProcessGroup | None = None,
     sequence_parallel: bool = False,
-    ignore_index: int = -100,
-    backend: str | Backend = "auto",
-    return_entropy: bool = True,
+    options: HeadOptions | None = None,
+    ignore_index: int | None = None,
+    backend: str | Backend | None = None,
+    return_entropy: bool | None = None,
     validate: bool | None = None,
+    accumulate_into_main_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log p(label)`` and entropy of ``softmax(hidden @ W.T / temperature)``.
 
@@ -36,48 +38,86 @@ def fused_log_probs_and_entropy(
         labels: global vocab ids, ``[b, s]`` for 3-D hidden (``[1, t]`` packed) or ``[n]``,
             covering the whole (gathered) sequence; ``ignore_index`` marks tokens to skip. Any
             dtype of :data:`mcore_ppo.validation.LABEL_DTYPES`, compared in int64. With a
-            trailing dim, ``[b, s, k]`` / ``[n, k]``: ``k`` ids per token (a teacher's top-k),
-            computed by :func:`mcore_ppo.distill.student.fused_log_probs_at`, whose log-probs are
-            ``[..., k]`` (the entropy per token).
+            trailing dim, ``[b, s, k]`` / ``[n, k]``: ``k`` ids per token (a teacher's top-k);
+            the log-probs are then ``[..., k]`` (0 in an ignored slot; a token whose ``k``
+            slots are all ignored is skipped) and the entropy per token. ``k = 1`` is the one
+            label's path, at its speed.
         temperature: logits are divided by it; a Python number in ``[1e-4, inf)``
             (:data:`mcore_ppo.validation.MIN_TEMPERATURE` says why the floor), or a per-token
-            floating-point tensor shaped like ``labels`` or broadcastable to them (``[b, 1]``:
-            one per sequence), on their device, values in the same range; token ``i``'s logits
-            are divided by ``T_i``. The tensor gets no gradient (it is detached). See
-            :func:`mcore_ppo.pipeline.run_head` for how its values are checked.
+            floating-point tensor shaped like the labels' tokens or broadcastable to them
+            (``[b, 1]``: one per sequence), on their device, values in the same range; token
+            ``i``'s logits are divided by ``T_i``. The tensor gets no gradient.
         tp_group: tensor-parallel group; default Megatron's when initialised, else one rank.
         sequence_parallel: hidden arrives sequence-sharded over TP; the head all-gathers it
             and reduce-scatters ``d_hidden`` back to this rank's shard.
-        ignore_index: label value of tokens whose outputs and gradients are zero.
-        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"liger"`` or a backend object, e.g.
-            ``TritonBackend(buffer_budget_bytes=...)`` to size the triton backend's probability
-            buffer (:mod:`mcore_ppo.backends`, docs/kernels.md).
+        options: a :class:`~mcore_ppo.options.HeadOptions` (built and validated once, reused
+            across calls); the four keywords below, when given, replace its fields.
+        ignore_index: label value of tokens whose outputs and gradients are zero (default -100).
+        backend: ``"auto"`` (default), ``"torch"``, ``"triton"`` or a backend object, e.g.
+            ``TritonBackend(TritonConfig(buffer_budget_bytes=...))`` (docs/kernels.md).
         return_entropy: False skips every bit of entropy work and returns ``(log_probs, None)``.
-        validate: check the labels' range and a temperature tensor's values (ValueError), on
-            every device; one host sync on CUDA. False for CUDA graphs and host-bound loops:
-            then bad labels / temperatures give NaN outputs for their tokens. None: the
-            default, :data:`mcore_ppo.validation.VALIDATE_DEFAULT` (True unless
-            ``MCORE_PPO_VALIDATE=0``). See :class:`mcore_ppo.pipeline.HeadOptions`.
+        validate: check the labels' range and a temperature tensor's values (ValueError), and
+            share every check's verdict over the TP group, on every device; one host sync per
+            call. False for CUDA graphs and host-bound loops: then bad labels / temperatures give
+            NaN outputs for their tokens. Default :data:`mcore_ppo.validation.VALIDATE_DEFAULT`.
+        accumulate_into_main_grad: the weight gradient goes into ``weight.main_grad`` (fp32), as
+            Megatron's gradient-accumulation fusion does; autograd then gets zeros.
 
     Returns:
-        ``(log_probs, entropy)``, fp32, shaped like ``labels`` and identical on every TP rank
-        (``entropy`` None with ``return_entropy=False``).
-        Gradients flow to ``hidden`` (reduced over TP exactly once) and to ``weight``.
+        ``(log_probs, entropy)``, fp32 (fp64 with ``k`` ids and fp64 inputs), shaped like
+        ``labels`` (the entropy per token), identical on every TP rank (``entropy`` None with
+        ``return_entropy=False``). Gradients flow to ``hidden`` (reduced over TP exactly once)
+        and to ``weight``.
+
+    Raises:
+        TypeError: an argument of the wrong type (naming it).
+        ValueError: a bad value or shape (naming it), a backend that cannot run these inputs,
+            or another TP rank's refusal of its own inputs.
     """
-    if isinstance(labels, torch.Tensor) and isinstance(hidden, torch.Tensor) and labels.dim() == hidden.dim() in (2, 3):
-        return fused_log_probs_at(
-            hidden, weight, labels, temperature=temperature, tp_group=tp_group, sequence_parallel=sequence_parallel,
-            ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate,
-        )  # fmt: skip
-    options, row_temperature = call_options(
-        temperature, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+    options = call_options(
+        options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
     )
     return run_head(
         hidden,
         weight,
         labels,
+        temperature,
         options,
         tp_group=resolve_tp_group(tp_group),
-        sequence_parallel=sequence_parallel,
-        temperature=row_temperature,
+        layout=megatron_layout(sequence_parallel, accumulate_into_main_grad),
+    )
+
+
+def fused_log_probs_at(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    tp_group: ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    options: HeadOptions | None = None,
+    ignore_index: int | None = None,
+    backend: str | Backend | None = None,
+    return_entropy: bool | None = None,
+    validate: bool | None = None,
+    accumulate_into_main_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A student's ``log q`` at ``k`` ids per token (e.g. a teacher's top-k from
+    :func:`mcore_ppo.fused_topk`), and its entropy: :func:`fused_log_probs_and_entropy` with
+    ``labels`` that must carry the trailing ``k`` dim (``[b, s, k]`` for hidden ``[s, b, h]``,
+    ``[n, k]`` for ``[n, h]``, ``k >= 1``; under CP this rank's tokens). The same arguments,
+    checks, layouts and gradients; ``log_probs`` ``[..., k]``, ``entropy`` per token."""
+    options = call_options(
+        options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+    )
+    return run_head(
+        hidden,
+        weight,
+        labels,
+        temperature,
+        options,
+        tp_group=resolve_tp_group(tp_group),
+        layout=megatron_layout(sequence_parallel, accumulate_into_main_grad),
+        ids=True,
     )

@@ -10,14 +10,16 @@ import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
+from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.distill.student import fused_log_probs_at
-from mcore_ppo.pipeline import HeadOptions, run_head
+from mcore_ppo.head_call import run_head
+from mcore_ppo.options import HeadOptions, call_options, megatron_layout
 
 # megatron-core >= 0.20 gives ColumnParallelLinear an ``output_dtype`` (the logits GEMM's output
 # dtype, GPTModel's ``logit_dtype``) and passes it to the output layer; older versions have none.
 _CPL_TAKES_OUTPUT_DTYPE = "output_dtype" in inspect.signature(ColumnParallelLinear.__init__).parameters
-_REDUCTIONS = ("none", "sum", "mean")
+# LinearCrossEntropyModule's reductions; its "mean" is over the tokens that count (not ignored).
+_LOSS_REDUCTIONS = ("none", "sum", "mean")
 # Attributes of the head that are fields of its one HeadOptions (read and set through it).
 _OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(HeadOptions))
 
@@ -37,14 +39,15 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         config: Megatron ``ModelParallelConfig`` (``sequence_parallel``,
             ``gradient_accumulation_fusion``, ``params_dtype``, ... are honoured).
         init_method: weight initialiser, as for ``ColumnParallelLinear``.
-        temperature, ignore_index, backend, return_entropy, validate: the fused path's
-            options (:class:`mcore_ppo.pipeline.HeadOptions`; ``temperature`` is the float
-            default that a call may override, also with a per-token tensor;
-            ``return_entropy=False`` makes the fused path return ``(log_probs, None)``;
-            ``validate`` None takes the default; a backend object such as
-            ``TritonBackend(buffer_budget_bytes=...)`` carries its own settings). The head
-            keeps them as one :class:`HeadOptions` (:attr:`options`), built here and rebuilt,
-            and so validated, only when one of the attributes of the same names is set
+        temperature: the default temperature of the fused path, a number (a call may
+            override it, also with a per-token tensor); checked when set.
+        ignore_index, backend, return_entropy, validate: the fused path's options
+            (:class:`mcore_ppo.options.HeadOptions`; ``return_entropy=False`` makes the fused
+            path return ``(log_probs, None)``; ``validate`` None takes the default; a backend
+            object such as ``TritonBackend(TritonConfig(...))`` carries its own settings), or
+            ``options``, a ``HeadOptions`` whose fields these keywords replace when given. The
+            head keeps them as one :class:`HeadOptions` (:attr:`options`), built here and
+            rebuilt, and so validated, only when one of the attributes of the same names is set
             between calls; a forward reuses it as it is.
         output_dtype: the dtype of the logits on the ``labels=None`` path, which megatron-core
             >= 0.20 passes to its output layer (``GPTModel(logit_dtype=...)``) and
@@ -71,22 +74,20 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         init_method: Callable[[torch.Tensor], None],
         bias: bool = False,
         temperature: float = 1.0,
-        ignore_index: int = -100,
-        backend: str | Backend = "auto",
+        options: HeadOptions | None = None,
+        ignore_index: int | None = None,
+        backend: str | Backend | None = None,
         output_dtype: torch.dtype | None = None,
-        return_entropy: bool = True,
+        return_entropy: bool | None = None,
         validate: bool | None = None,
         **kwargs,
     ) -> None:
         if bias:
             raise ValueError("VocabParallelFusedPPOHead has no bias (bias must be False): output layers have none")
-        options = HeadOptions(
-            temperature=temperature,
-            ignore_index=ignore_index,
-            backend=backend,
-            return_entropy=return_entropy,
-            validate=validate,
+        options = call_options(
+            options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
         )
+        temperature = validation.check_temperature(temperature)
         if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
             raise TypeError(f"output_dtype must be a torch.dtype or None, got {type(output_dtype).__name__}")
         if _CPL_TAKES_OUTPUT_DTYPE:
@@ -99,12 +100,17 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         super().__init__(input_size, output_size, config=config, init_method=init_method, bias=False, **kwargs)
         self.output_dtype = output_dtype
         self.options = options
+        self.temperature = temperature
 
     def __setattr__(self, name: str, value) -> None:
         if name in _OPTION_NAMES:
             # Rebuilt (and so validated) now, not at the next forward.
             value = dataclasses.replace(self.options, **{name: value})
             name = "options"
+        elif name == "options" and not isinstance(value, HeadOptions):
+            raise TypeError(f"options must be a HeadOptions, got {validation.type_name(value)}")
+        elif name == "temperature":
+            value = validation.check_temperature(value)
         super().__setattr__(name, value)
 
     def __getattr__(self, name: str):
@@ -133,7 +139,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             labels: global vocab ids ``[b, s]`` / ``[1, t]`` / ``[n]`` (already rolled, and
                 split for CP with :func:`parallel.roll_and_split_labels`), or None. With a
                 trailing ``k`` dim (``[b, s, k]``, ...): ``k`` ids per token, log-probs
-                ``[..., k]`` (:func:`mcore_ppo.distill.student.fused_log_probs_at`).
+                ``[..., k]`` (:func:`mcore_ppo.fused_log_probs_at`).
             weight: the weight to use instead of ``self.weight`` (tied embeddings: the
                 embedding's shard, as Megatron's ``GPTModel`` passes it).
             runtime_gather_output: as for ``ColumnParallelLinear`` (logits path only).
@@ -159,8 +165,8 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         options = self.options
         if return_entropy is not None and return_entropy is not options.return_entropy:
             options = dataclasses.replace(options, return_entropy=return_entropy)
-        # A float or a tensor here overrides the stored temperature for this call (run_head).
-        return self._run(input_, weight, labels, options, temperature)
+        # A number or a tensor here overrides the stored temperature for this call.
+        return self._run(input_, weight, labels, options, self.temperature if temperature is None else temperature)
 
     def _cross_entropy(
         self,
@@ -171,13 +177,13 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         ignore_index: int | None,
     ) -> torch.Tensor:
         """``LinearCrossEntropyModule``'s fused loss: ``-log p(label)`` at temperature 1, no logits."""
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if reduction not in _LOSS_REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_LOSS_REDUCTIONS}, got {reduction!r}")
         ignore = self.ignore_index if ignore_index is None else ignore_index
         weight = self._weight(weight)
+        options = dataclasses.replace(self.options, ignore_index=ignore, return_entropy=False)
         # The language-model loss has no sampling temperature: T = 1 whatever the head's default.
-        options = dataclasses.replace(self.options, temperature=1.0, ignore_index=ignore, return_entropy=False)
-        log_probs, _ = self._run(input_, weight, labels, options)
+        log_probs, _ = self._run(input_, weight, labels, options, 1.0)
         loss = -log_probs
         if reduction == "sum":
             return loss.sum()
@@ -201,22 +207,8 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         weight: torch.Tensor,
         labels: torch.Tensor,
         options: HeadOptions,
-        temperature: float | torch.Tensor | None = None,
+        temperature: float | torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if labels.dim() == input_.dim() in (2, 3):  # [..., k]: k ids per token (distillation's student side)
-            return fused_log_probs_at(
-                input_, weight, labels, temperature=options.temperature if temperature is None else temperature,
-                tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, ignore_index=options.ignore_index,
-                backend=options.backend, return_entropy=options.return_entropy, validate=options.validate,
-                accumulate_into_main_grad=self.gradient_accumulation_fusion,
-            )  # fmt: skip
-        return run_head(
-            input_,
-            weight,
-            labels,
-            options,
-            tp_group=self.tp_group,
-            sequence_parallel=self.sequence_parallel,
-            accumulate_into_main_grad=self.gradient_accumulation_fusion,
-            temperature=temperature,
-        )
+        # Labels with a trailing k dim are k ids per token (distillation's student side).
+        layout = megatron_layout(self.sequence_parallel, self.gradient_accumulation_fusion)
+        return run_head(input_, weight, labels, temperature, options, tp_group=self.tp_group, layout=layout)

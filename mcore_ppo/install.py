@@ -16,7 +16,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.head import VocabParallelFusedPPOHead
 from mcore_ppo.logs import log_once
-from mcore_ppo.pipeline import HeadOptions
+from mcore_ppo.options import HeadOptions, call_options
+from mcore_ppo.validation import check_temperature
 
 __all__ = ["install_fused_head", "unwrap_gpt_model"]
 
@@ -83,9 +84,10 @@ def install_fused_head(
     model: torch.nn.Module,
     *,
     temperature: float = 1.0,
-    backend: str | Backend = "auto",
-    ignore_index: int = -100,
-    return_entropy: bool = True,
+    options: HeadOptions | None = None,
+    backend: str | Backend | None = None,
+    ignore_index: int | None = None,
+    return_entropy: bool | None = None,
     validate: bool | None = None,
 ) -> VocabParallelFusedPPOHead | None:
     """Make ``model``'s output layer a :class:`VocabParallelFusedPPOHead` (idempotent).
@@ -97,13 +99,14 @@ def install_fused_head(
     the old layer (Megatron DDP's forward pre-hook) are carried over, so the head may be
     installed before or after wrapping in DDP; before is the usual order.
 
-    ``temperature``, ``backend``, ``ignore_index``, ``return_entropy`` and ``validate`` (None:
-    the default) are the head's options (:class:`mcore_ppo.pipeline.HeadOptions`), checked
-    before the model is looked at. Backend settings travel with a backend object:
-    ``backend=TritonBackend(buffer_budget_bytes=...)``.
+    ``temperature`` is the head's default temperature; ``options`` (a
+    :class:`mcore_ppo.options.HeadOptions`) and ``backend``, ``ignore_index``,
+    ``return_entropy`` and ``validate`` (given: they replace its fields) are the head's options,
+    checked before the model is looked at. Backend settings travel with a backend object:
+    ``backend=TritonBackend(TritonConfig(buffer_budget_bytes=...))``.
 
-    Called again on a model that has the head, it replaces the head's options with these and
-    returns the same head.
+    Called again on a model that has the head, it replaces the head's options and temperature
+    with these and returns the same head.
 
     Returns:
         The head on the last pipeline stage; None on other stages (they have no output layer).
@@ -114,19 +117,17 @@ def install_fused_head(
             it has a bias.
         NotImplementedError: ``config.defer_embedding_wgrad_compute`` is set.
     """
-    options = HeadOptions(
-        temperature=temperature,
-        ignore_index=ignore_index,
-        backend=backend,
-        return_entropy=return_entropy,
-        validate=validate,
+    options = call_options(
+        options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
     )
+    temperature = check_temperature(temperature)
     gpt = unwrap_gpt_model(model)
     if not gpt.post_process:
         return None
     old = gpt.output_layer
     if isinstance(old, VocabParallelFusedPPOHead):
         old.options = options
+        old.temperature = temperature
         return old
     if not _replaceable_output_layer(old):
         raise TypeError(
@@ -146,11 +147,8 @@ def install_fused_head(
         old.output_size,
         config=old.config,
         init_method=_no_init,
-        temperature=options.temperature,
-        ignore_index=options.ignore_index,
-        backend=options.backend,
-        return_entropy=options.return_entropy,
-        validate=options.validate,
+        temperature=temperature,
+        options=options,
         gather_output=old.gather_output,
         # Never allocate (or initialise, drawing from the RNG) a weight that is replaced below.
         skip_weight_param_allocation=True,

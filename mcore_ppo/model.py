@@ -1,9 +1,7 @@
-"""Megatron-Core GPT integration: build a small GPT, install the fused head, run the PPO forward.
+"""Megatron-Core GPT integration: install the fused head, run the PPO forward.
 
-Three entry points:
+Two entry points:
 
-- :func:`build_gpt_model` (from :mod:`mcore_ppo.gpt_builder`) — a ``GPTModel`` with the local
-  layer spec, the same global weights in every TP layout.
 - :func:`install_fused_head` (from :mod:`mcore_ppo.install`) — replaces ``model.output_layer`` by a
   :class:`~mcore_ppo.head.VocabParallelFusedPPOHead` that owns the *same* ``weight`` Parameter
   object (untied) or none at all (tied: the embedding's weight is passed at call time, as
@@ -38,14 +36,12 @@ from typing import Any
 
 import torch
 
-from mcore_ppo.gpt_builder import build_gpt_model
 from mcore_ppo.head import VocabParallelFusedPPOHead
 from mcore_ppo.install import install_fused_head, unwrap_gpt_model
 from mcore_ppo.logs import log_once
 from mcore_ppo.validation import check_temperature
 
 __all__ = [
-    "build_gpt_model",
     "check_supported_config",
     "gpt_log_probs_and_entropy",
     "hidden_states_without_postprocess",

@@ -7,20 +7,18 @@ Checks that read tensor *values* (the label range, a temperature tensor's values
 synchronisation on CUDA; they run on every device when the head's ``validate`` option is on
 (:class:`mcore_ppo.pipeline.HeadOptions`; default :data:`VALIDATE_DEFAULT`), both in one sync,
 and not at all when it is off (then a bad label gives a NaN log-prob, a bad temperature NaN
-outputs for its token, never a plausible wrong number). The shard-size check talks to the
-other ranks; on CUDA it runs once per process group and shard size and is then cached.
+outputs for its token, never a plausible wrong number). What these checks conclude on each
+rank is shared over the TP group by :mod:`mcore_ppo.verdict` before the first collective.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import weakref
 
 import torch
-import torch.distributed as dist
 
-from parallel.ranks import ProcessGroup, group_size
+from parallel.ranks import ProcessGroup
 
 _FALSE = ("0", "false", "False", "off", "no")
 _VALIDATE_ENV = os.environ.get("MCORE_PPO_VALIDATE", "").strip()
@@ -48,6 +46,7 @@ def validate_on_device() -> bool:
 #: Large temperatures need no bound: 1/T underflows to 0 and the outputs are those of the uniform
 #: distribution, the fp32 rounding of the exact answer.
 MIN_TEMPERATURE = 1e-4
+TEMPERATURE_TYPES = "a number (int or float) or a floating-point torch.Tensor"
 #: Labels are compared with ``ignore_index`` and the vocab range in int64 whatever their dtype
 #: (a comparison in a narrow dtype wraps: -100 is 156 in uint8). These convert to int64 exactly;
 #: uint64 does not (values from 2**63 on would wrap negative, possibly onto ``ignore_index``).
@@ -66,6 +65,22 @@ def type_name(value: object) -> str:
     return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` is a bool (a numpy bool or an int is not); returns it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type_name(value)}")
+    return value
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` is an int (bool is not) >= 1; returns it."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
 def resolve_validate(validate: object) -> bool:
     """An entry point's ``validate``: a bool as given, None the documented default
     (:data:`VALIDATE_DEFAULT`); anything else a TypeError."""
@@ -79,7 +94,7 @@ def resolve_validate(validate: object) -> bool:
 def check_temperature(temperature: object) -> float:
     """``temperature`` is a Python int or float, finite, in ``[MIN_TEMPERATURE, inf)``; returns it as float."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a python float, got {type_name(temperature)}")
+        raise TypeError(f"temperature must be {TEMPERATURE_TYPES}, got {type_name(temperature)}")
     allowed = (
         f"finite and > 0, in [{MIN_TEMPERATURE:g}, inf) (below {MIN_TEMPERATURE:g} the fp32 tempered logits "
         "x·w/T grow past the precision the gradients need, and overflow)"
@@ -106,7 +121,7 @@ def check_temperature_tensor(temperature: object, labels: torch.Tensor, *, flat_
             ``labels``' shape. Its *values* are checked by :func:`check_temperature_values`.
     """
     if not isinstance(temperature, torch.Tensor):
-        raise TypeError(f"temperature must be a python float or a torch.Tensor, got {type_name(temperature)}")
+        raise TypeError(f"temperature must be {TEMPERATURE_TYPES}, got {type_name(temperature)}")
     if not temperature.dtype.is_floating_point:
         raise TypeError(f"temperature must be a floating-point tensor, got dtype {temperature.dtype}")
     if temperature.device != labels.device:
@@ -199,15 +214,17 @@ def _autocast_on(device: torch.device) -> bool:
 
 
 def check_layout(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_size: int, sequence_parallel: bool
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    tp_size: int,
+    sequence_parallel: bool,
+    *,
+    ids: bool = False,
 ) -> None:
-    """Shapes of docs/design.md §3: [s,b,h]+[b,s], [t,1,h]+[1,t], [n,h]+[n]; SP shards dim 0 of hidden."""
-    if weight.dim() != 2 or weight.shape[0] < 1:
-        raise ValueError(f"weight must be this rank's [vocab_shard, hidden] shard, got shape {tuple(weight.shape)}")
-    if weight.shape[1] < 1:
-        raise ValueError(
-            f"the hidden size (last dim of hidden and weight) must be >= 1, got weight {tuple(weight.shape)}"
-        )
+    """Shapes of docs/design.md §3: [s,b,h]+[b,s], [t,1,h]+[1,t], [n,h]+[n]; SP shards dim 0 of
+    hidden. ``ids``: labels carry a trailing ``k >= 1`` dim (``k`` ids per token)."""
+    check_weight_shape(weight)
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [n, h] or [s, b, h], got shape {tuple(hidden.shape)}")
     if hidden.shape[-1] != weight.shape[1]:
@@ -218,10 +235,20 @@ def check_layout(
     seq = hidden.shape[0] * (tp_size if sp else 1)
     if hidden.dim() == 3:
         expected = (hidden.shape[1], seq)
-        what = "[b, s] for hidden [s, b, h]"
+        what = "[b, s, k] for hidden [s, b, h]" if ids else "[b, s] for hidden [s, b, h]"
     else:
         expected = (seq,)
-        what = "[n] for hidden [n, h]"
+        what = "[n, k] for hidden [n, h]" if ids else "[n] for hidden [n, h]"
+    if ids:
+        if labels.dim() != len(expected) + 1 or tuple(labels.shape[:-1]) != expected:
+            sp_note = f" (hidden's first dim {hidden.shape[0]} is the SP shard, × tp {tp_size})" if sp else ""
+            raise ValueError(
+                f"labels with k ids per token must have shape {what}, i.e. {(*expected, 'k')}{sp_note}, "
+                f"got {tuple(labels.shape)}"
+            )
+        if labels.shape[-1] < 1:
+            raise ValueError(f"labels must hold k >= 1 ids per token (last dim), got shape {tuple(labels.shape)}")
+        return
     if tuple(labels.shape) != expected:
         if sp and labels.dim() == len(expected) and labels.shape[-1] % tp_size:
             raise ValueError(
@@ -230,6 +257,16 @@ def check_layout(
             )
         sp_note = f" (hidden's first dim {hidden.shape[0]} is the SP shard, × tp {tp_size})" if sp else ""
         raise ValueError(f"labels must have shape {what}, i.e. {expected}{sp_note}, got {tuple(labels.shape)}")
+
+
+def check_weight_shape(weight: torch.Tensor) -> None:
+    """``weight`` is a ``[vocab_shard >= 1, hidden >= 1]`` matrix."""
+    if weight.dim() != 2 or weight.shape[0] < 1:
+        raise ValueError(f"weight must be this rank's [vocab_shard, hidden] shard, got shape {tuple(weight.shape)}")
+    if weight.shape[1] < 1:
+        raise ValueError(
+            f"the hidden size (last dim of hidden and weight) must be >= 1, got weight {tuple(weight.shape)}"
+        )
 
 
 def check_flat_layout(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tp_size: int) -> None:
@@ -243,101 +280,3 @@ def check_flat_layout(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
             f"(hidden shape {tuple(hidden.shape)}, labels shape {tuple(labels.shape)})"
         )
     check_layout(hidden.reshape(tokens, hidden.shape[-1]), weight, labels.reshape(-1), tp_size, False)
-
-
-def check_label_range(
-    labels: torch.Tensor,
-    vocab_size: int,
-    ignore_index: int,
-    *,
-    bad_temperature: torch.Tensor | None = None,
-    temperature: torch.Tensor | None = None,
-) -> None:
-    """Labels must lie in ``[0, vocab_size)`` or equal ``ignore_index``; with ``bad_temperature``
-    (the mask of :func:`bad_temperatures` over ``temperature``) no temperature may be bad either.
-
-    Both are read back in one host sync on CUDA. ``labels`` are int64 here
-    (:func:`mcore_ppo.pipeline.run_head` converts them first), so neither bound wraps. Meta
-    tensors (shape inference) have no values to check."""
-    if labels.is_meta:
-        return
-    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
-        # The read-back below would invalidate the capture with an error that names neither.
-        raise ValueError(
-            "validate=True reads labels (and a temperature tensor) back to the host, which CUDA-graph "
-            "capture forbids: pass validate=False to a head that is captured"
-        )
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if bad_temperature is None:
-        any_label, any_temperature = bool(bad.any()), False
-    else:
-        any_label, any_temperature = torch.stack([bad.any(), bad_temperature.any()]).tolist()
-    if any_label:
-        first = labels[bad].flatten()[0].item()
-        raise ValueError(
-            f"labels must be in [0, {vocab_size}) (the global vocab) or ignore_index={ignore_index}; "
-            f"found {first} ({int(bad.sum())} bad labels)"
-        )
-    if any_temperature:
-        first = temperature[bad_temperature].flatten()[0].item()
-        raise ValueError(
-            f"temperature values must be finite and >= {MIN_TEMPERATURE:g} (MIN_TEMPERATURE), got {first} "
-            f"({int(bad_temperature.sum())} bad values)"
-        )
-
-
-# Groups whose shard sizes were checked, with the sizes: keyed by the group object itself where
-# it takes weak references (a new group never inherits an old one's entry, as it could through a
-# reused id()), else by its ranks and name.
-_CHECKED_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CHECKED_SHARDS: set[tuple] = set()
-
-
-def _shard_check_key(tp_group: ProcessGroup, rows: int, device_type: str) -> tuple[set, tuple]:
-    """``(the set that holds the check's entries, the entry)`` for ``tp_group``."""
-    try:
-        seen = _CHECKED_GROUPS.setdefault(tp_group, set())
-        return seen, (rows, device_type)
-    except TypeError:  # no weak references to this group object
-        ranks = tuple(dist.get_process_group_ranks(tp_group))
-        name = getattr(tp_group, "group_name", None)
-        return _CHECKED_SHARDS, (ranks, name, rows, device_type)
-
-
-def check_equal_shards(
-    weight: torch.Tensor, tp_group: ProcessGroup | None, local_error: Exception | None = None
-) -> None:
-    """Every TP rank's weight shard must have the same number of rows (Megatron's layout).
-
-    The check is one all-reduce over the TP group, which also carries whether any rank's own
-    layout check failed (``local_error``): then every rank raises (the failing one its own
-    error) instead of the others waiting in the next collective for a rank that has left.
-    """
-    if group_size(tp_group) == 1 or (local_error is not None and weight.device.type != "cpu"):
-        # One rank, or a CUDA rank whose peers may have cached the check: raise right away.
-        if local_error is not None:
-            raise local_error
-        return
-    rows = weight.shape[0] if weight.dim() == 2 else 0
-    cached = weight.device.type != "cpu"
-    seen, key = _shard_check_key(tp_group, rows, weight.device.type) if cached else (None, None)
-    if cached and key in seen:
-        return
-    failed = 0 if local_error is None else 1
-    sizes = torch.tensor([rows, -rows, failed], dtype=torch.int64, device=weight.device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=tp_group)
-    largest, smallest, any_failed = sizes[0].item(), -sizes[1].item(), sizes[2].item()
-    if local_error is not None:
-        raise local_error
-    if any_failed:
-        raise ValueError(
-            "another rank of the tensor-parallel group rejected its inputs (its exception names the "
-            "argument); this rank's inputs passed the checks"
-        )
-    if largest != smallest:
-        raise ValueError(
-            f"weight shards must have the same number of rows on every tensor-parallel rank; "
-            f"this rank has {rows}, the group has sizes from {smallest} to {largest}"
-        )
-    if cached:
-        seen.add(key)

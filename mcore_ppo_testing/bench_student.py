@@ -44,10 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from mcore_ppo.distill.student import fused_log_probs_at
 from torch.utils.checkpoint import checkpoint
 
 from mcore_ppo.distill import student as student_module
-from mcore_ppo.distill.student import fused_log_probs_at
 from mcore_ppo_testing.bench import GIB, event_times
 
 __all__ = ["run_student_bench"]

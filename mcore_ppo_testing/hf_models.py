@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from mcore_ppo.gpt_builder import build_gpt_model
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import GPTBatch, synthetic_batch
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 

@@ -1,4 +1,7 @@
-"""Backend registry: ``torch`` (chunked reference), ``triton`` (fused kernels), ``liger``.
+"""Backend registry: ``torch`` (chunked reference) and ``triton`` (fused kernels).
+
+Liger-Kernel computes whole outputs with its own autograd and fits no per-shard protocol: it is
+an entry point of its own, :func:`mcore_ppo.liger.liger_log_probs_and_entropy`.
 
 Optional backends are imported lazily with :func:`import_optional`, which fails soft only
 when the missing module *is* the optional package itself: a broken install of that package
@@ -14,11 +17,11 @@ from types import ModuleType
 
 import torch
 
-from mcore_ppo.backends.base import Backend
-from mcore_ppo.backends.torch_backend import TorchBackend
+from mcore_ppo.backends.base import Backend, Capabilities
+from mcore_ppo.backends.torch_backend import TorchBackend, TorchConfig
 from mcore_ppo.logs import log_once
 
-BACKENDS = ("auto", "torch", "triton", "liger")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def import_optional(package: str) -> ModuleType | None:
@@ -43,39 +46,24 @@ def _triton_backend() -> Backend | None:
     if module is None or not module.is_available():
         return None
     # The process's default budget: MCORE_PPO_BUFFER_BUDGET_BYTES, read here, once per cached backend.
-    budget = module.environment_budget()
-    return module.TritonBackend() if budget is None else module.TritonBackend(buffer_budget_bytes=budget)
+    return module.TritonBackend(module.TritonConfig.from_environment())
 
 
 def _torch_backend() -> Backend:
     return TorchBackend()  # recomputes in chunks; keeps no buffer between forward and backward
 
 
-def _liger_backend() -> Backend | None:
-    module = import_optional("mcore_ppo.backends.liger_backend")
-    if module is None or not module.is_available():
-        return None
-    return module.LigerBackend()
-
-
-_FACTORIES = {"torch": _torch_backend, "triton": _triton_backend, "liger": _liger_backend}
-
-
-def is_backend_object(backend: object) -> bool:
-    """``backend`` is a backend instance rather than a name: it implements the per-shard
-    :class:`Backend` protocol, or computes whole outputs itself (``computes_outputs``)."""
-    if getattr(backend, "computes_outputs", False):
-        return callable(getattr(backend, "log_probs_and_entropy", None))
-    return callable(getattr(backend, "shard_statistics", None)) and callable(getattr(backend, "shard_gradients", None))
+_FACTORIES = {"torch": _torch_backend, "triton": _triton_backend}
 
 
 def check_backend(backend: object) -> None:
-    """``backend`` is one of :data:`BACKENDS` or a backend object; TypeError / ValueError otherwise."""
+    """``backend`` is one of :data:`BACKENDS` or a :class:`Backend` object; TypeError / ValueError otherwise."""
     if isinstance(backend, str):
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            hint = " (Liger-Kernel: mcore_ppo.liger_log_probs_and_entropy)" if backend == "liger" else ""
+            raise ValueError(f"backend must be one of {BACKENDS} or a backend object, got {backend!r}{hint}")
         return
-    if not is_backend_object(backend):
+    if not isinstance(backend, Backend) or not isinstance(backend.capabilities, Capabilities):
         raise TypeError(
             f"backend must be a str, one of {BACKENDS}, or a backend object (mcore_ppo.backends.base.Backend), "
             f"got {type(backend).__name__}"
@@ -100,15 +88,16 @@ def resolve_backend(name: str | Backend, device: torch.device) -> Backend:
     ``auto`` picks the fused Triton kernels on CUDA when they are available and the chunked
     torch reference elsewhere: in the benchmark (docs/benchmarks) ``triton`` is the fastest
     backend that meets the head's accuracy contract at every shape. Liger's CuTe kernel is
-    1.1-1.4x slower in the forward, and its log-prob error is above that contract and its entropy is computed
-    in bf16 (docs/benchmarks), so ``auto`` never picks it (ask for ``"liger"``). An explicitly
-    named backend that is not available raises.
+    1.1-1.4x slower in the forward, its log-prob error is above that contract and its entropy is
+    computed in bf16 (docs/benchmarks); it is its own entry point. An explicitly named backend
+    that is not available raises ValueError.
 
     A name resolves once per device type and the object is reused for every later call
     (:func:`clear_backend_cache` forgets them). The ``triton`` backend built for a name takes
-    its settings from its module defaults, its probability-buffer budget from
-    ``MCORE_PPO_BUFFER_BUDGET_BYTES`` when set (read then, once); other settings need a
-    backend object: ``backend=TritonBackend(buffer_budget_bytes=...)``.
+    the default :class:`~mcore_ppo.backends.triton_backend.TritonConfig`, with the
+    probability-buffer budget from ``MCORE_PPO_BUFFER_BUDGET_BYTES`` when set (read then,
+    once); other settings need a backend object:
+    ``backend=TritonBackend(TritonConfig(buffer_budget_bytes=...))``.
     """
     if not isinstance(name, str):
         check_backend(name)
@@ -138,33 +127,34 @@ def _build(name: str, device: torch.device) -> Backend:
         return backend
     backend = _FACTORIES[name]()
     if backend is None:
-        raise RuntimeError(
+        raise ValueError(
             f"backend={name!r} is not available here (its package is not installed or it needs "
-            "a CUDA device); use backend='torch' or 'auto'"
+            "a CUDA device or TRITON_INTERPRET=1); use backend='torch' or 'auto'"
         )
     _log_resolved(name, device, backend)
     return backend
 
 
 def __getattr__(name: str):
-    # TritonBackend is exported without importing its module (and triton) with the package.
-    if name == "TritonBackend":
-        from mcore_ppo.backends.triton_backend import TritonBackend
+    # The triton backend's names are exported without importing its module (and triton) with the package.
+    if name in ("TritonBackend", "TritonConfig"):
+        from mcore_ppo.backends import triton_backend
 
-        return TritonBackend
+        return getattr(triton_backend, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _log_resolved(name: str, device: torch.device, backend: Backend) -> None:
     """One INFO line per (requested name, device type, budget): the backend a configuration runs."""
-    budget = getattr(backend, "buffer_budget_bytes", None)
+    config = getattr(backend, "config", None)
+    budget = getattr(config, "buffer_budget_bytes", None)
     log_once(
         logging.INFO,
         ("backend", name, device.type, type(backend).__name__, budget),
         "mcore_ppo: backend=%r on %s -> %r%s",
         name,
         device.type,
-        getattr(backend, "name", type(backend).__name__),
+        backend.name,
         "" if budget is None else f" (probability-buffer budget {budget} bytes per call)",
     )
 
@@ -172,11 +162,13 @@ def _log_resolved(name: str, device: torch.device, backend: Backend) -> None:
 __all__ = [
     "BACKENDS",
     "Backend",
+    "Capabilities",
     "TorchBackend",
+    "TorchConfig",
     "TritonBackend",
+    "TritonConfig",
     "check_backend",
     "clear_backend_cache",
     "import_optional",
-    "is_backend_object",
     "resolve_backend",
 ]

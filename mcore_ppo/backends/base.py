@@ -8,8 +8,6 @@ between calls: whatever its backward may reuse from its forward is returned by
 :meth:`Backend.shard_statistics` as :attr:`ShardStatistics.residual`, kept by the autograd
 Function, and handed back in :attr:`SavedTokens.residual`.
 
-An :class:`OutputsBackend` (Liger) computes whole outputs with its own autograd instead.
-
 Arguments shared by both per-shard methods:
     hidden: ``[n, h]`` activations (any float dtype; the backend computes in fp32).
     weight: ``[v, h]`` this rank's vocab shard.
@@ -25,11 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
-
-from parallel.ranks import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -60,7 +56,9 @@ class SavedTokens:
     ``local_labels`` and ``valid`` as in the module doc; ``lse`` and ``entropy`` are the
     combined (global, over every TP rank) fp32 values (``entropy`` None when it is off: then
     no entropy gradient is asked for either); ``residual`` is
-    :attr:`ShardStatistics.residual` of the same call, or None (recompute).
+    :attr:`ShardStatistics.residual` of the same call, or None (recompute). With ``k`` ids per
+    token, ``local_ids`` ``[n, k]`` holds each id's row in this shard (-1 elsewhere) and
+    ``slot_ok`` which slots count; both are the Function's, None with one label per token.
     """
 
     local_labels: torch.Tensor
@@ -68,6 +66,8 @@ class SavedTokens:
     lse: torch.Tensor
     entropy: torch.Tensor | None
     residual: Any = None
+    local_ids: torch.Tensor | None = None
+    slot_ok: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,9 @@ class SparseGradient:
     """One-hot upstream gradients at ``k`` ids per token, for a backend to add to its ``dz``.
 
     ``ids``: ``[n, k]`` int64, contiguous, rows in token order: each slot's row in this shard,
-    or -1 (another rank's id, or an ignored slot). ``g``: ``[n, k]`` fp32, contiguous, the
-    slots' upstream gradients (any value where ``ids`` is -1: never read there). A duplicate id
-    in a row gets the sum of its slots' ``g``.
+    or -1 (another rank's id, or an ignored slot). ``g``: ``[n, k]`` in the accumulation dtype
+    (fp32; fp64 for fp64 inputs), contiguous, the slots' upstream gradients (any value where
+    ``ids`` is -1: never read there). A duplicate id in a row gets the sum of its slots' ``g``.
     """
 
     ids: torch.Tensor
@@ -96,9 +96,7 @@ class GradientRequest:
     was allocated and not zeroed (``torch.empty``): the backend writes every row of it instead of
     adding (only for a backend with ``writes_weight_grad``). ``sparse``: extra one-hot terms,
     ``dz[t, ids[t, j]] += g[t, j]`` (then divided by ``T`` like the rest of ``dz``), summed into
-    ``d_hidden`` and ``d_weight`` with the dense part; only for a backend whose optional
-    ``folds_sparse_gradient(hidden, weight)`` returns True for these inputs (the triton one on
-    its kernels), None otherwise.
+    ``d_hidden`` and ``d_weight`` with the dense part (the head's ``[..., k]`` labels), or None.
     """
 
     grad_log_prob: torch.Tensor | None
@@ -109,17 +107,48 @@ class GradientRequest:
     weight_grad_unset: bool = False
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares about itself, read by the head's autograd Function.
+
+    Attributes:
+        fused_forward: :meth:`Backend.head_forward` runs the whole single-label forward of its
+            shard (labels prepared and outputs finished in its kernels); False: the Function
+            runs the generic forward over :meth:`Backend.shard_statistics`.
+        weight_grad_in_weight_dtype: the ``d_W`` buffer may be in the weight's own dtype when
+            Megatron's ``main_grad`` is not used: only for a backend that forms every row of
+            ``d_W`` in one fp32-accumulated reduction over all tokens (one rounding).
+        writes_weight_grad: with the above, the buffer may come unfilled (``torch.empty``,
+            :attr:`GradientRequest.weight_grad_unset`): the backend writes every row.
+    """
+
+    fused_forward: bool = False
+    weight_grad_in_weight_dtype: bool = False
+    writes_weight_grad: bool = False
+
+
+class HeadForward(NamedTuple):
+    """What :meth:`Backend.head_forward` returns: the head's outputs (fp32 ``[n]``, ``entropy``
+    None when it is off) and what its backward needs (the ``SavedTokens`` that
+    :meth:`Backend.shard_gradients` receives; ``lse`` / ``entropy`` the combined values)."""
+
+    log_prob: torch.Tensor
+    entropy: torch.Tensor | None
+    saved: SavedTokens
+
+
+@runtime_checkable
 class Backend(Protocol):
-    """Per-shard statistics and gradients of the fused head, stateless between calls."""
+    """Per-shard statistics and gradients of the fused head, stateless between calls; its
+    settings are a frozen config given to its constructor."""
 
     name: str
-    # Optional (default False): True lets the Function pass a zero ``weight_grad`` in the
-    # weight's own dtype when Megatron's main_grad is not used. Only for backends that form
-    # every row of d_W in a single fp32-accumulated reduction over all tokens (one rounding).
-    weight_grad_in_weight_dtype: bool
-    # Optional (default False), with the above: True lets the Function pass that buffer unset
-    # (``torch.empty``, ``GradientRequest.weight_grad_unset``): the backend writes every row.
-    writes_weight_grad: bool
+    capabilities: Capabilities
+
+    def unsupported(self, hidden: torch.Tensor) -> str | None:
+        """Why this backend cannot run on these inputs (the head raises ValueError with it
+        before any collective), or None when it can."""
+        ...
 
     def shard_statistics(
         self,
@@ -129,12 +158,20 @@ class Backend(Protocol):
         valid: torch.Tensor,
         temperature: float | torch.Tensor,
         *,
-        grad_needed: bool = False,
-        with_entropy: bool = True,
+        grad_needed: bool,
+        with_entropy: bool,
     ) -> ShardStatistics:
         """This shard's statistics. ``grad_needed``: a backward will follow, so a residual for
         it may be returned (a backend keeps none otherwise). ``with_entropy`` False: ``u`` is
-        not computed (None); the caller passes it only when False."""
+        not computed (None)."""
+        ...
+
+    def gather_logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, local_ids: torch.Tensor, temperature: float | torch.Tensor
+    ) -> torch.Tensor:
+        """fp32 (fp64 for fp64 inputs) ``[n, k]``: ``hidden[t] · weight[local_ids[t, j]] / T_t``,
+        0 where ``local_ids`` is -1 (another rank's id, or an ignored slot: such a row's hidden
+        state is never read into a product)."""
         ...
 
     def shard_gradients(
@@ -151,27 +188,10 @@ class Backend(Protocol):
 
         ``d_hidden`` (None unless ``request.need_hidden_grad``) is this shard's partial sum: the
         caller reduces it over TP. ``d_weight`` is ``request.weight_grad`` accumulated into and
-        returned (None when it is None). A residual in ``saved`` is consumed (it may be
-        overwritten in place).
+        returned (None when it is None). ``request.sparse`` one-hot terms are added to ``dz``
+        before its products. A residual in ``saved`` is consumed (it may be overwritten in place).
         """
         ...
-
-
-class HeadForward(NamedTuple):
-    """What :meth:`FusedHeadBackend.head_forward` returns: the head's outputs (fp32 ``[n]``,
-    ``entropy`` None when it is off) and what its backward needs (the ``SavedTokens`` that
-    :meth:`Backend.shard_gradients` receives; ``lse`` / ``entropy`` the combined values)."""
-
-    log_prob: torch.Tensor
-    entropy: torch.Tensor | None
-    saved: SavedTokens
-
-
-class FusedHeadBackend(Backend, Protocol):
-    """A per-shard backend that may also run the whole forward of its shard itself (the triton
-    backend: labels prepared and outputs finished in its kernels, so the autograd Function
-    issues no per-token tensor op of its own). Optional: the Function uses it when a backend
-    has it, else the generic path over :meth:`Backend.shard_statistics`."""
 
     def head_forward(
         self,
@@ -189,43 +209,11 @@ class FusedHeadBackend(Backend, Protocol):
         max_entropy: float,
         combine: Callable | None,
     ) -> HeadForward | None:
-        """The generic path's results for global int64 ``labels [n]``: ``log_prob = min(y -
-        lse, 0)``, NaN for a label outside ``[0, vocab_size)`` unless ``labels_checked``;
-        entropy clamped to ``[0, max_entropy]``; both 0 for ignored tokens. ``combine``: None
-        when this shard is the whole vocab, else :func:`parallel.combine_shard_statistics`
-        over the TP group as ``combine(m, s, u, y) -> (lse, entropy, label_logit)``. None:
-        this case is not handled here (the caller runs the generic path)."""
-        ...
-
-
-class OutputsBackend(Protocol):
-    """A backend that computes whole outputs with its own autograd and TP handling (Liger).
-
-    :func:`mcore_ppo.pipeline.run_head` calls it in place of the head's autograd Function and
-    wraps ``hidden`` in no TP mapping: its backward must return the ``d_hidden`` the entry
-    point promises (reduced over TP, unless it reports the case unsupported).
-    """
-
-    name: str
-    computes_outputs: bool  # True: this protocol, not the per-shard one
-
-    def unsupported(
-        self, tp_size: int, sequence_parallel: bool, hidden: torch.Tensor, *, reduce_hidden_grad: bool = True
-    ) -> str | None:
-        """Why this case cannot run here (the pipeline raises ValueError with it), or None."""
-        ...
-
-    def log_probs_and_entropy(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        temperature: float | torch.Tensor,
-        ignore_index: int,
-        tp_group: ProcessGroup | None,
-        return_entropy: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 ``(log_prob [n], entropy [n] or None)`` for ``hidden [n, h]`` and global
-        ``labels [n]``; ``temperature`` a float or per-token ``[n]`` tensor."""
+        """Called only when :attr:`Capabilities.fused_forward`: the generic forward's results for
+        global int64 ``labels [n]``: ``log_prob = min(y - lse, 0)``, NaN for a label outside
+        ``[0, vocab_size)`` unless ``labels_checked``; entropy clamped to ``[0, max_entropy]``;
+        both 0 for ignored tokens. ``combine``: None when this shard is the whole vocab, else
+        :func:`parallel.combine_shard_statistics` over the TP group as ``combine(m, s, u, y) ->
+        (lse, entropy, label_logit)``. None: these inputs are not handled here (the caller runs
+        the generic forward)."""
         ...

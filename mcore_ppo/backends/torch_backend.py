@@ -12,27 +12,41 @@ Backward, per token with upstream ``g`` (log-prob) and ``e`` (entropy), ``p = ex
 
 since ``z_j - lse = log p_j``. The logits are ``x·w/T``, so ``d_hidden = (dz/T) @ W`` and
 ``d_W = (dz/T)ᵀ @ x``. A per-token temperature (``[n]`` tensor) divides row ``i`` by ``T_i``.
+One-hot gradients at ``k`` ids per token (:attr:`GradientRequest.sparse`) are added to each
+chunk's ``dz`` where the ids fall in it, before the products.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from mcore_ppo.backends.base import GradientRequest, SavedTokens, ShardStatistics
+from mcore_ppo.backends.base import Capabilities, GradientRequest, SavedTokens, ShardStatistics
+from mcore_ppo.numerics import accumulation_dtype, chunks
+from mcore_ppo.validation import check_positive_int
 from parallel.combine import merge_statistics
 
-TOKEN_CHUNK = 2048
-VOCAB_CHUNK = 4096
 
+@dataclass(frozen=True)
+class TorchConfig:
+    """Settings of :class:`TorchBackend`.
 
-def _chunks(total: int, size: int):
-    for start in range(0, total, size):
-        yield start, min(start + size, total)
+    Attributes:
+        token_chunk, vocab_chunk: the block of logits held at once, ``[token_chunk,
+            vocab_chunk]`` in fp32 (32 MiB by default).
+        gather_elements: weight rows gathered at once by :meth:`TorchBackend.gather_logits`, in
+            elements (``tokens × k × h``; 128 MiB of fp32): few enough launches per call to stay
+            off the host's critical path.
+    """
 
+    token_chunk: int = 2048
+    vocab_chunk: int = 4096
+    gather_elements: int = 1 << 25
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for fp32/bf16/fp16 inputs; fp64 inputs stay fp64 (gradcheck)."""
-    return torch.promote_types(dtype, torch.float32)
+    def __post_init__(self) -> None:
+        for name in ("token_chunk", "vocab_chunk", "gather_elements"):
+            check_positive_int(name, getattr(self, name))
 
 
 def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
@@ -58,11 +72,16 @@ class TorchBackend:
     the backward always recomputes)."""
 
     name = "torch"
+    capabilities = Capabilities()
 
-    def __init__(self, token_chunk: int | None = None, vocab_chunk: int | None = None):
-        # Module defaults are read at construction so tests can shrink them with monkeypatch.
-        self.token_chunk = token_chunk or TOKEN_CHUNK
-        self.vocab_chunk = vocab_chunk or VOCAB_CHUNK
+    def __init__(self, config: TorchConfig | None = None):
+        if config is not None and not isinstance(config, TorchConfig):
+            raise TypeError(f"config must be a TorchConfig or None, got {type(config).__name__}")
+        self.config = config or TorchConfig()
+
+    def unsupported(self, hidden: torch.Tensor) -> str | None:
+        """None: torch ops run on every device and dtype."""
+        return None
 
     def shard_statistics(
         self,
@@ -72,19 +91,19 @@ class TorchBackend:
         valid: torch.Tensor,
         temperature: float | torch.Tensor,
         *,
-        grad_needed: bool = False,
-        with_entropy: bool = True,
+        grad_needed: bool,
+        with_entropy: bool,
     ) -> ShardStatistics:
         """``(m, s, u, y)`` in the accumulation dtype (``u`` None without entropy); see the Backend protocol."""
         n, v = hidden.shape[0], weight.shape[0]
         acc = accumulation_dtype(hidden.dtype)
         stats = torch.empty(4, n, dtype=acc, device=hidden.device)
-        for t0, t1 in _chunks(n, self.token_chunk):
+        for t0, t1 in chunks(n, self.config.token_chunk):
             x, labels = hidden[t0:t1], local_labels[t0:t1]
             rows_t = _rows_of(temperature, t0, t1)
             running = None
             label_logit = torch.zeros(t1 - t0, dtype=acc, device=hidden.device)
-            for v0, v1 in _chunks(v, self.vocab_chunk):
+            for v0, v1 in chunks(v, self.config.vocab_chunk):
                 z = _tempered_logits(x, weight[v0:v1], rows_t)
                 m = z.amax(dim=1)
                 shifted = z - m[:, None]
@@ -99,6 +118,28 @@ class TorchBackend:
             stats[3, t0:t1] = label_logit
         m, s, u, y = stats.unbind(0)
         return ShardStatistics(m, s, u if with_entropy else None, y)
+
+    def gather_logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, local_ids: torch.Tensor, temperature: float | torch.Tensor
+    ) -> torch.Tensor:
+        """The logits at ``k`` local ids per token, gathered rows and a batched GEMM in token
+        chunks of at most :attr:`TorchConfig.gather_elements` elements; see the Backend protocol."""
+        n, h = hidden.shape
+        k = local_ids.shape[1]
+        acc = accumulation_dtype(hidden.dtype)
+        logits = torch.zeros(n, k, dtype=acc, device=hidden.device)
+        in_shard = local_ids >= 0
+        # A token with no id in the shard (ignored, or all ids elsewhere) may hold anything (inf
+        # padding): never let it into a product.
+        x_all = torch.where(
+            in_shard.any(dim=1)[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device)
+        )
+        rows_ids = local_ids.clamp(min=0)
+        for t0, t1 in chunks(n, max(1, self.config.gather_elements // max(1, k * h))):
+            rows = weight[rows_ids[t0:t1]].to(acc)  # [c, k, h]; .to is free for fp32 / fp64 weights
+            z = torch.bmm(rows, x_all[t0:t1].to(acc)[:, :, None]).squeeze(-1) / _rows_of(temperature, t0, t1)
+            logits[t0:t1] = torch.where(in_shard[t0:t1], z, 0.0)
+        return logits
 
     def shard_gradients(
         self,
@@ -121,7 +162,8 @@ class TorchBackend:
         has_e = grad_entropy is not None and entropy is not None
         e = torch.where(valid, grad_entropy.to(acc), zeros) if has_e else zeros
         hidden_grad = torch.zeros(n, h, dtype=acc, device=hidden.device) if request.need_hidden_grad else None
-        for t0, t1 in _chunks(n, self.token_chunk):
+        sparse = request.sparse
+        for t0, t1 in chunks(n, self.config.token_chunk):
             valid_c = valid[t0:t1, None]
             # Ignored rows' hidden states may be anything (inf padding): zero them so their
             # zero dz cannot meet an inf in d_W (0·inf = NaN).
@@ -131,7 +173,7 @@ class TorchBackend:
             lse_c = lse[t0:t1, None]
             entropy_c = entropy[t0:t1, None] if has_e else zeros[t0:t1, None]
             rows_t = _rows_of(temperature, t0, t1)
-            for v0, v1 in _chunks(v, self.vocab_chunk):
+            for v0, v1 in chunks(v, self.config.vocab_chunk):
                 w = weight[v0:v1]
                 log_p = _tempered_logits(x, w, rows_t) - lse_c
                 # Ignored rows: lse may be anything there, so mask before exp can overflow.
@@ -140,6 +182,9 @@ class TorchBackend:
                 dz = -p * (g_c + e_c * torch.where(valid_c, log_p + entropy_c, torch.zeros_like(log_p)))
                 cols, in_chunk = _label_columns(labels, v0, v1)
                 dz.scatter_add_(1, cols[:, None], torch.where(in_chunk[:, None], g_c, torch.zeros_like(g_c)))
+                if sparse is not None:
+                    ids_cols, ids_in = _label_columns(sparse.ids[t0:t1], v0, v1)
+                    dz.scatter_add_(1, ids_cols, torch.where(ids_in, sparse.g[t0:t1].to(acc), 0.0))
                 dz /= rows_t
                 if hidden_grad is not None:
                     hidden_grad[t0:t1] += dz @ w.to(acc)

@@ -20,6 +20,7 @@ import torch
 
 from mcore_ppo.backends.triton_launch import launch
 from mcore_ppo.logs import log_once
+from mcore_ppo.numerics import cdiv
 
 COMPACT_BLOCK = 4096  # rows per step of the one-program compaction: 4 dependent steps at n = 16384
 COMPACT_WARPS = 8
@@ -153,14 +154,6 @@ def merge_splits(
     return stats[0], stats[1], (stats[2] if with_u else None)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def rowmajor(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
     """fp32 operands take twice the shared memory per stage: halve the K tile for them."""
     if dtype == torch.float32 and config.block_k > 16:
@@ -229,12 +222,6 @@ def upstream_gradients(grad_log_prob, grad_entropy, placeholder: torch.Tensor):
 def descriptor_ok(t: torch.Tensor) -> bool:
     """A 2-D tensor the copy engine can address: unit last stride, 16-byte aligned rows."""
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
-def descriptor(t: torch.Tensor, block: list[int]):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block)
 
 
 def operands_by_tma(hidden: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> bool:

@@ -3,11 +3,10 @@
 :func:`fused_topk` (no gradient) gives, per token, the teacher's top-k global ids, their
 log-probs and the log of the mass outside them, without the ``[tokens, V]`` logits. The losses
 that consume them are pure tensor functions in :mod:`mcore_ppo.actor.distill_loss`.
-:func:`fused_log_probs_at` (with gradients) gives the student's log-probs at those ids, the
-same call as :func:`mcore_ppo.fused_log_probs_and_entropy` with ``[..., k]`` labels.
+:func:`mcore_ppo.fused_log_probs_at` (with gradients) gives the student's log-probs at those
+ids: the head itself, :func:`mcore_ppo.fused_log_probs_and_entropy` with ``[..., k]`` labels.
 """
 
-from mcore_ppo.distill.student import fused_log_probs_at
 from mcore_ppo.distill.topk import MAX_TOPK, TopK, check_k, fused_topk
 
-__all__ = ["MAX_TOPK", "TopK", "check_k", "fused_log_probs_at", "fused_topk"]
+__all__ = ["MAX_TOPK", "TopK", "check_k", "fused_topk"]

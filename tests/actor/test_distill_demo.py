@@ -152,7 +152,8 @@ def _teacher(output_layer: str, seed: int) -> torch.nn.Module:
     that with the embedding's weight tied to it, or with two multi-token prediction depths."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    from mcore_ppo import build_gpt_model, install_fused_head
+    from mcore_ppo import install_fused_head
+    from mcore_ppo_testing.gpt_builder import build_gpt_model
     from mcore_ppo_testing.ppo_harness import layer_spec
 
     shape = dict(TEACHER_GPT, tie_embeddings=output_layer == "tied")

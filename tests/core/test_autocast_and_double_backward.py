@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 from head_checks import TRITON_ON_CPU, plain_case
+from mcore_ppo.backends.liger_backend import is_available as liger_available
 
 import mcore_ppo
-from mcore_ppo.backends.liger_backend import is_available as liger_available
 from mcore_ppo.function import NO_DOUBLE_BACKWARD
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread

@@ -21,12 +21,12 @@ import math
 import pytest
 import torch
 from head_checks import BF16_CAST_RTOL, GRAD_ATOL, OUT_RTOL, TRITON_ON_CPU, make_case
+from mcore_ppo.pipeline import HeadOptions, run_head
 
 import mcore_ppo
 from mcore_ppo import validation
 from mcore_ppo.backends import import_optional
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
-from mcore_ppo.pipeline import HeadOptions, run_head
 from mcore_ppo_testing.reference import assert_close, check_invariants, reference
 from mcore_ppo_testing.seeds import generator, next_seed
 from parallel import split_for_cp, split_temperature_for_cp

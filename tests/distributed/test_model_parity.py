@@ -24,7 +24,8 @@ import torch.distributed as dist
 from conftest import DEVICE, fitting, model_parallel, require_ranks, shared_seed
 from megatron.core import parallel_state
 
-from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
+from mcore_ppo import gpt_log_probs_and_entropy, install_fused_head
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import (
     logits_log_probs_and_entropy,
     pop_parameter_grads,

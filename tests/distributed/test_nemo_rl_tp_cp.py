@@ -29,8 +29,8 @@ from conftest import DEVICE, fitting, model_parallel, require_ranks, shared_seed
 from head_cases import BACKEND
 
 import mcore_ppo.integrations.nemo_rl as nemo_rl_switch
-from mcore_ppo import build_gpt_model
 from mcore_ppo.integrations.nemo_rl import from_parallel_hidden_states_to_logprobs
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import pop_parameter_grads
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.nemo_rl_reference import logits_path_logprobs

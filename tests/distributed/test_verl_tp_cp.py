@@ -35,11 +35,11 @@ import torch.distributed as dist
 from conftest import DEVICE, fitting, model_parallel, shared_seed, tp_cp_groups
 from head_cases import BACKEND
 
-from mcore_ppo import build_gpt_model
 from mcore_ppo.integrations import verl as plugin
 from mcore_ppo.integrations.verl.engine import call_site
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 from mcore_ppo_testing import verl_engine
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.real_verl import require_verl
 from mcore_ppo_testing.reference import normwise_relative_error, outputs_from_logits

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import mcore_ppo.integrations.nemo_rl as nemo_rl_switch
-from mcore_ppo import build_gpt_model
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import pop_parameter_grads
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.nemo_rl_reference import logits_path_logprobs

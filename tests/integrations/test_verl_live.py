@@ -21,9 +21,9 @@ import logging
 import pytest
 import torch
 
-from mcore_ppo import build_gpt_model
 from mcore_ppo.integrations import verl as plugin
 from mcore_ppo.logs import forget_logged
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.real_verl import require_verl
 from mcore_ppo_testing.reference import normwise_relative_error

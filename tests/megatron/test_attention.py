@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mcore_ppo.actor.batching import pack_micro_batch
-from mcore_ppo.model import build_gpt_model
 from mcore_ppo_testing.attention import _plan
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.layer_specs import local_gpt_spec, local_layer_spec
 from mcore_ppo_testing.norms import SequenceParallelTorchNorm
 from mcore_ppo_testing.ppo_harness import synthetic_rollout

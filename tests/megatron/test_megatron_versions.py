@@ -17,8 +17,9 @@ import pytest
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from mcore_ppo import VocabParallelFusedPPOHead, build_gpt_model, install_fused_head
+from mcore_ppo import VocabParallelFusedPPOHead, install_fused_head
 from mcore_ppo import head as head_module
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 
 VOCAB, HIDDEN = 64, 16

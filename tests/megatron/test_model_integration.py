@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mcore_ppo.pipeline import HeadOptions
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
@@ -21,7 +22,6 @@ from mcore_ppo import (
     install_fused_head,
 )
 from mcore_ppo import model as model_module
-from mcore_ppo.pipeline import HeadOptions
 from mcore_ppo_testing import cpu_shims, install_cpu_shims, shims_installed, uninstall_cpu_shims
 from mcore_ppo_testing.gpt_reference import (
     logits_log_probs_and_entropy,

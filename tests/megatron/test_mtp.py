@@ -18,7 +18,8 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from mcore_ppo import build_gpt_model, gpt_log_probs_and_entropy, install_fused_head
+from mcore_ppo import gpt_log_probs_and_entropy, install_fused_head
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import pop_parameter_grads, synthetic_batch
 from mcore_ppo_testing.hooked_gpt import forward_path
 from mcore_ppo_testing.layer_specs import local_gpt_spec

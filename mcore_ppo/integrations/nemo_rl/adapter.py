@@ -17,7 +17,7 @@ policy's next-token log-probs in one of two ways:
 and returns what the logits path returns, for every layout that path has: TP (with or without
 SP), CP, packed sequences, temperature, and the entropy on request. It builds the labels with
 :func:`parallel.roll_and_split_labels` (roll the global sequence, then split: the position a
-rank holds gets its true successor) and runs :func:`mcore_ppo.pipeline.run_head`. Top-k/top-p
+rank holds gets its true successor) and runs :func:`mcore_ppo.head_call.run_head`. Top-k/top-p
 filtering is refused: the head's log-probs are those of the whole softmax. (What
 :func:`mcore_ppo.integrations.nemo_rl.enable` puts in NeMo-RL's own call site is
 :mod:`mcore_ppo.integrations.nemo_rl.fused`, which calls this.)
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.pipeline import HeadOptions, run_head
+from mcore_ppo.head_call import run_head
+from mcore_ppo.options import call_options, megatron_layout
 from parallel.context_parallel import roll_labels, split_for_cp
 from parallel.cp_gather import gather_from_cp
 from parallel.ranks import ProcessGroup, group_rank, group_size
@@ -88,7 +89,7 @@ def from_parallel_hidden_states_to_logprobs(
         sequence_parallel: the hidden states are sequence-sharded over TP; None means TP > 1,
             as NeMo-RL's fused path assumes.
         return_entropy: also return the entropy, shaped like the log-probs.
-        backend: the head's option (:class:`mcore_ppo.pipeline.HeadOptions`; a backend object carries its settings).
+        backend: the head's option (:class:`mcore_ppo.options.HeadOptions`; a backend object carries its settings).
 
     Returns:
         fp32 (fp64 for fp64 inputs) log-probs ``[b, s - 1]`` (packed: ``[batch, unpacked_seqlen - 1]``, zero past each
@@ -138,9 +139,11 @@ def from_parallel_hidden_states_to_logprobs(
         )
         labels = split_for_cp(labels, cp_size, group_rank(cp_group), seq_dim=1)
     # Without return_entropy the head skips the entropy's sums, its TP combine and backward term.
-    options = HeadOptions(temperature=temperature, ignore_index=_IGNORE, backend=backend, return_entropy=return_entropy)
+    options = call_options(None, ignore_index=_IGNORE, backend=backend, return_entropy=return_entropy, validate=None)
     with torch.no_grad() if inference_only else torch.enable_grad():
-        outputs = run_head(hidden, weight, labels, options, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        outputs = run_head(
+            hidden, weight, labels, temperature, options, tp_group=tp_group, layout=megatron_layout(sequence_parallel)
+        )
     results = []
     for values in outputs[: 2 if return_entropy else 1]:
         values = gather_from_cp(values, cp_group, seq_dim=1, cu_seqlens=bounds if packed else None)

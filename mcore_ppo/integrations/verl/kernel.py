@@ -34,9 +34,17 @@ import torch.distributed as dist
 
 from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.pipeline import call_options, run_head
+from mcore_ppo.head_call import run_head
+from mcore_ppo.options import HiddenGrad, Layout, TokenOrder, call_options
 
-_REDUCTIONS = ("none", "sum", "mean")
+# verl's reductions of the log-probs; its "mean" is over all N tokens, ignored ones included.
+_VERL_REDUCTIONS = ("none", "sum", "mean")
+# verl's contract: the caller reduces d_hidden over TP (PARTIAL), or, for a caller that reduces
+# nothing itself, the head does (REDUCED).
+_LAYOUTS = {
+    False: Layout(TokenOrder.FLAT, HiddenGrad.PARTIAL),
+    True: Layout(TokenOrder.FLAT, HiddenGrad.REDUCED),
+}
 
 
 def linear_cross_entropy(
@@ -47,10 +55,10 @@ def linear_cross_entropy(
     reduction: str | None = "none",
     dist_process_group: dist.ProcessGroup | None = None,
     *,
-    ignore_index: int = -100,
-    backend: str | Backend = "auto",
+    ignore_index: int | None = None,
+    backend: str | Backend | None = None,
     reduce_hidden_grad: bool = False,
-    return_entropy: bool = True,
+    return_entropy: bool | None = None,
     validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """verl's ``linear_cross_entropy``: per-token log-probs and entropy of ``softmax(hidden @ W.T / T)``.
@@ -62,22 +70,21 @@ def linear_cross_entropy(
         temperature: a Python float > 0 (None means 1.0, as in verl), or a per-token
             floating-point tensor (not in verl): ``N`` elements in the labels' memory order, or
             broadcastable to ``labels``' shape; no gradient (see
-            :func:`mcore_ppo.pipeline.run_head`).
+            :func:`mcore_ppo.head_call.run_head`).
         reduction: ``"none"``, ``"sum"`` or ``"mean"`` (of ``log_probs`` over the ``N`` tokens;
             None means ``"none"``).
         dist_process_group: the TP group; None for one rank.
-        ignore_index: label value of tokens to skip (keyword-only; not in verl).
-        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"liger"`` or a backend object
-            (keyword-only; ``TritonBackend(buffer_budget_bytes=...)`` sizes the triton
-            backend's probability buffer). ``"liger"`` runs at TP 1 only here: Liger's TP
-            variant reduces ``d_hidden`` itself, which verl's contract leaves to the caller.
+        ignore_index: label value of tokens to skip (keyword-only; not in verl; default -100).
+        backend: ``"auto"`` (default), ``"torch"``, ``"triton"`` or a backend object
+            (keyword-only; ``TritonBackend(TritonConfig(buffer_budget_bytes=...))`` sizes the
+            triton backend's probability buffer).
         reduce_hidden_grad: keyword-only, not in verl: True sums ``d_hidden`` over TP here
             (for callers that, unlike verl's contract, reduce nothing themselves: the verl
             plugin without sequence parallelism, :mod:`mcore_ppo.integrations.verl`).
         return_entropy: keyword-only, not in verl: False skips the entropy work and returns
             ``(log_probs, None)``.
         validate: keyword-only, not in verl: check label range and temperature values (one
-            host sync on CUDA); None: the default (:class:`mcore_ppo.pipeline.HeadOptions`).
+            host sync on CUDA); None: the default (:class:`mcore_ppo.options.HeadOptions`).
 
     Returns:
         ``(log_probs, entropy)``, fp32: ``[N]`` and ``[N]``, or a 0-d ``log_probs`` for
@@ -88,24 +95,23 @@ def linear_cross_entropy(
     if reduction is None:
         reduction = "none"
     if not isinstance(reduction, str):
-        raise TypeError(f"reduction must be a str, got {type(reduction).__name__}")
+        raise TypeError(f"reduction must be a str, got {validation.type_name(reduction)}")
     reduction = reduction.lower()
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    options, row_temperature = call_options(
-        temperature, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+    if reduction not in _VERL_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_VERL_REDUCTIONS}, got {reduction!r}")
+    validation.check_bool("reduce_hidden_grad", reduce_hidden_grad)
+    options = call_options(
+        None, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
     )
     validation.check_process_group(dist_process_group, "dist_process_group")
-    # By default no TP reduction of d_hidden here: verl's contract leaves it to the caller (module doc).
     log_probs, entropy = run_head(
         hidden,
         weight,
         labels,
+        temperature,
         options,
         tp_group=dist_process_group,
-        reduce_hidden_grad=reduce_hidden_grad,
-        flat_labels=True,
-        temperature=row_temperature,
+        layout=_LAYOUTS[reduce_hidden_grad],
     )
     if reduction == "sum":
         log_probs = log_probs.sum()

@@ -1,0 +1,114 @@
+"""Settings of the triton backend: one frozen :class:`TritonConfig`, given to its constructor.
+
+Defaults were chosen by measurement on one H200 (docs/kernels.md); nothing here is read again
+while a backend runs. Tests and benchmarks build the configs they need.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from mcore_ppo.backends.triton_host import ElementwiseConfig, GemmConfig, budget_bytes, interpreting
+from mcore_ppo.validation import check_bool, check_positive_int
+
+#: The forward on a GPU: TMA operands and 3 stages were the fastest at every V/tp measured
+#: (profile_head --sweep-forward); tiles per split follow the shard (``forward_tiles_per_split``).
+GPU_FORWARD = GemmConfig(num_stages=3, tiles_per_split=2, use_tma=True)
+GPU_BACKWARD = GemmConfig(tiles_per_split=1, use_tma=True)
+#: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
+INTERPRETER_FORWARD = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
+INTERPRETER_BACKWARD = replace(INTERPRETER_FORWARD, tiles_per_split=1)
+#: The environment variable of the budget of the backend that ``backend="triton"`` / ``"auto"``
+#: build (read once, when it is built): bytes, or with a unit (``1GiB``, ``512MB``).
+BUFFER_BUDGET_ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """What a :class:`~mcore_ppo.backends.triton_backend.TritonBackend` is built with.
+
+    Attributes:
+        forward_config, backward_config: tiles of the forward and backward kernels; None: the
+            GPU defaults (:data:`GPU_FORWARD`, whose ``tiles_per_split`` then follows the shard,
+            :attr:`forward_tiles_per_split`), or small tiles under ``TRITON_INTERPRET=1``.
+            A given config is used as given.
+        forward_tiles_per_split, min_forward_splits: the default forward's vocab tiles per
+            program, by shard: the most of ``forward_tiles_per_split`` that still leaves
+            ``min_forward_splits`` vocab splits per row block (longer programs merge fewer
+            partials; too few splits leave SMs idle in the last waves).
+        workspace_bytes: bound on the backward's ``dz`` workspace (one vocab chunk × all tokens).
+        buffer_budget_bytes: bytes a rank may hold in the forward's probability buffer (three
+            GEMMs per step instead of four where it fits); an int, or text with a unit
+            (``"1GiB"``); 0 turns the buffer off. 1 GiB buys it where it costs at most that
+            (16,384 tokens × V/tp ≤ 32k in bf16: TP 8 for a 152k vocab).
+        buffer_store_tma, dz_store_tma: copy-engine stores of the buffer / ``dz`` tiles where
+            the device allows them (both are written in compacted row order).
+        buffer_dz_config: tiling of the buffer mode's ``dz`` kernel.
+        fused_forward: the whole single-label forward in the backend's kernels (labels prepared
+            and outputs finished there); False: the Function's generic forward over
+            ``shard_statistics`` (tests compare the two).
+        plan_cache_size: per-shape launch plans kept (one per shape and option set a process uses).
+        onehot_block_k, onehot_add_elements: slots per step of the one-hot kernels of ``k``-id
+            gradients, and slots per program of their add (rows × slots).
+        gather_rows: ``(BLOCK_J, BLOCK_H, num_warps)`` of the ``k``-id logit gather: 16 in-shard
+            slots × 256 columns per step compile to ~120 registers on sm_90 without spills.
+        gather_scan_slots: slots per step of the gather's scan over a token's ids (a power of two).
+    """
+
+    forward_config: GemmConfig | None = None
+    backward_config: GemmConfig | None = None
+    forward_tiles_per_split: tuple[int, ...] = (8, 4, 2)
+    min_forward_splits: int = 48
+    workspace_bytes: int = 240 * 2**20
+    buffer_budget_bytes: int | str = 1 << 30
+    buffer_store_tma: bool = True
+    dz_store_tma: bool = True
+    buffer_dz_config: ElementwiseConfig = field(default_factory=ElementwiseConfig)
+    fused_forward: bool = True
+    plan_cache_size: int = 64
+    onehot_block_k: int = 64
+    onehot_add_elements: int = 1024
+    gather_rows: tuple[int, int, int] = (16, 256, 4)
+    gather_scan_slots: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("forward_config", "backward_config"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, GemmConfig):
+                raise TypeError(f"{name} must be a GemmConfig or None, got {type(value).__name__}")
+        if not isinstance(self.buffer_dz_config, ElementwiseConfig):
+            raise TypeError(
+                f"buffer_dz_config must be an ElementwiseConfig, got {type(self.buffer_dz_config).__name__}"
+            )
+        object.__setattr__(self, "buffer_budget_bytes", budget_bytes(self.buffer_budget_bytes, "buffer_budget_bytes"))
+        for name in ("buffer_store_tma", "dz_store_tma", "fused_forward"):
+            check_bool(name, getattr(self, name))
+        for name in ("min_forward_splits", "workspace_bytes", "plan_cache_size", "onehot_block_k"):
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("onehot_add_elements", self.onehot_add_elements)
+        check_positive_int("gather_scan_slots", self.gather_scan_slots)
+        if not self.forward_tiles_per_split or any(t < 1 for t in self.forward_tiles_per_split):
+            raise ValueError(f"forward_tiles_per_split must be ints >= 1, got {self.forward_tiles_per_split}")
+
+    @classmethod
+    def from_environment(cls) -> TritonConfig:
+        """The defaults, with ``buffer_budget_bytes`` from ``MCORE_PPO_BUFFER_BUDGET_BYTES``
+        when it is set (a unit allowed: ``1GiB``)."""
+        env = os.environ.get(BUFFER_BUDGET_ENV, "").strip()
+        return cls(buffer_budget_bytes=budget_bytes(env, BUFFER_BUDGET_ENV)) if env else cls()
+
+    def resolved_forward(self) -> tuple[GemmConfig, bool]:
+        """``(forward config, tiles by shard)``: the given config as it is, else the device's
+        default, whose tiles per split follow the shard on a GPU."""
+        if self.forward_config is not None:
+            return self.forward_config, False
+        if interpreting():
+            return INTERPRETER_FORWARD, False
+        return GPU_FORWARD, True
+
+    def resolved_backward(self) -> GemmConfig:
+        """The given backward config, else the device's default."""
+        if self.backward_config is not None:
+            return self.backward_config
+        return INTERPRETER_BACKWARD if interpreting() else GPU_BACKWARD

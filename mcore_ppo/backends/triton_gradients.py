@@ -1,0 +1,185 @@
+"""The triton backend's backward: ``dz`` by recompute, or from the forward's probability buffer.
+
+Recompute: per vocab chunk ``dz_kernel`` recomputes the logits and writes ``dz / T`` (input
+dtype, rows in compacted order: valid first) into a bounded workspace; cuBLAS then does
+``d_hidden_c += dz @ W_chunk`` (fp32 output) and ``d_W_chunk (+)= dzᵀ @ x_c``, where each row of
+``d_W`` comes from one fp32-accumulated GEMM over all tokens (so a weight-dtype buffer rounds
+once) and ``x_c`` has zeros past the valid rows (no inf padding reaches ``d_W``).
+
+Buffer: ``dz`` formed in place from the forward's ``2^(z₂ − tile max)`` and tile maxima, then the
+two GEMMs once over the whole shard: three GEMMs per step instead of four.
+
+A request's one-hot gradients at ``k`` ids per token are added to ``dz`` after the kernel that
+writes it and before the GEMMs (:mod:`mcore_ppo.backends.triton_ids`), so both modes carry them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mcore_ppo.backends.base import GradientRequest, SavedTokens
+from mcore_ppo.backends.triton_host import (
+    ProbabilityBuffer,
+    addmm_fp32,
+    compact_rows,
+    for_dtype,
+    gathered_rows,
+    gemm_into,
+    kernel_flags,
+    mm_fp32,
+    operands_by_tma,
+    scatter_rows,
+    upstream_gradients,
+    with_tma_store,
+)
+from mcore_ppo.backends.triton_ids import add_onehot, merged_onehot
+from mcore_ppo.backends.triton_launch import TmaDesc, launch
+from mcore_ppo.backends.triton_plan import RowOrder
+from mcore_ppo.numerics import cdiv, inverse_temperature, rowmajor
+
+if TYPE_CHECKING:
+    from mcore_ppo.backends.triton_backend import TritonBackend
+
+
+def gradients_by_recompute(
+    backend: TritonBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    saved: SavedTokens,
+    request: GradientRequest,
+    *,
+    temperature: float | torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Backward without a buffer: ``dz`` recomputed vocab chunk by chunk (module doc)."""
+    from mcore_ppo.kernels import dz_kernel
+
+    local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
+    weight_grad = request.weight_grad
+
+    hidden, weight = rowmajor(hidden), rowmajor(weight)
+    cfg = for_dtype(backend.backward_config, hidden.dtype)
+    n, h = hidden.shape
+    v = weight.shape[0]
+    device = hidden.device
+    plan = None
+    if isinstance(saved.residual, RowOrder):  # the forward's, when it kept it
+        perm, count, plan = saved.residual.perm, saved.residual.count, saved.residual.plan
+    else:
+        perm, count = compact_rows(valid)
+    has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
+    inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
+    entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
+    # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
+    use_tma = operands_by_tma(hidden, weight, cfg)
+    site = None if plan is None else (plan, "recompute")
+    x_c = None
+    if use_tma or weight_grad is not None:
+        x_c = gathered_rows(hidden, perm, count, site=site and (*site, "gather"))
+    hidden_grad_c = None  # fp32 [n, h]: the first chunk's GEMM writes it, the others add
+    chunk = backend.vocab_chunk(n, v, hidden.element_size())
+    workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
+    flags = kernel_flags(hidden, cfg)
+    x_desc = TmaDesc(x_c, (cfg.block_m, cfg.block_k)) if use_tma else hidden
+    w_desc = TmaDesc(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
+    dz_tma, cfg = with_tma_store(backend.config.dz_store_tma, workspace, cfg)
+    options = {
+        "HAS_G": has_g, "HAS_E": has_e, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+        "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "USE_TMA": use_tma,
+        "DZ_TMA": dz_tma, **flags, **({"ROW_TEMP": True} if row_temp else {}),
+    }  # fmt: skip
+    x_arg = x_c if use_tma else hidden
+    onehot = merged_onehot(backend.config, request.sparse, perm, count, temperature, lse)
+    # The chunks' rows of W and d_W as views made in one call each (a slice per chunk costs
+    # more host time); the same views as weight[v0 : v0 + vc].
+    w_chunks = weight.split(chunk) if chunk < v else (weight,)
+    g_chunks = () if weight_grad is None else weight_grad.split(chunk) if chunk < v else (weight_grad,)
+    for index, v0 in enumerate(range(0, v, chunk)):
+        vc = min(chunk, v - v0)
+        dz = workspace[:, :vc] if vc < chunk else workspace
+        dz_desc = TmaDesc(dz, (cfg.block_m, cfg.block_n)) if dz_tma else dz
+        args = (
+            x_arg, weight, x_desc, w_desc, perm, count, local_labels, lse, entropy, g, e, dz, dz_desc, n, vc, v0,
+            h, hidden.stride(0), weight.stride(0), workspace.stride(0), inv_temp, inv_temp_rows,
+        )  # fmt: skip
+        # The forward's plan fixes the operands' (and the chunk's) specialisation; the
+        # upstream gradients' presence and the labels' dtype vary by call.
+        key = site and (*site, "dz", has_g, has_e, local_labels.dtype)
+        launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options, key)
+        if onehot is not None:
+            add_onehot(backend.config, dz, onehot, v0, vc)
+        w_rows = w_chunks[index]
+        if request.need_hidden_grad and hidden_grad_c is None:
+            hidden_grad_c = mm_fp32(dz, w_rows)
+        elif request.need_hidden_grad:
+            addmm_fp32(hidden_grad_c, dz, w_rows)
+        if weight_grad is not None:
+            gemm_into(g_chunks[index], dz.t(), x_c, overwrite=request.weight_grad_unset)
+    # Before the rows of d_hidden get a second buffer: every reference to the workspace and x_c.
+    del workspace, x_c, x_arg, dz, dz_desc, x_desc, args, w_chunks, g_chunks
+    hidden_grad = None
+    if hidden_grad_c is not None:
+        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=site and (*site, "scatter"))
+    return hidden_grad, weight_grad
+
+
+def gradients_from_buffer(
+    backend: TritonBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    saved: SavedTokens,
+    request: GradientRequest,
+    *,
+    temperature: float | torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Backward of the buffer mode: ``dz`` formed in place from the forward's buffer, then
+    the two GEMMs over the whole shard at once (K = V/tp for ``d_hidden``: no fp32
+    read-modify-write per chunk). Three GEMMs per step instead of four."""
+    from mcore_ppo.kernels import dz_from_buffer_kernel
+
+    buffer: ProbabilityBuffer = saved.residual
+    buf, tmax, block_n, perm, count = buffer.probs, buffer.tile_max, buffer.block_n, buffer.perm, buffer.count
+    local_labels, lse, entropy = saved.local_labels, saved.lse, saved.entropy
+    weight_grad = request.weight_grad
+    hidden, weight = rowmajor(hidden), rowmajor(weight)
+    n, v = hidden.shape[0], weight.shape[0]
+    has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
+    inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
+    entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
+    cfg = backend.config.buffer_dz_config
+    n_tiles_v = tmax.shape[1]
+    # The forward's plan (head_forward's buffers) fixes every argument's specialisation but
+    # the upstream gradients' presence and the labels' dtype.
+    plan = buffer.plan
+    launch(
+        dz_from_buffer_kernel,
+        (cdiv(n, cfg.block_m) * n_tiles_v,),
+        (buf, tmax, perm, count, local_labels, lse, entropy, g, e, n, v, n_tiles_v, inv_temp, inv_temp_rows),
+        {
+            "HAS_G": has_g, "HAS_E": has_e, "BLOCK_M": cfg.block_m, "BLOCK_N": block_n,
+            "FAST_LOG2": cfg.fast_log2 and buf.dtype == torch.bfloat16, "num_warps": cfg.num_warps,
+            **({"ROW_TEMP": True} if row_temp else {}),
+        },
+        None if plan is None else (plan, "dz_buffer", has_g, has_e, local_labels.dtype),
+    )  # fmt: skip
+    del tmax
+    if request.sparse is not None:
+        onehot = merged_onehot(backend.config, request.sparse, perm, count, temperature, lse)
+        add_onehot(backend.config, buf, onehot, 0, v)
+    hidden_grad = None
+    if request.need_hidden_grad:
+        hidden_grad_c = mm_fp32(buf, weight)
+    if weight_grad is not None:
+        x_c = gathered_rows(hidden, perm, count, site=None if plan is None else (plan, "gather_backward"))
+        gemm_into(weight_grad, buf.t(), x_c, overwrite=request.weight_grad_unset)
+        del x_c
+    del buf
+    if request.need_hidden_grad:
+        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=None if plan is None else (plan, "scatter"))
+    return hidden_grad, weight_grad
+
+
+def _entropy_grad(saved: SavedTokens, request: GradientRequest) -> torch.Tensor | None:
+    """The entropy's upstream gradient, None when the forward computed no entropy."""
+    return None if saved.entropy is None else request.grad_entropy

@@ -1,0 +1,128 @@
+"""The triton backend's per-shape launch plans, and what its forward leaves its backward.
+
+A :class:`LaunchPlan` holds what the forward decides from shapes, dtypes, strides, alignment and
+options alone: made once per key and cached on the backend, it is also the *site* key of every
+launch it fixes (:func:`mcore_ppo.backends.triton_launch.launch`), so a steady call does no
+per-argument work on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mcore_ppo.backends.triton_host import (
+    MERGE_BLOCK_S,
+    MERGE_BLOCK_T,
+    GemmConfig,
+    descriptor_ok,
+    for_dtype,
+    interpreting,
+    kernel_flags,
+    log_buffer_decision,
+    operands_by_tma,
+    with_tma_store,
+)
+from mcore_ppo.numerics import cdiv
+
+if TYPE_CHECKING:
+    from mcore_ppo.backends.triton_backend import TritonBackend
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """The forward's compacted row order, kept for a backward that recomputes (no buffer), and
+    its plan (the backward's launch sites key on it)."""
+
+    perm: torch.Tensor
+    count: torch.Tensor
+    plan: LaunchPlan | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class LaunchPlan:
+    """What the forward decides from shapes, dtypes, strides, alignment and options alone.
+
+    Hashed by identity: launches use the cached plan object itself as their site key."""
+
+    n: int
+    h: int
+    v: int
+    cfg: GemmConfig
+    num_splits: int
+    n_tiles_v: int
+    n_parts: int
+    store: bool
+    use_tma: bool
+    buf_tma: bool
+    direct: bool
+    stats_grid: tuple[int]
+    stats_options: dict
+    finish_options: dict  # by (labels_checked, grad_needed): the launch options of merge_finish_kernel
+    combined_options: dict  # by labels_checked: those of finish_kernel
+
+    @staticmethod
+    def build(
+        backend: TritonBackend,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        grad_needed: bool,
+        with_entropy: bool,
+        row_temp: bool,
+    ) -> LaunchPlan:
+        n, h = hidden.shape
+        v = weight.shape[0]
+        cfg = for_dtype(backend.forward_config_for(v), hidden.dtype)
+        num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
+        n_tiles_v = cdiv(v, cfg.block_n)
+        buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
+        store = grad_needed and buffer_bytes <= backend.config.buffer_budget_bytes
+        log_buffer_decision(grad_needed, store, buffer_bytes, backend.config.buffer_budget_bytes)
+        use_tma = operands_by_tma(hidden, weight, cfg)
+        buf_tma = False
+        if store:
+            buf_tma, cfg = with_tma_store(backend.config.buffer_store_tma, hidden, cfg, row_elements=v)
+        # Blocks of consecutive valid rows are read in place (a first launch), the others from
+        # a gathered copy of only their rows (a second): no row copy when nothing is ignored.
+        direct = use_tma and descriptor_ok(hidden)
+        # The default variant is launched without the new flags: its compile is the same as before.
+        variant = {**({"ROW_TEMP": True} if row_temp else {}), **({} if with_entropy else {"WITH_U": False})}
+        stats_options = {
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "TILES_PER_SPLIT": cfg.tiles_per_split, "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages, "USE_TMA": use_tma, "STORE_P": store, "BUF_TMA": buf_tma,
+            "DIRECT_ROWS": direct, **kernel_flags(hidden, cfg), **variant,
+        }  # fmt: skip
+        libdevice = not interpreting()
+        finish_options = {
+            (checked, grad_needed): {
+                "BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_entropy,
+                "CHECK_RANGE": not checked, "LIBDEVICE": libdevice, "SAVE": grad_needed, **_exact_libdevice(),
+            }
+            for checked in (False, True)
+        }  # fmt: skip
+        combined_options = {
+            checked: {"BLOCK_T": MERGE_BLOCK_T, "WITH_U": with_entropy, "CHECK_RANGE": not checked}
+            for checked in (False, True)
+        }
+        return LaunchPlan(
+            n, h, v, cfg, num_splits, n_tiles_v, 3 if with_entropy else 2, store, use_tma, buf_tma, direct,
+            (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
+        )  # fmt: skip
+
+
+@functools.cache
+def _exact_libdevice() -> dict:
+    """Launch options for the epilogue's ``logf`` / ``div_rn``: libdevice without flushing
+    subnormals (Triton's default flushes them), as torch's CUDA kernels compute them; {} where
+    this Triton has no such option (its default then) or runs the interpreter."""
+    if interpreting():
+        return {}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return {}
+    return {"enable_reflect_ftz": False} if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__ else {}

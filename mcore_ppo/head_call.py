@@ -1,0 +1,219 @@
+"""The one path from every entry point to the head's autograd Function: check, prepare, execute.
+
+:func:`mcore_ppo.fused_log_probs_and_entropy` (one label or ``k`` ids per token), the
+:class:`~mcore_ppo.head.VocabParallelFusedPPOHead` module, verl's
+:func:`~mcore_ppo.integrations.verl.kernel.linear_cross_entropy` and the NeMo-RL adapter each call
+:func:`run_head` with their :class:`~mcore_ppo.options.HeadOptions` and
+:class:`~mcore_ppo.options.Layout`:
+
+1. **check**: every argument, on every rank, without raising; then one verdict shared over the
+   TP group (:mod:`mcore_ppo.verdict`), so a bad argument on one rank raises on all of them
+   before any collective.
+2. **prepare**: the TP mapping of ``hidden`` that carries the one reduction of ``d_hidden``
+   (or none: the caller's, verl's contract), and every per-token value in token order
+   (:mod:`mcore_ppo.tokens`).
+3. **execute**: :func:`mcore_ppo.function.shard_head`, then the outputs back in the labels' layout.
+
+A new framework adapter belongs beside those entry points and calls :func:`run_head` too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from mcore_ppo import validation
+from mcore_ppo.backends import Backend, resolve_backend
+from mcore_ppo.function import ShardPlan, shard_head
+from mcore_ppo.options import HeadOptions, HiddenGrad, Layout, TokenOrder
+from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
+from mcore_ppo.verdict import bad_values, label_error, refuse_capture, share_verdict, temperature_error
+from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
+from parallel.ranks import ProcessGroup, group_rank, group_size
+
+
+class CheckedCall(NamedTuple):
+    """A call whose arguments passed every check on every rank.
+
+    ``labels`` are int64 in the caller's layout; ``ids``: they carry ``k`` ids per token (a
+    trailing dim); ``temperature`` is the checked float, or the per-token values in token order
+    (``[n]``, fp32 or fp64 for fp64 inputs, contiguous), where ``bad_temperature`` flags the
+    values outside ``[MIN_TEMPERATURE, inf)`` (replaced by 1: with value checks on the verdict
+    refused them, with checks off their tokens' outputs become NaN); None for a float."""
+
+    labels: torch.Tensor
+    ids: bool
+    temperature: float | torch.Tensor
+    temperature_values: torch.Tensor | None  # as the caller gave them, in token order (messages)
+    bad_temperature: torch.Tensor | None
+    backend: Backend | None
+    tp_size: int
+    vocab_size: int
+
+
+def run_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    options: HeadOptions,
+    *,
+    tp_group: ProcessGroup | None,
+    layout: Layout,
+    ids: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token ``(log_probs, entropy)`` of ``softmax(hidden @ weight.T / T)`` over the TP-sharded vocab.
+
+    Args:
+        hidden, weight, labels: as for :func:`mcore_ppo.fused_log_probs_and_entropy` in
+            ``layout.tokens`` order (:class:`~mcore_ppo.options.TokenOrder`).
+        temperature: a number, or a per-token floating-point tensor shaped like the labels'
+            tokens or broadcastable to them (``[b, 1]``: one per sequence of ``[b, s]`` labels;
+            in the flat order also any shape of ``N`` elements, in the labels' memory order).
+            It covers the same tokens as ``labels`` (the whole gathered sequence under SP, this
+            rank's CP part: split it like the labels, :func:`parallel.split_temperature_for_cp`)
+            and gets no gradient.
+        options: the caller's :class:`~mcore_ppo.options.HeadOptions`.
+        tp_group: the TP group, already resolved (None: one rank).
+        layout: token order, who reduces ``d_hidden`` (SP included) and where ``d_W`` goes.
+        ids: None: labels with a trailing dim beyond the Megatron pairing are ``k`` ids per
+            token; True: they must be (``fused_log_probs_at``); False: one label per token.
+
+    Returns:
+        fp32 ``(log_probs, entropy)``, identical on every TP rank, shaped like ``labels`` (``[N]``
+        in the flat order; ``entropy`` per token with ``k`` ids); zero where labels equal
+        ``options.ignore_index``. ``entropy`` is None when ``options.return_entropy`` is False.
+    """
+    call = check_call(hidden, weight, labels, temperature, options, tp_group, layout, ids)
+    return _execute(call, hidden, weight, options, tp_group, layout)
+
+
+def check_call(
+    hidden: object,
+    weight: object,
+    labels: object,
+    temperature: object,
+    options: HeadOptions,
+    tp_group: object,
+    layout: Layout,
+    ids: bool | None,
+    *,
+    unsupported: Callable[[torch.Tensor], str | None] | None = None,
+) -> CheckedCall:
+    """Every check of :func:`run_head`, its verdict shared over the TP group (module doc).
+
+    ``unsupported``: for an entry point that runs something else than the head's backends
+    (Liger), the message of why it cannot run these inputs, or None; in place of the backend's
+    own check (the call's ``backend`` is then None)."""
+    validation.check_process_group(tp_group)  # the verdict travels over it: not shareable
+    call, local_error, values = None, None, None
+    try:
+        call = _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported)
+        if options.validate:
+            refuse_capture(call.labels.device)
+            values = bad_values(call.labels, call.vocab_size, options.ignore_index, call.bad_temperature)
+    except (TypeError, ValueError) as err:
+        local_error = err
+
+    def value_error(bad_label: int, bad_temperature: int) -> Exception:
+        if bad_label:
+            return label_error(call.labels, call.vocab_size, options.ignore_index)
+        return temperature_error(call.temperature_values, call.bad_temperature)
+
+    rows = weight.shape[0] if local_error is None else 0
+    share_verdict(tp_group, rows, local_error, values, value_error)
+    return call
+
+
+def _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported) -> CheckedCall:
+    """This rank's own checks, in the order their errors are most useful."""
+    validation.check_tensors(hidden, weight, labels)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a mcore_ppo.options.Layout, got {validation.type_name(layout)}")
+    tp_size = group_size(tp_group)
+    if layout.tokens is TokenOrder.FLAT:
+        if layout.sequence_parallel:
+            raise ValueError("the flat token order (verl's) has no sequence-parallel layout: its caller gathers")
+        if ids:
+            raise ValueError("the flat token order (verl's) takes one label per token")
+        validation.check_flat_layout(hidden, weight, labels, tp_size)
+        ids = False
+    else:
+        if ids is None:
+            ids = labels.dim() == hidden.dim() and hidden.dim() in (2, 3)
+        validation.check_layout(hidden, weight, labels, tp_size, layout.sequence_parallel, ids=ids)
+    # int64 from here on: ignore_index and the vocab bounds are compared in it (no wrap-around).
+    labels = labels if labels.dtype == torch.int64 else labels.long()
+    token_labels = labels[..., 0] if ids else labels
+    batch_first = layout.tokens is TokenOrder.MEGATRON and token_labels.dim() == 2
+    bad_temperature = values = None
+    if isinstance(temperature, torch.Tensor):
+        expanded = validation.check_temperature_tensor(
+            temperature, token_labels, flat_labels=layout.tokens is TokenOrder.FLAT
+        )
+        values = to_rows(expanded, batch_first)
+        bad_temperature = validation.bad_temperatures(values)
+        rows = values.to(torch.promote_types(hidden.dtype, torch.float32))
+        temperature = torch.where(bad_temperature, torch.ones((), dtype=rows.dtype, device=rows.device), rows)
+    else:
+        temperature = validation.check_temperature(temperature)
+    if unsupported is None:
+        backend = resolve_backend(options.backend, hidden.device)
+        reason = backend.unsupported(hidden)
+        if reason is not None:
+            raise ValueError(f"backend={backend.name!r} cannot run these inputs: {reason}")
+    else:
+        backend, reason = None, unsupported(hidden)
+        if reason is not None:
+            raise ValueError(reason)
+    return CheckedCall(labels, ids, temperature, values, bad_temperature, backend, tp_size, weight.shape[0] * tp_size)
+
+
+def _execute(
+    call: CheckedCall,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    options: HeadOptions,
+    tp_group: ProcessGroup | None,
+    layout: Layout,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prepare the tokens, run the Function, return the outputs in the labels' layout."""
+    # The one TP reduction of d_hidden lives in this mapping's backward (or in the caller's).
+    if layout.hidden_grad is HiddenGrad.SEQUENCE_PARALLEL and call.tp_size > 1:
+        hidden = gather_sequence_parallel(hidden, tp_group)
+    elif layout.hidden_grad is not HiddenGrad.PARTIAL:
+        hidden = reduce_grad_over_tp(hidden, tp_group)
+    labels = call.labels
+    flat = layout.tokens is TokenOrder.FLAT
+    batch_first = not flat and labels.dim() == 2 + call.ids
+    rows = to_rows(labels, batch_first, per_token_dims=int(call.ids)) if not flat else labels.reshape(-1)
+    one_id = call.ids and labels.shape[-1] == 1
+    if one_id:  # k = 1 is the head's own path
+        rows = rows[:, 0]
+    plan = ShardPlan(
+        backend=call.backend,
+        temperature=call.temperature if not isinstance(call.temperature, torch.Tensor) else 1.0,
+        ignore_index=options.ignore_index,
+        vocab_start=group_rank(tp_group) * weight.shape[0],
+        vocab_size=call.vocab_size,
+        tp_group=tp_group,
+        weight_grad=layout.weight_grad,
+        return_entropy=options.return_entropy,
+        labels_checked=options.validate,
+    )
+    row_temperature = call.temperature if isinstance(call.temperature, torch.Tensor) else None
+    log_probs, entropy = shard_head(hidden_rows(hidden), weight, rows, plan, row_temperature)
+    if call.bad_temperature is not None and not options.validate:
+        bad = call.bad_temperature
+        log_probs = log_probs.masked_fill(bad[:, None] if log_probs.dim() == 2 else bad, math.nan)
+        entropy = None if entropy is None else entropy.masked_fill(bad, math.nan)
+    if one_id:
+        log_probs = log_probs[:, None]
+    if batch_first:
+        batch, seq = labels.shape[:2]
+        log_probs = from_rows(log_probs, True, batch, seq)
+        entropy = None if entropy is None else from_rows(entropy, True, batch, seq)
+    return log_probs, entropy

@@ -1,0 +1,172 @@
+"""What a caller chooses about the head (:class:`HeadOptions`) and how its tensors are laid out
+(:class:`Layout`): frozen values, validated once when built, handed to the one pipeline.
+
+The temperature is not an option but an input of each call (a number or a per-token tensor):
+a per-call number is checked on its own, and the options object is reused as it is.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+
+from mcore_ppo import validation
+from mcore_ppo.backends import Backend, check_backend
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadOptions:
+    """The head's options, validated when the object is built.
+
+    Attributes:
+        ignore_index: label value of tokens whose outputs are 0 and which get no gradient
+            (prompt tokens, padding); an int that fits in int64.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:func:`mcore_ppo.backends.resolve_backend`),
+            or a backend object built by the caller and used as it is, e.g.
+            ``TritonBackend(TritonConfig(buffer_budget_bytes=...))`` (docs/kernels.md).
+        return_entropy: False: no entropy work anywhere (the kernels skip its sums, the TP
+            combine packs one value less, the backward drops its term); the entropy output is None.
+        validate: True: the values of the inputs are checked on every device, labels in
+            ``[0, V)`` or ``ignore_index`` and a temperature tensor's values in
+            ``[MIN_TEMPERATURE, inf)``, a bad one raising ValueError, and the verdict of every
+            check is shared over the TP group before the first collective (one small all-reduce
+            and one host sync per call). False: nothing is read back (CUDA graphs, host-bound
+            loops); a token with a bad label or temperature then gets NaN outputs, never a
+            plausible number. Default :data:`mcore_ppo.validation.VALIDATE_DEFAULT`
+            (``MCORE_PPO_VALIDATE=0`` at import turns it off).
+
+    Raises:
+        TypeError: a field of the wrong type (bool is not an int here; ``return_entropy`` and
+            ``validate`` must be bools).
+        ValueError: an ``ignore_index`` beyond int64, or an unknown backend name.
+    """
+
+    ignore_index: int = -100
+    backend: str | Backend = "auto"
+    return_entropy: bool = True
+    validate: bool = validation.VALIDATE_DEFAULT
+
+    def __post_init__(self) -> None:
+        validation.check_ignore_index(self.ignore_index)
+        check_backend(self.backend)
+        validation.check_bool("return_entropy", self.return_entropy)
+        # None is the entry points' "not given": the documented default.
+        object.__setattr__(self, "validate", validation.resolve_validate(self.validate))
+
+
+def call_options(
+    options: HeadOptions | None,
+    *,
+    ignore_index: int | None,
+    backend: str | Backend | None,
+    return_entropy: bool | None,
+    validate: bool | None,
+) -> HeadOptions:
+    """An entry point's :class:`HeadOptions`: ``options`` (default: the defaults) with every
+    keyword that is not None put in its place.
+
+    The common call, plain values and no options object, is built and validated once per
+    distinct set of values; a bad value raises each time (an exception is not cached)."""
+    if options is not None and not isinstance(options, HeadOptions):
+        raise TypeError(f"options must be a HeadOptions or None, got {validation.type_name(options)}")
+    given = {
+        name: value
+        for name, value in (
+            ("ignore_index", ignore_index),
+            ("backend", backend),
+            ("return_entropy", return_entropy),
+            ("validate", validate),
+        )
+        if value is not None
+    }
+    if options is None:
+        if all(type(value) in (int, str, bool) for value in given.values()):
+            # The types are part of the key: True == 1, but ignore_index=True is refused.
+            return _cached_options(tuple((name, type(value), value) for name, value in given.items()))
+        return HeadOptions(**given)
+    if not given:
+        return options
+    return HeadOptions(**{**_fields(options), **given})
+
+
+def _fields(options: HeadOptions) -> dict:
+    return {
+        "ignore_index": options.ignore_index,
+        "backend": options.backend,
+        "return_entropy": options.return_entropy,
+        "validate": options.validate,
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_options(given: tuple) -> HeadOptions:
+    # Frozen, so one object serves every call with these values.
+    return HeadOptions(**{name: value for name, _, value in given})
+
+
+class TokenOrder(enum.Enum):
+    """How ``hidden``'s tokens pair with ``labels``."""
+
+    #: Megatron's: hidden ``[s, b, h]`` with labels ``[b, s]`` (packed THD: ``[t, 1, h]`` with
+    #: ``[1, t]``), or ``[n, h]`` with ``[n]``; a trailing ``k`` dim on labels gives ``k`` ids per
+    #: token. Outputs are shaped like the labels.
+    MEGATRON = "megatron"
+    #: verl's: hidden ``[..., h]`` flattens to ``N`` tokens, labels hold their ``N`` ids in
+    #: memory order, in any shape; outputs are ``[N]``.
+    FLAT = "flat"
+
+
+class HiddenGrad(enum.Enum):
+    """Where the TP sum of ``d_hidden`` happens (it must happen exactly once)."""
+
+    #: Hidden is replicated over TP; the head all-reduces ``d_hidden``.
+    REDUCED = "reduced"
+    #: Hidden is this rank's sequence shard: the head all-gathers it, and its backward
+    #: reduce-scatters ``d_hidden`` (the TP sum and the SP scatter in one collective).
+    SEQUENCE_PARALLEL = "sequence_parallel"
+    #: Every rank returns its own shard's partial ``d_hidden``; the caller reduces it (verl's contract).
+    PARTIAL = "partial"
+
+
+class WeightGrad(enum.Enum):
+    """Where the weight gradient goes."""
+
+    #: Returned to autograd (``weight.grad``).
+    GRAD = "grad"
+    #: Accumulated into ``weight.main_grad`` (fp32) as Megatron's gradient-accumulation fusion
+    #: does; autograd gets zeros and ``weight.grad_added_to_main_grad`` is set.
+    MAIN_GRAD = "main_grad"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a call's tensors are laid out and where its gradients go."""
+
+    tokens: TokenOrder = TokenOrder.MEGATRON
+    hidden_grad: HiddenGrad = HiddenGrad.REDUCED
+    weight_grad: WeightGrad = WeightGrad.GRAD
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """``hidden`` is this rank's sequence shard."""
+        return self.hidden_grad is HiddenGrad.SEQUENCE_PARALLEL
+
+
+def megatron_layout(sequence_parallel: bool, main_grad: bool = False) -> Layout:
+    """The layout of a Megatron caller (the function, the head module): SP or not, and whether
+    the weight gradient goes into ``main_grad``."""
+    validation.check_bool("sequence_parallel", sequence_parallel)
+    validation.check_bool("accumulate_into_main_grad", main_grad)
+    return _MEGATRON_LAYOUTS[sequence_parallel, main_grad]
+
+
+_MEGATRON_LAYOUTS = {
+    (sp, main): Layout(
+        TokenOrder.MEGATRON,
+        HiddenGrad.SEQUENCE_PARALLEL if sp else HiddenGrad.REDUCED,
+        WeightGrad.MAIN_GRAD if main else WeightGrad.GRAD,
+    )
+    for sp in (False, True)
+    for main in (False, True)
+}
