@@ -7,6 +7,6 @@ that consume them are pure tensor functions in :mod:`mcore_ppo.actor.distill_los
 ids: the head itself, :func:`mcore_ppo.fused_log_probs_and_entropy` with ``[..., k]`` labels.
 """
 
-from mcore_ppo.distill.topk import MAX_TOPK, TopK, check_k, fused_topk
+from mcore_ppo.distill.topk import MAX_TOPK, TopK, TopKConfig, check_k, fused_topk
 
-__all__ = ["MAX_TOPK", "TopK", "check_k", "fused_topk"]
+__all__ = ["MAX_TOPK", "TopK", "TopKConfig", "check_k", "fused_topk"]
