@@ -1,9 +1,11 @@
 """``fused_topk`` on one rank against the fp64 full-logits reference (``mcore_ppo_testing.topk_reference``).
 
 Every layout ([s,b,h], packed [t,1,h], [n,h]) × k in {1, 8, 64, 128} with the token and vocab
-chunks monkeypatched small (vocab chunks narrower than k, ragged tails), V up to 4096; exactly
-tied logits across chunks (integer data); ignored tokens; k = V; extreme logits; bad inputs; a
-per-token temperature (both paths, every layout, its checks).
+chunks set small by a ``TopKConfig`` (vocab chunks narrower than k, ragged tails), V up to 4096;
+exactly tied logits across chunks (integer data); ignored tokens; k = V; extreme logits; bad
+inputs and bad ``TopKConfig`` fields; a per-token temperature (both paths, every layout, its
+checks, NaN outputs for a bad value with ``validate=False``). The Triton kernels' path runs
+under ``TRITON_INTERPRET=1`` (tests/conftest.py sets it on a machine without CUDA).
 
 fp64 inputs: ids equal to the reference's, values to 1e-12. fp32 inputs: the top-k values equal
 the reference's sorted values and the reference's log-prob at each returned id equals the
@@ -15,13 +17,15 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 import mcore_ppo
-from mcore_ppo.distill import MAX_TOPK, fused_topk
+from mcore_ppo.distill import MAX_TOPK, TopKConfig, fused_topk, topk_triton
 from mcore_ppo.distill import topk as topk_module
+from mcore_ppo.numerics import cdiv, inverse_temperature
 from mcore_ppo_testing.seeds import generator, next_seed
 from mcore_ppo_testing.topk_reference import full_pairs, integer_case, log_probs_at, topk_reference
 
@@ -34,9 +38,9 @@ LAYOUTS = {"sbh": ((6, 3), (3, 6)), "thd": ((17, 1), (1, 17)), "nh": ((19,), (19
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 
-def set_chunks(monkeypatch, token_chunk: int, vocab_chunk: int) -> None:
-    monkeypatch.setattr(topk_module, "TOKEN_CHUNK", token_chunk)
-    monkeypatch.setattr(topk_module, "VOCAB_CHUNK", vocab_chunk)
+def chunked(token_chunk: int, vocab_chunk: int) -> TopKConfig:
+    """The torch path's logits in blocks of ``token_chunk × vocab_chunk``."""
+    return TopKConfig(token_chunk=token_chunk, vocab_chunk=vocab_chunk)
 
 
 def random_case(layout: str, vocab: int, dtype: torch.dtype, scale: float = 1.0):
@@ -76,21 +80,21 @@ def check_against_reference(out, ref, dtype: torch.dtype, *, exact_ids: bool) ->
 @pytest.mark.parametrize("k", [1, 8, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_matches_fp64_reference(layout, dtype, k, monkeypatch):
+def test_matches_fp64_reference(layout, dtype, k):
     """Random data, V = 1000 in vocab chunks of 100 (narrower than k = 128), token chunks of 5."""
-    set_chunks(monkeypatch, 5, 100)
+    config = chunked(5, 100)
     hidden, weight, labels = random_case(layout, 1000, dtype)
-    out = fused_topk(hidden, weight, k, temperature=0.7, labels=labels)
+    out = fused_topk(hidden, weight, k, temperature=0.7, labels=labels, config=config)
     ref = topk_reference(hidden, weight, k, 0.7, labels, IGNORE)
     check_against_reference(out, ref, dtype, exact_ids=dtype == torch.float64)
 
 
 @pytest.mark.parametrize("chunking", [(4, 33), (2048, 4096)], ids=lambda c: f"tc{c[0]}-vc{c[1]}")
-def test_large_vocab(chunking, monkeypatch):
+def test_large_vocab(chunking):
     """V = 4096 (one chunk by default; 125 chunks of 33 patched), k = 128, fp32, no labels."""
-    set_chunks(monkeypatch, *chunking)
+    config = chunked(*chunking)
     hidden, weight, _ = random_case("nh", 4096, torch.float32)
-    out = fused_topk(hidden, weight, 128)
+    out = fused_topk(hidden, weight, 128, config=config)
     check_against_reference(out, topk_reference(hidden, weight, 128), torch.float32, exact_ids=False)
 
 
@@ -119,14 +123,14 @@ def test_vocab_262144_relative_error(dtype, k):
 @pytest.mark.parametrize("k", [1, 8, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("chunking", [(3, 7), (4, 130), (2048, 4096)], ids=lambda c: f"tc{c[0]}-vc{c[1]}")
-def test_exact_ties_break_to_the_smaller_id(chunking, dtype, k, monkeypatch):
+def test_exact_ties_break_to_the_smaller_id(chunking, dtype, k):
     """Integer logits (every dtype holds them exactly; most of them tie, within and across
     chunks): the ids are exactly the reference's, smaller id first among equal values."""
-    set_chunks(monkeypatch, *chunking)
+    config = chunked(*chunking)
     hidden, weight = integer_case((5, 2), 600, 4, generator(next_seed()))
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     ref = topk_reference(hidden, weight, k)
-    out = fused_topk(hidden, weight, k)
+    out = fused_topk(hidden, weight, k, config=config)
     assert torch.equal(out.ids, ref.ids)
     # bf16 inputs give fp32 outputs.
     tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]
@@ -138,13 +142,13 @@ def test_exact_ties_break_to_the_smaller_id(chunking, dtype, k, monkeypatch):
         assert (sorted_full[..., k - 1] == sorted_full[..., k]).any()
 
 
-def test_all_logits_equal(monkeypatch):
+def test_all_logits_equal():
     """Every logit equal (zero hidden): ids 0..k-1, log p = -log V, tail log((V-k)/V)."""
-    set_chunks(monkeypatch, 3, 10)
+    config = chunked(3, 10)
     vocab, k = 97, 64
     hidden = torch.zeros(4, 2, 8, dtype=torch.float64)
     weight = torch.randn(vocab, 8, generator=generator(next_seed()), dtype=torch.float64)
-    out = fused_topk(hidden, weight, k)
+    out = fused_topk(hidden, weight, k, config=config)
     assert torch.equal(out.ids, torch.arange(k).expand(2, 4, k))
     torch.testing.assert_close(out.log_probs, torch.full((2, 4, k), -torch.log(torch.tensor(97.0)).item()).double())
     expected_tail = torch.log(torch.tensor((vocab - k) / vocab, dtype=torch.float64))
@@ -152,11 +156,11 @@ def test_all_logits_equal(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_k_equal_to_vocab(dtype, monkeypatch):
+def test_k_equal_to_vocab(dtype):
     """k = V: every id returned, probabilities summing to 1, tail exactly -inf."""
-    set_chunks(monkeypatch, 4, 9)
+    config = chunked(4, 9)
     hidden, weight, labels = random_case("sbh", 40, dtype)
-    out = fused_topk(hidden, weight, 40, labels=labels)
+    out = fused_topk(hidden, weight, 40, labels=labels, config=config)
     ref = topk_reference(hidden, weight, 40, 1.0, labels, IGNORE)
     valid = labels != IGNORE
     assert torch.isneginf(out.tail_log_mass[valid]).all()
@@ -166,10 +170,10 @@ def test_k_equal_to_vocab(dtype, monkeypatch):
     check_against_reference(out, ref, dtype, exact_ids=dtype == torch.float64)
 
 
-def test_tiny_tail_is_exact(monkeypatch):
+def test_tiny_tail_is_exact():
     """A tail of relative size ~1e-30: computed as its own sum, it keeps full relative accuracy
     (as ``log(1 - Σ p_topk)`` it would be 0 or -inf in fp32)."""
-    set_chunks(monkeypatch, 3, 16)
+    config = chunked(3, 16)
     gen = generator(next_seed())
     vocab, k = 64, 8
     hidden = torch.randn(5, 8, generator=gen, dtype=torch.float64)
@@ -178,18 +182,18 @@ def test_tiny_tail_is_exact(monkeypatch):
     hidden[:, -1] = 1.0
     weight[:k, -1] = 0.0
     weight[k:, -1] = -80.0
-    out = fused_topk(hidden.float(), weight.float(), k)
+    out = fused_topk(hidden.float(), weight.float(), k, config=config)
     ref = topk_reference(hidden.float(), weight.float(), k)
     assert (ref.tail_log_mass < -60).all()
     torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 30.0, 1e3])
-def test_extreme_logits(scale, monkeypatch):
+def test_extreme_logits(scale):
     """Logits near zero and up to ~1e4: finite, and exact to the fp32 rounding of their size."""
-    set_chunks(monkeypatch, 4, 50)
+    config = chunked(4, 50)
     hidden, weight, labels = random_case("nh", 300, torch.float32, scale=scale)
-    out = fused_topk(hidden, weight, 16, labels=labels)
+    out = fused_topk(hidden, weight, 16, labels=labels, config=config)
     ref = topk_reference(hidden, weight, 16, 1.0, labels, IGNORE)
     assert torch.isfinite(out.log_probs).all()
     # fp32 rounding of logits of this size (a few ulp of the largest, summed over h products).
@@ -199,7 +203,7 @@ def test_extreme_logits(scale, monkeypatch):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_nan_and_inf_inputs_poison_their_tokens_with_valid_ids(impl, monkeypatch):
+def test_nan_and_inf_inputs_poison_their_tokens_with_valid_ids(impl):
     """A NaN in a token's hidden state, an inf hidden row, a NaN or inf weight row: the tokens
     that meet them get NaN log-probs and tails (never a plausible number), and every id stays a
     vocab id (a consumer may index with them); the other tokens are untouched."""
@@ -225,38 +229,38 @@ def test_nan_and_inf_inputs_poison_their_tokens_with_valid_ids(impl, monkeypatch
     assert ((out.ids >= 0) & (out.ids < 300)).all() and out.log_probs.isnan().all()
 
 
-def test_ignored_tokens(monkeypatch):
+def test_ignored_tokens():
     """Ignored tokens: ids = ignore_index in every slot, log_probs and tail 0; a custom ignore_index."""
-    set_chunks(monkeypatch, 4, 30)
+    config = chunked(4, 30)
     hidden, weight, labels = random_case("sbh", 200, torch.float64)
     labels[labels == IGNORE] = 7
     labels[0, :3] = -1
-    out = fused_topk(hidden, weight, 8, labels=labels, ignore_index=-1)
+    out = fused_topk(hidden, weight, 8, labels=labels, ignore_index=-1, config=config)
     ignored = labels == -1
     assert (out.ids[ignored] == -1).all() and (out.log_probs[ignored] == 0).all()
     assert (out.tail_log_mass[ignored] == 0).all()
     ref = topk_reference(hidden, weight, 8, 1.0, labels, -1)
     check_against_reference(out, ref, torch.float64, exact_ids=True)
     # Every token ignored: nothing NaN.
-    out = fused_topk(hidden, weight, 8, labels=torch.full_like(labels, IGNORE))
+    out = fused_topk(hidden, weight, 8, labels=torch.full_like(labels, IGNORE), config=config)
     assert (out.ids == IGNORE).all() and (out.log_probs == 0).all() and (out.tail_log_mass == 0).all()
 
 
-def test_no_gradient_and_deterministic(monkeypatch):
+def test_no_gradient_and_deterministic():
     """Inputs that require grad, grad mode on: outputs detached; the same call twice is bitwise equal."""
-    set_chunks(monkeypatch, 5, 64)
+    config = chunked(5, 64)
     hidden, weight, labels = random_case("thd", 500, torch.float32)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
-    first = mcore_ppo.fused_topk(hidden, weight, 32, temperature=1.3, labels=labels)
-    second = mcore_ppo.fused_topk(hidden, weight, 32, temperature=1.3, labels=labels)
+    first = mcore_ppo.fused_topk(hidden, weight, 32, temperature=1.3, labels=labels, config=config)
+    second = mcore_ppo.fused_topk(hidden, weight, 32, temperature=1.3, labels=labels, config=config)
     for a, b in zip(first, second, strict=True):
         assert not a.requires_grad and a.grad_fn is None
         assert torch.equal(a, b)
     assert hidden.grad is None and weight.grad is None
 
 
-def test_labels_dtypes(monkeypatch):
+def test_labels_dtypes():
     """Labels of any head label dtype select the same ignored tokens."""
     hidden, weight, labels = random_case("nh", 50, torch.float64)
     expected = fused_topk(hidden, weight, 4, labels=labels)
@@ -266,11 +270,14 @@ def test_labels_dtypes(monkeypatch):
 
 
 def test_bad_inputs():
-    """Each a ValueError/TypeError naming the argument."""
+    """Each a ValueError/TypeError naming the argument (the head's checks, and the top-k's own:
+    k, impl, config); labels outside the vocab with value checks on (the head's contract)."""
     gen = generator(next_seed())
     hidden = torch.randn(4, 2, 8, generator=gen)
     weight = torch.randn(50, 8, generator=gen)
     labels = torch.zeros(2, 4, dtype=torch.int64)
+    out_of_vocab = labels.clone()
+    out_of_vocab[1, 3] = 50
     cases = [
         (ValueError, "k must be in", dict(k=0)),
         (ValueError, "k must be in", dict(k=-3)),
@@ -288,26 +295,40 @@ def test_bad_inputs():
         (ValueError, "hidden size 7", dict(hidden=hidden[..., :7])),
         (ValueError, "hidden must be [n, h] or [s, b, h]", dict(hidden=hidden[None])),
         (ValueError, "temperature must be", dict(temperature=0.0)),
-        (TypeError, "temperature must be a python float", dict(temperature="0.7")),
+        (TypeError, "temperature must be a number", dict(temperature="0.7")),
         (TypeError, "ignore_index must be an int", dict(ignore_index=1.5)),
         (TypeError, "sequence_parallel must be a bool", dict(sequence_parallel=1)),
         (TypeError, "tp_group must be a torch.distributed.ProcessGroup", dict(tp_group="tp")),
+        (TypeError, "validate must be a bool or None", dict(validate=1)),
+        (TypeError, "impl must be a str", dict(impl=None)),
+        (ValueError, "impl must be one of", dict(impl="cuda")),
+        (TypeError, "config must be a mcore_ppo.distill.TopKConfig or None", dict(config={"token_chunk": 4})),
+        (
+            ValueError,
+            "labels must be in [0, 50) (the global vocab) or ignore_index=-100; found 50",
+            dict(labels=out_of_vocab, validate=True),
+        ),
+        (ValueError, "labels must be in [0, 50)", dict(labels=out_of_vocab - 51, validate=True)),
     ]
     for error, match, override in cases:
         args = dict(hidden=hidden, weight=weight, k=4, labels=labels) | override
-        with pytest.raises(error, match=match.replace("[", r"\[").replace("]", r"\]")):
+        escaped = match.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
+        with pytest.raises(error, match=escaped):
             fused_topk(args.pop("hidden"), args.pop("weight"), args.pop("k"), **args)
+    # Without value checks an out-of-vocab label only says the token counts (nothing is read back).
+    unchecked = fused_topk(hidden, weight, 4, labels=out_of_vocab, validate=False)
+    assert torch.equal(unchecked.ids, fused_topk(hidden, weight, 4, labels=labels, validate=False).ids)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_cuda_path(dtype, monkeypatch):
+def test_cuda_path(dtype):
     """CUDA tensors (the fp32-output GEMM for bf16): random data against fp64 on the same
     (rounded) inputs, and exact integer ties, k = 128 over V = 4096 in chunks of 1000."""
-    set_chunks(monkeypatch, 64, 1000)
+    config = chunked(64, 1000)
     hidden, weight, labels = random_case("sbh", 4096, dtype)
-    out = fused_topk(hidden.cuda(), weight.cuda(), 128, temperature=0.7, labels=labels.cuda())
+    out = fused_topk(hidden.cuda(), weight.cuda(), 128, temperature=0.7, labels=labels.cuda(), config=config)
     out = type(out)(*(t.cpu() for t in out))
     ref = topk_reference(hidden, weight, 128, 0.7, labels, IGNORE)
     assert out.log_probs.dtype == torch.float32
@@ -317,7 +338,7 @@ def test_cuda_path(dtype, monkeypatch):
     torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=atol)
     hidden, weight = integer_case((9, 2), 4096, 4, generator(next_seed()))
     hidden, weight = hidden.to(dtype), weight.to(dtype)
-    ties = fused_topk(hidden.cuda(), weight.cuda(), 128)
+    ties = fused_topk(hidden.cuda(), weight.cuda(), 128, config=config)
     assert torch.equal(ties.ids.cpu(), topk_reference(hidden, weight, 128).ids)
 
 
@@ -347,7 +368,7 @@ def triton_path(monkeypatch):
         # tests are tests/gpu/test_gpu_topk.py.
         pytest.skip("the kernel runs CPU tensors only under TRITON_INTERPRET=1")
     record = KernelRecord()
-    shard_topk, recompute = topk_module._shard_topk, topk_module._recompute_full_tiles
+    shard_topk, recompute = topk_module._shard_topk, topk_triton._recompute_full_tiles
 
     def torch_spy(tokens, *args, **kwargs):
         record.torch_rows.append(tokens.shape[0])
@@ -358,13 +379,14 @@ def triton_path(monkeypatch):
         return recompute(tokens, weight, full, *args, **kwargs)
 
     monkeypatch.setattr(topk_module, "_shard_topk", torch_spy)
-    monkeypatch.setattr(topk_module, "_recompute_full_tiles", recompute_spy)
+    monkeypatch.setattr(topk_triton, "_recompute_full_tiles", recompute_spy)
     return record
 
 
-def triton_topk(hidden, weight, k, splits, monkeypatch, **kwargs):
-    monkeypatch.setattr(topk_module, "TRITON_SPLITS", splits)
-    return fused_topk(hidden, weight, k, impl="triton", **kwargs)
+def triton_topk(hidden, weight, k, splits, config=None, **kwargs):
+    """The kernel path with ``splits`` vocab splits per row block (and ``config``'s other settings)."""
+    config = replace(config or TopKConfig(), splits=splits)
+    return fused_topk(hidden, weight, k, impl="triton", config=config, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -372,7 +394,7 @@ def triton_topk(hidden, weight, k, splits, monkeypatch, **kwargs):
     [(torch.float32, 8, 600, 3), (torch.float16, 64, 500, 2), (torch.float32, 128, 400, 1)],
     ids=["fp32-k8-3splits", "fp16-k64-2splits", "fp32-k128-1split"],
 )
-def test_triton_matches_fp64_and_torch(dtype, k, vocab, splits, triton_path, monkeypatch):
+def test_triton_matches_fp64_and_torch(dtype, k, vocab, splits, triton_path):
     """Random logits (T = 0.7, a quarter of the tokens ignored): the kernel's top-k against fp64
     (ids up to fp32 near-ties, log-probs and tail to fp32 rounding) and the torch path."""
     gen = generator(next_seed())
@@ -380,7 +402,7 @@ def test_triton_matches_fp64_and_torch(dtype, k, vocab, splits, triton_path, mon
     weight = torch.randn(vocab, HIDDEN, generator=gen).to(dtype)
     labels = torch.randint(0, vocab, (14,), generator=gen)
     labels[::4] = IGNORE
-    out = triton_topk(hidden, weight, k, splits, monkeypatch, temperature=0.7, labels=labels)
+    out = triton_topk(hidden, weight, k, splits, temperature=0.7, labels=labels)
     assert triton_path == []  # no row needed the torch path
     ref = topk_reference(hidden.float(), weight.float(), k, 0.7, labels, IGNORE)
     check_against_reference(out, ref, torch.float32, exact_ids=False)
@@ -388,25 +410,26 @@ def test_triton_matches_fp64_and_torch(dtype, k, vocab, splits, triton_path, mon
     torch.testing.assert_close(out.tail_log_mass, chunked.tail_log_mass, rtol=0, atol=2e-5)
 
 
-def test_triton_token_chunks(triton_path, monkeypatch):
+def test_triton_token_chunks(triton_path):
     """A batch longer than one launch's scratch runs in token chunks (three here, the last
     ragged), with per-token temperatures split along and full tiles in every chunk (vocab rows
     40..79 boosted, k 12, 5 candidates per tile: two full-tile slots per row): the same as fp64
     and as one launch."""
-    monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", 5)
+    five = TopKConfig(candidates=5)
     gen = generator(next_seed())
     hidden = torch.randn(40, HIDDEN, generator=gen)
     weight = torch.randn(300, HIDDEN, generator=gen)
     weight[40:80] *= 3.0
     temperature = torch.rand(40, generator=gen) + 0.5
-    whole = triton_topk(hidden, weight, 12, 2, monkeypatch, temperature=temperature)
-    config = topk_module.TRITON_INTERPRETER_CONFIG
-    tiles = topk_module.cdiv(300, config.block_n)
-    per_row = tiles * (8 * topk_module._candidates_per_tile(tiles, 12) + 8) + 2 * config.block_n * 4 + tiles * 4
-    assert topk_module._full_tiles_cap(tiles, 12) == 2
-    monkeypatch.setattr(topk_module, "TRITON_SCRATCH_BYTES", per_row * config.block_m)  # one row block
+    whole = triton_topk(hidden, weight, 12, 2, five, temperature=temperature)
+    tiles_config = five.interpreter_tiles
+    tiles = cdiv(300, tiles_config.block_n)
+    per_row = tiles * (8 * topk_triton.candidates_per_tile(tiles, 12, five) + 8) + 2 * tiles_config.block_n * 4
+    per_row += tiles * 4
+    assert topk_triton.full_tiles_cap(tiles, 12, five) == 2
+    one_block = replace(five, scratch_bytes=per_row * tiles_config.block_m)  # one row block per launch
     triton_path.full_tiles.clear()
-    chunked = triton_topk(hidden, weight, 12, 2, monkeypatch, temperature=temperature)
+    chunked = triton_topk(hidden, weight, 12, 2, one_block, temperature=temperature)
     assert len(triton_path.full_tiles) == 3 and all(triton_path.full_tiles)  # three launches, each with full tiles
     assert torch.equal(chunked.ids, whole.ids)
     # Not to the bit here: the interpreter's tl.dot is a numpy product, whose summation order
@@ -418,14 +441,14 @@ def test_triton_token_chunks(triton_path, monkeypatch):
 
 
 @pytest.mark.parametrize("k", [1, 8, 24])
-def test_triton_ties_across_tiles_and_splits(k, triton_path, monkeypatch):
+def test_triton_ties_across_tiles_and_splits(k, triton_path):
     """Each weight row repeated every 37 columns (across tiles of 32 and 3 splits), integer
     entries (logits exact in any summation order): every value ties at least 11 times; the
     top-k takes the smaller ids among equal values, exactly as fp64 does."""
     gen = generator(next_seed())
     hidden = torch.randint(-4, 5, (16, HIDDEN), generator=gen).float()
     weight = torch.randint(-4, 5, (37, HIDDEN), generator=gen).float().repeat(11, 1)
-    out = triton_topk(hidden, weight, k, 3, monkeypatch)
+    out = triton_topk(hidden, weight, k, 3)
     assert triton_path == []
     ref = topk_reference(hidden, weight, k)
     assert torch.equal(out.ids, ref.ids)
@@ -435,12 +458,12 @@ def test_triton_ties_across_tiles_and_splits(k, triton_path, monkeypatch):
 
 
 @pytest.mark.parametrize("k", [31, 32, 33, 64])
-def test_triton_k_at_tile_boundaries(k, triton_path, monkeypatch):
+def test_triton_k_at_tile_boundaries(k, triton_path):
     """k at and around the tile width (32), integer logits (ties)."""
     gen = generator(next_seed())
     hidden = torch.randint(-3, 4, (12, 8), generator=gen).float()
     weight = torch.randint(-3, 4, (300, 8), generator=gen).float()
-    out = triton_topk(hidden, weight, k, 2, monkeypatch)
+    out = triton_topk(hidden, weight, k, 2)
     assert triton_path == []
     ref = topk_reference(hidden, weight, k)
     assert torch.equal(out.ids, ref.ids)
@@ -450,10 +473,10 @@ def test_triton_k_at_tile_boundaries(k, triton_path, monkeypatch):
     assert (sorted_full[..., k - 1] == sorted_full[..., k]).any()  # ties at the k-th place
 
 
-def test_triton_k_equal_to_vocab(triton_path, monkeypatch):
+def test_triton_k_equal_to_vocab(triton_path):
     """k = V over 2 splits: every id, probabilities summing to 1, tail -inf."""
     hidden, weight, labels = random_case("nh", 40, torch.float32)
-    out = triton_topk(hidden, weight, 40, 2, monkeypatch, labels=labels)
+    out = triton_topk(hidden, weight, 40, 2, labels=labels)
     valid = labels != IGNORE
     assert torch.isneginf(out.tail_log_mass[valid]).all()
     total = out.log_probs[valid].double().exp().sum(-1)
@@ -462,7 +485,7 @@ def test_triton_k_equal_to_vocab(triton_path, monkeypatch):
     check_against_reference(out, ref, torch.float32, exact_ids=False)
 
 
-def test_triton_ignored_tokens_and_layout(triton_path, monkeypatch):
+def test_triton_ignored_tokens_and_layout(triton_path):
     """[s, b, h] with ignored tokens: ignore_index / 0 there, the torch path's ids elsewhere
     (integer logits: no rounding can separate the two paths)."""
     gen = generator(next_seed())
@@ -470,7 +493,7 @@ def test_triton_ignored_tokens_and_layout(triton_path, monkeypatch):
     weight = torch.randint(-2, 3, (150, 8), generator=gen).float()
     labels = torch.randint(0, 150, (2, 6), generator=gen)
     labels[0, 1:4] = IGNORE
-    out = triton_topk(hidden, weight, 16, 2, monkeypatch, labels=labels)
+    out = triton_topk(hidden, weight, 16, 2, labels=labels)
     chunked = fused_topk(hidden, weight, 16, labels=labels, impl="torch")
     assert (out.ids[labels == IGNORE] == IGNORE).all() and (out.log_probs[labels == IGNORE] == 0).all()
     for a, b in zip(out, chunked, strict=True):
@@ -479,16 +502,16 @@ def test_triton_ignored_tokens_and_layout(triton_path, monkeypatch):
 
 
 @pytest.mark.parametrize("k", [8, 23])
-def test_triton_all_equal_logits_recompute_only_the_first_tiles(k, triton_path, monkeypatch):
+def test_triton_all_equal_logits_recompute_only_the_first_tiles(k, triton_path):
     """Every logit equal (zero hidden): each tile's candidates tie with the k-th value, yet only
     the tiles whose candidates all made the top can hide one of it: the first ``k // C`` (tiles
     of 32 over a vocab of 300), not all 10 per row. Ids 0..k-1, log p = -log V, exact tail."""
     vocab = 300
     hidden = torch.zeros(5, 8)
     weight = torch.randn(vocab, 8, generator=generator(next_seed()))
-    out = triton_topk(hidden, weight, k, 2, monkeypatch)
+    out = triton_topk(hidden, weight, k, 2)
     assert triton_path == []
-    first = k // topk_module._candidates_per_tile(10, k)
+    first = k // topk_triton.candidates_per_tile(10, k, TopKConfig())
     assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, tile) for row in range(5) for tile in range(first)]
     assert torch.equal(out.ids, torch.arange(k).expand(5, k))
     torch.testing.assert_close(out.log_probs.double(), torch.full((5, k), -math.log(vocab), dtype=torch.float64))
@@ -496,7 +519,7 @@ def test_triton_all_equal_logits_recompute_only_the_first_tiles(k, triton_path, 
     torch.testing.assert_close(out.tail_log_mass.double(), expected_tail, rtol=0, atol=2e-6)
 
 
-def test_triton_kth_value_hidden_in_a_tile_without_excess(triton_path, monkeypatch):
+def test_triton_kth_value_hidden_in_a_tile_without_excess(triton_path):
     """Exactly k candidates reach the k-th value (no tie to break among them), yet tile 0 hides
     an entry equal to it with a smaller id than tile 1's: tile 0's last candidate (at the k-th
     value) is in the top and its rest reaches the bound, so it is full and recomputed, and id 5
@@ -509,7 +532,7 @@ def test_triton_kth_value_hidden_in_a_tile_without_excess(triton_path, monkeypat
     weight[:, 0] = logits
     hidden = torch.zeros(3, 8)
     hidden[:, 0] = 1.0
-    out = triton_topk(hidden, weight, k, 1, monkeypatch)
+    out = triton_topk(hidden, weight, k, 1)
     assert triton_path == []
     assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, 0) for row in range(3)]
     assert out.ids.tolist() == [[0, 1, 2, 3, 4, 5]] * 3
@@ -518,7 +541,7 @@ def test_triton_kth_value_hidden_in_a_tile_without_excess(triton_path, monkeypat
 
 
 @pytest.mark.parametrize("k", [8, 40])
-def test_triton_top_k_inside_few_tiles(k, triton_path, monkeypatch):
+def test_triton_top_k_inside_few_tiles(k, triton_path):
     """Vocab rows 70..109 (across tiles 2 and 3 of 32) are scaled up so that each token's top
     ``k`` lies mostly inside them: far more than a tile's candidates, so the unkept entries must
     come from the whole-tile recompute. Against fp64: ids, log-probs and tails."""
@@ -526,7 +549,7 @@ def test_triton_top_k_inside_few_tiles(k, triton_path, monkeypatch):
     hidden = torch.randn(18, HIDDEN, generator=gen)
     weight = torch.randn(500, HIDDEN, generator=gen)
     weight[70:110] *= 6.0
-    out = triton_topk(hidden, weight, k, 3, monkeypatch, temperature=0.9)
+    out = triton_topk(hidden, weight, k, 3, temperature=0.9)
     assert triton_path == []
     full_tiles = {tile for pairs in triton_path.full_tiles for _, tile in pairs}
     assert full_tiles & {2, 3}
@@ -535,20 +558,20 @@ def test_triton_top_k_inside_few_tiles(k, triton_path, monkeypatch):
     assert torch.equal(out.ids, fused_topk(hidden, weight, k, temperature=0.9, impl="torch").ids)
 
 
-def test_triton_equal_values_above_the_kth_in_tie_rule_order(triton_path, monkeypatch):
+def test_triton_equal_values_above_the_kth_in_tie_rule_order(triton_path):
     """Entries in {-1, 0, 1} over a hidden size of 24: logits are small integers, so the top
     ``k`` holds runs of equal values above its last place too; they come out by ascending id,
     as fp64's stable order has them."""
     gen = generator(next_seed())
     hidden = torch.randint(-1, 2, (40, 24), generator=gen).float()
     weight = torch.randint(-1, 2, (700, 24), generator=gen).float()
-    out = triton_topk(hidden, weight, 8, 3, monkeypatch)
+    out = triton_topk(hidden, weight, 8, 3)
     ref = topk_reference(hidden, weight, 8)
     assert torch.equal(out.ids, ref.ids)
 
 
 @pytest.mark.parametrize("case", range(6))
-def test_triton_random_structures(case, triton_path, monkeypatch):
+def test_triton_random_structures(case, triton_path):
     """Six random draws (fixed, printed seed) of size, k, splits, temperature and logit
     structure: plain Gaussian, a block of boosted vocab rows (full tiles), small integers
     (ties inside and at the end of the top), and a vocab smaller than the candidates' need.
@@ -571,38 +594,50 @@ def test_triton_random_structures(case, triton_path, monkeypatch):
             start = int(torch.randint(0, vocab - 20, (1,), generator=gen))
             weight[start : start + 20] *= 4.0
     print(f"n={n} vocab={vocab} k={k} splits={splits} {structure} T={temperature:.3f}")
-    out = triton_topk(hidden, weight, k, splits, monkeypatch, temperature=temperature)
+    out = triton_topk(hidden, weight, k, splits, temperature=temperature)
     assert triton_path == []
     ref = topk_reference(hidden.double(), weight.double(), k, temperature)
     check_against_reference(out, ref, torch.float32, exact_ids=structure == "integer")
 
 
-def test_candidates_per_tile_follow_the_expected_full_tiles(monkeypatch):
+def test_candidates_per_tile_follow_the_expected_full_tiles():
     """``C`` grows from 3 while one more candidate saves over 0.25 expected full tiles per row:
     3 at TP 1 of a 152k vocab (594 tiles of 256) for every k, 3 / 4 / 5 at TP 8 (75 tiles) for
     k 8 / 64 / 128, never above 5; ``k + 1`` below 3 (no tile can fill). The expectation is
-    Poisson's tail, checked against a direct sum; TRITON_CANDIDATES forces a count."""
-    choose = topk_module._candidates_per_tile
+    Poisson's tail, checked against a direct sum; ``TopKConfig(candidates=)`` forces a count,
+    and the range and the saving are the config's."""
+    defaults = TopKConfig()
+
+    def choose(num_tiles, k, config=defaults):
+        return topk_triton.candidates_per_tile(num_tiles, k, config)
+
+    def cap(num_tiles, k, config=defaults):
+        return topk_triton.full_tiles_cap(num_tiles, k, config)
+
     assert [choose(594, k) for k in (8, 64, 128)] == [3, 3, 3]
     assert [choose(75, k) for k in (8, 64, 128)] == [3, 4, 5]
     assert choose(1, 128) == 3 and choose(2, 128) == 3  # every tile fills whatever C: the cheapest
     assert choose(594, 1) == 2 and choose(594, 2) == 3
-    assert topk_module._full_tiles_cap(594, 128) == 42 and topk_module._full_tiles_cap(75, 128) == 25
-    assert topk_module._full_tiles_cap(594, 1) == 0
+    assert cap(594, 128) == 42 and cap(75, 128) == 25
+    assert cap(594, 1) == 0
     lam = 128 / 75
     tail = 1 - sum(math.exp(-lam) * lam**i / math.factorial(i) for i in range(6))
-    assert topk_module.expected_full_tiles(75, 128, 5) == pytest.approx(75 * tail, rel=1e-12)
-    assert topk_module.expected_full_tiles(594, 128, 3) == pytest.approx(0.045, abs=5e-4)  # 0.042 measured
-    monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", 4)
-    assert choose(594, 128) == 4 and topk_module._full_tiles_cap(594, 128) == 32
+    assert topk_triton.expected_full_tiles(75, 128, 5) == pytest.approx(75 * tail, rel=1e-12)
+    assert topk_triton.expected_full_tiles(594, 128, 3) == pytest.approx(0.045, abs=5e-4)  # 0.042 measured
+    forced = TopKConfig(candidates=4)
+    assert choose(594, 128, forced) == 4 and cap(594, 128, forced) == 32
+    assert choose(75, 128, TopKConfig(candidate_range=(3, 4))) == 4  # never above the range's top
+    assert choose(75, 8, TopKConfig(candidate_range=(4, 6))) == 4  # from its low end
+    # A saving so large that no candidate pays for itself: the low end; none needed: the top.
+    assert choose(75, 128, TopKConfig(full_tiles_per_candidate=100.0)) == 3
+    assert choose(75, 128, TopKConfig(full_tiles_per_candidate=0.0, candidate_range=(3, 9))) == 9
 
 
 @pytest.mark.parametrize("candidates", [2, 3, 4, 5])
 @pytest.mark.parametrize("structure", ["integer", "boosted"])
-def test_triton_candidates_per_tile(structure, candidates, triton_path, monkeypatch):
+def test_triton_candidates_per_tile(structure, candidates, triton_path):
     """Every candidate count the choice can make (and 2), on the interpreter's small shards:
     ties across tiles and tiles that fill (whole-tile recompute), ids and values against fp64."""
-    monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", candidates)
     gen = generator(next_seed())
     if structure == "integer":
         hidden, weight = (t.float() for t in integer_case((6,), 200, 6, gen))
@@ -610,27 +645,26 @@ def test_triton_candidates_per_tile(structure, candidates, triton_path, monkeypa
         hidden = torch.randn(10, HIDDEN, generator=gen)
         weight = torch.randn(200, HIDDEN, generator=gen)
         weight[60:90] *= 3.0
-    out = triton_topk(hidden, weight, 12, 3, monkeypatch)
+    out = triton_topk(hidden, weight, 12, 3, TopKConfig(candidates=candidates))
     assert triton_path == [] and sum(len(pairs) for pairs in triton_path.full_tiles) > 0
     ref = topk_reference(hidden.double(), weight.double(), 12)
     check_against_reference(out, ref, torch.float32, exact_ids=structure == "integer")
 
 
 @pytest.mark.parametrize("by_sort", [True, False], ids=["tl.sort", "by-count"])
-def test_triton_full_tile_merge_orders(by_sort, triton_path, monkeypatch):
+def test_triton_full_tile_merge_orders(by_sort, triton_path):
     """The full tiles' merge orders keys by ``tl.sort`` (the GPU's choice) or by counting (the
     interpreter's): the same ids, log-probs and tails, both against fp64, on small-integer logits
     (ties) with more candidates than places in several tiles."""
-    monkeypatch.setattr(topk_module, "TRITON_SORT_KEYS", by_sort)
     hidden, weight = integer_case((4,), 160, 6, generator(next_seed()))
-    out = triton_topk(hidden.float(), weight.float(), 12, 5, monkeypatch)
+    out = triton_topk(hidden.float(), weight.float(), 12, 5, TopKConfig(sort_keys=by_sort))
     assert triton_path == [] and sum(len(pairs) for pairs in triton_path.full_tiles) > 0
     ref = topk_reference(hidden, weight, 12)
     check_against_reference(out, ref, torch.float32, exact_ids=True)
 
 
 @pytest.mark.parametrize("by_sort", [True, False], ids=["tl.sort", "by-count"])
-def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypatch):
+def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path):
     """The selection kernel alone, on crafted candidate rows: the top in the tie rule's order
     over signs, ±0.0 (equal), magnitudes and equal values at the k-th (by column); the full
     tiles (rest max at or above the k-th value, every candidate in the top); the rest's
@@ -638,9 +672,8 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
     unselected candidates and the other tiles' rests."""
     from mcore_ppo.kernels.topk import select_top_kernel
 
-    monkeypatch.setattr(topk_module, "TRITON_SORT_KEYS", by_sort)
-    monkeypatch.setattr(topk_module, "TRITON_CANDIDATES", 5)
-    c = topk_module._candidates_per_tile(5, 7)
+    config = TopKConfig(candidates=5)
+    c = topk_triton.candidates_per_tile(5, 7, config)
     gen = generator(next_seed())
     pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 2.5, 2.5, -2.5, 7.0])
     rows, num_tiles, k, block_n = 6, 5, 7, 32
@@ -657,7 +690,7 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path, monkeypa
     rest_s = torch.rand(rows, num_tiles, generator=gen) + 1.0
     rest_s[1, 2] = 0.0
     out = [torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)]
-    cap = topk_module._full_tiles_cap(num_tiles, k)
+    cap = topk_triton.full_tiles_cap(num_tiles, k, config)
     out += [torch.empty(rows, num_tiles, dtype=torch.int8), torch.empty(rows, dtype=torch.int32)]
     out += [torch.full((rows, cap), -1, dtype=torch.int32), torch.empty(rows), torch.empty(rows)]
     width = num_tiles * c
@@ -708,11 +741,12 @@ def test_full_pairs_kernel_lists_by_tile(triton_path):
     for t in range(num_tiles):
         expected = [r * cap + int(full[r, t]) - 1 for r in range(rows) if flags[r, t]]
         assert counts[t].item() == len(expected) and pair_slot[t, : len(expected)].tolist() == expected
-    block_n = topk_module.TRITON_INTERPRETER_CONFIG.block_n
+    tiles = TopKConfig().interpreter_tiles
+    block_n = tiles.block_n
     hidden = torch.randn(rows, HIDDEN, generator=gen)
     weight = torch.randn(num_tiles * block_n - 5, HIDDEN, generator=gen)  # the last tile ragged
-    inverse = topk_module._inverse_temperature(0.5, hidden[0])
-    z = topk_module._recompute_full_tiles(hidden, weight, full, cap, inverse, topk_module.TRITON_INTERPRETER_CONFIG)
+    inverse = inverse_temperature(0.5, hidden[0])
+    z = topk_triton._recompute_full_tiles(hidden, weight, full, cap, inverse, tiles, 16)
     logits = torch.nn.functional.pad(hidden.double() @ weight.double().t() / 0.5, (0, 5), value=-torch.inf)
     for r, t in flags.nonzero().tolist():
         expected = logits[r, t * block_n : (t + 1) * block_n]
@@ -721,7 +755,7 @@ def test_full_pairs_kernel_lists_by_tile(triton_path):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("shape", [(0, HIDDEN), (0, 2, HIDDEN), (3, 0, HIDDEN)], ids=["n0", "s0", "b0"])
-def test_no_tokens(impl, shape, monkeypatch):
+def test_no_tokens(impl, shape):
     """No tokens: empty outputs of the layout's shapes and dtypes on either path, no error."""
     if impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("the kernel runs CPU tensors only under TRITON_INTERPRET=1")
@@ -747,12 +781,12 @@ def test_impl_argument():
 
 
 @pytest.mark.parametrize("k", [8, 64])
-def test_triton_heavy_ties_mix_full_and_other_tiles(k, triton_path, monkeypatch):
+def test_triton_heavy_ties_mix_full_and_other_tiles(k, triton_path):
     """Logits in {-4..4} (entries in {-1, 0, 1}): many values tie above and at the k-th place,
     so many (row, tile) pairs are full and recomputed while the others keep their candidates.
     Every row's ids are fp64's exactly, in the tie rule's order."""
     hidden, weight = integer_case((37,), 600, 4, generator(next_seed()))
-    out = triton_topk(hidden.float(), weight.float(), k, 3, monkeypatch)
+    out = triton_topk(hidden.float(), weight.float(), k, 3)
     full = sum(len(pairs) for pairs in triton_path.full_tiles)
     print(f"(row, tile) pairs recomputed whole: {full} of {37 * 19}")
     assert triton_path == [] and 0 < full < 37 * 19
@@ -775,54 +809,54 @@ def token_temperatures(shape: tuple[int, ...], gen: torch.Generator, dtype: torc
 @pytest.mark.parametrize("k", [1, 64])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_per_token_temperature_matches_fp64_reference(layout, dtype, k, monkeypatch):
+def test_per_token_temperature_matches_fp64_reference(layout, dtype, k):
     """Torch path, vocab chunks of 100 over V = 400, token chunks of 5 (a chunk's rows take their
     own temperatures), a quarter of the tokens ignored: against fp64 with the same temperatures."""
-    set_chunks(monkeypatch, 5, 100)
+    config = chunked(5, 100)
     hidden, weight, labels = random_case(layout, 400, dtype)
     temperature = token_temperatures(LAYOUTS[layout][1], generator(next_seed()), dtype)
-    out = fused_topk(hidden, weight, k, temperature=temperature, labels=labels)
+    out = fused_topk(hidden, weight, k, temperature=temperature, labels=labels, config=config)
     ref = topk_reference(hidden, weight, k, temperature, labels, IGNORE)
     check_against_reference(out, ref, dtype, exact_ids=dtype == torch.float64)
     # Without labels the tensor is shaped like the tokens; the valid tokens' outputs are the same.
-    unlabelled = fused_topk(hidden, weight, k, temperature=temperature)
+    unlabelled = fused_topk(hidden, weight, k, temperature=temperature, config=config)
     valid = labels != IGNORE
     for a, b in zip(unlabelled, out, strict=True):
         assert torch.equal(a[valid], b[valid])
 
 
-def test_per_token_temperature_broadcast_and_uniform(monkeypatch):
+def test_per_token_temperature_broadcast_and_uniform():
     """``[b, 1]`` per sequence equals its ``[b, s]`` expansion; a tensor of one value equals the
     float (ids exactly, values to rounding; 0.75 is exact in fp32, so both divide by one number)."""
-    set_chunks(monkeypatch, 4, 64)
+    config = chunked(4, 64)
     hidden, weight, labels = random_case("sbh", 300, torch.float32)
     per_sequence = token_temperatures((3, 1), generator(next_seed()))
-    a = fused_topk(hidden, weight, 16, temperature=per_sequence, labels=labels)
-    b = fused_topk(hidden, weight, 16, temperature=per_sequence.expand(3, 6).contiguous(), labels=labels)
+    a = fused_topk(hidden, weight, 16, temperature=per_sequence, labels=labels, config=config)
+    b = fused_topk(hidden, weight, 16, temperature=per_sequence.expand(3, 6).contiguous(), labels=labels, config=config)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
     check_against_reference(a, topk_reference(hidden, weight, 16, per_sequence, labels, IGNORE), torch.float32,
                             exact_ids=False)  # fmt: skip
-    uniform = fused_topk(hidden, weight, 16, temperature=torch.full((3, 6), 0.75), labels=labels)
-    number = fused_topk(hidden, weight, 16, temperature=0.75, labels=labels)
+    uniform = fused_topk(hidden, weight, 16, temperature=torch.full((3, 6), 0.75), labels=labels, config=config)
+    number = fused_topk(hidden, weight, 16, temperature=0.75, labels=labels, config=config)
     assert torch.equal(uniform.ids, number.ids)
     torch.testing.assert_close(uniform.log_probs, number.log_probs, rtol=0, atol=1e-6)
     torch.testing.assert_close(uniform.tail_log_mass, number.tail_log_mass, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-def test_per_token_temperature_keeps_the_untempered_ids(dtype, monkeypatch):
+def test_per_token_temperature_keeps_the_untempered_ids(dtype):
     """Integer logits (ties everywhere, across chunks): a positive T per row keeps each row's
     order, so the ids are exactly those of T = 1 and of fp64 (tie rule included); the log-probs
     and tails are the tempered ones, not T = 1's."""
-    set_chunks(monkeypatch, 3, 40)
+    config = chunked(3, 40)
     gen = generator(next_seed())
     hidden, weight = integer_case((5, 2), 300, 4, gen)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     temperature = token_temperatures((2, 5), gen)
-    out = fused_topk(hidden, weight, 24, temperature=temperature)
+    out = fused_topk(hidden, weight, 24, temperature=temperature, config=config)
     ref = topk_reference(hidden, weight, 24, temperature)
-    plain = fused_topk(hidden, weight, 24)
+    plain = fused_topk(hidden, weight, 24, config=config)
     assert torch.equal(out.ids, ref.ids) and torch.equal(out.ids, plain.ids)
     tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]
     torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=tol)
@@ -830,15 +864,15 @@ def test_per_token_temperature_keeps_the_untempered_ids(dtype, monkeypatch):
     assert (out.log_probs - plain.log_probs).abs().max() > 1e-2
 
 
-def test_per_token_temperature_ignored_tokens(monkeypatch):
+def test_per_token_temperature_ignored_tokens():
     """Ignored tokens give ignore_index / 0 / 0 at any (valid) temperature, and their
     temperatures change no other token's outputs; changing one valid token's temperature changes
     that token's outputs only."""
-    set_chunks(monkeypatch, 4, 50)
+    config = chunked(4, 50)
     gen = generator(next_seed())
     hidden, weight, labels = random_case("thd", 200, torch.float64)
     temperature = token_temperatures((1, 17), gen, torch.float64)
-    out = fused_topk(hidden, weight, 8, temperature=temperature, labels=labels)
+    out = fused_topk(hidden, weight, 8, temperature=temperature, labels=labels, config=config)
     ignored = labels == IGNORE
     assert ignored.any()
     assert (out.ids[ignored] == IGNORE).all() and (out.log_probs[ignored] == 0).all()
@@ -846,14 +880,14 @@ def test_per_token_temperature_ignored_tokens(monkeypatch):
     extreme = temperature.clone()
     coin = torch.rand(int(ignored.sum()), generator=gen, dtype=torch.float64) < 0.5
     extreme[ignored] = torch.where(coin, torch.tensor(1e-4, dtype=torch.float64), 1e4)
-    again = fused_topk(hidden, weight, 8, temperature=extreme, labels=labels)
+    again = fused_topk(hidden, weight, 8, temperature=extreme, labels=labels, config=config)
     for a, b in zip(again, out, strict=True):
         assert torch.equal(a, b)
     valid_positions = (~ignored).nonzero()
     changed = valid_positions[0, 1].item()
     moved = temperature.clone()
     moved[0, changed] *= 3.0
-    third = fused_topk(hidden, weight, 8, temperature=moved, labels=labels)
+    third = fused_topk(hidden, weight, 8, temperature=moved, labels=labels, config=config)
     others = torch.ones(1, 17, dtype=torch.bool)
     others[0, changed] = False
     for a, b in zip(third, out, strict=True):
@@ -917,8 +951,9 @@ def test_validate_switch_for_temperature_values():
     unchecked = fused_topk(hidden, weight, 4, temperature=bad, labels=labels, validate=False)
     others = torch.ones(2, 4, dtype=torch.bool)
     others[1, 2] = False
-    assert torch.isnan(unchecked.log_probs[1, 2]).all()
+    assert torch.isnan(unchecked.log_probs[1, 2]).all() and torch.isnan(unchecked.tail_log_mass[1, 2])
     assert torch.equal(unchecked.log_probs[others], checked.log_probs[others])
+    assert torch.equal(unchecked.tail_log_mass[others], checked.tail_log_mass[others])
     assert torch.equal(unchecked.ids[others], checked.ids[others])
     with pytest.raises(ValueError, match="temperature must be shaped like labels"):
         fused_topk(hidden, weight, 4, temperature=good.t(), labels=labels, validate=False)
@@ -926,12 +961,90 @@ def test_validate_switch_for_temperature_values():
         fused_topk(hidden, weight, 4, temperature=good, labels=labels, validate="no")
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_unchecked_bad_temperature_values_give_nan(layout, impl):
+    """``validate=False``: each bad temperature value (NaN, ±inf, 0, negative, below
+    MIN_TEMPERATURE; on valid tokens and on ignored ones) gives NaN ``log_probs`` and
+    ``tail_log_mass`` for its token (a bad value is never a plausible number), vocab ids (those
+    of ``T = 1``) on a valid token, and leaves every other token as a call without it computes;
+    on either path, in every layout."""
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the kernel runs CPU tensors only under TRITON_INTERPRET=1")
+    hidden, weight, labels = random_case(layout, 200, torch.float32)
+    label_shape = LAYOUTS[layout][1]
+    good = token_temperatures(label_shape, generator(next_seed()))
+    checked = fused_topk(hidden, weight, 8, temperature=good, labels=labels, impl=impl, validate=True)
+    untempered = fused_topk(hidden, weight, 8, labels=labels, impl=impl)
+    flat_labels = labels.reshape(-1)
+    valid_at = (flat_labels != IGNORE).nonzero().flatten()[:4].tolist()
+    ignored_at = (flat_labels == IGNORE).nonzero().flatten()[:2].tolist()
+    bad = good.clone()
+    bad.view(-1)[valid_at + ignored_at] = torch.tensor([float("nan"), float("inf"), 0.0, -0.5, -float("inf"), 5e-5])
+    out = fused_topk(hidden, weight, 8, temperature=bad, labels=labels, impl=impl, validate=False)
+    poisoned = torch.zeros(label_shape, dtype=torch.bool)
+    poisoned.view(-1)[valid_at + ignored_at] = True
+    assert out.log_probs[poisoned].isnan().all() and out.tail_log_mass[poisoned].isnan().all()
+    assert torch.equal(out.ids.reshape(-1, 8)[valid_at], untempered.ids.reshape(-1, 8)[valid_at])
+    assert (out.ids.reshape(-1, 8)[ignored_at] == IGNORE).all()
+    for got, expected in zip(out, checked, strict=True):
+        assert torch.equal(got[~poisoned], expected[~poisoned])
+
+
+def test_config_validation():
+    """``TopKConfig`` refuses a bad field when built, naming it (TypeError for a type, ValueError
+    for a value); it is frozen, and its defaults are the measured ones."""
+    from mcore_ppo.backends.triton_host import GemmConfig
+    from mcore_ppo.distill.topk_config import GPU_TILES
+
+    defaults = TopKConfig()
+    assert (defaults.token_chunk, defaults.vocab_chunk, defaults.tiles) == (2048, 4096, GPU_TILES)
+    assert (defaults.tiles.block_m, defaults.tiles.block_n, defaults.tiles.use_tma) == (128, 256, True)
+    assert (defaults.candidates, defaults.candidate_range, defaults.full_tiles_per_candidate) == (None, (3, 5), 0.25)
+    assert (defaults.recompute_rows, defaults.scratch_bytes, defaults.splits) == (64, 512 * 2**20, None)
+    assert TopKConfig(candidate_range=[2, 4]).candidate_range == (2, 4)
+    with pytest.raises(AttributeError):
+        defaults.token_chunk = 4  # frozen
+    cases = [
+        (TypeError, "token_chunk must be an int, got float", dict(token_chunk=4.0)),
+        (TypeError, "vocab_chunk must be an int, got bool", dict(vocab_chunk=True)),
+        (ValueError, "token_chunk must be >= 1, got 0", dict(token_chunk=0)),
+        (ValueError, "scratch_bytes must be >= 1, got -1", dict(scratch_bytes=-1)),
+        (ValueError, "candidates must be >= 1, got 0", dict(candidates=0)),
+        (TypeError, "splits must be an int, got str", dict(splits="2")),
+        (TypeError, "max_registers must be an int, got float", dict(max_registers=128.0)),
+        (ValueError, "recompute_rows must be >= 1", dict(recompute_rows=0)),
+        (ValueError, "interpreter_recompute_rows must be >= 1", dict(interpreter_recompute_rows=0)),
+        (ValueError, "interpreter_select_rows must be >= 1", dict(interpreter_select_rows=0)),
+        (TypeError, "tiles must be a mcore_ppo.backends.triton_host.GemmConfig, got dict", dict(tiles={})),
+        (TypeError, "interpreter_tiles must be a", dict(interpreter_tiles=None)),
+        (ValueError, "tiles.block_n must be a power of two", dict(tiles=GemmConfig(block_n=96))),
+        (ValueError, "interpreter_tiles.num_warps must be >= 1", dict(interpreter_tiles=GemmConfig(num_warps=0))),
+        (TypeError, "tiles.use_tma must be a bool", dict(tiles=GemmConfig(use_tma=1))),
+        (TypeError, "candidate_range must be a (low, high) pair of ints", dict(candidate_range=3)),
+        (TypeError, "candidate_range must be a (low, high) pair of ints", dict(candidate_range=(1, 2, 3))),
+        (TypeError, "candidate_range must be an int", dict(candidate_range=(3.0, 5))),
+        (ValueError, "candidate_range must be >= 1", dict(candidate_range=(0, 5))),
+        (ValueError, "candidate_range must have low <= high, got (5, 3)", dict(candidate_range=(5, 3))),
+        (TypeError, "full_tiles_per_candidate must be a number, got str", dict(full_tiles_per_candidate="0.25")),
+        (ValueError, "full_tiles_per_candidate must be finite and >= 0", dict(full_tiles_per_candidate=-0.1)),
+        (ValueError, "full_tiles_per_candidate must be finite and >= 0", dict(full_tiles_per_candidate=math.inf)),
+        (TypeError, "sort_keys must be a bool, got int", dict(sort_keys=1)),
+    ]
+    for error, match, fields in cases:
+        escaped = match.replace("(", r"\(").replace(")", r"\)")
+        with pytest.raises(error, match=escaped):
+            TopKConfig(**fields)
+    with pytest.raises(TypeError):
+        TopKConfig(4096)  # keywords only
+
+
 @pytest.mark.parametrize(
     ("dtype", "k", "vocab", "splits"),
     [(torch.float32, 8, 600, 3), (torch.float16, 64, 400, 2)],
     ids=["fp32-k8-3splits", "fp16-k64-2splits"],
 )
-def test_triton_per_token_temperature(dtype, k, vocab, splits, triton_path, monkeypatch):
+def test_triton_per_token_temperature(dtype, k, vocab, splits, triton_path):
     """The kernel's per-row ``1/T_i`` ([s, b, h], 18 tokens over two row blocks of 16, a quarter
     ignored): against fp64 with the same temperatures and against the torch path."""
     gen = generator(next_seed())
@@ -940,7 +1053,7 @@ def test_triton_per_token_temperature(dtype, k, vocab, splits, triton_path, monk
     labels = torch.randint(0, vocab, (3, 6), generator=gen)
     labels[:, ::4] = IGNORE
     temperature = token_temperatures((3, 6), gen)
-    out = triton_topk(hidden, weight, k, splits, monkeypatch, temperature=temperature, labels=labels)
+    out = triton_topk(hidden, weight, k, splits, temperature=temperature, labels=labels)
     assert triton_path == []  # no row needed the torch path
     ref = topk_reference(hidden.float(), weight.float(), k, temperature, labels, IGNORE)
     check_against_reference(out, ref, torch.float32, exact_ids=False)
@@ -949,7 +1062,7 @@ def test_triton_per_token_temperature(dtype, k, vocab, splits, triton_path, monk
     torch.testing.assert_close(out.tail_log_mass, chunked.tail_log_mass, rtol=0, atol=2e-5)
 
 
-def test_triton_per_token_temperature_in_the_full_tiles(triton_path, monkeypatch):
+def test_triton_per_token_temperature_in_the_full_tiles(triton_path):
     """Rows 3, 7, 8, 13, 18 have logits in {0, c_i} only (half the vocab each: every tile's
     candidates tie at the k-th value), so their tiles are recomputed whole, which must take
     their own temperatures. All against fp64: exact ids, log-probs and tails."""
@@ -962,7 +1075,7 @@ def test_triton_per_token_temperature_in_the_full_tiles(triton_path, monkeypatch
     weight = torch.randn(vocab, 8, generator=gen)
     weight[:, 0] = (torch.arange(vocab) % 2).float()
     temperature = token_temperatures((20,), gen)
-    out = triton_topk(hidden, weight, k, 2, monkeypatch, temperature=temperature)
+    out = triton_topk(hidden, weight, k, 2, temperature=temperature)
     assert triton_path == []
     full_rows = {row for pairs in triton_path.full_tiles for row, _ in pairs}
     assert set(tied.tolist()) <= full_rows
