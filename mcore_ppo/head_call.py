@@ -112,7 +112,7 @@ def check_call(
     call, local_error, values = None, None, None
     try:
         call = _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported)
-        if options.validate:
+        if options.validate and not call.labels.is_meta:  # meta tensors (shape inference) hold no values
             refuse_capture(call.labels.device)
             values = bad_values(call.labels, call.vocab_size, options.ignore_index, call.bad_temperature)
     except (TypeError, ValueError) as err:

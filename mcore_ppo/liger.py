@@ -129,9 +129,7 @@ def liger_log_probs_and_entropy(
     if call.bad_temperature is not None and not options.validate:
         log_probs = log_probs.masked_fill(call.bad_temperature, torch.nan)
         entropy = None if entropy is None else entropy.masked_fill(call.bad_temperature, torch.nan)
-    for output in (log_probs, entropy):
-        if output is not None and output.requires_grad:
-            output.register_hook(_first_order_only)
+    _guard_backward(hidden.device, *(out if isinstance(out, (tuple, list)) else (out,)))
     if batch_first:
         batch, seq = labels.shape
         log_probs = from_rows(log_probs, True, batch, seq)
@@ -139,10 +137,27 @@ def liger_log_probs_and_entropy(
     return log_probs, entropy
 
 
-def _first_order_only(grad: torch.Tensor) -> torch.Tensor:
-    # A hook runs inside the backward, where grad mode is on exactly with create_graph=True.
-    refuse_double_backward()
-    return grad
+def _guard_backward(device: torch.device, *outputs: torch.Tensor | None) -> None:
+    """Liger's backward node runs with autocast off and refuses ``create_graph=True``, as the
+    head's Function does: hooks on the node itself (on CPU the backward runs on the caller's
+    thread, inside its autocast region; a double backward would differentiate Liger's
+    precomputed gradients as constants)."""
+    nodes = {out.grad_fn for out in outputs if out is not None and out.grad_fn is not None}
+    for node in nodes:
+        entered: list = []
+
+        def before(grad_outputs, entered=entered):
+            # Grad mode is on inside a backward exactly with create_graph=True.
+            refuse_double_backward()
+            context = autocast_off(device)
+            context.__enter__()
+            entered.append(context)
+
+        def after(grad_inputs, grad_outputs, entered=entered):
+            entered.pop().__exit__(None, None, None)
+
+        node.register_prehook(before)
+        node.register_hook(after)
 
 
 def _unsupported(hidden: torch.Tensor, *, temperature: object, tp_group: ProcessGroup | None) -> str | None:

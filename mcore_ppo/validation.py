@@ -242,9 +242,10 @@ def check_layout(
     if ids:
         if labels.dim() != len(expected) + 1 or tuple(labels.shape[:-1]) != expected:
             sp_note = f" (hidden's first dim {hidden.shape[0]} is the SP shard, × tp {tp_size})" if sp else ""
+            shape = ", ".join(map(str, expected))
             raise ValueError(
-                f"labels with k ids per token must have shape {what}, i.e. {(*expected, 'k')}{sp_note}, "
-                f"got {tuple(labels.shape)}"
+                f"labels must have shape {what} with k ids per token, i.e. ({shape}, k){sp_note}, got "
+                f"{tuple(labels.shape)} (one more dim than the tokens': read as k ids per token)"
             )
         if labels.shape[-1] < 1:
             raise ValueError(f"labels must hold k >= 1 ids per token (last dim), got shape {tuple(labels.shape)}")

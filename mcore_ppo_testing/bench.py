@@ -3,7 +3,7 @@
 and one implementation's measurement against the fp64 reference.
 
 Nothing here changes module state: the benchmarks configure the head by passing backend
-objects (``TritonBackend(forward_config=...)``) and timing options as arguments.
+objects (``TritonBackend(TritonConfig(forward_config=...))``) and timing options as arguments.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def ours(backend: Any, **options: Any) -> HeadFn:
 def build_impls(triton_settings: dict[str, Any] | None = None) -> dict[str, tuple[HeadFn | None, str | None, dict]]:
     """name -> (fn, skip reason, info). ``triton_settings``: ``TritonBackend`` arguments (tile
     configs) for every ``ours_triton*`` implementation (None: the backend's defaults)."""
-    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 
     impls: dict[str, tuple[HeadFn | None, str | None, dict]] = {}
     impls["naive_torch"] = (naive, None, {})

@@ -194,9 +194,9 @@ def head_backend(backend: str, buffer_budget_bytes: int | str | None):
     ``TritonBackend`` that carries the budget (the knob is the backend's)."""
     if buffer_budget_bytes is None or not (backend == "triton" or (backend == "auto" and torch.cuda.is_available())):
         return backend
-    from mcore_ppo.backends import TritonBackend
+    from mcore_ppo.backends import TritonBackend, TritonConfig
 
-    return TritonBackend(buffer_budget_bytes=buffer_budget_bytes)
+    return TritonBackend(TritonConfig(buffer_budget_bytes=buffer_budget_bytes))
 
 
 def synthetic_rollout(

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 
 def nan_filled_unset_buffers(monkeypatch) -> list[bool]:
-    """From now on every ``d_W`` buffer of the head and the student that is handed over unset is
-    NaN-filled first. Returns the ``unset`` flag of every buffer made (the list grows)."""
+    """From now on every ``d_W`` buffer of the head that is handed over unset is NaN-filled
+    first. Returns the ``unset`` flag of every buffer made (the list grows)."""
     from mcore_ppo import function
-    from mcore_ppo.distill import student
 
     made: list[bool] = []
     original = function.weight_grad_buffer
@@ -22,5 +21,4 @@ def nan_filled_unset_buffers(monkeypatch) -> list[bool]:
         return buffer, unset
 
     monkeypatch.setattr(function, "weight_grad_buffer", nan_filled)
-    monkeypatch.setattr(student, "weight_grad_buffer", nan_filled)
     return made

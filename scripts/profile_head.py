@@ -82,9 +82,9 @@ def head_calls(inputs: HeadInputs, temperature: float, backend: Any = "triton", 
 
 def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls: int) -> dict:
     inputs = seeded_inputs(h, v, n)
-    from mcore_ppo.backends import TritonBackend
+    from mcore_ppo.backends import TritonBackend, TritonConfig
 
-    backend = TritonBackend(buffer_budget_bytes=2**40 if buffer else 0)
+    backend = TritonBackend(TritonConfig(buffer_budget_bytes=2**40 if buffer else 0))
     nograd, step, one_gemm = head_calls(inputs, temperature, backend)
     out = {}
     for phase, fn in (("forward_nograd", nograd), ("forward_backward", step)):

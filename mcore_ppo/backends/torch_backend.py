@@ -83,6 +83,10 @@ class TorchBackend:
         """None: torch ops run on every device and dtype."""
         return None
 
+    def head_forward(self, *args, **kwargs) -> None:
+        """Not fused (``capabilities.fused_forward`` is False): the Function's generic forward runs."""
+        return None
+
     def shard_statistics(
         self,
         hidden: torch.Tensor,

@@ -197,7 +197,7 @@ def test_forward_tiles_per_split_follow_the_shard(monkeypatch):
         splits = -(-v // (tiles * block_n))
         assert tiles == 2 or splits >= triton_backend.MIN_FORWARD_SPLITS
     given = replace(triton_backend.FORWARD_CONFIG, tiles_per_split=4)
-    assert triton_backend.TritonBackend(forward_config=given).forward_config_for(152064) is given
+    assert triton_backend.TritonBackend(triton_backend.TritonConfig(forward_config=given)).forward_config_for(152064) is given
 
 
 def test_main_grad_accumulation():

@@ -21,6 +21,7 @@ Tolerances, and why (``rtol`` is relative to the tensor's largest reference valu
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 import mcore_ppo
-from mcore_ppo.backends import import_optional, torch_backend
+from mcore_ppo.backends import TorchBackend, TorchConfig, import_optional
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants
 from mcore_ppo_testing.seeds import generator, next_seed
 
@@ -47,10 +48,9 @@ LAYOUTS = ("2d", "3d", "packed")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def set_chunks(monkeypatch: pytest.MonkeyPatch, token_chunk: int, vocab_chunk: int) -> None:
-    """Shrink the torch backend's chunks so several chunks and ragged tails are exercised."""
-    monkeypatch.setattr(torch_backend, "TOKEN_CHUNK", token_chunk)
-    monkeypatch.setattr(torch_backend, "VOCAB_CHUNK", vocab_chunk)
+def chunked_torch(token_chunk: int, vocab_chunk: int) -> TorchBackend:
+    """A torch backend with small chunks, so several chunks and ragged tails are exercised."""
+    return TorchBackend(TorchConfig(token_chunk=token_chunk, vocab_chunk=vocab_chunk))
 
 
 def label_shape(layout: str, tokens: int, batch: int = 3) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -117,8 +117,9 @@ def run_head(
     originals = {k: v.clone() for k, v in case.items()}
     hidden = case["hidden"].detach().requires_grad_(True)
     weight = case["weight"].detach().requires_grad_(True)
+    kwargs.setdefault("backend", "torch")
     log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
-        hidden, weight, case["labels"], temperature=temperature, backend="torch", **kwargs
+        hidden, weight, case["labels"], temperature=temperature, **kwargs
     )
     check_invariants(log_prob, entropy, case["labels"], case["weight"].shape[0])
     terms = []
@@ -177,6 +178,13 @@ def with_budget(backend: str, budget: int | None):
     """``backend``, or a ``TritonBackend`` with that probability-buffer budget when one is given."""
     if budget is None:
         return backend
-    from mcore_ppo.backends import TritonBackend
+    from mcore_ppo.backends import TritonBackend, TritonConfig
 
-    return TritonBackend(buffer_budget_bytes=budget)
+    return TritonBackend(TritonConfig(buffer_budget_bytes=budget))
+
+
+def entry_point(backend: str):
+    """The head's entry for a backend name, and Liger's own entry point for ``"liger"``."""
+    if backend == "liger":
+        return mcore_ppo.liger_log_probs_and_entropy
+    return functools.partial(mcore_ppo.fused_log_probs_and_entropy, backend=backend)

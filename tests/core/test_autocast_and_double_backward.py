@@ -5,22 +5,23 @@ outside (autocast would run the torch backend's logit GEMMs in bf16: log-probs o
 gradients by ~10 %). Checked bit for bit against the same call outside autocast, for the
 forward and the backward inside the region (on CPU the backward runs on the calling thread and
 sees its autocast state) and for a forward inside with the backward outside, on every backend
-that runs here (``triton`` in the interpreter, ``liger`` through its PyTorch fallback).
+that runs here (``triton`` in the interpreter), and Liger's entry point through its PyTorch
+fallback.
 
 Double backward: the head's backward is not differentiable, so ``create_graph=True`` through it
 raises ``NotImplementedError`` naming the head instead of returning wrong second derivatives
-(before the fix: Hessian-vector products off by 8×, ``gradgradcheck`` False).
+(a first-order backward differentiated again would give Hessian-vector products off by 8×).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from head_checks import TRITON_ON_CPU, plain_case
-from mcore_ppo.backends.liger_backend import is_available as liger_available
+from head_checks import TRITON_ON_CPU, entry_point, plain_case
 
 import mcore_ppo
 from mcore_ppo.function import NO_DOUBLE_BACKWARD
+from mcore_ppo.liger import is_available as liger_available
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
@@ -43,7 +44,7 @@ def forward_backward(hidden, weight, labels, g, e, *, backend, autocast_forward,
     x = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast_forward):
-        logp, ent = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=backend)
+        logp, ent = entry_point(backend)(x, w, labels, temperature=0.7)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast_backward):
         ((logp * g).sum() + (ent * e).sum()).backward()
     return logp, ent, x.grad, w.grad
@@ -103,7 +104,7 @@ def test_gradgradcheck_raises_instead_of_passing_wrong_values():
 def test_create_graph_is_refused(backend, output):
     hidden, weight, labels, g, e = make_inputs()
     x, w = hidden.requires_grad_(True), weight.requires_grad_(True)
-    logp, ent = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, backend=backend)
+    logp, ent = entry_point(backend)(x, w, labels)
     loss = (logp * g).sum() if output == "log_prob" else (ent * e).sum()
     with pytest.raises(NotImplementedError, match=DOUBLE_BACKWARD) as info:
         torch.autograd.grad(loss, (x, w), create_graph=True)

@@ -1,6 +1,6 @@
 """``buffer_budget_bytes``: the triton backend's probability-buffer budget, a setting of the backend.
 
-Validation: ``TritonBackend(buffer_budget_bytes=...)`` rejects a wrong type (``TypeError``) or a
+Validation: ``TritonConfig(buffer_budget_bytes=...)`` rejects a wrong type (``TypeError``) or a
 negative budget (``ValueError``) naming the argument; no entry point takes the knob. Plumbing:
 a ``TritonBackend`` passed as ``backend`` to each entry point (the kernels run in Triton's CPU
 interpreter, ``tests/conftest.py``) decides with its budget whether the forward keeps the
@@ -30,8 +30,10 @@ triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 if not triton_backend.is_available():  # pragma: no cover - triton installed but neither CUDA nor the interpreter
     pytest.skip("the triton backend cannot run here", allow_module_level=True)
 TritonBackend = triton_backend.TritonBackend
+TritonConfig = triton_backend.TritonConfig
 
 ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
+DEFAULT_BUDGET = TritonConfig().buffer_budget_bytes
 BIG = 1 << 30
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -55,19 +57,19 @@ def spy(monkeypatch):
     record = {"forward": [], "buffer_backward": []}
     # The forward kernels' launches, shared by head_forward and shard_statistics.
     stats = triton_backend.TritonBackend._statistics
-    from_buffer = triton_backend.TritonBackend._gradients_from_buffer
+    from_buffer = triton_backend.gradients_from_buffer
 
     def spied_stats(self, *args, **kwargs):
         out = stats(self, *args, **kwargs)
-        record["forward"].append((self.buffer_budget_bytes, out[1] is not None))
+        record["forward"].append((self.config.buffer_budget_bytes, out[1] is not None))
         return out
 
-    def spied_from_buffer(self, *args, **kwargs):
+    def spied_from_buffer(backend, *args, **kwargs):
         record["buffer_backward"].append(1)
-        return from_buffer(self, *args, **kwargs)
+        return from_buffer(backend, *args, **kwargs)
 
     monkeypatch.setattr(triton_backend.TritonBackend, "_statistics", spied_stats)
-    monkeypatch.setattr(triton_backend.TritonBackend, "_gradients_from_buffer", spied_from_buffer)
+    monkeypatch.setattr(triton_backend, "gradients_from_buffer", spied_from_buffer)
     return record
 
 
@@ -123,7 +125,7 @@ def _small():
 def test_backend_rejects_bad_budgets(value):
     error = TypeError if not isinstance(value, (int, str)) or isinstance(value, bool) else ValueError
     with pytest.raises(error, match=r"^buffer_budget_bytes must be"):
-        TritonBackend(buffer_budget_bytes=value)
+        TritonConfig(buffer_budget_bytes=value)
 
 
 @pytest.mark.parametrize("entry", ["api", "verl", "head", "install"])
@@ -146,18 +148,18 @@ def test_resolved_triton_backend_reads_the_environment_once(monkeypatch):
     monkeypatch.setenv(ENV, "4096")
     clear_backend_cache()
     first = resolve_backend("triton", DEVICE)
-    assert first.buffer_budget_bytes == 4096
+    assert first.config.buffer_budget_bytes == 4096
     monkeypatch.setenv(ENV, "1KiB")
-    assert resolve_backend("triton", DEVICE) is first and first.buffer_budget_bytes == 4096
-    assert TritonBackend().buffer_budget_bytes == triton_backend.BUFFER_BUDGET_BYTES
+    assert resolve_backend("triton", DEVICE) is first and first.config.buffer_budget_bytes == 4096
+    assert TritonBackend().config.buffer_budget_bytes == DEFAULT_BUDGET
     clear_backend_cache()
-    assert resolve_backend("triton", DEVICE).buffer_budget_bytes == 1024
+    assert resolve_backend("triton", DEVICE).config.buffer_budget_bytes == 1024
     monkeypatch.delenv(ENV)
     clear_backend_cache()
-    assert resolve_backend("triton", DEVICE).buffer_budget_bytes == triton_backend.BUFFER_BUDGET_BYTES
+    assert resolve_backend("triton", DEVICE).config.buffer_budget_bytes == DEFAULT_BUDGET
     assert isinstance(resolve_backend("torch", DEVICE), TorchBackend)
     assert resolve_backend("torch", DEVICE) is resolve_backend("torch", DEVICE)
-    own = TritonBackend(buffer_budget_bytes=7)
+    own = TritonBackend(TritonConfig(buffer_budget_bytes=7))
     assert resolve_backend(own, DEVICE) is own
 
 
@@ -174,10 +176,12 @@ def test_api_budget_decides_the_buffer(budget, env, kept, monkeypatch, spy):
     hidden, weight, labels, g, e = make_case(29, 24, 130, next_seed())
     x = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    backend = "triton" if budget == "env" else TritonBackend(buffer_budget_bytes=budget)
+    backend = {"env": "triton", None: TritonBackend()}.get(budget) or TritonBackend(
+        TritonConfig(buffer_budget_bytes=budget)
+    )
     logp, ent = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=backend)
     backward(logp, ent, g, e)
-    expected = {None: triton_backend.BUFFER_BUDGET_BYTES, "env": int(env)}.get(budget, budget)
+    expected = {None: DEFAULT_BUDGET, "env": int(env)}.get(budget, budget)
     assert spy["forward"] == [(expected, kept)]
     assert spy["buffer_backward"] == ([1] if kept else [])
     check_outputs(hidden, weight, labels, 0.7, g, e, logp, ent, x.grad, w.grad)
@@ -186,11 +190,11 @@ def test_api_budget_decides_the_buffer(budget, env, kept, monkeypatch, spy):
 def test_head_backend_used_on_every_forward(monkeypatch, spy):
     """The head's backend object reaches every call; setting another changes the next call."""
     monkeypatch.delenv(ENV, raising=False)
-    head = make_head(backend=TritonBackend(buffer_budget_bytes=BIG), temperature=0.9)
-    assert head.backend.buffer_budget_bytes == BIG
+    head = make_head(backend=TritonBackend(TritonConfig(buffer_budget_bytes=BIG)), temperature=0.9)
+    assert head.backend.config.buffer_budget_bytes == BIG
     gen = generator(next_seed())
     for budget, kept in ((BIG, True), (0, False)):
-        head.backend = TritonBackend(buffer_budget_bytes=budget)
+        head.backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))
         hidden = torch.randn(7, 3, 16, generator=gen).to(DEVICE)
         labels = torch.randint(0, 37, (3, 7), generator=gen).to(DEVICE)
         labels[0, :2] = IGNORE_INDEX
@@ -208,7 +212,7 @@ def test_verl_entry_budget_and_no_grad(monkeypatch, spy):
     """verl's entry takes the backend object, and (as the API) keeps no buffer when no backward will run."""
     monkeypatch.setenv(ENV, "0")
     hidden, weight, labels, g, e = make_case(21, 16, 75, next_seed())
-    backend = TritonBackend(buffer_budget_bytes=BIG)
+    backend = TritonBackend(TritonConfig(buffer_budget_bytes=BIG))
     with torch.no_grad():
         linear_cross_entropy(hidden.clone().requires_grad_(True), weight, labels, backend=backend)
     assert spy["forward"] == [(BIG, False)]

@@ -9,7 +9,17 @@ import math
 
 import pytest
 import torch
-from head_checks import BF16_CAST_RTOL, DTYPES, LAYOUTS, OUT_RTOL, compare, label_shape, make_case, run_head, set_chunks
+from head_checks import (
+    BF16_CAST_RTOL,
+    DTYPES,
+    LAYOUTS,
+    OUT_RTOL,
+    chunked_torch,
+    compare,
+    label_shape,
+    make_case,
+    run_head,
+)
 
 import mcore_ppo
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, reference
@@ -22,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.
 @pytest.mark.parametrize("layout", ["2d", "3d"])
 def test_non_contiguous_inputs(layout, dtype, monkeypatch):
     """Transposed and strided views of hidden, weight, labels and upstream gradients."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     gen = generator(next_seed())
     vocab, h = 45, 12
     weight = (torch.randn(h, vocab, generator=gen) / math.sqrt(h)).to(dtype).t()  # [V, h], transposed
@@ -39,7 +49,7 @@ def test_non_contiguous_inputs(layout, dtype, monkeypatch):
     labels[..., 1] = IGNORE_INDEX
     assert not (hidden.is_contiguous() or weight.is_contiguous() or labels.is_contiguous() or g.is_contiguous())
     case = {"hidden": hidden, "weight": weight, "labels": labels, "g": g, "e": e}
-    out = run_head(case, 1.3)
+    out = run_head(case, 1.3, backend=backend)
     ref = reference(hidden, weight, labels, 1.3, g, e)
     compare(out, ref, dtype)
 
@@ -48,9 +58,9 @@ def test_non_contiguous_inputs(layout, dtype, monkeypatch):
 @pytest.mark.parametrize("use", ["log_prob", "entropy"])
 def test_only_one_output_used(use, dtype, monkeypatch):
     """The other output's gradient is None (never materialised): works and equals the reference."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     case = make_case("3d", dtype, 57, 16, 24, generator(next_seed()))
-    out = run_head(case, 0.7, use=use)
+    out = run_head(case, 0.7, use=use, backend=backend)
     g = case["g"] if use == "log_prob" else None
     e = case["e"] if use == "entropy" else None
     ref = reference(case["hidden"], case["weight"], case["labels"], 0.7, g, e)
@@ -60,7 +70,7 @@ def test_only_one_output_used(use, dtype, monkeypatch):
 @pytest.mark.parametrize("layout", ["2d", "3d"])
 def test_gradcheck_float64(layout, monkeypatch):
     """torch.autograd.gradcheck in float64 on small shapes, with chunking and ignored tokens."""
-    set_chunks(monkeypatch, 2, 3)
+    backend = chunked_torch(2, 3)
     gen = generator(next_seed())
     vocab, h = 8, 4
     lead, lshape = label_shape(layout, 6, batch=2)
@@ -70,7 +80,7 @@ def test_gradcheck_float64(layout, monkeypatch):
     labels.view(-1)[:3] = torch.tensor([0, vocab - 1, IGNORE_INDEX])
 
     def head(x, w):
-        return mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend="torch")
+        return mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=backend)
 
     assert torch.autograd.gradcheck(head, (hidden, weight), eps=1e-6, atol=1e-7, rtol=1e-5)
 
@@ -121,11 +131,13 @@ def test_saved_tensors(dtype):
 @pytest.mark.parametrize("layout", ["3d", "packed"])
 def test_gradient_reaches_3d_hidden(layout, dtype, monkeypatch):
     """Regression: hidden [s,b,h] / [t,1,h] as a leaf gets .grad, equal to the reference."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     case = make_case(layout, dtype, 39, 16, 24, generator(next_seed()))
     hidden = case["hidden"].clone().requires_grad_(True)
     weight = case["weight"].clone()  # frozen: only hidden asks for a gradient
-    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=1.3)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, case["labels"], temperature=1.3, backend=backend
+    )
     check_invariants(log_prob, entropy, case["labels"], 39)
     ((log_prob * case["g"]).sum() + (entropy * case["e"]).sum()).backward()
     assert hidden.grad is not None, "gradient did not reach 3-D hidden"
@@ -145,14 +157,16 @@ def test_gradient_reaches_3d_hidden(layout, dtype, monkeypatch):
 
 def test_gradient_reaches_backbone(monkeypatch):
     """Regression: through a backbone layer producing 3-D hidden, the layer's parameter gets its gradient."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     gen = generator(next_seed())
     case = make_case("3d", torch.float32, 39, 16, 24, gen)
     x = case["hidden"]
     proj = (torch.randn(16, 16, generator=gen) / 4).requires_grad_(True)
     weight = case["weight"].clone().requires_grad_(True)
     hidden = torch.tanh(x @ proj)  # a non-leaf [s, b, h]
-    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=0.7)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, case["labels"], temperature=0.7, backend=backend
+    )
     check_invariants(log_prob, entropy, case["labels"], 39)
     ((log_prob * case["g"]).sum() + (entropy * case["e"]).sum()).backward()
     assert proj.grad is not None
@@ -166,11 +180,13 @@ def test_gradient_reaches_backbone(monkeypatch):
 @pytest.mark.parametrize("which", ["hidden", "weight"])
 def test_gradient_to_one_input_only(which, monkeypatch):
     """Only one input requires grad: it gets the reference gradient, the other stays None."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     case = make_case("2d", torch.float32, 39, 16, 24, generator(next_seed()))
     hidden = case["hidden"].clone().requires_grad_(which == "hidden")
     weight = case["weight"].clone().requires_grad_(which == "weight")
-    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=1.0)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, case["labels"], temperature=1.0, backend=backend
+    )
     check_invariants(log_prob, entropy, case["labels"], 39)
     ((log_prob * case["g"]).sum() + (entropy * case["e"]).sum()).backward()
     ref = reference(case["hidden"], case["weight"], case["labels"], 1.0, case["g"], case["e"])
@@ -182,14 +198,14 @@ def test_gradient_to_one_input_only(which, monkeypatch):
 
 def test_repeated_backward_accumulates(monkeypatch):
     """Two micro-batches through the same weight: weight.grad is the sum (no state left behind)."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     gen = generator(next_seed())
     weight = (torch.randn(29, 16, generator=gen) / 4).requires_grad_(True)
     expected = torch.zeros(29, 16, dtype=torch.float64)
     terms = torch.zeros(29, 16, dtype=torch.float64)
     for _ in range(2):
         case = make_case("3d", torch.float32, 29, 16, 18, gen)
-        lp, ent = mcore_ppo.fused_log_probs_and_entropy(case["hidden"], weight, case["labels"])
+        lp, ent = mcore_ppo.fused_log_probs_and_entropy(case["hidden"], weight, case["labels"], backend=backend)
         check_invariants(lp, ent, case["labels"], 29)
         ((lp * case["g"]).sum() + (ent * case["e"]).sum()).backward()
         ref = reference(case["hidden"], weight, case["labels"], 1.0, case["g"], case["e"])
@@ -201,11 +217,13 @@ def test_repeated_backward_accumulates(monkeypatch):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mean_loss_broadcast_upstream(layout, monkeypatch):
     """A mean loss hands the head an expanded (stride-0) upstream gradient: same as a dense one."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     case = make_case(layout, torch.float32, 43, 16, 21, generator(next_seed()))
     hidden = case["hidden"].clone().requires_grad_(True)
     weight = case["weight"].clone().requires_grad_(True)
-    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, case["labels"], temperature=0.7)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, case["labels"], temperature=0.7, backend=backend
+    )
     check_invariants(log_prob, entropy, case["labels"], 43)
     (log_prob.mean() - 0.01 * entropy.sum()).backward()
     n = case["labels"].numel()

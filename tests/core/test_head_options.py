@@ -20,13 +20,14 @@ import math
 
 import pytest
 import torch
-from head_checks import BF16_CAST_RTOL, GRAD_ATOL, OUT_RTOL, TRITON_ON_CPU, make_case
-from mcore_ppo.pipeline import HeadOptions, run_head
+from head_checks import BF16_CAST_RTOL, GRAD_ATOL, OUT_RTOL, TRITON_ON_CPU, entry_point, make_case, with_budget
 
 import mcore_ppo
 from mcore_ppo import validation
 from mcore_ppo.backends import import_optional
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
+from mcore_ppo.options import HeadOptions
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.reference import assert_close, check_invariants, reference
 from mcore_ppo_testing.seeds import generator, next_seed
 from parallel import split_for_cp, split_temperature_for_cp
@@ -53,7 +54,8 @@ def _run(case, temperature, *, use_entropy=True, return_entropy=True, **kwargs):
     """Forward + backward of ``Σ g·log_prob (+ Σ e·entropy)``; returns outputs and gradients."""
     hidden = case["hidden"].detach().requires_grad_(True)
     weight = case["weight"].detach().requires_grad_(True)
-    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(
+    head = entry_point(kwargs.pop("backend"))
+    log_prob, entropy = head(
         hidden, weight, case["labels"], temperature=temperature, return_entropy=return_entropy, **kwargs
     )
     loss = (log_prob * case["g"]).sum()
@@ -89,22 +91,25 @@ def _compare(out, ref, dtype, *, with_entropy=True, tag="", backend="torch"):
 
 
 def _kwargs(backend: str, budget: int | None) -> dict:
-    if budget is None:
-        return {"backend": backend}
-    from mcore_ppo.backends import TritonBackend
-
-    return {"backend": TritonBackend(buffer_budget_bytes=budget)}
+    return {"backend": with_budget(backend, budget)}
 
 
 # --- per-token temperature -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend,budget", BACKENDS)
+# Liger refuses a temperature tensor with 16-bit inputs (test_liger_refuses_16bit_tensor).
+@pytest.mark.parametrize(
+    "backend,budget,dtype",
+    [
+        (*p.values, dtype)
+        for p in BACKENDS
+        for dtype in (torch.float32, torch.bfloat16)
+        if (p.values[0], dtype) != ("liger", torch.bfloat16)
+    ],
+    ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v, None) if isinstance(v, torch.dtype) else None,
+)
 @pytest.mark.parametrize("layout", ["2d", "3d", "packed"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_per_token_temperature_matches_fp64(backend, budget, layout, dtype):
-    if backend == "liger" and dtype == torch.bfloat16:
-        pytest.skip("liger refuses a temperature tensor with 16-bit inputs (test_liger_refuses_16bit_tensor)")
     gen = generator(next_seed())
     case = make_case(layout, dtype, VOCAB, HIDDEN, TOKENS, gen)
     temperature = _temperature(case["labels"], "token", gen)
@@ -161,14 +166,20 @@ def test_flat_labels_take_n_elements_or_broadcast():
     assert ent is None and torch.equal(got, linear_cross_entropy(hidden, weight, labels, 0.7, backend="torch")[0])
 
 
-def test_run_head_tensor_overrides_the_option():
+def test_options_object_and_keywords():
+    """``options=HeadOptions(...)`` is used as given; a keyword replaces its field for the call."""
     gen = generator(next_seed())
     case = make_case("2d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)
-    temperature = _temperature(case["labels"], "token", gen)
     args = (case["hidden"], case["weight"], case["labels"])
-    got = run_head(*args, HeadOptions(temperature=3.0, backend="torch"), tp_group=None, temperature=temperature)
-    want = run_head(*args, HeadOptions(temperature=1.0, backend="torch"), tp_group=None, temperature=temperature)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    options = HeadOptions(backend="torch", return_entropy=False)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(*args, temperature=0.9, options=options)
+    assert entropy is None
+    log_prob2, entropy2 = mcore_ppo.fused_log_probs_and_entropy(
+        *args, temperature=0.9, options=options, return_entropy=True
+    )
+    assert entropy2 is not None and torch.equal(log_prob, log_prob2)
+    with pytest.raises(TypeError, match="options must be a HeadOptions"):
+        mcore_ppo.fused_log_probs_and_entropy(*args, options={"backend": "torch"})
 
 
 @LIGER
@@ -176,8 +187,8 @@ def test_liger_refuses_16bit_tensor():
     gen = generator(next_seed())
     case = make_case("2d", torch.bfloat16, VOCAB, HIDDEN, TOKENS, gen)
     with pytest.raises(ValueError, match="temperature"):
-        mcore_ppo.fused_log_probs_and_entropy(
-            case["hidden"], case["weight"], case["labels"], temperature=torch.ones(TOKENS), backend="liger"
+        mcore_ppo.liger_log_probs_and_entropy(
+            case["hidden"], case["weight"], case["labels"], temperature=torch.ones(TOKENS)
         )
 
 
@@ -226,7 +237,7 @@ def test_wrong_device(small):
 
 
 def test_not_a_tensor_or_float(small):
-    with pytest.raises(TypeError, match=r"temperature must be a python float"):
+    with pytest.raises(TypeError, match=r"temperature must be a number \(int or float\) or a floating-point"):
         _call(small, [1.0, 2.0])
 
 
@@ -340,7 +351,7 @@ def test_gpt_log_probs_tensor_temperature_and_entropy_off(megatron_tp1):
 
     # Megatron builds on the GPU where there is one (the CPU shims stand aside there).
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = mcore_ppo.build_gpt_model(
+    model = build_gpt_model(
         num_layers=1,
         hidden_size=32,
         num_attention_heads=4,

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from head_checks import DTYPES, LAYOUTS, OUT_RTOL, compare, make_case, run_head, set_chunks
+from head_checks import DTYPES, LAYOUTS, OUT_RTOL, chunked_torch, compare, make_case, run_head
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
@@ -37,16 +37,16 @@ CHUNKINGS = [(5, 7, 53), (3, 64, 131), (2048, 4096, 300)]
 def test_matches_reference(layout, dtype, temperature, chunking, monkeypatch):
     """Values and both gradients, every layout × dtype × T × chunking, ignored labels sprinkled."""
     token_chunk, vocab_chunk, vocab = chunking
-    set_chunks(monkeypatch, token_chunk, vocab_chunk)
+    backend = chunked_torch(token_chunk, vocab_chunk)
     case = make_case(layout, dtype, vocab, 24, 23, generator(next_seed()))
-    out = run_head(case, temperature)
+    out = run_head(case, temperature, backend=backend)
     ref = reference(case["hidden"], case["weight"], case["labels"], temperature, case["g"], case["e"])
     compare(out, ref, dtype)
 
 
 def test_chunking_is_exercised(monkeypatch):
     """The monkeypatched chunk sizes really drive the loop: ⌈n/tc⌉·⌈V/vc⌉ logit blocks per pass."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     calls = []
     original = torch_backend._tempered_logits
 
@@ -56,7 +56,7 @@ def test_chunking_is_exercised(monkeypatch):
 
     monkeypatch.setattr(torch_backend, "_tempered_logits", spy)
     case = make_case("2d", torch.float32, 37, 8, 23, generator(next_seed()))
-    run_head(case, 1.0)
+    run_head(case, 1.0, backend=backend)
     blocks = math.ceil(23 / 5) * math.ceil(37 / 7)
     assert len(calls) == 2 * blocks  # forward statistics + backward recompute
     assert {n for n, _ in calls} == {5, 3} and {v for _, v in calls} == {7, 2}  # ragged tails seen
@@ -66,10 +66,10 @@ def test_chunking_is_exercised(monkeypatch):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_all_ignored(layout, dtype, monkeypatch):
     """Every token ignored: outputs and gradients exactly zero, nothing NaN."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     case = make_case(layout, dtype, 29, 16, 17, generator(next_seed()))
     case["labels"].fill_(IGNORE_INDEX)
-    out = run_head(case, 0.7)
+    out = run_head(case, 0.7, backend=backend)
     for name in ("log_prob", "entropy", "d_hidden", "d_weight"):
         assert out[name] is not None and torch.isfinite(out[name]).all(), name
         assert (out[name] == 0).all(), f"{name} must be exactly zero when every label is ignored"
@@ -78,23 +78,23 @@ def test_all_ignored(layout, dtype, monkeypatch):
 @pytest.mark.parametrize("ignore_index", [-1, 5])
 def test_custom_ignore_index(ignore_index, monkeypatch):
     """A non-default ignore_index (even one inside the vocab) is honoured; -100 is then a bad label."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     gen = generator(next_seed())
     case = make_case("3d", torch.float32, 31, 16, 24, gen, ignore_fraction=0.0)
     labels = case["labels"]
     labels[labels == ignore_index] = 0
     labels.view(-1)[torch.rand(labels.numel(), generator=gen) < 0.3] = ignore_index
-    out = run_head(case, 1.3, ignore_index=ignore_index)
+    out = run_head(case, 1.3, ignore_index=ignore_index, backend=backend)
     ref = reference(case["hidden"], case["weight"], labels, 1.3, case["g"], case["e"], ignore_index=ignore_index)
     compare(out, ref, torch.float32)
 
 
 def test_int32_labels(monkeypatch):
     """int32 labels (as some data loaders produce) give the same answer as int64."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     case = make_case("packed", torch.float32, 53, 16, 19, generator(next_seed()))
     case["labels"] = case["labels"].to(torch.int32)
-    out = run_head(case, 0.7)
+    out = run_head(case, 0.7, backend=backend)
     ref = reference(case["hidden"], case["weight"], case["labels"].long(), 0.7, case["g"], case["e"])
     compare(out, ref, torch.float32)
 
@@ -116,7 +116,7 @@ def test_extreme_logits(mode, dtype, monkeypatch):
     Shifting every logit of a token by the same constant leaves the exact answer unchanged, so
     the shifted cases test that the head never forms exp of a large number.
     """
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     gen = generator(next_seed())
     h = 16
     case = make_case("3d", dtype, 41, h, 21, gen, logit_std=1.0)
@@ -129,7 +129,7 @@ def test_extreme_logits(mode, dtype, monkeypatch):
         hidden[..., 0] = sign * 100.0
         weight[:, 0] = 100.0
     case["hidden"], case["weight"] = hidden.to(dtype), weight.to(dtype)
-    out = run_head(case, 1.0)
+    out = run_head(case, 1.0, backend=backend)
     ref = reference(case["hidden"], case["weight"], case["labels"], 1.0, case["g"], case["e"])
     # A logit error δz moves p_j by ≲ 2·δz·p_j (z_j and lse both move), so each gradient is off
     # by ≲ 2·δz times the magnitude of the terms it sums (see mcore_ppo_testing.reference._gradient_term_magnitudes).
@@ -155,14 +155,14 @@ def test_extreme_logits(mode, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_all_equal_logits(how, dtype, monkeypatch):
     """All logits of a token equal: entropy = log V and log p = -log V (to fp32 rounding)."""
-    set_chunks(monkeypatch, 5, 7)
+    backend = chunked_torch(5, 7)
     vocab = 97
     case = make_case("2d", dtype, vocab, 16, 22, generator(next_seed()))
     if how == "zero_hidden":
         case["hidden"] = torch.zeros_like(case["hidden"])
     else:
         case["weight"] = case["weight"][:1].expand(vocab, -1).contiguous()
-    out = run_head(case, 0.7)
+    out = run_head(case, 0.7, backend=backend)
     valid = case["labels"] != IGNORE_INDEX
     log_v = math.log(vocab)
     assert_close(out["entropy"][valid], torch.full((int(valid.sum()),), log_v), name="entropy", dtype=dtype, rtol=1e-6)
@@ -181,13 +181,13 @@ def test_near_uniform_entropy_never_exceeds_log_vocab(vocab, monkeypatch):
     ``H = log S - U/S`` rounds to within an ulp of log V there; the head must round it onto the
     right side of the bound, here checked exactly (fp64 comparison with the real log V).
     """
-    set_chunks(monkeypatch, 64, 7)
+    backend = chunked_torch(64, 7)
     gen = generator(next_seed())
     h = 8
     weight = torch.randn(1, h, generator=gen).expand(vocab, h) + 1e-7 * torch.randn(vocab, h, generator=gen)
     hidden = torch.randn(64, h, generator=gen) * 3
     labels = torch.randint(0, vocab, (64,), generator=gen)
     with torch.no_grad():
-        log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels)
+        log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, backend=backend)
     check_invariants(log_prob, entropy, labels, vocab)  # entropy <= log V, exactly
     assert_close(entropy, torch.full((64,), math.log(vocab)), name="entropy", dtype=torch.float32, rtol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mcore_ppo import fused_log_probs_and_entropy
-from mcore_ppo.backends import TritonBackend, resolve_backend
+from mcore_ppo.backends import TritonBackend, TritonConfig, resolve_backend
 from mcore_ppo.logs import forget_logged, log_once
 
 
@@ -69,7 +69,7 @@ def test_triton_buffer_decision_logged_once_per_kind(caplog_info):
         hidden = torch.randn(6, 16, generator=gen).to(device).requires_grad_(grad)
         with torch.set_grad_enabled(grad):
             fused_log_probs_and_entropy(
-                hidden, weight, labels, tp_group=None, backend=TritonBackend(buffer_budget_bytes=budget)
+                hidden, weight, labels, tp_group=None, backend=TritonBackend(TritonConfig(buffer_budget_bytes=budget))
             )
     buffer_lines = [m for m in _messages(caplog_info) if "probability buffer" in m]
     assert [line.split(":")[1].strip() for line in buffer_lines] == [

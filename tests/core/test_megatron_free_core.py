@@ -2,7 +2,7 @@
 
 A fresh interpreter gets a ``sys.meta_path`` finder that refuses ``megatron`` and every
 ``megatron.*`` module, as in an environment where megatron-core is not installed. It imports
-the kernels, the backends, the autograd Function, the pipeline, parallel's combine and groups,
+the kernels, the backends, the autograd Function, the head's call path, parallel's combine and groups,
 and the package itself; runs a small torch-backend forward and backward on the CPU through the
 public API; and checks that no Megatron module was loaded. The Megatron integration (the head
 module) must fail there with an ImportError that names Megatron, not with anything else.
@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent(
     import mcore_ppo.backends
     import mcore_ppo.function
     import mcore_ppo.kernels
-    import mcore_ppo.pipeline
+    import mcore_ppo.head_call
+    import mcore_ppo.liger
     import parallel.combine
     import parallel.groups
     from mcore_ppo.backends.torch_backend import TorchBackend

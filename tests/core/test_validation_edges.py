@@ -125,7 +125,7 @@ def triton_backend():
 )
 def test_budget_environment_variable_with_units(triton_backend, monkeypatch, text, expected):
     monkeypatch.setenv(ENV, text)
-    assert resolve_backend("triton", torch.device("cpu")).buffer_budget_bytes == expected
+    assert resolve_backend("triton", torch.device("cpu")).config.buffer_budget_bytes == expected
 
 
 @pytest.mark.parametrize("text", ["lots", "-1", "1e9", "1TiB", "GiB", "1 2"])
@@ -139,7 +139,7 @@ def test_budget_environment_variable_errors_name_it(triton_backend, monkeypatch,
 @pytest.mark.parametrize(("value", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
 def test_budget_of_a_backend_object(triton_backend, value, error):
     with pytest.raises(error, match=r"^buffer_budget_bytes must be"):
-        triton_backend.TritonBackend(buffer_budget_bytes=value)
+        triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=value))
 
 
 def test_triton_backend_refuses_cpu_tensors_without_the_interpreter(triton_backend, monkeypatch):
@@ -147,7 +147,10 @@ def test_triton_backend_refuses_cpu_tensors_without_the_interpreter(triton_backe
     backend = triton_backend.TritonBackend()
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
     hidden, weight, labels, _, _ = plain_case()
-    with pytest.raises(ValueError, match=r"backend='triton' needs CUDA tensors \(or TRITON_INTERPRET=1\), got cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='triton' cannot run these inputs: the triton kernels need CUDA tensors \(or TRITON_INTERPRET=1\), got cpu",
+    ):
         head(hidden, weight, labels, backend=backend)
 
 
@@ -240,5 +243,8 @@ def test_type_errors_qualify_non_builtin_types():
     hidden, weight, labels, _, _ = plain_case()
     with pytest.raises(TypeError, match=r"^sequence_parallel must be a bool, got numpy.bool"):
         head(hidden, weight, labels, sequence_parallel=np.bool_(False))
-    with pytest.raises(TypeError, match=r"^temperature must be a python float, got numpy.float32"):
+    with pytest.raises(
+        TypeError,
+        match=r"^temperature must be a number \(int or float\) or a floating-point torch.Tensor, got numpy.float32",
+    ):
         head(hidden, weight, labels, temperature=np.float32(0.7))

@@ -32,9 +32,8 @@ import torch.distributed as dist
 from conftest import DEVICE, shared_seed, tp_cp_groups
 from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, NH, TEMPERATURE, VOCAB, draw_ids
 
-from mcore_ppo import fused_log_probs_at, fused_topk
-from mcore_ppo.distill import topk as topk_module
-from mcore_ppo_testing.student_fold import record_folds, refuse_sparse_torch
+from mcore_ppo import TopKConfig, TorchBackend, TorchConfig, TritonBackend, TritonConfig, fused_log_probs_at, fused_topk
+from mcore_ppo.distill import topk_triton
 from mcore_ppo_testing.student_reference import student_reference
 from mcore_ppo_testing.topk_reference import full_pairs, topk_reference
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
@@ -46,10 +45,8 @@ TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 KINDS = (("random", torch.float64), ("random", torch.float32), ("integer", torch.float32))
 
 
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(topk_module, "TOKEN_CHUNK", 10)
-    monkeypatch.setattr(topk_module, "VOCAB_CHUNK", 16)
+#: The ranks' torch shard pass in small blocks: 10 tokens × 16 vocab rows (several per shard).
+SMALL = TopKConfig(token_chunk=10, vocab_chunk=16)
 
 
 def draw(kind: str, dtype: torch.dtype, lead: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,12 +59,7 @@ def draw(kind: str, dtype: torch.dtype, lead: tuple[int, ...]) -> tuple[torch.Te
 
 def single_rank(hidden, weight, k, labels, temperature):
     """The one-rank call with the default chunks (one block here)."""
-    saved = topk_module.TOKEN_CHUNK, topk_module.VOCAB_CHUNK
-    topk_module.TOKEN_CHUNK, topk_module.VOCAB_CHUNK = 2048, 4096
-    try:
-        return fused_topk(hidden, weight, k, temperature=temperature, labels=labels, tp_group=None)
-    finally:
-        topk_module.TOKEN_CHUNK, topk_module.VOCAB_CHUNK = saved
+    return fused_topk(hidden, weight, k, temperature=temperature, labels=labels, tp_group=None)
 
 
 def compare(check, out, single, ref, part, kind: str, dtype: torch.dtype, suite: str) -> None:
@@ -163,6 +155,7 @@ def test_tp_layouts_match_single_rank_and_fp64(tp, per_token, sp, check):
                     tp_group=layout.tp_group,
                     sequence_parallel=sp,
                     labels=labels.to(DEVICE),
+                    config=SMALL,
                 )
                 compare(check, out, single, ref, lambda t: t, kind, dtype, f"{prefix}TP{tp} sp={sp}")
     check.done()
@@ -178,14 +171,14 @@ def test_triton_path_tp2_matches_single_rank_and_fp64(sp, check, monkeypatch):
     pytest.importorskip("triton")
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("the triton path runs CPU tensors only under TRITON_INTERPRET=1")
-    recompute = topk_module._recompute_full_tiles
+    recompute = topk_triton._recompute_full_tiles
     full = []  # (row, tile) pairs each call recomputed whole
 
     def counted(tokens, weight, flags, *args):
         full.append(len(full_pairs(flags)))
         return recompute(tokens, weight, flags, *args)
 
-    monkeypatch.setattr(topk_module, "_recompute_full_tiles", counted)
+    monkeypatch.setattr(topk_triton, "_recompute_full_tiles", counted)
     tp, seq = 2, LAYOUT_SHAPES[NH][0]
     layout = tp_cp_groups(tp)
     torch.manual_seed(shared_seed())
@@ -263,6 +256,7 @@ def test_tp2_cp2_match_single_rank_and_fp64(per_token, check):
                         tp_group=layout.tp_group,
                         sequence_parallel=sp,
                         labels=local_labels.to(DEVICE),
+                        config=SMALL,
                     )
                     compare(check, out, single, ref, part, kind, dtype, f"{prefix}TP{tp}xCP{cp} sp={sp}")
     check.done()
@@ -318,6 +312,65 @@ def test_bad_k_raises_on_every_rank(check):
     check.done()
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_bad_argument_on_one_rank_raises_on_every_rank(tp, sp, check):
+    """One bad argument on the last TP rank only (k, impl, config, a temperature's shape or
+    values, the labels' shape or values, the hidden size): that rank raises its own error naming
+    it, every other rank a ValueError that a peer refused its inputs; nobody waits in a
+    collective for a rank that has left. A good call afterwards still matches the single-rank
+    result on every rank (the group's collectives stay aligned)."""
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    seq, batch = 8, 2
+    hidden = torch.randn(seq, batch, HIDDEN)
+    weight = torch.randn(VOCAB, HIDDEN)
+    labels = draw_ids(seq * batch).view(batch, seq)
+    good_t = token_temperatures((batch, seq))
+    single = single_rank(hidden, weight, 8, labels, good_t)
+    if layout.tp_group is None:
+        check.done()
+        return
+    bad_rank = layout.tp_rank == tp - 1
+    local_hidden = hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else hidden
+    shard = weight.chunk(tp, dim=0)[layout.tp_rank]
+    out_of_vocab = labels.clone()
+    out_of_vocab[1, 2] = VOCAB
+    nan_t = good_t.clone()
+    nan_t[0, 5] = float("nan")
+    peer = "another rank of the tensor-parallel group rejected"
+    cases = [
+        ("k = 0", dict(k=0), ValueError, "k must be in [1, 128]", peer),
+        ("k > V", dict(k=VOCAB + 1), ValueError, f"k must be <= the global vocab size {VOCAB}", peer),
+        ("k a float", dict(k=8.0), TypeError, "k must be an int", peer),
+        ("impl unknown", dict(impl="cuda"), ValueError, "impl must be one of", peer),
+        ("impl not a str", dict(impl=1), TypeError, "impl must be a str", peer),
+        ("config not a TopKConfig", dict(config="small"), TypeError, "config must be a", peer),
+        ("temperature shape", dict(temperature=good_t.t()), ValueError, "temperature must be shaped like labels", peer),
+        ("temperature value", dict(temperature=nan_t), ValueError,
+         "temperature values must be finite", "another rank of the tensor-parallel group has bad temperature"),
+        ("labels shape", dict(labels=labels.t()), ValueError, "labels must have shape", peer),
+        ("labels value", dict(labels=out_of_vocab), ValueError, f"labels must be in [0, {VOCAB})",
+         "another rank of the tensor-parallel group has bad labels"),
+        ("hidden size", dict(hidden=local_hidden[..., :-1]), ValueError, "hidden size", peer),
+    ]  # fmt: skip
+    for name, bad, error, message, peer_message in cases:
+        check.case(f"tp={tp} sp={sp} bad {name} on rank {tp - 1}")
+        # Value checks on: the verdict is shared on every device (NCCL included).
+        args = dict(hidden=local_hidden, weight=shard, k=8, labels=labels, temperature=good_t, validate=True)
+        if bad_rank:
+            args |= bad
+        check.raises(error if bad_rank else ValueError, message if bad_rank else peer_message, fused_topk,
+                     args.pop("hidden"), args.pop("weight"), args.pop("k"), tp_group=layout.tp_group,
+                     sequence_parallel=sp, **args)  # fmt: skip
+    check.case(f"tp={tp} sp={sp} a good call after the refusals")
+    out = fused_topk(local_hidden, shard, 8, temperature=good_t, labels=labels, tp_group=layout.tp_group,
+                     sequence_parallel=sp, config=SMALL)  # fmt: skip
+    ref = topk_reference(hidden, weight, 8, good_t, labels, IGNORE)
+    compare(check, out, single, ref, lambda t: t, "random", torch.float32, f"after refusals TP{tp} sp={sp}")
+    check.done()
+
+
 # --- The student's log-probs at k ids per token (fused_log_probs_at), with gradients ------------
 #
 # The same global data on every rank; the single-rank call (full weight, tp_group=None) and the
@@ -357,17 +410,32 @@ def student_compare(check, out: dict, single: dict, ref: dict, dtype: torch.dtyp
                     kind=f"{suite}: vs fp64")  # fmt: skip
 
 
-@pytest.fixture
-def small_student_chunks(monkeypatch):
-    from mcore_ppo.backends import torch_backend
-    from mcore_ppo.distill import student as student_module
+#: The ranks' backend: on the CPU the torch backend in small blocks (10 tokens × 16 vocab rows)
+#: with k-id gathers of fewer than 3 tokens' 64 ids (several chunks per shard and call); on GPUs
+#: the default one.
+RANK_BACKEND = (
+    TorchBackend(TorchConfig(token_chunk=10, vocab_chunk=16, gather_elements=3 * 64 * HIDDEN - 1))
+    if DEVICE.type == "cpu"
+    else "auto"
+)
 
-    monkeypatch.setattr(student_module, "GATHER_ELEMENTS", 3 * 64 * HIDDEN - 1)
-    monkeypatch.setattr(torch_backend, "TOKEN_CHUNK", 10)
-    monkeypatch.setattr(torch_backend, "VOCAB_CHUNK", 16)
+
+def record_folds(monkeypatch) -> list[tuple[int, int]]:
+    """The ``(v0, vc)`` of every one-hot add of the triton backend into a ``dz`` buffer or chunk
+    from now on (the student's k-id gradients folded into the backend's own ``dz``)."""
+    from mcore_ppo.backends import triton_gradients
+
+    calls: list[tuple[int, int]] = []
+    add = triton_gradients.add_onehot
+
+    def recorded(config, dz, onehot, v0, vc):
+        calls.append((v0, vc))
+        add(config, dz, onehot, v0, vc)
+
+    monkeypatch.setattr(triton_gradients, "add_onehot", recorded)
+    return calls
 
 
-@pytest.mark.usefixtures("small_student_chunks")
 @pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
 def test_student_tp2_matches_single_rank_and_fp64(sp, check):
     """TP 2 in every layout, SP off and on, fp64 and fp32, k ∈ {8, 64} (64 > a 48-row shard)."""
@@ -395,6 +463,7 @@ def test_student_tp2_matches_single_rank_and_fp64(sp, check):
                     case["e"].to(DEVICE),
                     tp_group=layout.tp_group,
                     sequence_parallel=sp,
+                    backend=RANK_BACKEND,
                 )
                 for result in (single, ref):
                     if sp:
@@ -409,16 +478,14 @@ def test_student_fold_on_the_triton_backend_tp2(mode, check, monkeypatch):
     """The triton backend (the default on GPUs; Triton's interpreter on CPU) folds each rank's
     one-hot gradients, at its shard's local ids, into its own ``dz``: TP 2, SP off and on,
     ``[n, h]``, fp32, k 8 with ids at every shard's edges, against the single-rank torch result
-    and fp64. The fold must run on every rank (the torch sparse path is refused)."""
+    and fp64. The fold must run on every rank."""
     pytest.importorskip("triton")
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("the triton backend runs CPU tensors only under TRITON_INTERPRET=1")
-    from mcore_ppo.backends import TritonBackend
-
     folds = record_folds(monkeypatch)
     backend = (
-        TritonBackend(workspace_bytes=1, buffer_budget_bytes=0) if mode == "recompute"
-        else TritonBackend(buffer_budget_bytes=1 << 30)
+        TritonBackend(TritonConfig(workspace_bytes=1, buffer_budget_bytes=0)) if mode == "recompute"
+        else TritonBackend(TritonConfig(buffer_budget_bytes=1 << 30))
     )  # fmt: skip
     tp, k = 2, 8
     layout = tp_cp_groups(tp)
@@ -427,7 +494,6 @@ def test_student_fold_on_the_triton_backend_tp2(mode, check, monkeypatch):
     case = student_case(torch.float32, (seq,), (seq,), k)
     single = student_run(**case, tp_group=None, backend="torch")
     ref = student_reference(case["hidden"], case["weight"], case["ids"], TEMPERATURE, case["g"], case["e"])
-    refuse_sparse_torch(monkeypatch)  # from here on: the fold only
     if layout.tp_group is not None:
         r = layout.tp_rank
         for sp in (False, True):
@@ -454,7 +520,6 @@ def test_student_fold_on_the_triton_backend_tp2(mode, check, monkeypatch):
     check.done()
 
 
-@pytest.mark.usefixtures("small_student_chunks")
 def test_student_tp2_cp2_matches_single_rank_and_fp64(check):
     """TP 2 × CP 2, padded [s, b, h] and packed THD, SP off and on: each CP rank passes its
     load-balanced part of the tokens (and of their ids); d_weight is summed over CP."""
@@ -492,6 +557,7 @@ def test_student_tp2_cp2_matches_single_rank_and_fp64(check):
                     part(case["e"]).to(DEVICE),
                     tp_group=layout.tp_group,
                     sequence_parallel=sp,
+                    backend=RANK_BACKEND,
                 )
                 dist.all_reduce(out["d_weight"], group=layout.cp_group)
                 expected = []

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mcore_ppo import fused_log_probs_and_entropy
-from mcore_ppo.backends import TritonBackend
+from mcore_ppo.backends import TritonBackend, TritonConfig
 from mcore_ppo_testing.seeds import next_seed
 
 pytestmark = [
@@ -48,7 +48,7 @@ def _eager(head, x, w, labels, t, grads):
 def test_graphed_head_replays_the_eager_bits(budget, per_token_temperature, return_entropy):
     seed = next_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    backend = TritonBackend(buffer_budget_bytes=budget)
+    backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))
 
     def head(x, w, labels, t):
         temperature = t if per_token_temperature else 0.7

@@ -70,14 +70,14 @@ CASES = [
 
 def test_fast_path_equals_normal_path_and_fp64(monkeypatch):
     from mcore_ppo.backends import triton_launch
-    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
     from mcore_ppo.kernels import stats_kernel, tokens_kernel
 
     assert triton_launch.fast_available()
     # Every launch site's key is checked against the per-argument key as the shapes change.
     monkeypatch.setattr(triton_launch, "CHECK_SITES", True)
     for n, h, v, dtype, ignored, offset, budget, workspace in CASES:
-        backend = TritonBackend(buffer_budget_bytes=budget, workspace_bytes=workspace)
+        backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget, workspace_bytes=workspace))
         x, w, labels, g, e = _make(n, h, v, dtype, ignored, seed=n + offset, offset=offset)
         with triton_launch.normal_launches():
             normal = _run(backend, x, w, labels, g, e)
@@ -111,9 +111,9 @@ def test_fused_forward_equals_generic_path(budget, monkeypatch):
 
     x, w, labels, g, e = _make(3000, 3584, 19008, ignored=0.3, seed=5)
     labels[7], labels[11] = 19008 + 5, -3  # out of range with validate=False: NaN log-probs
-    fused = _run(triton_backend.TritonBackend(buffer_budget_bytes=budget), x, w, labels, g, e)
+    fused = _run(triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget)), x, w, labels, g, e)
     monkeypatch.setattr(triton_backend, "FUSED_HEAD", False)
-    generic = _run(triton_backend.TritonBackend(buffer_budget_bytes=budget), x, w, labels, g, e)
+    generic = _run(triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget)), x, w, labels, g, e)
     for name, a, b in zip(NAMES, fused, generic, strict=True):
         assert torch.equal(a.isnan(), b.isnan()), name
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name}: {(a - b).nan_to_num().abs().max().item():.3e}"
@@ -128,7 +128,7 @@ def test_cuda_graph_capture_of_fused_forward_and_backward(budget):
     from mcore_ppo.backends.triton_backend import TritonBackend
 
     x, w, labels, g, e = _make(2048, 1024, 20000, ignored=0.3, seed=6)
-    backend = TritonBackend(buffer_budget_bytes=budget)
+    backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))
     kw = {"ignore_index": -100, "vocab_start": 0, "vocab_size": 20000, "labels_checked": False}
 
     def step():

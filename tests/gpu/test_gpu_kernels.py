@@ -162,12 +162,12 @@ def test_cuda_graph_capture(use_tma, budget):
     """No host synchronisation: the forward statistics and the backward capture in a CUDA graph
     (with the buffer too: the forward keeps it, the backward consumes it, inside the graph)."""
     from mcore_ppo.backends.base import GradientRequest, SavedTokens
-    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 
     x, w, labels, g, e = make(2048, 1024, 20000, ignored=0.3, seed=6)
     valid = labels != -100
     local = torch.where(valid, labels, -1)
-    backend = TritonBackend(buffer_budget_bytes=budget)
+    backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))
     lse, ent = torch.rand(2048, device="cuda") + 5, torch.rand(2048, device="cuda")
 
     def statistics():

@@ -41,7 +41,7 @@ def make(seed: int = 0):
 
 
 def run(x, w, labels, g, e, temperature, *, budget: int, return_entropy: bool = True, use_entropy: bool = True):
-    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 
     xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
     logp, ent = mcore_ppo.fused_log_probs_and_entropy(
@@ -49,7 +49,7 @@ def run(x, w, labels, g, e, temperature, *, budget: int, return_entropy: bool = 
         wg,
         labels,
         temperature=temperature,
-        backend=TritonBackend(buffer_budget_bytes=budget),
+        backend=TritonBackend(TritonConfig(buffer_budget_bytes=budget)),
         return_entropy=return_entropy,
     )
     outs, grads = [logp], [g]

@@ -67,11 +67,11 @@ def test_matches_fp64_on_cuda(dtype, backend, k):
 
 
 def _backend(mode: str, n: int, itemsize: int):
-    from mcore_ppo.backends import TritonBackend
+    from mcore_ppo.backends import TritonBackend, TritonConfig
 
     if mode == "recompute":  # no buffer; a workspace of 4096 columns: 8 vocab chunks of 32k
-        return TritonBackend(buffer_budget_bytes=0, workspace_bytes=n * itemsize * 4096)
-    return TritonBackend(buffer_budget_bytes=1 << 34)
+        return TritonBackend(TritonConfig(buffer_budget_bytes=0, workspace_bytes=n * itemsize * 4096))
+    return TritonBackend(TritonConfig(buffer_budget_bytes=1 << 34))
 
 
 @pytest.mark.parametrize("share", ["whole", "one_of_8"])
