@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from mcore_ppo.actor import ActorParallel, MegatronPPOActor
 from mcore_ppo.actor.batching import PackedRollout
 from mcore_ppo.actor.distill_loss import topk_forward_kl
+from mcore_ppo.actor.layout import broadcast_from_last_stage
 from mcore_ppo.distill import TopK
 from mcore_ppo.model import unwrap_gpt_model
 from mcore_ppo_testing.demo_config import DemoConfig
@@ -58,6 +59,13 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def _from_last_stage(value: float, parallel: ActorParallel, device: torch.device) -> float:
+    """The last pipeline stage's ``value``, on every stage."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    broadcast_from_last_stage(t, parallel.pp)
+    return float(t)
 
 
 class LogitsPathTopK:
@@ -198,6 +206,8 @@ def run_distill_demo(config: DemoConfig) -> int:
                 at_ids, top.log_probs.double(), top.tail_log_mass.double(), mode=cfg.distill_kl_mode, mask=mask
             )
             kl_full = float(kl[mask].mean())
+        # Only the last pipeline stage has the full logits: every stage compares with its KL.
+        kl_full = _from_last_stage(kl_full, parallel, device)
         d_teacher = _max_over_ranks(d_teacher, device)
         worst["teacher"] = max(worst["teacher"], *d_teacher)
         say(

@@ -47,11 +47,13 @@ pytestmark = pytest.mark.skipif(DEVICE.type == "cuda", reason="counts of the CPU
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """The interpreter on; every launch site's key checked against the per-argument key."""
+    """The interpreter on; every launch site's key checked against Triton's own specialisation
+    of the arguments (its binder: :func:`triton_launch.checked_sites`)."""
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("MCORE_PPO_BUFFER_BUDGET_BYTES", raising=False)
-    monkeypatch.setattr(triton_launch, "CHECK_SITES", True)
+    with triton_launch.checked_sites():
+        yield
 
 
 class _Counting(TorchDispatchMode):
@@ -276,101 +278,6 @@ def test_no_fast_launch_under_the_interpreter():
     with torch.no_grad():
         fused_log_probs_and_entropy(hidden, weight, labels, backend=triton_backend.TritonBackend())
     assert all(not triton_launch.fast_level(getattr(kernels, name)) for name in KERNELS)
-
-
-class _CLaunch:
-    """Stands in for Triton 3.6's C launch function (no ``__code__``): records its arguments."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
-def _wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
-    # The shape of Triton 3.6's wrapper: a closure named ``inner`` over these three names.
-    def inner(*args):
-        return launcher, tensordesc_indices, tensordesc_meta
-
-    return inner
-
-
-class _Param:
-    def __init__(self, name, is_constexpr, default=None):
-        self.name, self.is_constexpr, self.default = name, is_constexpr, default
-
-
-def test_raw_launch_argument_layout(monkeypatch):
-    """The ``raw`` level calls the launch function as Triton 3.6's descriptor wrapper would:
-    13 base arguments (grid, stream, function, cooperative, pdl, two scratch pointers, the
-    packed metadata, no launch metadata, no hooks), then the kernel's arguments with each
-    descriptor expanded, and the constexpr tail; an encoded descriptor is reused for the same
-    address and geometry and encoded anew for another."""
-    import triton
-    from triton.backends.nvidia import driver as nvidia_driver
-
-    encoded = []
-
-    def make_tensordesc_arg(desc, meta):
-        encoded.append((desc.base.data_ptr(), tuple(desc.block_shape), meta))
-        return [f"map{len(encoded)}", *desc.shape, *desc.strides]
-
-    monkeypatch.setattr(triton, "__version__", "3.6.0")
-    monkeypatch.setattr(nvidia_driver, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
-    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", make_tensordesc_arg)
-    c_launch = _CLaunch()
-
-    class Launcher:
-        global_scratch_size = profile_scratch_size = 0
-        launch_cooperative_grid, launch_pdl = False, True
-        launch = _wrap_handle_tensordesc(c_launch, {1, 3}, [{"swizzle": 128}, {"swizzle": 64}])
-
-    class Compiled:
-        run, function, packed_metadata = Launcher(), 1234, "packed"
-
-    kernel = type("Kernel", (), {})()
-    kernel.params = [_Param("x", False), _Param("x_desc", False), _Param("n", False), _Param("w_desc", False)]
-    kernel.params += [_Param("BLOCK", True), _Param("FLAG", True, default=False)]
-    fast = triton_launch._Fast(kernel, Compiled(), 4, {"BLOCK": 16, "num_warps": 4})
-    assert fast.level == "raw"
-    x, w = torch.zeros(8, 16), torch.zeros(32, 16)
-    for _ in range(2):
-        fast.call((3, 2), 77, (x, triton_launch.TmaDesc(x, (4, 16)), 8, triton_launch.TmaDesc(w, (8, 16))))
-    fast.call((5,), 77, (x, triton_launch.TmaDesc(x[:4], (4, 16)), 4, triton_launch.TmaDesc(w, (8, 16))))
-    base = (3, 2, 1, 77, 1234, False, True, None, None, "packed", None, None, None)
-    first = (*base, x, "map1", 8, 16, 16, 1, 8, "map2", 32, 16, 16, 1, 16, False)
-    assert c_launch.calls[0] == first and c_launch.calls[1] == first
-    third = c_launch.calls[2]
-    assert third[:3] == (5, 1, 1) and third[14:20] == ("map3", 4, 16, 16, 1, 4) and third[20] == "map2"
-    assert [meta for _, _, meta in encoded] == [{"swizzle": 128}, {"swizzle": 64}, {"swizzle": 128}]
-
-
-def test_raw_level_only_for_its_layout(monkeypatch):
-    """Another Triton version, or scratch memory, leaves the ``compiled`` level (which calls
-    ``CompiledKernel.run`` with the descriptors Triton encodes itself)."""
-    import triton
-
-    class Launcher:
-        global_scratch_size = profile_scratch_size = 0
-        launch_cooperative_grid = launch_pdl = False
-        launch = _CLaunch()
-
-    class Compiled:
-        run, function, packed_metadata = Launcher(), 1, "packed"
-
-    kernel = type("Kernel", (), {})()
-    kernel.params = [_Param("x", False), _Param("BLOCK", True)]
-    monkeypatch.setattr(triton, "__version__", "3.7.1")
-    assert triton_launch._Fast(kernel, Compiled(), 1, {"BLOCK": 4}).level == "compiled"
-    monkeypatch.setattr(triton, "__version__", "3.6.0")
-    from triton.backends.nvidia import driver as nvidia_driver
-
-    monkeypatch.setattr(nvidia_driver, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
-    Launcher.global_scratch_size = 128
-    assert triton_launch._Fast(kernel, Compiled(), 1, {"BLOCK": 4}).level == "compiled"
-    # A non-constexpr argument passed by keyword would be frozen in the tail: no fast level.
-    assert triton_launch._Fast(kernel, Compiled(), 0, {"x": 1, "BLOCK": 4}).level == "normal"
 
 
 def test_rescale_in_fewer_ops_gives_the_same_bits():

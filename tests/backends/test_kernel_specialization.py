@@ -49,11 +49,10 @@ def _binder(kernel):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every launch of every kernel: ``{name: [specialisation key, ...]}`` (fast launches off:
-    they would skip ``kernel.run`` for keys an earlier test in the process already launched)."""
+    """Every launch of every kernel: ``{name: [specialisation key, ...]}`` (kept compiled
+    kernels off: they skip ``kernel.run`` for sites an earlier test in the process launched)."""
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(triton_launch, "FAST_LAUNCH", False)
     seen: dict[str, list[str]] = {name: [] for name in KERNELS}
     for name in KERNELS:
         kernel = getattr(kernels, name)
@@ -68,7 +67,8 @@ def launches(monkeypatch):
             return _original(*args, grid=grid, warmup=warmup, **kwargs)
 
         monkeypatch.setattr(kernel, "run", run)
-    return seen
+    with triton_launch.normal_launches():
+        yield seen
 
 
 @pytest.mark.parametrize("options", ["default", "T-tensor+no-entropy"])

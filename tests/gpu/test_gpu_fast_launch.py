@@ -1,22 +1,32 @@
-"""The triton backend's fast launches and fused forward on a GPU (marked ``gpu``; skipped without CUDA).
+"""The triton backend's kept-kernel launches and fused forward on a GPU (marked ``gpu``; skipped without CUDA).
 
-:mod:`mcore_ppo.backends.triton_launch` launches a kernel through Triton's ``kernel[grid]`` the
-first time a specialisation key is seen and through the kept compiled kernel afterwards
-(caching the weight's TMA map on Triton 3.6). These tests check, at a few shapes and with the
-key changing between calls (token count, a misaligned ``hidden``, the dtype), that the fast
-path gives the normal path's outputs and gradients bit for bit, that the fused forward
-(``head_forward``) gives the generic path's bit for bit, and both the fp64 reference.
+:mod:`mcore_ppo.backends.triton_launch` launches a call site through Triton's ``kernel[grid]``
+the first time it is seen on a device and through the ``CompiledKernel`` that call returned
+afterwards (``compiled[grid](...)``). These tests check, at a few shapes and with the key
+changing between calls (token count, a misaligned ``hidden``, the dtype), that the kept-kernel
+path gives the normal path's outputs and gradients bit for bit, with every site launch checked
+against Triton's own dispatch (``checked_sites``: ``kernel.warmup`` must return the kept
+kernel); that the check catches a site key coarser than Triton's; that launch hooks
+(profilers) see the kept-kernel launches; that the fused forward (``head_forward``) gives the
+generic path's bit for bit, and both the fp64 reference. One test prints the host time per
+launch of both paths (descriptors included: Triton's launcher encodes them per launch).
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 from mcore_ppo_testing.reference import normwise_relative_error as rel
 from mcore_ppo_testing.reference import reference
+
+try:  # importable (and collected, then skipped) where triton is missing
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    tl = None
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,23 +78,31 @@ CASES = [
 ]
 
 
-def test_fast_path_equals_normal_path_and_fp64(monkeypatch):
+def test_fast_path_equals_normal_path_and_fp64():
     from mcore_ppo.backends import triton_launch
     from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
     from mcore_ppo.kernels import stats_kernel, tokens_kernel
 
     assert triton_launch.fast_available()
-    # Every launch site's key is checked against the per-argument key as the shapes change.
-    monkeypatch.setattr(triton_launch, "CHECK_SITES", True)
+    # Every site launch is checked against Triton's dispatch as the shapes change.
+    with triton_launch.checked_sites():
+        _fast_path_cases(triton_launch, TritonBackend)
+    levels = {**triton_launch.fast_level(stats_kernel), **triton_launch.fast_level(tokens_kernel)}
+    print("kept-kernel levels:", sorted(set(levels.values())), "triton", __import__("triton").__version__)
+    assert len(triton_launch.fast_level(stats_kernel)) >= 3  # dtypes, alignment, buffer: several sites
+    assert set(levels.values()) == {"compiled"}
+
+
+def _fast_path_cases(triton_launch, TritonBackend):
     for n, h, v, dtype, ignored, offset, budget, workspace in CASES:
         backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget, workspace_bytes=workspace))
         x, w, labels, g, e = _make(n, h, v, dtype, ignored, seed=n + offset, offset=offset)
         with triton_launch.normal_launches():
             normal = _run(backend, x, w, labels, g, e)
         before = triton_launch.launch_count()
-        first = _run(backend, x, w, labels, g, e)  # new keys compile or take the normal launch once
+        first = _run(backend, x, w, labels, g, e)  # new sites: kernel[grid] once (compiling new variants)
         per_call = triton_launch.launch_count() - before
-        fast = _run(backend, x, w, labels, g, e)  # every key seen: the fast levels
+        fast = _run(backend, x, w, labels, g, e)  # every site seen: the kept compiled kernels
         assert triton_launch.launch_count() - before == 2 * per_call
         case = f"n={n} h={h} v={v} {dtype} ignored={ignored} offset={offset} budget={budget} workspace={workspace}"
         _assert_bitwise(first, normal, f"{case}, first call")
@@ -97,10 +115,118 @@ def test_fast_path_equals_normal_path_and_fp64(monkeypatch):
         assert rel(fast[1][valid], ref["entropy"][valid]) <= tol
         assert rel(fast[2], ref["d_hidden"]) <= gtol and rel(fast[3], ref["d_weight"]) <= gtol
         assert (fast[0][~valid] == 0).all() and (fast[2][~valid] == 0).all()
-    levels = {**triton_launch.fast_level(stats_kernel), **triton_launch.fast_level(tokens_kernel)}
-    print("fast launch levels:", sorted(set(levels.values())), "triton", __import__("triton").__version__)
-    assert len(triton_launch.fast_level(stats_kernel)) >= 3  # dtypes, alignment, buffer: several keys
-    assert "normal" not in levels.values()
+
+
+def scale_fn(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, SQUARE: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(x_ptr + offs, mask=mask) * scale
+    if SQUARE:
+        y = y * y
+    tl.store(out_ptr + offs, y, mask=mask)
+
+
+def desc_copy_fn(src_desc, dst_desc, BM: tl.constexpr, BN: tl.constexpr):
+    tile = src_desc.load([tl.program_id(0) * BM, tl.program_id(1) * BN])
+    dst_desc.store([tl.program_id(0) * BM, tl.program_id(1) * BN], tile)
+
+
+def _jit(fn, **options):
+    import triton
+
+    return triton.jit(**options)(fn)  # a new JITFunction: its own compiled-kernel cache
+
+
+def test_kept_kernel_is_tritons_choice_and_the_check_catches_a_coarse_site():
+    from mcore_ppo.backends import triton_launch
+
+    kernel = _jit(scale_fn)
+    x = torch.randn(4096, device="cuda")
+    out = torch.empty_like(x)
+    with triton_launch.checked_sites():
+        for n in (1024, 2048, 4096):  # all multiples of 16: one specialisation
+            triton_launch.launch(kernel, (n // 256,), (x, out, n, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
+            torch.testing.assert_close(out[:n], (x[:n] * 0.5) ** 2)
+        assert set(triton_launch.fast_level(kernel).values()) == {"compiled"}
+        with pytest.raises(triton_launch.SiteKeyError):  # 1000 is not: Triton picks another variant
+            triton_launch.launch(kernel, (4,), (x, out, 1000, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
+        with pytest.raises(triton_launch.SiteKeyError):  # nor is a misaligned pointer
+            triton_launch.launch(kernel, (4,), (x[1:], out, 1024, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
+    torch.cuda.synchronize()
+
+
+def test_launch_hooks_see_the_kept_kernel_launches():
+    """Profilers hook Triton's launches (``knobs.runtime.launch_enter_hook``): the kept-kernel
+    path goes through ``CompiledKernel.__getitem__``, which calls them."""
+    import triton.knobs
+
+    from mcore_ppo.backends import triton_launch
+
+    kernel = _jit(scale_fn)
+    x = torch.randn(1024, device="cuda")
+    out = torch.empty_like(x)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(3):
+            triton_launch.launch(kernel, (4,), (x, out, 1024, 2.0), {"BLOCK": 256}, "hooked")
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert triton_launch.fast_level(kernel) == {(torch.cuda.current_device(), "hooked"): "compiled"}
+    assert len(seen) == 3 and all("scale_fn" in name for name in seen), seen  # the first launch and two kept
+    torch.testing.assert_close(out, x * 2.0)
+
+
+def _host_us(fn, calls):
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the GPU busy: launches queue, the host time alone is measured
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def _caller(launch, kernel, grid, args, kwargs, site):
+    return lambda: launch(kernel, grid, args(), kwargs, site)
+
+
+def test_host_time_per_launch_kept_kernel_vs_normal():
+    """Host microseconds per launch of the normal path and of the kept kernel, for a pointer
+    kernel and a kernel of two host TMA descriptors (encoded per launch by Triton's launcher;
+    the former closure-reading level cached their encodings). Printed for the GPU report; the
+    kept kernel must not be slower than Triton's dispatch."""
+    from mcore_ppo.backends import triton_launch
+    from mcore_ppo.backends.triton_launch import TmaDesc
+
+    scale = _jit(scale_fn)
+    x = torch.randn(4096, device="cuda")
+    out = torch.empty_like(x)
+    copy = _jit(desc_copy_fn)
+    src = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    cases = {
+        "pointers": (scale, (16,), lambda: (x, out, 4096, 0.5), {"BLOCK": 256}),
+        "2 tma descriptors": (
+            copy, (4, 4), lambda: (TmaDesc(src, (64, 64)), TmaDesc(dst, (64, 64))), {"BM": 64, "BN": 64},
+        ),
+    }  # fmt: skip
+    for name, (kernel, grid, args, kwargs) in cases.items():
+        site = ("host-time", name)
+        triton_launch.launch(kernel, grid, args(), kwargs, site)  # compiled and kept
+        call = _caller(triton_launch.launch, kernel, grid, args, kwargs, site)
+        kept = _host_us(call, 500)
+        with triton_launch.normal_launches():
+            normal = _host_us(call, 500)
+        print(f"host us per launch, {name}: kept kernel {kept:.1f}, kernel[grid] {normal:.1f}")
+        assert kept < normal
+    torch.testing.assert_close(dst, src)
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])

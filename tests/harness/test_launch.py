@@ -1,5 +1,6 @@
-"""The README's main command: ``scripts/launch.sh`` runs PPO steps under TP 2 + SP × CP 2 and
-proves parity; a parity failure exits non-zero (subprocess tests; torchrun inside)."""
+"""The README's main command: ``scripts/launch.sh`` runs PPO steps under TP 2 + SP × CP 2 (and
+TP 1 × CP 2 × PP 2) and proves parity; a parity failure exits non-zero (subprocess tests;
+torchrun inside)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,25 @@ def _run(*args: str, visible_gpus: int | None = None, tmp_path: Path | None = No
     )
 
 
+def _check_parity_lines(out: str, *, steps: int) -> None:
+    """Every step's parity line (head vs the fp64 logits path, CP2 vs cp1) and the parameters'
+    line within the config's tolerances."""
+    tol = yaml.safe_load(CONFIG.read_text())["run"]["tolerance"]
+    parity = re.findall(
+        rf"step (\d)/{steps} parity \| head vs fp64 full-logits path \((\d+) response tokens\): "
+        r"max\|Δlog_prob\| (\S+), max\|Δentropy\| (\S+) \| CP2 vs cp1: max\|Δlog_prob\| ([^ ]+)",
+        out,
+    )
+    assert [p[0] for p in parity] == [str(step) for step in range(1, steps + 1)], out
+    for _, tokens, d_lp, d_ent, d_cp in parity:
+        assert int(tokens) > 0
+        assert 0.0 <= float(d_lp) <= tol["log_prob"]
+        assert 0.0 <= float(d_ent) <= tol["entropy"]
+        assert 0.0 <= float(d_cp) <= tol["log_prob"]
+    params = re.findall(rf"after {steps} step\(s\): CP2 vs cp1 max\|Δparameter\| (\S+) ", out)
+    assert len(params) == 1 and 0.0 <= float(params[0]) <= tol["params"], out
+
+
 def test_main_command_passes_with_parity_lines(tmp_path):
     """Default layout (TP 2 + SP, CP 2 inside the model, 4 ranks), 2 steps to keep CI short, on a
     machine that shows 1 GPU: launch.sh says the 4 ranks run on the CPUs (gloo) instead of failing
@@ -73,18 +93,7 @@ def test_main_command_passes_with_parity_lines(tmp_path):
     assert "4 ranks need 4 GPUs, 1 visible: running on the CPUs with gloo" in out, out
     assert "(CPU, gloo)" in out, out
     assert "layout TP2+SP × CP2" in out, out
-    tol = yaml.safe_load(CONFIG.read_text())["run"]["tolerance"]
-    parity = re.findall(
-        r"step (\d)/2 parity \| head vs fp64 full-logits path \((\d+) response tokens\): max\|Δlog_prob\| (\S+), "
-        r"max\|Δentropy\| (\S+) \| CP2 vs cp1: max\|Δlog_prob\| ([^ ]+)",
-        out,
-    )
-    assert [p[0] for p in parity] == ["1", "2"], out
-    for _, tokens, d_lp, d_ent, d_cp in parity:
-        assert int(tokens) > 0
-        assert 0.0 <= float(d_lp) <= tol["log_prob"]
-        assert 0.0 <= float(d_ent) <= tol["entropy"]
-        assert 0.0 <= float(d_cp) <= tol["log_prob"]
+    _check_parity_lines(out, steps=2)
     updates = re.findall(r"step \d/2 update \d/2 \| loss (\S+) .*\| kl\(old\|\|new\) (\S+) \| entropy (\S+)", out)
     assert len(updates) == 4, out
     assert all(float(kl) >= 0.0 for _, kl, _ in updates)
@@ -92,6 +101,20 @@ def test_main_command_passes_with_parity_lines(tmp_path):
     last = out.strip().splitlines()[-1]
     assert last.startswith("PASS: head log-probs == fp64 full-logits path"), last
     assert "CP2 (in the model) == cp1" in last and "TP2+SP" in last, last
+
+
+def test_context_and_pipeline_parallel_together():
+    """TP 1 × CP 2 inside the model × PP 2 (4 ranks), one step: the pipeline stages exchange the
+    CP-local activations Megatron's schedule expects, and the parity holds as in the default
+    layout (head vs the fp64 logits path, CP2 vs the same steps without CP)."""
+    proc = _run("--tp", "1", "--cp", "2", "--pp", "2", "--steps", "1")
+    out = proc.stdout
+    assert proc.returncode == 0, f"launch.sh exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert "4 ranks (CPU, gloo), layout TP1 × CP2 (inside the model" in out and "× PP2" in out, out
+    _check_parity_lines(out, steps=1)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("PASS: head log-probs == fp64 full-logits path"), last
+    assert "× PP2, over 1 step(s)" in last and "CP2 (in the model) == cp1" in last, last
 
 
 def test_parity_failure_exits_nonzero(tmp_path):
