@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.head_call import run_head
-from mcore_ppo.options import HeadOptions, call_options, megatron_layout
+from mcore_ppo.head_call import attempt, run_head
+from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, HeadOptions, call_options, megatron_layout
 from parallel.groups import ProcessGroup, resolve_tp_group
 
 
@@ -74,18 +74,19 @@ def fused_log_probs_and_entropy(
         ValueError: a bad value or shape (naming it), a backend that cannot run these inputs,
             or another TP rank's refusal of its own inputs.
     """
-    options = call_options(
-        options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+    (options, layout), error = attempt(
+        lambda: (
+            call_options(
+                options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+            ),
+            megatron_layout(sequence_parallel, accumulate_into_main_grad),
+        ),
+        (DEFAULT_OPTIONS, DEFAULT_LAYOUT),
     )
     return run_head(
-        hidden,
-        weight,
-        labels,
-        temperature,
-        options,
-        tp_group=resolve_tp_group(tp_group),
-        layout=megatron_layout(sequence_parallel, accumulate_into_main_grad),
-    )
+        hidden, weight, labels, temperature, options, tp_group=resolve_tp_group(tp_group), layout=layout,
+        prior_error=error,
+    )  # fmt: skip
 
 
 def fused_log_probs_at(
@@ -108,16 +109,16 @@ def fused_log_probs_at(
     ``labels`` that must carry the trailing ``k`` dim (``[b, s, k]`` for hidden ``[s, b, h]``,
     ``[n, k]`` for ``[n, h]``, ``k >= 1``; under CP this rank's tokens). The same arguments,
     checks, layouts and gradients; ``log_probs`` ``[..., k]``, ``entropy`` per token."""
-    options = call_options(
-        options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+    (options, layout), error = attempt(
+        lambda: (
+            call_options(
+                options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+            ),
+            megatron_layout(sequence_parallel, accumulate_into_main_grad),
+        ),
+        (DEFAULT_OPTIONS, DEFAULT_LAYOUT),
     )
     return run_head(
-        hidden,
-        weight,
-        labels,
-        temperature,
-        options,
-        tp_group=resolve_tp_group(tp_group),
-        layout=megatron_layout(sequence_parallel, accumulate_into_main_grad),
-        ids=True,
-    )
+        hidden, weight, labels, temperature, options, tp_group=resolve_tp_group(tp_group), layout=layout,
+        ids=True, prior_error=error,
+    )  # fmt: skip

@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.head_call import run_head
+from mcore_ppo.head_call import attempt, run_head
 from mcore_ppo.options import HeadOptions, call_options, megatron_layout
 
 # megatron-core >= 0.20 gives ColumnParallelLinear an ``output_dtype`` (the logits GEMM's output
@@ -161,12 +161,12 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             return self._cross_entropy(input_, labels, weight, reduction, ignore_index)
         if labels is None:
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        weight = self._weight(weight)
-        options = self.options
+        options, error = self.options, None
         if return_entropy is not None and return_entropy is not options.return_entropy:
-            options = dataclasses.replace(options, return_entropy=return_entropy)
+            options, error = attempt(lambda: dataclasses.replace(self.options, return_entropy=return_entropy), options)
         # A number or a tensor here overrides the stored temperature for this call.
-        return self._run(input_, weight, labels, options, self.temperature if temperature is None else temperature)
+        temperature = self.temperature if temperature is None else temperature
+        return self._run(input_, self._weight(weight), labels, options, temperature, error)
 
     def _cross_entropy(
         self,
@@ -177,13 +177,16 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         ignore_index: int | None,
     ) -> torch.Tensor:
         """``LinearCrossEntropyModule``'s fused loss: ``-log p(label)`` at temperature 1, no logits."""
-        if reduction not in _LOSS_REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_LOSS_REDUCTIONS}, got {reduction!r}")
         ignore = self.ignore_index if ignore_index is None else ignore_index
-        weight = self._weight(weight)
-        options = dataclasses.replace(self.options, ignore_index=ignore, return_entropy=False)
+
+        def loss_options() -> HeadOptions:
+            if reduction not in _LOSS_REDUCTIONS:
+                raise ValueError(f"reduction must be one of {_LOSS_REDUCTIONS}, got {reduction!r}")
+            return dataclasses.replace(self.options, ignore_index=ignore, return_entropy=False)
+
+        options, error = attempt(loss_options, self.options)
         # The language-model loss has no sampling temperature: T = 1 whatever the head's default.
-        log_probs, _ = self._run(input_, weight, labels, options, 1.0)
+        log_probs, _ = self._run(input_, self._weight(weight), labels, options, 1.0, error)
         loss = -log_probs
         if reduction == "sum":
             return loss.sum()
@@ -208,7 +211,10 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         labels: torch.Tensor,
         options: HeadOptions,
         temperature: float | torch.Tensor,
+        error: Exception | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Labels with a trailing k dim are k ids per token (distillation's student side).
         layout = megatron_layout(self.sequence_parallel, self.gradient_accumulation_fusion)
-        return run_head(input_, weight, labels, temperature, options, tp_group=self.tp_group, layout=layout)
+        return run_head(
+            input_, weight, labels, temperature, options, tp_group=self.tp_group, layout=layout, prior_error=error
+        )

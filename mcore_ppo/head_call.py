@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -33,6 +33,8 @@ from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 from mcore_ppo.verdict import bad_values, label_error, refuse_capture, share_verdict, temperature_error
 from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
 from parallel.ranks import ProcessGroup, group_rank, group_size
+
+T = TypeVar("T")
 
 
 class CheckedCall(NamedTuple):
@@ -64,6 +66,7 @@ def run_head(
     tp_group: ProcessGroup | None,
     layout: Layout,
     ids: bool | None = None,
+    prior_error: Exception | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``(log_probs, entropy)`` of ``softmax(hidden @ weight.T / T)`` over the TP-sharded vocab.
 
@@ -81,14 +84,28 @@ def run_head(
         layout: token order, who reduces ``d_hidden`` (SP included) and where ``d_W`` goes.
         ids: None: labels with a trailing dim beyond the Megatron pairing are ``k`` ids per
             token; True: they must be (``fused_log_probs_at``); False: one label per token.
+        prior_error: what the entry point's own checks of its arguments raised (see
+            :func:`attempt`), shared with the other ranks like any other refusal; ``options``
+            and ``layout`` are then its fallbacks.
 
     Returns:
         fp32 ``(log_probs, entropy)``, identical on every TP rank, shaped like ``labels`` (``[N]``
         in the flat order; ``entropy`` per token with ``k`` ids); zero where labels equal
         ``options.ignore_index``. ``entropy`` is None when ``options.return_entropy`` is False.
     """
-    call = check_call(hidden, weight, labels, temperature, options, tp_group, layout, ids)
+    call = check_call(hidden, weight, labels, temperature, options, tp_group, layout, ids, prior_error=prior_error)
     return _execute(call, hidden, weight, options, tp_group, layout)
+
+
+def attempt(build: Callable[[], T], fallback: T) -> tuple[T, Exception | None]:
+    """``(build(), None)``, or ``(fallback, the error)`` when ``build`` raises TypeError or
+    ValueError: an entry point's own argument checks (its options, its layout flags), whose
+    verdict :func:`check_call` shares over the TP group as ``prior_error`` instead of raising on
+    this rank alone while its peers wait in a collective."""
+    try:
+        return build(), None
+    except (TypeError, ValueError) as err:
+        return fallback, err
 
 
 def check_call(
@@ -102,21 +119,24 @@ def check_call(
     ids: bool | None,
     *,
     unsupported: Callable[[torch.Tensor], str | None] | None = None,
+    prior_error: Exception | None = None,
 ) -> CheckedCall:
     """Every check of :func:`run_head`, its verdict shared over the TP group (module doc).
 
     ``unsupported``: for an entry point that runs something else than the head's backends
-    (Liger), the message of why it cannot run these inputs, or None; in place of the backend's
-    own check (the call's ``backend`` is then None)."""
+    (Liger, the teacher's top-k), the message of why it cannot run these inputs, or None; it may
+    also raise TypeError or ValueError for its own arguments. It replaces the backend's own
+    check (the call's ``backend`` is then None). ``prior_error``: see :func:`run_head`."""
     validation.check_process_group(tp_group)  # the verdict travels over it: not shareable
-    call, local_error, values = None, None, None
-    try:
-        call = _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported)
-        if options.validate and not call.labels.is_meta:  # meta tensors (shape inference) hold no values
-            refuse_capture(call.labels.device)
-            values = bad_values(call.labels, call.vocab_size, options.ignore_index, call.bad_temperature)
-    except (TypeError, ValueError) as err:
-        local_error = err
+    call, local_error, values = None, prior_error, None
+    if local_error is None:
+        try:
+            call = _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported)
+            if options.validate and not call.labels.is_meta:  # meta tensors (shape inference) hold no values
+                refuse_capture(call.labels.device)
+                values = bad_values(call.labels, call.vocab_size, options.ignore_index, call.bad_temperature)
+        except (TypeError, ValueError) as err:
+            local_error = err
 
     def value_error(bad_label: int, bad_temperature: int) -> Exception:
         if bad_label:
@@ -124,7 +144,7 @@ def check_call(
         return temperature_error(call.temperature_values, call.bad_temperature)
 
     rows = weight.shape[0] if local_error is None else 0
-    share_verdict(tp_group, rows, local_error, values, value_error)
+    share_verdict(tp_group, rows, local_error, values, value_error, every_call=options.validate)
     return call
 
 

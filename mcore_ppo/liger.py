@@ -37,8 +37,8 @@ import torch
 
 from mcore_ppo.backends import import_optional
 from mcore_ppo.function import autocast_off, refuse_double_backward
-from mcore_ppo.head_call import check_call
-from mcore_ppo.options import call_options, megatron_layout
+from mcore_ppo.head_call import attempt, check_call
+from mcore_ppo.options import DEFAULT_OPTIONS, call_options, megatron_layout
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 from parallel.groups import resolve_tp_group
 from parallel.ranks import ProcessGroup, group_size
@@ -98,13 +98,16 @@ def liger_log_probs_and_entropy(
         TypeError, ValueError: as the head, and ValueError for a case Liger cannot run (naming
             why) or where liger-kernel (with its fused linear scaled CE) is not installed.
     """
-    options = call_options(
-        None, ignore_index=ignore_index, backend=None, return_entropy=return_entropy, validate=validate
+    options, error = attempt(
+        lambda: call_options(
+            None, ignore_index=ignore_index, backend=None, return_entropy=return_entropy, validate=validate
+        ),
+        DEFAULT_OPTIONS,
     )
     tp_group = resolve_tp_group(tp_group)
     call = check_call(
         hidden, weight, labels, temperature, options, tp_group, megatron_layout(False), ids=False,
-        unsupported=functools.partial(_unsupported, temperature=temperature, tp_group=tp_group),
+        unsupported=functools.partial(_unsupported, temperature=temperature, tp_group=tp_group), prior_error=error,
     )  # fmt: skip
     module = _liger()
     batch_first = labels.dim() == 2

@@ -161,6 +161,10 @@ def megatron_layout(sequence_parallel: bool, main_grad: bool = False) -> Layout:
     return _MEGATRON_LAYOUTS[sequence_parallel, main_grad]
 
 
+#: What a call whose own arguments were refused falls back to while its verdict is shared.
+DEFAULT_OPTIONS = HeadOptions()
+DEFAULT_LAYOUT = Layout()
+
 _MEGATRON_LAYOUTS = {
     (sp, main): Layout(
         TokenOrder.MEGATRON,

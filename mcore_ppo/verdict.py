@@ -78,6 +78,8 @@ def share_verdict(
     local_error: Exception | None,
     values: torch.Tensor | None,
     value_error: Callable[[int, int], Exception],
+    *,
+    every_call: bool,
 ) -> None:
     """Raise on every rank if any rank's inputs failed (module doc); return on every rank otherwise.
 
@@ -85,9 +87,12 @@ def share_verdict(
         tp_group: the TP group (None: one rank, nothing to share).
         weight_rows: this rank's weight shard rows (any value when ``local_error`` is set).
         local_error: this rank's own exception from its argument checks, or None.
-        values: :func:`bad_values` of this rank (value checks on), or None (off).
+        values: :func:`bad_values` of this rank (value checks on and its arguments passed), or None.
         value_error: builds this rank's exception from its two value flags (called only when
             one is set here).
+        every_call: the call's value checks are on, so the verdict is shared on this call
+            whatever the device (the ranks of a group must agree on it: it is the call's
+            ``validate``); off, it is shared per call only on the CPU (module doc).
     """
     if group_size(tp_group) == 1:
         if local_error is not None:
@@ -98,7 +103,7 @@ def share_verdict(
                 raise value_error(bad_label, bad_temperature)
         return
     device = _collective_device(tp_group)
-    if values is None and device.type != "cpu":
+    if not every_call and device.type != "cpu":
         if local_error is not None:
             raise local_error
         _check_shards_once(tp_group, weight_rows, device)
@@ -119,8 +124,7 @@ def share_verdict(
         mine = values.tolist()
         if any(mine):
             raise value_error(*mine)
-        what = "labels" if any_bad_label else "temperature values"
-        raise ValueError(f"another rank of the tensor-parallel group has bad {what}; this rank's passed the checks")
+        raise ValueError(PEER_REFUSED)
 
 
 def _check_equal(rows: int, largest: int, smallest: int) -> None:

@@ -214,7 +214,9 @@ class TritonBackend:
                 (plan, "finish", labels_checked, labels.dtype, stride_l, vocab_size),
             )  # fmt: skip
         else:
-            m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy)
+            # The plan fixes the partials', the row order's and the merged statistics' (fresh
+            # allocations of its n) specialisation.
+            m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy, site=(plan, "merge"))
             lse, entropy, label_logit = combine(m, sum_exp, u, y)
             launch(
                 kernels.finish_kernel,
@@ -224,6 +226,9 @@ class TritonBackend:
                     ignore_index, vocab_size, max_entropy,
                 ),
                 plan.combined_options[labels_checked],
+                # The combine's outputs are fresh tensors of the plan's n; the labels' dtype and
+                # the integers' values stand for the rest of the specialisation.
+                (plan, "combined", labels_checked, labels.dtype, stride_l, ignore_index, vocab_size),
             )  # fmt: skip
         if residual is None and grad_needed:
             residual = RowOrder(perm, count, plan)

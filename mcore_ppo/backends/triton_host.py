@@ -135,11 +135,17 @@ def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def merge_splits(
-    parts: torch.Tensor | tuple[torch.Tensor, ...], perm: torch.Tensor, count: torch.Tensor, *, with_u: bool = True
+    parts: torch.Tensor | tuple[torch.Tensor, ...],
+    perm: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    with_u: bool = True,
+    site: object = None,
 ) -> tuple[torch.Tensor, ...]:
     """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [3, splits, n]``
     (or its three ``[splits, n]`` rows; ``with_u`` False: ``(m, s, None)``, the ``u`` partials
-    are neither read nor merged)."""
+    are neither read nor merged). ``site``: the caller's launch site key, when its plan fixes
+    every argument's specialisation (:func:`~mcore_ppo.backends.triton_launch.launch`)."""
     from mcore_ppo.kernels import merge_splits_kernel
 
     num_splits, n = parts[0].shape
@@ -150,6 +156,7 @@ def merge_splits(
         (cdiv(n, MERGE_BLOCK_T),),
         (parts[0], parts[1], parts[-1], perm, count, stats[0], stats[1], u_out, n, num_splits),
         {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_u},
+        site,
     )
     return stats[0], stats[1], (stats[2] if with_u else None)
 

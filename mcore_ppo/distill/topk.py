@@ -38,9 +38,9 @@ from mcore_ppo.backends.triton_host import fp32_output_gemms
 from mcore_ppo.distill import topk_triton
 from mcore_ppo.distill.topk_config import DEFAULT_CONFIG, TopKConfig
 from mcore_ppo.function import autocast_off
-from mcore_ppo.head_call import check_call
+from mcore_ppo.head_call import attempt, check_call
 from mcore_ppo.numerics import accumulation_dtype, chunks
-from mcore_ppo.options import call_options, megatron_layout
+from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 from parallel.groups import resolve_tp_group
 from parallel.mappings import all_gather_first_dim
@@ -176,17 +176,24 @@ def _fused_topk(
     config: TopKConfig | None,
 ) -> TopK:
     # The head's backend does not run here (the shard pass is this module's): "torch" is a
-    # backend every device has, so the head's checks never refuse these inputs for it.
-    options = call_options(None, ignore_index=ignore_index, backend="torch", return_entropy=False, validate=validate)
-    layout = megatron_layout(sequence_parallel)
+    # backend every device has, so the head's checks never refuse these inputs for it. A bad
+    # option or flag is shared over the TP group with every other refusal (prior_error).
+    (options, layout), prior_error = attempt(
+        lambda: (
+            call_options(None, ignore_index=ignore_index, backend="torch", return_entropy=False, validate=validate),
+            megatron_layout(sequence_parallel),
+        ),
+        (DEFAULT_OPTIONS, DEFAULT_LAYOUT),
+    )
     tp_group = resolve_tp_group(tp_group)
     given_labels = labels
     if labels is None:  # zeros are valid ids: the value checks read them
         labels = _zero_labels(hidden, tp_group, sequence_parallel)
     unsupported = functools.partial(_unsupported, weight=weight, k=k, impl=impl, config=config, tp_group=tp_group)
     call = check_call(
-        hidden, weight, labels, temperature, options, tp_group, layout, ids=False, unsupported=unsupported
-    )
+        hidden, weight, labels, temperature, options, tp_group, layout, ids=False, unsupported=unsupported,
+        prior_error=prior_error,
+    )  # fmt: skip
     config = DEFAULT_CONFIG if config is None else config
     use_triton = _use_triton(impl, hidden)
 

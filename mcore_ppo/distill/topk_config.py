@@ -132,7 +132,6 @@ class TopKConfig:
         return {"maxnreg": self.max_registers} if self.max_registers and not interpreting() else {}
 
 
-
 def _check_tiles(name: str, value: object) -> None:
     if not isinstance(value, GemmConfig):
         raise TypeError(f"{name} must be a mcore_ppo.backends.triton_host.GemmConfig, got {type_name(value)}")

@@ -15,16 +15,15 @@ comparisons bring both sides to the CPU.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from conftest import DEVICE
 
 from mcore_ppo import fused_log_probs_and_entropy
-from mcore_ppo.backends import torch_backend
+from mcore_ppo.backends import TorchBackend, TorchConfig
 
 BACKEND = os.environ.get("MCORE_PPO_TEST_BACKEND", "torch")
 VOCAB = 96
@@ -149,15 +148,11 @@ class HeadResult:
         }
 
 
-@contextlib.contextmanager
-def small_torch_chunks() -> Iterator[None]:
-    """The torch backend's chunk sizes set to SMALL_* for the duration (read at construction)."""
-    saved = torch_backend.TOKEN_CHUNK, torch_backend.VOCAB_CHUNK
-    torch_backend.TOKEN_CHUNK, torch_backend.VOCAB_CHUNK = SMALL_TOKEN_CHUNK, SMALL_VOCAB_CHUNK
-    try:
-        yield
-    finally:
-        torch_backend.TOKEN_CHUNK, torch_backend.VOCAB_CHUNK = saved
+def small_chunks_backend(backend: str):
+    """``backend``; the torch backend with chunks of SMALL_* (several chunks, ragged tails)."""
+    if backend != "torch":
+        return backend
+    return TorchBackend(TorchConfig(token_chunk=SMALL_TOKEN_CHUNK, vocab_chunk=SMALL_VOCAB_CHUNK))
 
 
 def run_head(
@@ -180,23 +175,22 @@ def run_head(
     """
     h = hidden.detach().clone().to(device).requires_grad_(True)
     w = weight.detach().clone().to(device).requires_grad_(True)
-    with small_torch_chunks() if small_chunks else contextlib.nullcontext():
-        log_prob, entropy = fused_log_probs_and_entropy(
-            h,
-            w,
-            labels.to(device),
-            temperature=TEMPERATURE,
-            tp_group=tp_group,
-            sequence_parallel=sequence_parallel,
-            ignore_index=ignore_index,
-            backend=backend,
-        )
-        outputs, grads = [], []
-        for out, grad in ((log_prob, grad_log_prob), (entropy, grad_entropy)):
-            if grad is not None:
-                outputs.append(out)
-                grads.append(grad.to(device=device, dtype=out.dtype))
-        torch.autograd.backward(outputs, grads)
+    log_prob, entropy = fused_log_probs_and_entropy(
+        h,
+        w,
+        labels.to(device),
+        temperature=TEMPERATURE,
+        tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
+        ignore_index=ignore_index,
+        backend=small_chunks_backend(backend) if small_chunks else backend,
+    )
+    outputs, grads = [], []
+    for out, grad in ((log_prob, grad_log_prob), (entropy, grad_entropy)):
+        if grad is not None:
+            outputs.append(out)
+            grads.append(grad.to(device=device, dtype=out.dtype))
+    torch.autograd.backward(outputs, grads)
     return HeadResult(log_prob.detach(), entropy.detach(), h.grad, w.grad)
 
 

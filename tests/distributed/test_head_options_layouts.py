@@ -28,7 +28,7 @@ from head_cases import (
     TOL_SAME_DTYPE,
     dtype_name,
     make_case,
-    small_torch_chunks,
+    small_chunks_backend,
 )
 from test_head_context_parallel import make_cp_case
 
@@ -60,22 +60,21 @@ def run(hidden, weight, labels, temperature, g, e, *, return_entropy, tp_group=N
     device = torch.device("cpu") if single else DEVICE
     h = hidden.detach().clone().to(device).requires_grad_(True)
     w = weight.detach().clone().to(device).requires_grad_(True)
-    with small_torch_chunks():
-        log_prob, entropy = fused_log_probs_and_entropy(
-            h,
-            w,
-            labels.to(device),
-            temperature=temperature.to(device),
-            tp_group=tp_group,
-            sequence_parallel=sp,
-            backend="torch" if single else BACKEND,
-            return_entropy=return_entropy,
-        )
-        outputs, grads = [log_prob], [g.to(device=device, dtype=torch.float32)]
-        if entropy is not None:
-            outputs.append(entropy)
-            grads.append(e.to(device=device, dtype=torch.float32))
-        torch.autograd.backward(outputs, grads)
+    log_prob, entropy = fused_log_probs_and_entropy(
+        h,
+        w,
+        labels.to(device),
+        temperature=temperature.to(device),
+        tp_group=tp_group,
+        sequence_parallel=sp,
+        backend=small_chunks_backend("torch" if single else BACKEND),
+        return_entropy=return_entropy,
+    )
+    outputs, grads = [log_prob], [g.to(device=device, dtype=torch.float32)]
+    if entropy is not None:
+        outputs.append(entropy)
+        grads.append(e.to(device=device, dtype=torch.float32))
+    torch.autograd.backward(outputs, grads)
     result = {"log_prob": log_prob.detach(), "d_hidden": h.grad, "d_weight": w.grad}
     if entropy is not None:
         result["entropy"] = entropy.detach()

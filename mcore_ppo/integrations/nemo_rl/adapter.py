@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.head_call import run_head
-from mcore_ppo.options import call_options, megatron_layout
+from mcore_ppo.head_call import attempt, run_head
+from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
 from parallel.context_parallel import roll_labels, split_for_cp
 from parallel.cp_gather import gather_from_cp
 from parallel.ranks import ProcessGroup, group_rank, group_size
@@ -61,6 +62,7 @@ def from_parallel_hidden_states_to_logprobs(
     sequence_parallel: bool | None = None,
     return_entropy: bool = False,
     backend: str | Backend = "auto",
+    validate: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs ``[b, s - 1]`` of ``softmax(hidden @ W.T / T)`` (and entropy) from hidden states.
 
@@ -89,7 +91,8 @@ def from_parallel_hidden_states_to_logprobs(
         sequence_parallel: the hidden states are sequence-sharded over TP; None means TP > 1,
             as NeMo-RL's fused path assumes.
         return_entropy: also return the entropy, shaped like the log-probs.
-        backend: the head's option (:class:`mcore_ppo.options.HeadOptions`; a backend object carries its settings).
+        backend, validate: the head's options (:class:`mcore_ppo.options.HeadOptions`; a backend
+            object carries its settings; ``validate`` None: the default), not in NeMo-RL's signature.
 
     Returns:
         fp32 (fp64 for fp64 inputs) log-probs ``[b, s - 1]`` (packed: ``[batch, unpacked_seqlen - 1]``, zero past each
@@ -102,32 +105,38 @@ def from_parallel_hidden_states_to_logprobs(
             inconsistent shapes, or two different temperatures.
     """
     del runtime_gather_output, chunk_size  # NeMo-RL's signature; nothing to do with them here
-    temperature = _temperature(sampling_params, temperature)
     weight = output_weight_layer
-    tp_size, cp_size = group_size(tp_group), group_size(cp_group)
-    shard = weight.shape[0]
-    if (vocab_start_index, vocab_end_index) != (group_rank(tp_group) * shard, (group_rank(tp_group) + 1) * shard):
-        raise ValueError(
-            f"vocab range [{vocab_start_index}, {vocab_end_index}) is not TP rank {group_rank(tp_group)}'s shard of "
-            f"{shard} rows; the head needs equal vocab shards in rank order (Megatron's ColumnParallelLinear)"
-        )
-    if sequence_parallel is None:
-        sequence_parallel = tp_size > 1
     hidden = tensor_parallel_hidden_states
-    total = hidden.shape[0] * (tp_size if sequence_parallel else 1) * cp_size  # global tokens per row
-    packed = cu_seqlens_padded is not None
-    if packed:
-        bounds = [int(v) for v in cu_seqlens_padded.tolist()]  # host copy: NeMo-RL's unpacking needs it too
-        if target.shape != (1, total) or unpacked_seqlen is None:
+    tp_size, cp_size = group_size(tp_group), group_size(cp_group)
+
+    def prepared() -> tuple:
+        """This rank's own checks and labels (a refusal is shared over TP by the head's verdict)."""
+        call_temperature = _temperature(sampling_params, temperature)
+        validation.check_tensor("output_weight_layer", weight, "float")
+        validation.check_tensor("tensor_parallel_hidden_states", hidden, "any")
+        validation.check_tensor("target", target, "index")
+        shard = weight.shape[0]
+        rank = group_rank(tp_group)
+        if (vocab_start_index, vocab_end_index) != (rank * shard, (rank + 1) * shard):
             raise ValueError(
-                f"packed sequences need target [1, {total}] (the whole packed sequence) and unpacked_seqlen, "
-                f"got target {tuple(target.shape)} and unpacked_seqlen={unpacked_seqlen}"
+                f"vocab range [{vocab_start_index}, {vocab_end_index}) is not TP rank {rank}'s shard of {shard} rows; "
+                "the head needs equal vocab shards in rank order (Megatron's ColumnParallelLinear)"
             )
-        labels = split_for_cp(
-            roll_labels(target, seq_dim=1, cu_seqlens=bounds, ignore_index=_IGNORE),
-            cp_size, group_rank(cp_group), seq_dim=1, cu_seqlens=bounds,
-        )  # fmt: skip
-    else:
+        sp = tp_size > 1 if sequence_parallel is None else sequence_parallel
+        layout = megatron_layout(sp)
+        total = hidden.shape[0] * (tp_size if sp else 1) * cp_size  # global tokens per row
+        if cu_seqlens_padded is not None:
+            bounds = [int(v) for v in cu_seqlens_padded.tolist()]  # host copy: NeMo-RL's unpacking needs it too
+            if target.shape != (1, total) or unpacked_seqlen is None:
+                raise ValueError(
+                    f"packed sequences need target [1, {total}] (the whole packed sequence) and unpacked_seqlen, "
+                    f"got target {tuple(target.shape)} and unpacked_seqlen={unpacked_seqlen}"
+                )
+            labels = split_for_cp(
+                roll_labels(target, seq_dim=1, cu_seqlens=bounds, ignore_index=_IGNORE),
+                cp_size, group_rank(cp_group), seq_dim=1, cu_seqlens=bounds,
+            )  # fmt: skip
+            return call_temperature, layout, labels, bounds, None
         seq = target.shape[-1]
         if target.dim() != 2 or target.shape[0] != hidden.shape[1] or seq > total:
             raise ValueError(
@@ -137,13 +146,24 @@ def from_parallel_hidden_states_to_logprobs(
         labels = torch.nn.functional.pad(
             roll_labels(target, seq_dim=1, ignore_index=_IGNORE), (0, total - seq), value=_IGNORE
         )
-        labels = split_for_cp(labels, cp_size, group_rank(cp_group), seq_dim=1)
-    # Without return_entropy the head skips the entropy's sums, its TP combine and backward term.
-    options = call_options(None, ignore_index=_IGNORE, backend=backend, return_entropy=return_entropy, validate=None)
+        return call_temperature, layout, split_for_cp(labels, cp_size, group_rank(cp_group), seq_dim=1), None, seq
+
+    def checked() -> tuple:
+        # Without return_entropy the head skips the entropy's sums, its TP combine and backward term.
+        options = call_options(
+            None, ignore_index=_IGNORE, backend=backend, return_entropy=return_entropy, validate=validate
+        )
+        return options, prepared()
+
+    (options, (call_temperature, layout, labels, bounds, seq)), error = attempt(
+        checked, (DEFAULT_OPTIONS, (1.0, DEFAULT_LAYOUT, target, None, None))
+    )
     with torch.no_grad() if inference_only else torch.enable_grad():
         outputs = run_head(
-            hidden, weight, labels, temperature, options, tp_group=tp_group, layout=megatron_layout(sequence_parallel)
-        )
+            hidden, weight, labels, call_temperature, options, tp_group=tp_group, layout=layout,
+            prior_error=error,
+        )  # fmt: skip
+    packed = bounds is not None
     results = []
     for values in outputs[: 2 if return_entropy else 1]:
         values = gather_from_cp(values, cp_group, seq_dim=1, cu_seqlens=bounds if packed else None)

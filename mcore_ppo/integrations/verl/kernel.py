@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
-from mcore_ppo.head_call import run_head
-from mcore_ppo.options import HiddenGrad, Layout, TokenOrder, call_options
+from mcore_ppo.head_call import attempt, run_head
+from mcore_ppo.options import DEFAULT_OPTIONS, HeadOptions, HiddenGrad, Layout, TokenOrder, call_options
 
 # verl's reductions of the log-probs; its "mean" is over all N tokens, ignored ones included.
 _VERL_REDUCTIONS = ("none", "sum", "mean")
@@ -92,26 +92,24 @@ def linear_cross_entropy(
     """
     if temperature is None:
         temperature = 1.0
-    if reduction is None:
-        reduction = "none"
-    if not isinstance(reduction, str):
-        raise TypeError(f"reduction must be a str, got {validation.type_name(reduction)}")
-    reduction = reduction.lower()
-    if reduction not in _VERL_REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_VERL_REDUCTIONS}, got {reduction!r}")
-    validation.check_bool("reduce_hidden_grad", reduce_hidden_grad)
-    options = call_options(
-        None, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
-    )
+
+    def checked() -> tuple[str, HeadOptions, Layout]:
+        mode = "none" if reduction is None else reduction
+        if not isinstance(mode, str):
+            raise TypeError(f"reduction must be a str, got {validation.type_name(mode)}")
+        mode = mode.lower()
+        if mode not in _VERL_REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_VERL_REDUCTIONS}, got {mode!r}")
+        validation.check_bool("reduce_hidden_grad", reduce_hidden_grad)
+        options = call_options(
+            None, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+        )
+        return mode, options, _LAYOUTS[reduce_hidden_grad]
+
+    (reduction, options, layout), error = attempt(checked, ("none", DEFAULT_OPTIONS, _LAYOUTS[False]))
     validation.check_process_group(dist_process_group, "dist_process_group")
     log_probs, entropy = run_head(
-        hidden,
-        weight,
-        labels,
-        temperature,
-        options,
-        tp_group=dist_process_group,
-        layout=_LAYOUTS[reduce_hidden_grad],
+        hidden, weight, labels, temperature, options, tp_group=dist_process_group, layout=layout, prior_error=error
     )
     if reduction == "sum":
         log_probs = log_probs.sum()
