@@ -56,7 +56,7 @@ _BACKENDS = ("auto", "torch", "triton", "liger")
 
 @dataclass(frozen=True)
 class LayoutConfig:
-    """The parallel layout. ``sequence_parallel`` is asked for; :attr:`sp` says whether it is on."""
+    """The parallel layout. ``sequence_parallel`` needs ``tp > 1`` (refused otherwise)."""
 
     tp: int = 1
     cp: int = 1
@@ -70,11 +70,13 @@ class LayoutConfig:
                 raise ValueError(f"layout.{name} must be >= 1, got {getattr(self, name)}")
         if self.cp_mode not in ("model", "head"):
             raise ValueError(f"layout.cp_mode must be 'model' or 'head', got {self.cp_mode!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("layout.sequence_parallel needs layout.tp > 1 (SP shards the sequence over the TP ranks)")
 
     @property
     def sp(self) -> bool:
-        """Sequence parallelism in effect: asked for, and more than one TP rank."""
-        return self.sequence_parallel and self.tp > 1
+        """Sequence parallelism is on."""
+        return self.sequence_parallel
 
     @property
     def cp_at_head(self) -> bool:
@@ -340,12 +342,22 @@ def add_override_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_overrides(config: DemoConfig, args: argparse.Namespace) -> DemoConfig:
-    """``config`` with the values of :func:`add_override_arguments` given on the command line."""
+    """``config`` with the values of :func:`add_override_arguments` given on the command line.
+
+    Sequence parallelism shards the sequence over the TP ranks, so it needs TP > 1: ``--sp``
+    with a TP of 1 is refused (ValueError) rather than ignored, and ``--tp 1`` turns a config's
+    SP off (the layout it names has none)."""
+    tp = config.layout.tp if args.tp is None else args.tp
+    sequence_parallel = args.sp
+    if tp == 1:
+        if args.sp:
+            raise ValueError("--sp needs --tp > 1: sequence parallelism shards the sequence over the TP ranks")
+        sequence_parallel = False
     return config.with_overrides(
         tp=args.tp,
         cp=args.cp,
         pp=args.pp,
-        sequence_parallel=args.sp,
+        sequence_parallel=sequence_parallel,
         cp_mode=args.cp_mode,
         steps=args.steps,
         backend=args.backend,

@@ -3,6 +3,7 @@ typed sections, and every bad key, type or value is refused with its key named (
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import re
@@ -17,6 +18,8 @@ from mcore_ppo.actor import PPOActorConfig
 from mcore_ppo_testing.demo_config import (
     DemoConfig,
     LayoutConfig,
+    add_override_arguments,
+    apply_overrides,
     demo_config_from_dict,
     load_demo_config,
     main,
@@ -137,9 +140,24 @@ def test_overrides_replace_and_recheck():
     assert not changed.layout.sp and changed.layout.cp_mode == "head"
     assert changed.run.steps == 1 and changed.head.backend == "torch"
     assert config.with_overrides() == config and config.layout.tp == 2  # None keeps; the original is untouched
-    assert not config.with_overrides(tp=1).layout.sp  # SP needs tp > 1
+    with pytest.raises(ValueError, match=re.escape("layout.sequence_parallel needs layout.tp > 1")):
+        config.with_overrides(tp=1)  # SP needs tp > 1: refused, not ignored
+    assert not config.with_overrides(tp=1, sequence_parallel=False).layout.sp
     with pytest.raises(ValueError, match=re.escape("layout.tp")):
         config.with_overrides(tp=0)
+
+
+def test_tp_1_on_the_command_line_and_sp():
+    """``--tp 1`` turns the config's SP off (the layout it names has none); ``--sp`` with TP 1 is
+    refused, not ignored."""
+    parser = argparse.ArgumentParser()
+    add_override_arguments(parser)
+    config = load_demo_config(CONFIG)
+    assert config.layout.sp
+    assert not apply_overrides(config, parser.parse_args(["--tp", "1"])).layout.sp
+    with pytest.raises(ValueError, match=re.escape("--sp needs --tp > 1")):
+        apply_overrides(config, parser.parse_args(["--tp", "1", "--sp"]))
+    assert apply_overrides(config, parser.parse_args(["--tp", "4", "--sp"])).layout.sp
 
 
 def test_command_line_prints_the_layout_or_exits_2(tmp_path, capsys):

@@ -170,6 +170,7 @@ def _refused(tmp_path: Path, *args: str) -> str:
         (["--frobnicate"], "unknown option '--frobnicate'"),
         (["--steps", "1", "extra"], "unknown option 'extra'"),
         (["--tp"], "--tp needs a value"),
+        (["--tp", "1", "--sp"], "--sp needs --tp > 1"),
     ],
 )
 def test_launch_refuses_bad_arguments_in_one_line(tmp_path, args, says):
