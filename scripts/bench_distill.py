@@ -22,8 +22,10 @@ full tiles (the (row, tile) pairs recomputed whole) and a profile of one call ar
 Usage (GPU): ``python scripts/bench_distill.py --out DIR [--vocab 151936,262144] [--tp 1,8]
 [--k 8,64,128] [--reps 5]``. Writes ``DIR/bench_distill.json`` (after every configuration) and
 ``DIR/bench_distill.md``. ``--triton-variants 'candidates=3;block_n=256,candidates=4'`` also times
-the kernel with other settings, one variant per comma, its settings joined by ``;`` (a
-``TRITON_CONFIG`` field, or ``TRITON_<NAME>`` of :mod:`mcore_ppo.distill.topk`).
+the kernel with other settings, one variant per comma, its settings joined by ``;``: each a field
+of :class:`~mcore_ppo.distill.topk_config.TopKConfig` (``candidates=4``, ``splits=2``,
+``sort_keys=0``, ``candidate_range=3-6``) or of its GPU tiles (``block_n=128``, ``use_tma=0``);
+each variant is one ``TopKConfig`` passed as ``config=``.
 
 One call on the lent H200 (device tool, ``carry=[".whl", ".carry"]``), the GPU test and then
 the benchmark, logs under ``$OUT`` (about 5 minutes)::
@@ -53,9 +55,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcore_ppo.backends.triton_host import fp32_gemm_path, mm_fp32
-from mcore_ppo.distill import topk as topk_module
+from mcore_ppo.backends.triton_host import GemmConfig, fp32_gemm_path, mm_fp32
+from mcore_ppo.distill import topk_triton
 from mcore_ppo.distill.topk import fused_topk
+from mcore_ppo.distill.topk_config import TopKConfig
 from mcore_ppo_testing.bench import GIB, event_times
 from mcore_ppo_testing.topk_reference import full_pairs
 
@@ -115,17 +118,17 @@ def errors(out, ref, rows) -> dict:
 def candidate_stats(x, w, k, temperature) -> dict:
     """How many (row, tile) pairs the fused path recomputed whole (its full tiles), per call."""
     seen = {"full_pairs": 0}
-    original = topk_module._recompute_full_tiles
+    original = topk_triton._recompute_full_tiles
 
     def spy(tokens, weight, full, *rest):
         seen["full_pairs"] += len(full_pairs(full))
         return original(tokens, weight, full, *rest)
 
-    topk_module._recompute_full_tiles = spy
+    topk_triton._recompute_full_tiles = spy
     try:
         fused_topk(x, w, k, temperature=temperature, impl="triton")
     finally:
-        topk_module._recompute_full_tiles = original
+        topk_triton._recompute_full_tiles = original
     seen["full_per_row"] = seen["full_pairs"] / x.shape[0]
     return seen
 
@@ -137,24 +140,40 @@ def profile_once(fn) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=8)
 
 
-def parse_variants(text: str) -> list[tuple[str, dict]]:
-    """``name=value`` items, ``;``-joined within a variant: a field of ``TRITON_CONFIG``
-    (``block_n=128``, ``num_stages=4``, ``use_tma=0``) or a module setting ``TRITON_<NAME>``."""
-    fields = {f.name for f in dataclasses.fields(topk_module.TRITON_CONFIG)}
+def parse_variants(text: str) -> list[tuple[str, TopKConfig]]:
+    """``name=value`` items, ``;``-joined within a variant, each variant one :class:`TopKConfig`:
+    a field of its GPU tiles (``block_n=128``, ``num_stages=4``, ``use_tma=0``) or of the config
+    itself (``candidates=4``, ``splits=2``, ``sort_keys=0``, ``full_tiles_per_candidate=0.5``,
+    ``candidate_range=3-6``)."""
+    tile_fields = {f.name for f in dataclasses.fields(GemmConfig)}
+    config_fields = {f.name for f in dataclasses.fields(TopKConfig)} - {"tiles", "interpreter_tiles"}
+    defaults = TopKConfig()
     variants = []
     for item in filter(None, text.split(",")):
-        overrides: dict = {}
+        tiles: dict = {}
+        fields: dict = {}
         for part in item.split(";"):
             name, _, value = part.partition("=")
-            if name in fields:
-                config = overrides.get("TRITON_CONFIG", topk_module.TRITON_CONFIG)
-                overrides["TRITON_CONFIG"] = dataclasses.replace(
-                    config, **{name: type(getattr(config, name))(int(value))}
-                )
+            if name in tile_fields:
+                tiles[name] = bool(int(value)) if name == "use_tma" else int(value)
+            elif name in config_fields:
+                fields[name] = _setting(name, value)
             else:
-                overrides["TRITON_" + name.upper()] = int(value)
-        variants.append((f"triton[{item}]", overrides))
+                raise SystemExit(f"--triton-variants: unknown setting {name!r} (a TopKConfig or GemmConfig field)")
+        variants.append((f"triton[{item}]", TopKConfig(**fields, tiles=dataclasses.replace(defaults.tiles, **tiles))))
     return variants
+
+
+def _setting(name: str, text: str):
+    """One TopKConfig field's value from its text."""
+    if name == "full_tiles_per_candidate":
+        return float(text)
+    if name == "sort_keys":
+        return bool(int(text))
+    if name == "candidate_range":
+        low, _, high = text.partition("-")
+        return int(low), int(high)
+    return int(text)
 
 
 def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
@@ -169,20 +188,11 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
     }
     variants = parse_variants(args.triton_variants)
     settings = {}
-    for name, overrides in variants:
-        settings[name] = overrides
-
-        def variant(overrides=overrides):
-            saved = {key: getattr(topk_module, key) for key in overrides}
-            for key, value in overrides.items():
-                setattr(topk_module, key, value)
-            try:
-                return fused_topk(x, shard, k, temperature=temperature, impl="triton")
-            finally:
-                for key, value in saved.items():
-                    setattr(topk_module, key, value)
-
-        impls[name] = variant
+    for name, config in variants:
+        settings[name] = config
+        impls[name] = lambda config=config: fused_topk(
+            x, shard, k, temperature=temperature, impl="triton", config=config
+        )
     failed = {}
     for name in list(impls):  # warm-up: compile, cuBLAS heuristics, allocator
         try:
@@ -219,11 +229,8 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
             "gpu_times_ms": gpu_times[name],
         }
         if name in settings:
-            # Config overrides as their fields: the JSON holds plain values.
-            entry["settings"] = {
-                key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-                for key, value in settings[name].items()
-            }
+            # The variant's config as its fields: the JSON holds plain values.
+            entry["settings"] = dataclasses.asdict(settings[name])
         entry["peak_extra_gib"] = peak_extra_bytes(impls[name]) / GIB
         if name != "gemm":
             out = impls[name]()

@@ -34,6 +34,7 @@ from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, NH, TEMPERATURE, VOCAB, dr
 
 from mcore_ppo import TopKConfig, TorchBackend, TorchConfig, TritonBackend, TritonConfig, fused_log_probs_at, fused_topk
 from mcore_ppo.distill import topk_triton
+from mcore_ppo.verdict import PEER_REFUSED
 from mcore_ppo_testing.student_reference import student_reference
 from mcore_ppo_testing.topk_reference import full_pairs, topk_reference
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
@@ -284,9 +285,9 @@ def test_bad_temperature_on_one_rank_raises_on_every_rank(check):
     ):
         check.case(f"tp=2 bad temperature {what} on rank 1")
         mine = bad if layout.tp_rank == 1 else good
-        expected = message if layout.tp_rank == 1 else "another rank of the tensor-parallel group rejected"
+        expected = message if layout.tp_rank == 1 else PEER_REFUSED
         check.raises(ValueError, expected, fused_topk, hidden, shard, 8, temperature=mine, labels=labels,
-                     tp_group=layout.tp_group)  # fmt: skip
+                     tp_group=layout.tp_group, validate=True)  # fmt: skip
     check.done()
 
 
@@ -316,10 +317,10 @@ def test_bad_k_raises_on_every_rank(check):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_bad_argument_on_one_rank_raises_on_every_rank(tp, sp, check):
     """One bad argument on the last TP rank only (k, impl, config, a temperature's shape or
-    values, the labels' shape or values, the hidden size): that rank raises its own error naming
-    it, every other rank a ValueError that a peer refused its inputs; nobody waits in a
-    collective for a rank that has left. A good call afterwards still matches the single-rank
-    result on every rank (the group's collectives stay aligned)."""
+    values, the labels' shape or values, the hidden size, an option or flag): that rank raises
+    its own error naming it, every other rank a ValueError that a peer refused its inputs;
+    nobody waits in a collective for a rank that has left. A good call afterwards still matches
+    the single-rank result on every rank (the group's collectives stay aligned)."""
     layout = tp_cp_groups(tp)
     torch.manual_seed(shared_seed())
     seq, batch = 8, 2
@@ -338,31 +339,37 @@ def test_bad_argument_on_one_rank_raises_on_every_rank(tp, sp, check):
     out_of_vocab[1, 2] = VOCAB
     nan_t = good_t.clone()
     nan_t[0, 5] = float("nan")
-    peer = "another rank of the tensor-parallel group rejected"
     cases = [
-        ("k = 0", dict(k=0), ValueError, "k must be in [1, 128]", peer),
-        ("k > V", dict(k=VOCAB + 1), ValueError, f"k must be <= the global vocab size {VOCAB}", peer),
-        ("k a float", dict(k=8.0), TypeError, "k must be an int", peer),
-        ("impl unknown", dict(impl="cuda"), ValueError, "impl must be one of", peer),
-        ("impl not a str", dict(impl=1), TypeError, "impl must be a str", peer),
-        ("config not a TopKConfig", dict(config="small"), TypeError, "config must be a", peer),
-        ("temperature shape", dict(temperature=good_t.t()), ValueError, "temperature must be shaped like labels", peer),
-        ("temperature value", dict(temperature=nan_t), ValueError,
-         "temperature values must be finite", "another rank of the tensor-parallel group has bad temperature"),
-        ("labels shape", dict(labels=labels.t()), ValueError, "labels must have shape", peer),
-        ("labels value", dict(labels=out_of_vocab), ValueError, f"labels must be in [0, {VOCAB})",
-         "another rank of the tensor-parallel group has bad labels"),
-        ("hidden size", dict(hidden=local_hidden[..., :-1]), ValueError, "hidden size", peer),
-    ]  # fmt: skip
-    for name, bad, error, message, peer_message in cases:
+        ("k = 0", dict(k=0), ValueError, "k must be in [1, 128]"),
+        ("k > V", dict(k=VOCAB + 1), ValueError, f"k must be <= the global vocab size {VOCAB}"),
+        ("k a float", dict(k=8.0), TypeError, "k must be an int"),
+        ("impl unknown", dict(impl="cuda"), ValueError, "impl must be one of"),
+        ("impl not a str", dict(impl=1), TypeError, "impl must be a str"),
+        ("config not a TopKConfig", dict(config="small"), TypeError, "config must be a"),
+        ("temperature shape", dict(temperature=good_t.t()), ValueError, "temperature must be shaped like labels"),
+        ("temperature value", dict(temperature=nan_t), ValueError, "temperature values must be finite"),
+        ("labels shape", dict(labels=labels[:1]), ValueError, "labels must have shape"),
+        ("labels value", dict(labels=out_of_vocab), ValueError, f"labels must be in [0, {VOCAB})"),
+        ("hidden size", dict(hidden=local_hidden[..., :-1]), ValueError, "hidden size"),
+        ("ignore_index not an int", dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
+        (
+            "sequence_parallel not a bool",
+            dict(sequence_parallel=int(sp)),
+            TypeError,
+            "sequence_parallel must be a bool",
+        ),
+        ("validate not a bool", dict(validate="yes"), TypeError, "validate must be a bool or None"),
+    ]
+    for name, bad, error, message in cases:
         check.case(f"tp={tp} sp={sp} bad {name} on rank {tp - 1}")
         # Value checks on: the verdict is shared on every device (NCCL included).
-        args = dict(hidden=local_hidden, weight=shard, k=8, labels=labels, temperature=good_t, validate=True)
+        args = dict(hidden=local_hidden, weight=shard, k=8, labels=labels, temperature=good_t, validate=True,
+                    sequence_parallel=sp)  # fmt: skip
         if bad_rank:
             args |= bad
-        check.raises(error if bad_rank else ValueError, message if bad_rank else peer_message, fused_topk,
+        check.raises(error if bad_rank else ValueError, message if bad_rank else PEER_REFUSED, fused_topk,
                      args.pop("hidden"), args.pop("weight"), args.pop("k"), tp_group=layout.tp_group,
-                     sequence_parallel=sp, **args)  # fmt: skip
+                     **args)  # fmt: skip
     check.case(f"tp={tp} sp={sp} a good call after the refusals")
     out = fused_topk(local_hidden, shard, 8, temperature=good_t, labels=labels, tp_group=layout.tp_group,
                      sequence_parallel=sp, config=SMALL)  # fmt: skip

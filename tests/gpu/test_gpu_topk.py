@@ -122,11 +122,11 @@ def test_all_equal_logits():
 
 def test_auto_picks_triton_on_cuda(monkeypatch):
     """impl="auto" on bf16 CUDA tensors runs the kernel (dispatch by device and dtype)."""
-    from mcore_ppo.distill import topk as topk_module
+    from mcore_ppo.distill import topk_triton
 
     calls = []
-    original = topk_module._shard_topk_triton
-    monkeypatch.setattr(topk_module, "_shard_topk_triton", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = topk_triton.shard_topk_triton
+    monkeypatch.setattr(topk_triton, "shard_topk_triton", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     x, w = make(64, 256, 1000, torch.bfloat16, next_seed())
     fused_topk(x, w, 8)
     assert calls == [1]
