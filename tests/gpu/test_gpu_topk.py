@@ -10,16 +10,20 @@ come in either order: at k = 128 about one token in ten has such a pair, so the 
 tokens with identical id lists is printed, and only checked to be most of them); integer-valued
 logits (exact ties everywhere): the ids equal fp64's exactly. A per-token temperature (per-sample
 runs, as verl passes them): the kernel's per-row ``1/T_i`` against the torch path and fp64.
+Other ``TopKConfig`` settings (candidates, key order, tiles and splits, token chunks) against
+fp64 and the defaults.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from mcore_ppo.distill import fused_topk
+from mcore_ppo.distill import TopKConfig, fused_topk
+from mcore_ppo.distill.topk_config import GPU_TILES
 from mcore_ppo_testing.seeds import next_seed
 
 pytestmark = [
@@ -118,6 +122,31 @@ def test_all_equal_logits():
     assert torch.equal(out.ids, torch.arange(k, device="cuda").expand(300, k))
     torch.testing.assert_close(out.log_probs, torch.full_like(out.log_probs, -math.log(v)))
     torch.testing.assert_close(out.tail_log_mass, torch.full_like(out.tail_log_mass, math.log((v - k) / v)))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TopKConfig(candidates=3),
+        TopKConfig(candidates=5, sort_keys=False),
+        TopKConfig(tiles=replace(GPU_TILES, block_n=128), splits=8),
+        TopKConfig(scratch_bytes=16 * 2**20),
+    ],
+    ids=["3-candidates", "5-candidates-by-count", "tiles-of-128-8-splits", "token-chunks"],
+)
+def test_configs_keep_the_results(config):
+    """Other :class:`TopKConfig` settings (candidates per tile, the merge's key order, narrower
+    tiles over forced vocab splits, a scratch that forces token chunks): against fp64 as the
+    defaults are, and the defaults' ids for most tokens (only fp32 near-ties may differ)."""
+    x, w = make(4096, 1024, 18992, torch.bfloat16, next_seed())
+    rows = torch.randperm(4096, device="cuda")[:CHECK_ROWS]
+    default = fused_topk(x, w, 64, temperature=0.7, impl="triton")
+    other = fused_topk(x, w, 64, temperature=0.7, impl="triton", config=config)
+    assert check(other, x, w, 64, 0.7, rows) >= 0.5
+    same = (other.ids == default.ids).all(dim=-1).double().mean().item()
+    print(f"tokens whose ids equal the default config's: {same:.4f}")
+    assert same >= 0.5
+    torch.testing.assert_close(other.tail_log_mass, default.tail_log_mass, rtol=0, atol=ABS_TOL)
 
 
 def test_auto_picks_triton_on_cuda(monkeypatch):
