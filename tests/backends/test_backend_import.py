@@ -1,10 +1,15 @@
-"""Optional backends fail soft only when the missing module is the optional package itself.
+"""Optional packages fail soft only when the missing module is the optional package itself.
 
-Regression for a seed bug of the anchors: ``try: import x except ImportError: x = None`` also
-swallows a *broken* install of ``x`` (one of x's own dependencies missing) and silently falls
-back to a slower path. :func:`mcore_ppo.backends.import_optional` returns None only when
-``ModuleNotFoundError.name`` is the package (or one of its parents) and re-raises otherwise.
-Real packages are built in ``tmp_path`` and put on ``sys.path`` for each case.
+``try: import x except ImportError: x = None`` also swallows a *broken* install of ``x`` (one of
+x's own dependencies missing) and silently falls back to a slower path.
+:func:`mcore_ppo.backends.import_optional` returns None only when ``ModuleNotFoundError.name`` is
+the package (or one of its parents) and re-raises otherwise. Real packages are built in
+``tmp_path`` and put on ``sys.path`` for each case.
+
+Also: the backend registry with the triton module absent, unavailable or present, and Liger-Kernel,
+which is no backend name but an entry point of its own (:func:`mcore_ppo.liger_log_probs_and_entropy`):
+``backend="liger"`` is refused by name, and a missing liger-kernel is a ValueError of that entry
+point, a broken one the ModuleNotFoundError of its missing dependency.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import types
 import pytest
 import torch
 
-from mcore_ppo.backends import TorchBackend, import_optional, resolve_backend
+from mcore_ppo import fused_log_probs_and_entropy, liger
+from mcore_ppo.backends import BACKENDS, TorchBackend, check_backend, import_optional, resolve_backend
+from mcore_ppo.liger import liger_log_probs_and_entropy
 
 _NAMES = itertools.count()
 
@@ -104,39 +111,88 @@ def test_other_import_errors_are_raised(make_package):
 # --- the lazy backend registry -------------------------------------------------------------------
 
 
-def fake_backend_module(available: bool, class_name: str) -> types.ModuleType:
-    module = types.ModuleType("fake_backend")
+def fake_triton_module(available: bool) -> types.ModuleType:
+    """Stands in for ``mcore_ppo.backends.triton_backend``: its availability, and a backend built
+    from the config the registry reads from the environment."""
+    module = types.ModuleType("fake_triton_backend")
     module.is_available = lambda: available
-    module.environment_budget = lambda: None  # the triton module's reading of its environment variable
-    setattr(module, class_name, type(class_name, (), {"name": class_name}))
+
+    class TritonConfig:
+        @classmethod
+        def from_environment(cls):
+            return cls()
+
+    class TritonBackend:
+        name = "triton"
+
+        def __init__(self, config):
+            self.config = config
+
+    module.TritonConfig, module.TritonBackend = TritonConfig, TritonBackend
     return module
 
 
-@pytest.mark.parametrize(("backend", "class_name"), [("triton", "TritonBackend"), ("liger", "LigerBackend")])
-def test_unavailable_backend(monkeypatch, backend, class_name):
-    """A backend whose module says it is unavailable: named explicitly → RuntimeError; auto → torch."""
-    module_name = f"mcore_ppo.backends.{backend}_backend"
-    monkeypatch.setitem(sys.modules, module_name, fake_backend_module(False, class_name))
-    with pytest.raises(RuntimeError, match=rf"backend='{backend}' is not available here"):
-        resolve_backend(backend, torch.device("cpu"))
+def test_unavailable_backend(monkeypatch):
+    """A backend whose module says it is unavailable: named explicitly -> ValueError; auto -> torch."""
+    monkeypatch.setitem(sys.modules, "mcore_ppo.backends.triton_backend", fake_triton_module(False))
+    with pytest.raises(ValueError, match=r"backend='triton' is not available here"):
+        resolve_backend("triton", torch.device("cpu"))
     assert isinstance(resolve_backend("auto", torch.device("cpu")), TorchBackend)
 
 
-@pytest.mark.parametrize(("backend", "class_name"), [("triton", "TritonBackend"), ("liger", "LigerBackend")])
-def test_absent_backend_module(monkeypatch, backend, class_name):
-    """The backend module cannot be imported at all (None in sys.modules): explicit → RuntimeError."""
-    monkeypatch.setitem(sys.modules, f"mcore_ppo.backends.{backend}_backend", None)
-    with pytest.raises(RuntimeError, match=rf"backend='{backend}' is not available here"):
-        resolve_backend(backend, torch.device("cpu"))
+def test_absent_backend_module(monkeypatch):
+    """The backend module cannot be imported at all (None in sys.modules): explicit -> ValueError."""
+    monkeypatch.setitem(sys.modules, "mcore_ppo.backends.triton_backend", None)
+    with pytest.raises(ValueError, match=r"backend='triton' is not available here"):
+        resolve_backend("triton", torch.device("cpu"))
 
 
-@pytest.mark.parametrize(("backend", "class_name"), [("triton", "TritonBackend"), ("liger", "LigerBackend")])
-def test_available_backend_is_used(monkeypatch, backend, class_name):
-    module = fake_backend_module(True, class_name)
-    monkeypatch.setitem(sys.modules, f"mcore_ppo.backends.{backend}_backend", module)
-    assert type(resolve_backend(backend, torch.device("cpu"))).__name__ == class_name
+def test_available_backend_is_used(monkeypatch):
+    """An available module's backend is built with the config read from the environment."""
+    module = fake_triton_module(True)
+    monkeypatch.setitem(sys.modules, "mcore_ppo.backends.triton_backend", module)
+    backend = resolve_backend("triton", torch.device("cpu"))
+    assert type(backend) is module.TritonBackend and type(backend.config) is module.TritonConfig
 
 
 def test_auto_on_cpu_is_torch():
     assert isinstance(resolve_backend("auto", torch.device("cpu")), TorchBackend)
     assert isinstance(resolve_backend("torch", torch.device("cpu")), TorchBackend)
+
+
+# --- Liger-Kernel: an entry point of its own, not a backend name ---------------------------------
+
+
+def test_liger_is_not_a_backend_name():
+    """``backend="liger"`` is refused (ValueError naming the Liger entry point), by the registry
+    and by the head before any work."""
+    assert "liger" not in BACKENDS
+    for refuse in (check_backend, lambda name: resolve_backend(name, torch.device("cpu"))):
+        with pytest.raises(ValueError, match="liger_log_probs_and_entropy"):
+            refuse("liger")
+    hidden, weight, labels = torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="liger_log_probs_and_entropy"):
+        fused_log_probs_and_entropy(hidden, weight, labels, backend="liger")
+
+
+def test_absent_liger_kernel_is_a_value_error(monkeypatch):
+    """Without liger-kernel the Liger entry point refuses the call with a ValueError that says
+    so, before Liger is touched (no ImportError from deep inside)."""
+    for name in ("liger_kernel", "liger_kernel.ops", liger.LIGER_MODULE):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert liger._liger() is None and not liger.is_available()
+    hidden, weight, labels = torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"liger-kernel .*is not installed"):
+        liger_log_probs_and_entropy(hidden, weight, labels)
+
+
+def test_broken_liger_install_is_raised(monkeypatch, make_package):
+    """liger-kernel present but one of its own dependencies missing: the ModuleNotFoundError
+    naming that dependency reaches the caller (it is not taken for "not installed")."""
+    name, dep = unique("mcore_ppo_liger"), unique("mcore_ppo_dep")
+    make_package(name, {"__init__.py": "", "ops.py": f"import {dep}\n"})
+    monkeypatch.setattr(liger, "LIGER_MODULE", f"{name}.ops")
+    hidden, weight, labels = torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ModuleNotFoundError) as info:
+        liger_log_probs_and_entropy(hidden, weight, labels)
+    assert info.value.name == dep

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_ppo import validation
+from mcore_ppo import verdict
 from mcore_ppo.backends import TorchBackend, clear_backend_cache, resolve_backend, triton_host
 
 
@@ -95,20 +95,32 @@ def gloo_world(tmp_path):
         dist.destroy_process_group()
 
 
-def test_shard_check_cache_is_keyed_by_the_group_object(gloo_world):
-    before = len(validation._CHECKED_GROUPS)
+def test_shard_check_cache_is_keyed_by_the_group_object(gloo_world, monkeypatch):
+    """The shard sizes are all-reduced once per (group, size); a new group, even at a destroyed
+    one's address, asks again."""
+    reductions = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: reductions.append(k["group"]) or all_reduce(*a, **k))
+    cpu = torch.device("cpu")
+    before = len(verdict._CHECKED_GROUPS)
     group = dist.new_group([0])
-    seen, key = validation._shard_check_key(group, 10, "cuda")
-    seen.add(key)
-    assert key in validation._shard_check_key(group, 10, "cuda")[0]
-    assert (11, "cuda") not in validation._shard_check_key(group, 11, "cuda")[0]
+    verdict._check_shards_once(group, 10, cpu)
+    verdict._check_shards_once(group, 10, cpu)
+    assert reductions == [group] and (10,) in verdict._CHECKED_GROUPS[group]
+    verdict._check_shards_once(group, 11, cpu)
+    assert reductions == [group, group]
     other = dist.new_group([0])
-    assert (10, "cuda") not in validation._shard_check_key(other, 10, "cuda")[0]
+    assert other not in verdict._CHECKED_GROUPS
+    verdict._check_shards_once(other, 10, cpu)
+    assert reductions == [group, group, other]
     # A destroyed group takes its entries with it: a later group, even one at the same address
     # (the id() reuse that an id-keyed cache would mistake for the old group), starts clean.
     dist.destroy_process_group(group)
-    del group, seen
+    del group
+    reductions.clear()
     gc.collect()
-    assert len(validation._CHECKED_GROUPS) == before + 1  # only ``other``'s
+    assert len(verdict._CHECKED_GROUPS) == before + 1  # only ``other``'s
     fresh = dist.new_group([0])
-    assert (10, "cuda") not in validation._shard_check_key(fresh, 10, "cuda")[0]
+    assert fresh not in verdict._CHECKED_GROUPS
+    verdict._check_shards_once(fresh, 10, cpu)
+    assert reductions == [fresh]

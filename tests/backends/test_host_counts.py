@@ -31,7 +31,7 @@ if _SET_INTERPRET:
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
 from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
-from mcore_ppo.backends import triton_launch  # noqa: E402
+from mcore_ppo.backends import triton_config, triton_launch  # noqa: E402
 from mcore_ppo.backends.base import SavedTokens  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
@@ -109,10 +109,15 @@ def _case(n=37, h=16, v=40, *, dtype=torch.float32, seed=None, ignored=0.3, bad_
     return hidden.requires_grad_(True), weight.requires_grad_(True), labels.to(DEVICE), grads
 
 
-def _tma(monkeypatch):
-    """bf16 operands and dz through host TMA descriptors (what the H200 runs), in the interpreter."""
-    for name in ("INTERPRETER_CONFIG",):
-        monkeypatch.setattr(triton_backend, name, replace(getattr(triton_backend, name), use_tma=True))
+def _backend(*, tma: bool = False, **settings) -> triton_backend.TritonBackend:
+    """A triton backend with ``settings`` (:class:`TritonConfig` fields); ``tma``: operands and
+    dz through host TMA descriptors (what the H200 runs), in the interpreter's small tiles."""
+    if tma:
+        settings |= {
+            "forward_config": replace(triton_config.INTERPRETER_FORWARD, use_tma=True),
+            "backward_config": replace(triton_config.INTERPRETER_BACKWARD, use_tma=True),
+        }
+    return triton_backend.TritonBackend(triton_backend.TritonConfig(**settings))
 
 
 # (no-grad forward, forward, backward): most aten ops, launches. The fused forward's ops are its
@@ -124,13 +129,11 @@ BOUNDS = {
 
 
 @pytest.mark.parametrize(("dtype", "mode"), list(BOUNDS), ids=["-".join(k) for k in BOUNDS])
-def test_ops_and_launches_per_call(counting, monkeypatch, dtype, mode):
-    if dtype == "bf16-tma":
-        _tma(monkeypatch)
-    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", (1 << 30) if mode == "buffer" else 0)
+def test_ops_and_launches_per_call(counting, dtype, mode):
+    budget = (1 << 30) if mode == "buffer" else 0
+    backend = _backend(tma=dtype == "bf16-tma", buffer_budget_bytes=budget)
     torch_dtype = torch.bfloat16 if dtype == "bf16-tma" else torch.float32
     hidden, weight, labels, grads = _case(dtype=torch_dtype, seed=7)
-    backend = triton_backend.TritonBackend()
 
     def call():
         return fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.7, backend=backend, validate=False)
@@ -155,20 +158,32 @@ def test_ops_and_launches_per_call(counting, monkeypatch, dtype, mode):
     assert forward_ops == {"empty.memory_format"}, forward_ops
 
 
-def test_fused_forward_has_fewer_ops_than_the_generic_path(counting, monkeypatch):
+def test_fused_forward_has_fewer_ops_than_the_generic_path(counting):
     hidden, weight, labels, _ = _case(seed=11)
+    fused, generic = _backend(), _backend(fused_forward=False)
+    assert fused.capabilities.fused_forward and not generic.capabilities.fused_forward
 
-    def nograd():
+    def nograd(backend):
         with torch.no_grad():
-            fused_log_probs_and_entropy(hidden, weight, labels, backend=triton_backend.TritonBackend(), validate=False)
+            fused_log_probs_and_entropy(hidden, weight, labels, backend=backend, validate=False)
 
-    nograd()
-    fused_ops, fused_launches = counting(nograd)
-    monkeypatch.setattr(triton_backend, "FUSED_HEAD", False)
-    nograd()
-    generic_ops, generic_launches = counting(nograd)
+    nograd(fused)
+    fused_ops, fused_launches = counting(lambda: nograd(fused))
+    nograd(generic)
+    generic_ops, generic_launches = counting(lambda: nograd(generic))
     assert sum(fused_ops.values()) * 2 < sum(generic_ops.values()), (fused_ops, generic_ops)
     assert fused_launches <= generic_launches
+
+
+def spy_head_forward(monkeypatch, calls: list[bool]) -> None:
+    """Every call of ``TritonBackend.head_forward`` appends its backend's ``fused_forward``."""
+    original = triton_backend.TritonBackend.head_forward
+
+    def head_forward(self, *args, **kwargs):
+        calls.append(self.capabilities.fused_forward)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_backend.TritonBackend, "head_forward", head_forward)
 
 
 def _run(backend, hidden, weight, labels, temperature, grads, return_entropy, validate):
@@ -187,7 +202,6 @@ def _run(backend, hidden, weight, labels, temperature, grads, return_entropy, va
     ["default", "bad-labels", "no-entropy", "T-tensor", "vocab-chunks"],
 )
 def test_fused_forward_equals_generic_path_and_reference(monkeypatch, budget, options):
-    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", budget)
     hidden, weight, labels, grads = _case(bad_label=options == "bad-labels")
     temperature = 0.8
     if options == "T-tensor":
@@ -196,10 +210,13 @@ def test_fused_forward_equals_generic_path_and_reference(monkeypatch, budget, op
     validate = options != "bad-labels"
     # "vocab-chunks": a dz workspace of one 32-column chunk, so the recompute runs two chunks.
     settings = {"workspace_bytes": labels.shape[0] * 4 * 32} if options == "vocab-chunks" else {}
+    settings["buffer_budget_bytes"] = budget
     args = (hidden, weight, labels, temperature, grads, return_entropy, validate)
-    fused = _run(triton_backend.TritonBackend(**settings), *args)
-    monkeypatch.setattr(triton_backend, "FUSED_HEAD", False)
-    generic = _run(triton_backend.TritonBackend(**settings), *args)
+    heads = []
+    spy_head_forward(monkeypatch, heads)
+    fused = _run(_backend(**settings), *args)
+    generic = _run(_backend(fused_forward=False, **settings), *args)
+    assert heads == [True]  # the generic path never asks the backend for its fused forward
     for name, a, b in zip(("log_prob", "entropy", "d_hidden", "d_weight"), fused, generic, strict=True):
         if a is None:
             assert b is None
@@ -251,7 +268,7 @@ def test_combined_epilogue_equals_generic(vocab_start):
         valid = labels != IGNORE_INDEX
         local = labels - vocab_start
         local = torch.where(valid & (local >= 0) & (local < weight.shape[0]), local, -1)
-        stats = backend.shard_statistics(hidden, weight, local, valid, 0.9, grad_needed=True)
+        stats = backend.shard_statistics(hidden, weight, local, valid, 0.9, grad_needed=True, with_entropy=True)
         lse, entropy, y = combine_shard_statistics(*stats.tensors(), None)
     want = torch.where(valid, (y - lse).clamp(max=0.0), 0.0)
     want = want.masked_fill(valid & ((labels < 0) | (labels >= vocab_size)), torch.nan)

@@ -57,8 +57,8 @@ def _case(n=21, h=16, v=45):
 def test_row_temperature_statistics_and_gradients_match_torch(budget):
     hidden, weight, local, valid, temperature, g, e = _case()
     ours, oracle = triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget)), TorchBackend()
-    stats = ours.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=True)
-    want = oracle.shard_statistics(hidden, weight, local, valid, temperature)
+    stats = ours.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=True, with_entropy=True)
+    want = oracle.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=False, with_entropy=True)
     assert (stats.residual is not None) == bool(budget)
     for name in ("m", "s", "u", "y"):
         got, exp = getattr(stats, name)[valid], getattr(want, name)[valid]
@@ -79,7 +79,7 @@ def test_entropy_off_keeps_m_s_y_and_buffer(budget, per_token):
     hidden, weight, local, valid, temperature, g, _ = _case()
     t = temperature if per_token else 0.8
     ours = triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget))
-    on = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True)
+    on = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, with_entropy=True)
     off = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, with_entropy=False)
     assert off.u is None and on.u is not None
     for name in ("m", "s", "y"):

@@ -25,7 +25,7 @@ HOPPER_SHARED_BYTES = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
 
 COMPILE = textwrap.dedent(
     """
-    import json, sys, torch, triton
+    import dataclasses, json, sys, torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
@@ -39,10 +39,17 @@ COMPILE = textwrap.dedent(
 
     driver.set_active(HopperTarget())
     from triton.tools.tensor_descriptor import TensorDescriptor
-    from mcore_ppo.backends.triton_backend import BACKWARD_CONFIG, FORWARD_CONFIG
+    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_config import GPU_BACKWARD, GPU_FORWARD
     from mcore_ppo.kernels import dz_kernel, stats_kernel
 
     n, h, v = 1024, 3584, 19008
+    # The default backend outside the interpreter: the GPU configs, the forward's tiles per
+    # split by shard (a loop count; the shared memory does not depend on it).
+    backend = TritonBackend()
+    assert backend.backward_config == GPU_BACKWARD and backend.tiles_by_shard
+    f = backend.forward_config_for(v)
+    assert f.use_tma and f == dataclasses.replace(GPU_FORWARD, tiles_per_split=f.tiles_per_split)
     x = torch.empty(n, h, dtype=torch.bfloat16)
     w = torch.empty(v, h, dtype=torch.bfloat16)
     ints = torch.empty(n, dtype=torch.int32)
@@ -50,7 +57,6 @@ COMPILE = textwrap.dedent(
     labels = torch.empty(n, dtype=torch.int64)
     vec = torch.empty(n)
     shared = {}
-    f = FORWARD_CONFIG
     splits = triton.cdiv(v, f.tiles_per_split * f.block_n)
     tiles = triton.cdiv(v, f.block_n)
     # The default variant, and the per-token temperature / entropy-off variants beside it.
@@ -70,7 +76,7 @@ COMPILE = textwrap.dedent(
                 DOT_IEEE=False, grid=(1,), **flags,
             )
             shared[("stats_kernel buffer" if store else "stats_kernel") + suffix] = kernel.metadata.shared
-    b = BACKWARD_CONFIG
+    b = backend.backward_config
     chunk = 7680
     dz = torch.empty(n, chunk, dtype=torch.bfloat16)
     for suffix, flags in {"": {}, " row_temp": {"ROW_TEMP": True}, " no_e": {"HAS_E": False}}.items():

@@ -13,6 +13,7 @@ with Triton's own binder: each kernel must have exactly one.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -71,17 +72,29 @@ def launches(monkeypatch):
         yield seen
 
 
+def _backend(budget: int, *, tma: bool) -> triton_backend.TritonBackend:
+    """The triton backend with this probability-buffer budget; ``tma``: operands, dz and buffer
+    tiles through the copy engine (the GPU's default configs already do; the interpreter's small
+    tiles are switched to it)."""
+    config = triton_backend.TritonConfig(buffer_budget_bytes=budget)
+    forward, _ = config.resolved_forward()
+    if tma and not forward.use_tma:
+        backward = config.resolved_backward()
+        config = replace(
+            config, forward_config=replace(forward, use_tma=True), backward_config=replace(backward, use_tma=True)
+        )
+    backend = triton_backend.TritonBackend(config)
+    assert not tma or (backend.forward_config.use_tma and backend.backward_config.use_tma)
+    return backend
+
+
 @pytest.mark.parametrize("options", ["default", "T-tensor+no-entropy"])
 @pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-pointers", "bf16-tma"])
-def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budget, dtype, options):
+def test_one_variant_per_kernel_across_micro_batches(launches, budget, dtype, options):
     """Also with a per-token temperature (views at offsets that follow n) and the entropy off:
     their own variants (ROW_TEMP, WITH_U, HAS_E), one each."""
-    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", budget)
-    if dtype == torch.bfloat16:  # operands, dz and buffer tiles through the copy engine
-        for name in ("INTERPRETER_CONFIG", "FORWARD_CONFIG", "BACKWARD_CONFIG"):
-            config = getattr(triton_backend, name)
-            monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, use_tma=True))
+    backend = _backend(budget, tma=dtype == torch.bfloat16)
     gen = generator(next_seed())
     h, v = 16, 72
     weight = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype).to(DEVICE).requires_grad_(True)
@@ -93,12 +106,12 @@ def test_one_variant_per_kernel_across_micro_batches(launches, monkeypatch, budg
         packed = torch.randn(2 * n + 3, generator=gen).to(DEVICE)
         g, e = packed[1 : n + 1], packed[n + 2 : 2 * n + 2]
         if options == "default":
-            logp, ent = fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.8, backend="triton")
+            logp, ent = fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.8, backend=backend)
             torch.autograd.backward([logp, ent], [g, e])
         else:
             temperature = 0.5 + packed[n + 1 : 2 * n + 1].abs()
             logp, ent = fused_log_probs_and_entropy(
-                hidden, weight, labels, temperature=temperature, backend="triton", return_entropy=False
+                hidden, weight, labels, temperature=temperature, backend=backend, return_entropy=False
             )
             assert ent is None
             logp.backward(g)

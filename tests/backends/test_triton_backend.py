@@ -21,10 +21,10 @@ if _SET_INTERPRET:
 
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels  # noqa: E402,F401  (decorated now, under the interpreter on CPU)
-from mcore_ppo import pipeline  # noqa: E402
 from mcore_ppo.api import fused_log_probs_and_entropy  # noqa: E402
-from mcore_ppo.backends import resolve_backend  # noqa: E402
+from mcore_ppo.backends import resolve_backend, triton_config  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
+from mcore_ppo.backends.triton_host import compact_rows, descriptor_ok  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 from mcore_ppo_testing.unset_buffers import nan_filled_unset_buffers  # noqa: E402
@@ -35,19 +35,30 @@ if _SET_INTERPRET:
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """Interpreter on for this module's tests only (the host wrappers read it per call).
-
-    The recompute path by default here (these tiny problems would all fit the default buffer
-    budget); the buffer-mode tests set a budget themselves.
-    """
+    """Interpreter on for this module's tests only (the host wrappers read it per call)."""
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("MCORE_PPO_BUFFER_BUDGET_BYTES", raising=False)
-    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 0)
     yield
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def triton(*, tma: bool = False, **settings) -> triton_backend.TritonBackend:
+    """A triton backend built with ``settings`` (:class:`TritonConfig` fields). The recompute
+    path unless a budget is given (these tiny problems would all fit the default buffer budget).
+    ``tma``: operands, dz and buffer tiles through the copy engine (the GPU's default configs
+    already are; the interpreter's small tiles are switched to it)."""
+    settings.setdefault("buffer_budget_bytes", 0)
+    config = triton_backend.TritonConfig(**settings)
+    forward, _ = config.resolved_forward()
+    if tma and not forward.use_tma:
+        backward = replace(config.resolved_backward(), use_tma=True)
+        config = replace(config, forward_config=replace(forward, use_tma=True), backward_config=backward)
+    backend = triton_backend.TritonBackend(config)
+    assert not tma or (backend.forward_config.use_tma and backend.backward_config.use_tma)
+    return backend
 
 
 def make_case(n, h, v, *, seed, scale=1.0, shift=0.0, ignored=0.3, dtype=torch.float32):
@@ -65,9 +76,11 @@ def make_case(n, h, v, *, seed, scale=1.0, shift=0.0, ignored=0.3, dtype=torch.f
     return hidden.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE), labels.to(DEVICE), g.float(), e.float()
 
 
-def run_head(hidden, weight, labels, temperature, g, e, backend="triton", **kw):
+def run_head(hidden, weight, labels, temperature, g, e, backend=None, **kw):
+    """Forward and backward through the API with ``backend`` (None: :func:`triton`'s default)."""
     x = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
+    backend = triton() if backend is None else backend
     logp, ent = fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend=backend, **kw)
     outs, grads = [], []
     if g is not None:
@@ -99,6 +112,8 @@ def test_backend_resolves():
     backend = resolve_backend("triton", DEVICE)
     assert isinstance(backend, triton_backend.TritonBackend)
     assert backend.forward_config.block_m <= 128
+    # Built from the environment's budget, the defaults otherwise.
+    assert backend.config == triton_backend.TritonConfig.from_environment() == triton_backend.TritonConfig()
 
 
 @pytest.mark.parametrize(
@@ -119,8 +134,9 @@ def test_statistics_match_torch_backend():
     local = labels.clone()
     local[1::3] = -1  # label owned by another TP rank: y must be 0, the row still counted
     local[~valid] = -1
-    ours = triton_backend.TritonBackend().shard_statistics(hidden, weight, local, valid, 0.9).tensors()
-    ref = TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9).tensors()
+    flags = {"grad_needed": False, "with_entropy": True}
+    ours = triton().shard_statistics(hidden, weight, local, valid, 0.9, **flags).tensors()
+    ref = TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9, **flags).tensors()
     for name, a, b in zip("msuy", ours, ref, strict=True):
         assert a.dtype == torch.float32
         assert_close(a[valid].cpu(), b[valid].cpu(), name=f"stat_{name}", dtype=torch.float32, rtol=2e-6, atol=1e-6)
@@ -168,14 +184,14 @@ def test_one_output_used(which):
     check_against_reference(hidden, weight, labels, 1.1, g, e)
 
 
-def test_several_backward_chunks(monkeypatch):
+def test_several_backward_chunks():
     """A workspace smaller than the shard splits the backward into vocab chunks (last one ragged)."""
-    block_n = triton_backend.TritonBackend().backward_config.block_n
-    monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 30 * 4 * 2 * block_n)  # two tiles for n=30 fp32
+    block_n = triton().backward_config.block_n
+    backend = triton(workspace_bytes=30 * 4 * 2 * block_n)  # two tiles for n=30 fp32
     v = 4 * block_n + 22
     hidden, weight, labels, g, e = make_case(30, 16, v, seed=next_seed())
-    assert triton_backend.TritonBackend().vocab_chunk(30, v, 4) == 2 * block_n
-    check_against_reference(hidden, weight, labels, 0.6, g, e)
+    assert backend.vocab_chunk(30, v, 4) == 2 * block_n
+    check_against_reference(hidden, weight, labels, 0.6, g, e, backend=backend)
 
 
 # Vocab rows per shard -> the forward's tiles per split (qwen7b, llama3-8b, V 262144 at TP 1-8).
@@ -185,19 +201,23 @@ MEASURED_SHARDS |= {38016: 2, 32064: 2, 19008: 2, 16032: 2, 1000: 2, 1: 2}
 
 def test_forward_tiles_per_split_follow_the_shard(monkeypatch):
     """The default GPU config folds 8, 4 or 2 vocab tiles per forward program by shard size,
-    as measured (docs/kernels.md), keeping at least MIN_FORWARD_SPLITS splits where it can; a
-    config the caller gives is used as given."""
-    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
+    as measured (docs/kernels.md), keeping at least ``min_forward_splits`` splits where it can;
+    a config the caller gives is used as given."""
+    monkeypatch.setattr(triton_config, "interpreting", lambda: False)  # the GPU's defaults
     backend = triton_backend.TritonBackend()
+    assert backend.tiles_by_shard and backend.forward_config == triton_config.GPU_FORWARD
     block_n = backend.forward_config.block_n
     for v, tiles in MEASURED_SHARDS.items():
         cfg = backend.forward_config_for(v)
         assert cfg.tiles_per_split == tiles, (v, cfg.tiles_per_split)
         assert cfg == replace(backend.forward_config, tiles_per_split=tiles)
         splits = -(-v // (tiles * block_n))
-        assert tiles == 2 or splits >= triton_backend.MIN_FORWARD_SPLITS
-    given = replace(triton_backend.FORWARD_CONFIG, tiles_per_split=4)
-    assert triton_backend.TritonBackend(triton_backend.TritonConfig(forward_config=given)).forward_config_for(152064) is given
+        assert tiles == 2 or splits >= backend.config.min_forward_splits
+    given = replace(triton_config.GPU_FORWARD, tiles_per_split=4)
+    assert (
+        triton_backend.TritonBackend(triton_backend.TritonConfig(forward_config=given)).forward_config_for(152064)
+        is given
+    )
 
 
 def test_main_grad_accumulation():
@@ -206,8 +226,9 @@ def test_main_grad_accumulation():
     w = weight.clone().requires_grad_(True)
     w.main_grad = torch.randn(w.shape, generator=generator(1)).to(DEVICE)
     before = w.main_grad.clone()
-    options = pipeline.HeadOptions(temperature=1.0, ignore_index=IGNORE_INDEX, backend="triton")
-    logp, ent = pipeline.run_head(hidden, w, labels, options, tp_group=None, accumulate_into_main_grad=True)
+    logp, ent = fused_log_probs_and_entropy(
+        hidden, w, labels, temperature=1.0, ignore_index=IGNORE_INDEX, backend=triton(), accumulate_into_main_grad=True
+    )
     torch.autograd.backward([logp, ent], [g.to(DEVICE), e.to(DEVICE)])
     ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 1.0, g, e)
     assert w.main_grad.dtype == torch.float32
@@ -221,21 +242,13 @@ def test_main_grad_accumulation():
     )
 
 
-def _use_tma_everywhere(monkeypatch):
-    for name in ("INTERPRETER_CONFIG", "FORWARD_CONFIG", "BACKWARD_CONFIG"):
-        config = getattr(triton_backend, name)
-        monkeypatch.setattr(triton_backend, name, triton_backend.replace(config, use_tma=True))
-
-
 @pytest.fixture
 def buffer_backwards(monkeypatch) -> list[int]:
     """One entry per backward that used the forward's probability buffer (no recompute)."""
     calls: list[int] = []
-    original = triton_backend.TritonBackend._gradients_from_buffer
+    original = triton_backend.gradients_from_buffer
     monkeypatch.setattr(
-        triton_backend.TritonBackend,
-        "_gradients_from_buffer",
-        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+        triton_backend, "gradients_from_buffer", lambda backend, *a, **k: calls.append(1) or original(backend, *a, **k)
     )
     return calls
 
@@ -252,7 +265,7 @@ SIXTEEN_BIT_CASES = {
 
 @pytest.mark.parametrize("buffer", [False, True], ids=["recompute", "buffer"])
 @pytest.mark.parametrize("case", list(SIXTEEN_BIT_CASES))
-def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
+def test_16bit_inputs_match_fp64(buffer_backwards, buffer, case):
     """bf16 / fp16 inputs (upcast after load in the interpreter): outputs fp32-exact, grads in
     the input dtype.
 
@@ -262,17 +275,19 @@ def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
     blocks past the valid count; the buffer's log2 from the bf16 bits (fp32 log2 for fp16).
     """
     dtype, n, v, ignored, chunk_tiles = SIXTEEN_BIT_CASES[case]
-    _use_tma_everywhere(monkeypatch)
-    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", (1 << 30) if buffer else 0)
+    settings = {"tma": True, "buffer_budget_bytes": (1 << 30) if buffer else 0}
     if chunk_tiles is not None:
-        block_n = triton_backend.TritonBackend().backward_config.block_n
+        block_n = triton(**settings).backward_config.block_n
         if v <= 2 * chunk_tiles * block_n:  # CUDA's 256-column tiles: widen V past two chunks, still ragged
             v += 2 * chunk_tiles * block_n
-        monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", n * 2 * chunk_tiles * block_n)
+        settings["workspace_bytes"] = n * 2 * chunk_tiles * block_n
         assert v > 2 * chunk_tiles * block_n and v % (chunk_tiles * block_n) != 0  # >2 chunks, ragged
+    backend = triton(**settings)
+    if chunk_tiles is not None and not buffer:
+        assert backend.vocab_chunk(n, v, 2) == chunk_tiles * block_n
     hidden, weight, labels, g, e = make_case(n, 32, v, seed=next_seed(), dtype=dtype, ignored=ignored)
     labels[0] = 3  # at least one valid token
-    logp, ent, dh, dw = run_head(hidden, weight, labels, 0.7, g, e)
+    logp, ent, dh, dw = run_head(hidden, weight, labels, 0.7, g, e, backend=backend)
     assert buffer_backwards == ([1] if buffer else [])
     ref = reference(hidden.cpu(), weight.cpu(), labels.cpu(), 0.7, g, e)
     assert dh.dtype == dw.dtype == dtype
@@ -292,16 +307,16 @@ def test_16bit_inputs_match_fp64(monkeypatch, buffer_backwards, buffer, case):
     assert (dh[labels == IGNORE_INDEX] == 0).all()
 
 
-def test_inf_in_ignored_rows_stays_out_of_gradients(monkeypatch):
+def test_inf_in_ignored_rows_stays_out_of_gradients():
     """Padding rows full of inf (ignored labels) must not turn into 0·inf = NaN in d_W."""
-    _use_tma_everywhere(monkeypatch)
+    backend = triton(tma=True)
     hidden, weight, labels, g, e = make_case(21, 16, 40, seed=next_seed())
     ignored = labels == IGNORE_INDEX
     assert ignored.any()
-    clean = check_against_reference(hidden, weight, labels, 0.8, g, e)
+    clean = check_against_reference(hidden, weight, labels, 0.8, g, e, backend=backend)
     padded = hidden.clone()
     padded[ignored] = float("inf")
-    logp, _, dh, dw = run_head(padded, weight, labels, 0.8, g, e)
+    logp, _, dh, dw = run_head(padded, weight, labels, 0.8, g, e, backend=backend)
     assert torch.isfinite(dw).all() and torch.isfinite(dh).all()
     torch.testing.assert_close(dw, clean[3], rtol=0, atol=0)
     torch.testing.assert_close(logp, clean[0], rtol=0, atol=0)
@@ -324,44 +339,44 @@ def _label_pattern(name: str, n: int, block_m: int, gen: torch.Generator) -> tor
 
 @pytest.mark.parametrize("pattern", ["none-ignored", "prompt-runs", "scattered", "padded-tail"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-view"])
-def test_blocks_of_consecutive_rows_read_in_place(monkeypatch, pattern, strided):
+def test_blocks_of_consecutive_rows_read_in_place(pattern, strided):
     """Copy engine on: row blocks whose valid rows are consecutive in ``hidden`` are read in
     place, the others from the gathered copy; outputs and gradients equal the fp64 reference
     either way, for label patterns that make every block, some, or none direct; ignored rows
     full of inf stay out; a strided view of the hidden states (16-byte pitch) too."""
-    _use_tma_everywhere(monkeypatch)
-    block_m = triton_backend.TritonBackend().forward_config.block_m
+    backend = triton(tma=True)
+    block_m = backend.forward_config.block_m
     n = 5 * block_m + 7  # a partial last block
     seed = next_seed()
     hidden, weight, labels, g, e = make_case(n, 32, 75, seed=seed, ignored=0.0)
     ignored = _label_pattern(pattern, n, block_m, generator(seed))
     labels[ignored] = IGNORE_INDEX
-    clean = check_against_reference(hidden, weight, labels, 0.9, g, e)
+    clean = check_against_reference(hidden, weight, labels, 0.9, g, e, backend=backend)
     padded = hidden.clone()
     padded[ignored] = float("inf")
     if strided:
         wide = torch.full((n, 40), float("nan"), dtype=padded.dtype, device=padded.device)
         wide[:, :32] = padded
         padded = wide[:, :32]  # row pitch 40 elements (160 bytes), the rest NaN
-    logp, ent, dh, dw = run_head(padded, weight, labels, 0.9, g, e)
+    logp, ent, dh, dw = run_head(padded, weight, labels, 0.9, g, e, backend=backend)
     for got, want in zip((logp, ent, dh, dw), clean, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_unaligned_hidden_is_gathered_whole(monkeypatch):
+def test_unaligned_hidden_is_gathered_whole():
     """Hidden states the copy engine cannot address in place (a view 4 bytes into its storage)
     take the gathered copy for every block, with the same results as an aligned copy."""
-    _use_tma_everywhere(monkeypatch)
-    block_m = triton_backend.TritonBackend().forward_config.block_m
+    backend = triton(tma=True)
+    block_m = backend.forward_config.block_m
     n = 3 * block_m + 1
     hidden, weight, labels, g, e = make_case(n, 32, 60, seed=next_seed(), ignored=0.1)
     storage = torch.cat([torch.zeros(1, dtype=hidden.dtype), hidden.cpu().flatten()]).to(DEVICE)
     storage.requires_grad_(True)
     unaligned = storage[1:].view(n, 32)  # the head sees this view itself, not a copy of it
-    assert not triton_backend.descriptor_ok(unaligned)
-    want = run_head(hidden, weight, labels, 0.6, g, e)
+    assert not descriptor_ok(unaligned)
+    want = run_head(hidden, weight, labels, 0.6, g, e, backend=backend)
     logp, ent = fused_log_probs_and_entropy(
-        unaligned, weight.to(DEVICE), labels.to(DEVICE), temperature=0.6, backend="triton"
+        unaligned, weight.to(DEVICE), labels.to(DEVICE), temperature=0.6, backend=backend
     )
     torch.autograd.backward([logp, ent], [g.to(DEVICE), e.to(DEVICE)])
     torch.testing.assert_close(logp.detach(), want[0], rtol=0, atol=0)
@@ -378,7 +393,7 @@ def test_gather_skips_exactly_the_blocks_read_in_place():
     valid = torch.ones(n, dtype=torch.bool)
     valid[[5, 13, 14]] = False  # blocks 1 and 3 mix in a gap; block 5 is past the count
     hidden = torch.randn(n, h, generator=generator(next_seed())).to(DEVICE)
-    perm, count = triton_backend.compact_rows(valid.to(DEVICE))
+    perm, count = compact_rows(valid.to(DEVICE))
     dst = torch.full((n, h), -7.0, device=DEVICE)
     gather_rows_kernel[(n,)](hidden, perm, count, dst, n, h, hidden.stride(0), block_m, BLOCK_H=16)
     k = int(valid.sum())
@@ -402,7 +417,7 @@ def test_compact_rows(n):
     """Valid rows first, in order, then the ignored ones; over several of the kernel's steps too."""
     gen = generator(next_seed())
     valid = torch.rand(n, generator=gen) < 0.6
-    perm, count = triton_backend.compact_rows(valid.to(DEVICE))
+    perm, count = compact_rows(valid.to(DEVICE))
     k = int(valid.sum())
     assert count.tolist() == [k] and count.dtype == torch.int32
     assert perm[:k].tolist() == torch.nonzero(valid).flatten().tolist()
@@ -433,15 +448,17 @@ def test_unset_weight_grad_is_written_whole(monkeypatch, buffer_backwards, path)
     written, in the recompute path's vocab chunks (last one ragged), in the buffer's one GEMM and
     in the fp64 fallback (which adds, so it zero-fills first). The buffer starts as NaN here."""
     made = nan_filled_unset_buffers(monkeypatch)
-    block_n = triton_backend.TritonBackend().backward_config.block_n
+    block_n = triton().backward_config.block_n
     dtype = torch.float64 if path == "fp64-reference" else torch.float32
+    settings = {}
     if path == "recompute-chunks":
-        monkeypatch.setattr(triton_backend, "WORKSPACE_BYTES", 30 * 4 * 2 * block_n)
+        settings["workspace_bytes"] = 30 * 4 * 2 * block_n
     if path == "buffer":
-        monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
+        settings["buffer_budget_bytes"] = 1 << 30
+    backend = triton(**settings)
     hidden, weight, labels, g, e = make_case(30, 16, 4 * block_n + 22, seed=next_seed(), dtype=dtype)
     tolerances = {"rtol": 1e-12, "grad_rtol": 1e-10} if dtype == torch.float64 else {}
-    check_against_reference(hidden, weight, labels, 0.6, g, e, **tolerances)
+    check_against_reference(hidden, weight, labels, 0.6, g, e, backend=backend, **tolerances)
     assert made == [True]
     assert buffer_backwards == ([1] if path == "buffer" else [])
 
@@ -451,37 +468,27 @@ def test_fp64_falls_back_to_reference():
     check_against_reference(hidden, weight, labels, 1.0, g, e, rtol=1e-12, grad_rtol=1e-10)
 
 
-def test_tma_operands(monkeypatch):
+def test_tma_operands():
     """The copy-engine path (rows gathered first, descriptors; zero-filled edges) is exact too."""
-    tma = triton_backend.replace(triton_backend.INTERPRETER_CONFIG, use_tma=True)
-    monkeypatch.setattr(triton_backend, "INTERPRETER_CONFIG", tma)
-    monkeypatch.setattr(
-        triton_backend, "FORWARD_CONFIG", triton_backend.replace(triton_backend.FORWARD_CONFIG, use_tma=True)
-    )
-    monkeypatch.setattr(
-        triton_backend, "BACKWARD_CONFIG", triton_backend.replace(triton_backend.BACKWARD_CONFIG, use_tma=True)
-    )
+    backend = triton(tma=True)
     hidden, weight, labels, g, e = make_case(37, 28, 151, seed=next_seed())
-    assert triton_backend.TritonBackend().forward_config.use_tma
-    check_against_reference(hidden, weight, labels, 0.7, g, e)
+    assert backend.forward_config.use_tma and backend.backward_config.use_tma
+    check_against_reference(hidden, weight, labels, 0.7, g, e, backend=backend)
 
 
 @pytest.mark.parametrize("which", ["both", "log_prob"])
-def test_buffer_mode(monkeypatch, buffer_backwards, which):
+def test_buffer_mode(buffer_backwards, which):
     """With a budget, the forward keeps 2^(z - tile max) and the backward skips the recompute."""
-    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
     hidden, weight, labels, g, e = make_case(29, 24, 130, seed=next_seed())
     if which == "log_prob":
         e = None
-    check_against_reference(hidden, weight, labels, 0.7, g, e)
+    check_against_reference(hidden, weight, labels, 0.7, g, e, backend=triton(buffer_budget_bytes=1 << 30))
     assert buffer_backwards == [1]
 
 
 def test_buffer_not_kept_without_grad(monkeypatch):
-    monkeypatch.setattr(triton_backend, "BUFFER_BUDGET_BYTES", 1 << 30)
     hidden, weight, labels, _, _ = make_case(9, 16, 40, seed=next_seed())
-    backend = triton_backend.TritonBackend()
-    monkeypatch.setattr(triton_backend, "TritonBackend", lambda: backend)
+    backend = triton(buffer_budget_bytes=1 << 30)
     forwards = []  # (grad_needed, residual) of every forward: the backend keeps nothing itself
     head_forward = backend.head_forward
 
@@ -492,6 +499,6 @@ def test_buffer_not_kept_without_grad(monkeypatch):
 
     monkeypatch.setattr(backend, "head_forward", spied_forward)
     with torch.no_grad():
-        fused_log_probs_and_entropy(hidden.requires_grad_(True), weight, labels, backend="triton")
+        fused_log_probs_and_entropy(hidden.requires_grad_(True), weight, labels, backend=backend)
     ((grad_needed, buffer),) = forwards
     assert grad_needed is False and buffer is None
