@@ -227,7 +227,8 @@ def peer_versions() -> dict[str, str | None]:
 
 
 def ours(backend: Any, **options: Any) -> HeadFn:
-    """This project's head through its API with ``backend`` (a name or a backend object).
+    """This project's head through its API with ``backend`` (a name or a backend object, kept as
+    the function's ``backend`` attribute).
 
     Timed with ``validate=False`` unless told otherwise: the checks' one host sync per call would
     put the host's launch latency after it into the GPU time (docs/design.md, validation)."""
@@ -235,25 +236,44 @@ def ours(backend: Any, **options: Any) -> HeadFn:
 
     options.setdefault("validate", False)
 
-    return lambda x, w, labels, t: fused_log_probs_and_entropy(x, w, labels, temperature=t, backend=backend, **options)
+    def head(x, w, labels, t):
+        return fused_log_probs_and_entropy(x, w, labels, temperature=t, backend=backend, **options)
+
+    head.backend = backend
+    return head
 
 
-def build_impls(triton_settings: dict[str, Any] | None = None) -> dict[str, tuple[HeadFn | None, str | None, dict]]:
-    """name -> (fn, skip reason, info). ``triton_settings``: ``TritonBackend`` arguments (tile
-    configs) for every ``ours_triton*`` implementation (None: the backend's defaults)."""
+def liger_entry(**options: Any) -> HeadFn:
+    """Liger-Kernel's fused linear scaled CE through this project's Liger entry point
+    (:func:`mcore_ppo.liger.liger_log_probs_and_entropy`: the head's checks and token order
+    around Liger's own autograd), with ``validate=False`` unless told otherwise (as :func:`ours`)."""
+    from mcore_ppo import liger
+
+    options.setdefault("validate", False)
+
+    def head(x, w, labels, t):
+        return liger.liger_log_probs_and_entropy(x, w, labels, temperature=t, **options)
+
+    return head
+
+
+def build_impls(triton_config: Any = None) -> dict[str, tuple[HeadFn | None, str | None, dict]]:
+    """name -> (fn, skip reason, info). ``triton_config``: the
+    :class:`~mcore_ppo.backends.triton_config.TritonConfig` (tile configs) of every
+    ``ours_triton*`` implementation (None: the defaults); the recompute and buffer variants
+    change its budget only."""
+    from mcore_ppo import liger
     from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 
+    config = triton_config if triton_config is not None else TritonConfig()
     impls: dict[str, tuple[HeadFn | None, str | None, dict]] = {}
     impls["naive_torch"] = (naive, None, {})
     impls["torch_compile"] = (torch.compile(naive), None, {"note": "compiled per shape"})
 
-    liger_ce = liger_scaled = None
+    liger_ce = None
     why = None
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as liger_ce
-        from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
-            LigerFusedLinearScaledCrossEntropyFunction as liger_scaled,
-        )
     except ImportError as err:
         why = f"liger-kernel not installed ({err})"
 
@@ -262,12 +282,11 @@ def build_impls(triton_settings: dict[str, Any] | None = None) -> dict[str, tupl
         loss = liger_ce.apply(x, w, labels, None, None, -100, 0.0, 0.0, "none")[0]
         return -loss, None
 
-    def liger_scaled_ce(x, w, labels, temperature):
-        nll, ent = liger_scaled.apply(x, w, labels, temperature, -100, 1, True)
-        return -nll, ent
-
     impls["liger_flce_none"] = (liger_flce, why, {"temperature": 1.0, "entropy": False})
-    impls["liger_scaled_ce"] = (liger_scaled_ce, why, {})
+    scaled_why = None if liger.is_available() else "liger-kernel with its fused linear scaled CE not installed"
+    # Liger's CuTe path computes the entropy in the input dtype; the entry point hands it back as fp32.
+    liger_info = {"entry": "mcore_ppo.liger_log_probs_and_entropy", "entropy_computed_in": "input dtype"}
+    impls["liger_scaled_ce"] = (liger_entry(), scaled_why, liger_info)
 
     try:
         verl_fn, verl_info = load_verl()
@@ -278,14 +297,15 @@ def build_impls(triton_settings: dict[str, Any] | None = None) -> dict[str, tupl
     else:
         impls["verl_linear_ce"] = (lambda x, w, labels, t: verl_fn(x, w, labels, t, "none", None), None, {})
 
-    settings = triton_settings or {}
-    triton = TritonBackend(**settings)
+    triton = TritonBackend(config)
     configs = {"forward_config": asdict(triton.forward_config), "backward_config": asdict(triton.backward_config)}
     impls["ours_triton"] = (ours(triton), None, {"time_host_exposed": True, **configs})
     # The recompute path whatever the default budget (the four-GEMM kernels alone), and the
     # probability buffer with a budget that always fits here.
-    impls["ours_triton_recompute"] = (ours(TritonBackend(**settings, buffer_budget_bytes=0)), None, {"buffer": False})
-    impls["ours_triton_buffer"] = (ours(TritonBackend(**settings, buffer_budget_bytes=1 << 40)), None, {"buffer": True})
+    recompute = TritonBackend(replace(config, buffer_budget_bytes=0))
+    buffer = TritonBackend(replace(config, buffer_budget_bytes=1 << 40))
+    impls["ours_triton_recompute"] = (ours(recompute), None, {"buffer": False})
+    impls["ours_triton_buffer"] = (ours(buffer), None, {"buffer": True})
     impls["ours_torch"] = (ours("torch"), None, {"time_host_exposed": False})
     # Ours first, right after the floor is measured: clocks drift as the card heats up, and the
     # floor is measured again after the last implementation (floor_after) to show by how much.

@@ -51,7 +51,7 @@ _DTYPES = ("float32", "float64", "bfloat16")
 # mcore_ppo.backends.BACKENDS, repeated so that this module imports without torch (the registry
 # imports it): scripts/launch.sh's pre-flight checks a config before torchrun, and a refusal should
 # not cost a torch import. tests/harness/test_launch.py checks that the two agree.
-_BACKENDS = ("auto", "torch", "triton", "liger")
+_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class HeadConfig:
     """The fused head's options."""
 
     temperature: float = 1.0
-    backend: str = "auto"  # auto | torch | triton | liger
+    backend: str = "auto"  # auto | torch | triton
     buffer_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:

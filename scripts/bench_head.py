@@ -4,8 +4,9 @@
 For each model shape and per-rank vocab shard (V/tp) it times, on the same bf16 inputs
 (N tokens, temperature T): the cuBLAS floor (one GEMM; the four GEMMs of a recompute design;
 three GEMMs), naive torch (fp32 logits), ``torch.compile`` of it, Liger's fused linear CE
-(``reduction="none"``, no temperature), Liger's fused linear scaled CE, verl's
-``linear_cross_entropy``, and this project's ``triton`` and ``torch`` backends. Per
+(``reduction="none"``, no temperature), Liger's fused linear scaled CE (through
+``mcore_ppo.liger_log_probs_and_entropy``), verl's ``linear_cross_entropy``, and this project's
+``triton`` (built from a ``TritonConfig``) and ``torch`` backends. Per
 implementation: forward, no-grad forward and forward+backward medians, ratios to the floor,
 peak extra memory of forward+backward (everything allocated above the inputs, the output
 gradients included), memory a no-grad forward leaves behind beyond its outputs, and relative
@@ -154,69 +155,76 @@ def head_step(inputs: HeadInputs, temperature: float, backend):
 
 def tune_triton(inputs: HeadInputs, temperature: float, timer: Timer) -> dict:
     """Time candidate tile configs of the forward and backward kernels; ``chosen`` holds the
-    fastest as ``TritonBackend`` arguments for the rest of the run."""
-    from mcore_ppo.backends import triton_backend as tb
+    fastest (as dicts), ``config`` the :class:`TritonConfig` of them for the rest of the run."""
+    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_config import GPU_BACKWARD, GPU_FORWARD, TritonConfig
 
+    # The default forward's tiles per split follow the shard: that one first (as the default
+    # config, unchanged), then fixed ones and variants of it.
+    shard_default = TritonBackend().forward_config_for(inputs.w.shape[0])
     fwd_candidates = [
-        tb.FORWARD_CONFIG,
-        replace(tb.FORWARD_CONFIG, tiles_per_split=8),
-        replace(tb.FORWARD_CONFIG, tiles_per_split=2),
-        replace(tb.FORWARD_CONFIG, group_m=8),
-        replace(tb.FORWARD_CONFIG, use_tma=False, num_stages=3),
+        (shard_default, TritonConfig()),
+        *((replace(GPU_FORWARD, tiles_per_split=t), None) for t in (8, 4, 2) if t != shard_default.tiles_per_split),
+        (replace(shard_default, group_m=8), None),
+        (replace(shard_default, use_tma=False, num_stages=3), None),
     ]
-    bwd_candidates = [
-        tb.BACKWARD_CONFIG,
-        replace(tb.BACKWARD_CONFIG, num_stages=4),
-        replace(tb.BACKWARD_CONFIG, use_tma=False),
-    ]
+    fwd_candidates = [(c, config or TritonConfig(forward_config=c)) for c, config in fwd_candidates]
+    bwd_candidates = [GPU_BACKWARD, replace(GPU_BACKWARD, num_stages=4), replace(GPU_BACKWARD, use_tma=False)]
 
-    def forward_ms(settings: dict) -> float:
-        forward = ours(tb.TritonBackend(**settings))
+    def forward_ms(config: TritonConfig) -> float:
+        forward = ours(TritonBackend(config))
         with torch.no_grad():
             return timer(lambda: forward(inputs.x, inputs.w, inputs.labels, temperature), 2 * timer.reps)
 
-    def step_ms(settings: dict) -> float:
-        return timer(head_step(inputs, temperature, tb.TritonBackend(**settings)))
+    def step_ms(config: TritonConfig) -> float:
+        return timer(head_step(inputs, temperature, TritonBackend(config)))
 
     out: dict[str, list] = {"forward": [], "backward": []}
-    forward = _fastest(out["forward"], "ms", [(c, {"forward_config": c}) for c in fwd_candidates], forward_ms)
-    candidates = [(c, {**forward, "backward_config": c}) for c in bwd_candidates]
+    forward = _fastest(out["forward"], "ms", fwd_candidates, forward_ms)
+    candidates = [(c, replace(forward, backward_config=c)) for c in bwd_candidates]
     chosen = _fastest(out["backward"], "fwd_bwd_ms", candidates, step_ms)
-    out["chosen"] = {"forward": asdict(chosen["forward_config"]), "backward": asdict(chosen["backward_config"])}
-    out["settings"] = chosen
+    backend = TritonBackend(chosen)
+    out["chosen"] = {
+        "forward": asdict(backend.forward_config_for(inputs.w.shape[0])),
+        "forward_tiles_by_shard": backend.tiles_by_shard,
+        "backward": asdict(backend.backward_config),
+    }
+    out["config"] = chosen
     out["breakdown"] = breakdown(inputs, temperature, timer, chosen)
     return out
 
 
-def _fastest(log: list, key: str, candidates: list[tuple], measure) -> dict:
-    """The settings of the fastest candidate ``(config, settings)``; each timing (or the error
-    of a config that fails to compile) is appended to ``log``."""
+def _fastest(log: list, key: str, candidates: list[tuple], measure):
+    """The :class:`TritonConfig` of the fastest candidate ``(tile config, TritonConfig)``; each
+    timing (or the error of a config that fails to compile) is appended to ``log``."""
     best = None
-    for config, settings in candidates:
+    for tiles, config in candidates:
         try:
-            ms = measure(settings)
+            ms = measure(config)
         except Exception as err:  # a config that fails to compile is recorded and skipped
-            log.append({"config": asdict(config), "error": repr(err)[:300]})
+            log.append({"config": asdict(tiles), "error": repr(err)[:300]})
             continue
-        log.append({"config": asdict(config), key: ms})
+        log.append({"config": asdict(tiles), key: ms})
         if best is None or ms < best[1]:
-            best = (settings, ms)
+            best = (config, ms)
     return best[0]
 
 
-def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, settings: dict) -> dict:
-    """Where the time goes: backend calls alone vs the API, and a larger backward workspace."""
-    from mcore_ppo.backends import triton_backend as tb
+def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, config) -> dict:
+    """Where the time goes: backend calls alone vs the API, and a larger backward workspace
+    (``config``: the run's :class:`TritonConfig`)."""
     from mcore_ppo.backends import triton_host
     from mcore_ppo.backends.base import GradientRequest, SavedTokens
+    from mcore_ppo.backends.triton_backend import TritonBackend
     from parallel.combine import combine_shard_statistics
 
     x, w, labels = inputs.x, inputs.w, inputs.labels
-    backend = tb.TritonBackend(**settings, buffer_budget_bytes=0)  # the recompute path
+    backend = TritonBackend(replace(config, buffer_budget_bytes=0))  # the recompute path
     valid = labels != -100
     local = torch.where(valid, labels, -1)
+    flags = {"grad_needed": False, "with_entropy": True}
     with torch.no_grad():
-        stats = backend.shard_statistics(x, w, local, valid, temperature)
+        stats = backend.shard_statistics(x, w, local, valid, temperature, **flags)
         lse, ent, _ = combine_shard_statistics(*stats.tensors(), None)
     saved = SavedTokens(local, valid, lse, ent)
 
@@ -225,8 +233,10 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, settings: di
 
     reps = timer.reps
     res = {
-        "compact_rows_ms": timer(lambda: tb.compact_rows(valid), reps * 4),
-        "backend_statistics_ms": timer(lambda: backend.shard_statistics(x, w, local, valid, temperature), reps * 2),
+        "compact_rows_ms": timer(lambda: triton_host.compact_rows(valid), reps * 4),
+        "backend_statistics_ms": timer(
+            lambda: backend.shard_statistics(x, w, local, valid, temperature, **flags), reps * 2
+        ),
         "backend_gradients_ms": timer(
             lambda: backend.shard_gradients(x, w, saved, request(), temperature=temperature), reps
         ),
@@ -242,19 +252,20 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, settings: di
     res["cublas_dweight_all_chunks_ms"] = chunks * timer(lambda: torch.mm(dz.t(), x), reps)
     dz = dh = None  # free the 0.5 GiB before the next measurement
     # Informative only: a workspace above the memory target at this shape.
-    wide = tb.TritonBackend(**settings, workspace_bytes=384 * 2**20)
+    wide = TritonBackend(replace(config, workspace_bytes=384 * 2**20))
     res["fwd_bwd_ms_workspace_384MiB"] = timer(head_step(inputs, temperature, wide), reps)
     return res
 
 
-def with_entropy_off(impls: dict, settings: dict | None) -> dict:
+def with_entropy_off(impls: dict, config) -> dict:
     """``impls`` with ``ours_triton_noentropy`` right after ``ours_triton``: the same backend
-    settings with ``return_entropy=False`` (no ``u`` sums in the forward kernels, a two-value TP
-    combine, no entropy term in the backward), timed beside the default in the same run; its
-    log-prob and gradient errors are against the fp64 reference of ``Σ g·log_prob``."""
+    config (None: the defaults) with ``return_entropy=False`` (no ``u`` sums in the forward
+    kernels, a two-value TP combine, no entropy term in the backward), timed beside the default
+    in the same run; its log-prob and gradient errors are against the fp64 reference of
+    ``Σ g·log_prob``."""
     from mcore_ppo.backends.triton_backend import TritonBackend
 
-    fn = ours(TritonBackend(**(settings or {})), return_entropy=False)
+    fn = ours(TritonBackend(config), return_entropy=False)
     out = {}
     for name, impl in impls.items():
         out[name] = impl
@@ -386,12 +397,12 @@ def main(argv=None) -> int:
             entry = {"shape": shape, "tp": tp, "hidden": h, "vocab_local": v, "tokens": n}
             entry.update(temperature=args.temperature, output_grads_gib=(n * h + v * h) * 2 / GIB, impls={})
             if impls is None:  # after tuning on the first shard, which decides our tile configs
-                settings = None
+                config = None  # the TritonConfig of every ours_triton* (None: the defaults)
                 if args.tune:
                     report["tuning"] = tune_triton(inputs, args.temperature, timer)
-                    settings = report["tuning"].pop("settings")
+                    config = report["tuning"].pop("config")
                     print(json.dumps(report["tuning"]["chosen"]), file=sys.stderr)
-                impls = with_entropy_off(build_impls(settings), settings)
+                impls = with_entropy_off(build_impls(config), config)
                 if args.impls != "all":
                     impls = {k: impl for k, impl in impls.items() if k in args.impls.split(",")}
                 bar = Progress(len(shapes) * len(tps) * (len(impls) + 2), "bench")

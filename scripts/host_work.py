@@ -18,7 +18,8 @@ and temperatures back, one host sync per call, which would wait for the spin.
 
 It also records, per call, the aten ops the host issued (a ``TorchDispatchMode``) and the kernel
 launches of the triton backend (``triton_launch.launch_count``), and which launch level each
-kernel reached (``fast_launch_levels``: ``raw`` / ``compiled`` / ``normal``).
+kernel reached (``fast_launch_levels``: ``compiled`` where a site keeps its compiled kernel, ``normal``
+where it takes ``kernel[grid]``; empty under the interpreter and without CUDA).
 
 Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--graphed] [--out DIR]
 Without CUDA it times the torch backend on small CPU tensors (the Python around the kernels only).

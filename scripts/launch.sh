@@ -23,7 +23,7 @@ than ranks, on the CPUs).
   --sp, --no-sp         sequence parallelism on / off (default: the config's)
   --cp-mode MODE        model: the decoder runs CP | head: CP at the head only (default: the config's)
   --steps N             PPO steps (default: the config's)
-  --backend B           head backend: auto, torch, triton or liger (default: the config's)
+  --backend B           head backend: auto, torch or triton (default: the config's)
 
 Exit status: 0 every parity check passed, 1 a check failed, 2 a bad option, size or config.
 USAGE

@@ -9,8 +9,8 @@ sorted by time. ``--buffer`` also profiles the budgeted probability buffer.
 
 ``--sweep`` instead times forward+backward (API call, CUDA events, medians of interleaved
 rounds) under variants of the triton backend's settings (the TMA stores, the buffer's dz
-kernel tiling; ``--sweep-forward``: the forward's tile configs), each a ``TritonBackend``
-built with them and passed to the API, to choose them by measurement.
+kernel tiling; ``--sweep-forward``: the forward's tile configs), each a ``TritonConfig`` whose
+``TritonBackend`` is passed to the API, to choose them by measurement.
 
 Usage (GPU):  python scripts/profile_head.py [--shapes qwen7b] [--tp 1,8] [--buffer] [--sweep] [--out DIR]
 Writes ``<out>/profile_head.json`` (or ``profile_sweep.json``).
@@ -96,29 +96,29 @@ def profile_case(h: int, v: int, n: int, temperature: float, buffer: bool, calls
     return out
 
 
-def sweep_variants() -> dict[str, dict]:
-    """Settings of the triton backend to compare (name → ``TritonBackend`` arguments)."""
-    from mcore_ppo.backends import triton_backend as tb
+def sweep_variants() -> dict[str, Any]:
+    """Settings of the triton backend to compare (name → ``TritonConfig``)."""
+    from mcore_ppo.backends.triton_config import TritonConfig
 
-    dz = tb.BUFFER_DZ_CONFIG
-    budget = {"buffer_budget_bytes": 2**40}
+    recompute, buffer = TritonConfig(buffer_budget_bytes=0), TritonConfig(buffer_budget_bytes=2**40)
+    dz = buffer.buffer_dz_config
     return {
-        "recompute": {"buffer_budget_bytes": 0},
-        "recompute, dz pointer stores": {"buffer_budget_bytes": 0, "dz_store_tma": False},
-        "recompute, 1 GiB dz workspace": {"buffer_budget_bytes": 0, "workspace_bytes": 2**30},
-        "buffer": budget,
-        "buffer, pointer stores": {**budget, "buffer_store_tma": False},
-        "buffer, fp32 log2": {**budget, "buffer_dz_config": replace(dz, fast_log2=False)},
-        "buffer, dz 16 rows": {**budget, "buffer_dz_config": replace(dz, block_m=16)},
-        "buffer, dz 32 rows 8 warps": {**budget, "buffer_dz_config": replace(dz, block_m=32, num_warps=8)},
+        "recompute": recompute,
+        "recompute, dz pointer stores": replace(recompute, dz_store_tma=False),
+        "recompute, 1 GiB dz workspace": replace(recompute, workspace_bytes=2**30),
+        "buffer": buffer,
+        "buffer, pointer stores": replace(buffer, buffer_store_tma=False),
+        "buffer, fp32 log2": replace(buffer, buffer_dz_config=replace(dz, fast_log2=False)),
+        "buffer, dz 16 rows": replace(buffer, buffer_dz_config=replace(dz, block_m=16)),
+        "buffer, dz 32 rows 8 warps": replace(buffer, buffer_dz_config=replace(dz, block_m=32, num_warps=8)),
     }
 
 
-def forward_variants() -> dict[str, dict]:
-    """Tile configurations of the forward kernel to compare (name → ``TritonBackend`` arguments)."""
-    from mcore_ppo.backends import triton_backend as tb
+def forward_variants() -> dict[str, Any]:
+    """Tile configurations of the forward kernel to compare (name → ``TritonConfig``)."""
+    from mcore_ppo.backends.triton_config import GPU_FORWARD, TritonConfig
 
-    base = tb.FORWARD_CONFIG
+    base = GPU_FORWARD
     configs = {
         "default": base,  # 2 tiles per split whatever the shard
         "2 tiles/split": replace(base, tiles_per_split=2),
@@ -142,7 +142,7 @@ def forward_variants() -> dict[str, dict]:
         "BLOCK_K 128, 2 stages": replace(base, block_k=128, num_stages=2),
     }
     # "by shard": the backend's own choice (tiles per split by shard size), the others as given.
-    return {"by shard": {}} | {name: {"forward_config": cfg} for name, cfg in configs.items()}
+    return {"by shard": TritonConfig()} | {name: TritonConfig(forward_config=cfg) for name, cfg in configs.items()}
 
 
 def sweep_case(
@@ -161,8 +161,8 @@ def sweep_case(
         if unknown:
             raise SystemExit(f"--variants: unknown {unknown}; known: {list(variants)}")
         variants = {k: val for k, val in variants.items() if k in only}
-    for name, settings in variants.items():
-        nograd, step, _ = head_calls(inputs, temperature, TritonBackend(**settings))
+    for name, config in variants.items():
+        nograd, step, _ = head_calls(inputs, temperature, TritonBackend(config))
         runs[name] = nograd if forward else step
     times: dict[str, list[float]] = defaultdict(list)
     for _ in range(rounds):

@@ -1,9 +1,11 @@
 """The GPU benchmarks' shared helpers that run without a GPU: report merging and tables, the
-backend settings the tuner and sweeps pass as objects (no module state is changed)."""
+backend configs the tuner and sweeps pass as objects (no module state is changed), Liger's
+scaled CE through the Liger entry point."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -32,17 +34,35 @@ def test_merge_reports_writes_one_report_and_table(tmp_path, capsys):
     assert "ours_triton" in capsys.readouterr().out
 
 
-def test_build_impls_configures_our_backends_by_object():
+def test_build_impls_configures_our_backends_by_object(monkeypatch):
+    """One TritonConfig reaches every ``ours_triton*`` backend (the recompute and buffer variants
+    change its budget only); Liger's scaled CE runs through the Liger entry point."""
     pytest.importorskip("mcore_ppo.backends.triton_backend")
-    from mcore_ppo.backends import triton_backend as tb
+    import torch
 
-    before = tb.FORWARD_CONFIG
-    config = tb.replace(tb.FORWARD_CONFIG, group_m=8)
-    impls = bench.build_impls({"forward_config": config})
-    assert tb.FORWARD_CONFIG is before  # settings travel as arguments, never as module state
+    from mcore_ppo import liger
+    from mcore_ppo.backends.triton_config import GPU_FORWARD, TritonConfig
+
+    config = TritonConfig(forward_config=replace(GPU_FORWARD, group_m=8), workspace_bytes=1 << 20)
+    impls = bench.build_impls(config)
     assert impls["ours_triton"][2]["forward_config"]["group_m"] == 8
     assert list(impls)[:4] == ["ours_triton", "ours_triton_recompute", "ours_triton_buffer", "ours_torch"]
+    backends = {name: impls[name][0].backend for name in ("ours_triton", "ours_triton_recompute", "ours_triton_buffer")}
+    assert backends["ours_triton"].config is config
+    for name, budget in (("ours_triton_recompute", 0), ("ours_triton_buffer", 1 << 40)):
+        assert backends[name].config == replace(config, buffer_budget_bytes=budget), name
+    assert impls["ours_torch"][0].backend == "torch"
+    assert bench.build_impls()["ours_triton"][0].backend.config == TritonConfig()
     assert bench.Timer(reps=3).flipped() == bench.Timer(reps=3, hide_host_latency=False)
+
+    calls = []
+    monkeypatch.setattr(liger, "liger_log_probs_and_entropy", lambda *a, **k: calls.append((a, k)) or ("logp", None))
+    fn, skip, _ = impls["liger_scaled_ce"]
+    assert skip is None or "not installed" in skip
+    x, w, labels = torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(3, dtype=torch.int64)
+    assert fn(x, w, labels, 0.7) == ("logp", None)
+    ((args, kwargs),) = calls
+    assert args == (x, w, labels) and kwargs == {"temperature": 0.7, "validate": False}
 
 
 def test_bench_head_refuses_an_unknown_shape_by_name(capsys):
