@@ -74,18 +74,9 @@ def fused_log_probs_and_entropy(
         ValueError: a bad value or shape (naming it), a backend that cannot run these inputs,
             or another TP rank's refusal of its own inputs.
     """
-    (options, layout), error = attempt(
-        lambda: (
-            call_options(
-                options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
-            ),
-            megatron_layout(sequence_parallel, accumulate_into_main_grad),
-        ),
-        (DEFAULT_OPTIONS, DEFAULT_LAYOUT),
-    )
-    return run_head(
-        hidden, weight, labels, temperature, options, tp_group=resolve_tp_group(tp_group), layout=layout,
-        prior_error=error,
+    return _call(
+        hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend,
+        return_entropy, validate, accumulate_into_main_grad, ids=None,
     )  # fmt: skip
 
 
@@ -109,6 +100,17 @@ def fused_log_probs_at(
     ``labels`` that must carry the trailing ``k`` dim (``[b, s, k]`` for hidden ``[s, b, h]``,
     ``[n, k]`` for ``[n, h]``, ``k >= 1``; under CP this rank's tokens). The same arguments,
     checks, layouts and gradients; ``log_probs`` ``[..., k]``, ``entropy`` per token."""
+    return _call(
+        hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend,
+        return_entropy, validate, accumulate_into_main_grad, ids=True,
+    )  # fmt: skip
+
+
+def _call(
+    hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend, return_entropy,
+    validate, accumulate_into_main_grad, *, ids: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Both functions' call: their own argument checks (shared as ``prior_error``), then the head."""
     (options, layout), error = attempt(
         lambda: (
             call_options(
@@ -119,6 +121,6 @@ def fused_log_probs_at(
         (DEFAULT_OPTIONS, DEFAULT_LAYOUT),
     )
     return run_head(
-        hidden, weight, labels, temperature, options, tp_group=resolve_tp_group(tp_group), layout=layout,
-        ids=True, prior_error=error,
+        hidden, weight, labels, temperature, options, tp_group=resolve_tp_group(tp_group), layout=layout, ids=ids,
+        prior_error=error,
     )  # fmt: skip
