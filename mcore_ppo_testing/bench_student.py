@@ -14,8 +14,10 @@ the order A B C ... C B A (medians of ``reps`` calls per visit, both visits pool
 - ``fused``: ``mcore_ppo.fused_log_probs_at`` (``backend="auto"``: the triton backend) + backward;
 - ``fused_torch``: the same with ``backend="torch"`` (chunked cuBLAS) for the dense part;
 - ``fused_sparse_torch``: ``fused`` with the sparse part (the ``k`` gathered logits and their
-  gradients) on the torch path (``GATHER_KERNELS = "torch"``: gathered rows, bmm, ``index_add_``)
-  instead of the gather kernel and the one-hot gradients folded into the triton backend's ``dz``;
+  gradients) on a torch path (:class:`SparseOnTorch`, a backend object around the same backend:
+  gathered rows and bmm for the logits, bmm and ``index_add_`` for their gradients after the
+  dense ones) instead of the gather kernel and the one-hot gradients folded into the triton
+  backend's ``dz``;
 - ``chunked``: plain PyTorch, token chunks of ``chunk`` rows under ``torch.utils.checkpoint``:
   fp32 logits, ``log_softmax``, ``gather`` at the ids, 0 in an ignored slot (a peer that holds
   one chunk of logits);
@@ -41,16 +43,19 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from mcore_ppo.distill.student import fused_log_probs_at
 from torch.utils.checkpoint import checkpoint
 
-from mcore_ppo.distill import student as student_module
+from mcore_ppo import fused_log_probs_at
+from mcore_ppo.backends import Backend, TorchBackend, resolve_backend
+from mcore_ppo.backends.base import GradientRequest, SavedTokens
+from mcore_ppo.numerics import accumulation_dtype, chunks
 from mcore_ppo_testing.bench import GIB, event_times
 
-__all__ = ["run_student_bench"]
+__all__ = ["SparseOnTorch", "run_student_bench"]
 
 IGNORE = -100  # the ignore index of the slots outside the shard
 DEVICE = "cuda"  # a CPU smoke run of the code sets "cpu" (and stubs the CUDA timers)
@@ -70,6 +75,71 @@ def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a, b, out_dtype=torch.float32)
     except (TypeError, RuntimeError):
         return torch.mm(a, b).float()
+
+
+class SparseOnTorch:
+    """``dense`` (a backend object) with the ``k`` ids' part on a torch path: the logits at the
+    ids by :meth:`TorchBackend.gather_logits` (gathered rows, a batched GEMM), and their one-hot
+    gradients not folded into ``dense``'s ``dz`` but added after its dense gradients, in token
+    chunks of gathered rows: a batched GEMM into ``d_hidden`` (fp32) and ``index_add_`` into
+    ``d_weight``. Everything else is ``dense``'s."""
+
+    name = "sparse-on-torch"
+
+    def __init__(self, dense: Backend, gather_elements: int = 1 << 25):
+        self.dense = dense
+        self.capabilities = dense.capabilities
+        self.gather_elements = gather_elements
+        self._torch = TorchBackend()
+
+    def unsupported(self, hidden: torch.Tensor) -> str | None:
+        return self.dense.unsupported(hidden)
+
+    def shard_statistics(self, *args, **kwargs):
+        return self.dense.shard_statistics(*args, **kwargs)
+
+    def head_forward(self, *args, **kwargs):
+        return self.dense.head_forward(*args, **kwargs)
+
+    def gather_logits(self, hidden, weight, local_ids, temperature):
+        return self._torch.gather_logits(hidden, weight, local_ids, temperature)
+
+    def shard_gradients(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        saved: SavedTokens,
+        request: GradientRequest,
+        *,
+        temperature: float | torch.Tensor,
+    ):
+        sparse = request.sparse
+        d_hidden, d_weight = self.dense.shard_gradients(
+            hidden, weight, saved, replace(request, sparse=None), temperature=temperature
+        )
+        if sparse is None or (d_hidden is None and d_weight is None):
+            return d_hidden, d_weight
+        n, h = hidden.shape
+        k = sparse.ids.shape[1]
+        acc = accumulation_dtype(hidden.dtype)
+        in_shard = sparse.ids >= 0
+        local = sparse.ids.clamp(min=0)
+        scale = temperature[:, None] if isinstance(temperature, torch.Tensor) else temperature
+        g = torch.where(in_shard, sparse.g, 0.0) / scale
+        # Ignored tokens' hidden states may be anything (inf padding): never let them into a product.
+        x_all = torch.where(saved.valid[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+        d_hidden = None if d_hidden is None else d_hidden.to(acc)
+        for t0, t1 in chunks(n, max(1, self.gather_elements // max(1, k * h))):
+            g_c = g[t0:t1].to(acc)
+            if d_hidden is not None:
+                rows = weight[local[t0:t1]].to(acc)  # [c, k, h]
+                d_hidden[t0:t1] += torch.bmm(g_c[:, None, :], rows).squeeze(1)
+            if d_weight is not None:
+                x_c = x_all[t0:t1].to(acc)
+                d_weight.index_add_(
+                    0, local[t0:t1].reshape(-1), (g_c[:, :, None] * x_c[:, None, :]).reshape(-1, h).to(d_weight.dtype)
+                )
+        return d_hidden, d_weight
 
 
 def _chunked_log_q(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, temperature: float, chunk: int):
@@ -100,17 +170,13 @@ def _implementations(x, w, ids, g, teacher, temperature: float, chunk: int):
         torch.mm(dz, w)
         torch.mm(dz.t(), x)
 
-    def fused(backend: str, gather: str = "auto"):
+    def fused(backend):
         def run():
             zero()
-            previous, student_module.GATHER_KERNELS = student_module.GATHER_KERNELS, gather
-            try:
-                log_q, _ = fused_log_probs_at(
-                    xg, wg, ids, temperature=temperature, backend=backend, return_entropy=False, validate=False
-                )
-                log_q.backward(g)
-            finally:
-                student_module.GATHER_KERNELS = previous
+            log_q, _ = fused_log_probs_at(
+                xg, wg, ids, temperature=temperature, backend=backend, return_entropy=False, validate=False
+            )
+            log_q.backward(g)
             return log_q
 
         return run
@@ -125,7 +191,7 @@ def _implementations(x, w, ids, g, teacher, temperature: float, chunk: int):
         "gemm4": gemm4,
         "fused": fused("auto"),
         "fused_torch": fused("torch"),
-        "fused_sparse_torch": fused("auto", "torch"),
+        "fused_sparse_torch": fused(SparseOnTorch(resolve_backend("auto", x.device))),
         "chunked": chunked,
     }
     try:
