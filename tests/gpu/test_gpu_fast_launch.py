@@ -80,22 +80,24 @@ CASES = [
 
 def test_fast_path_equals_normal_path_and_fp64():
     from mcore_ppo.backends import triton_launch
-    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
     from mcore_ppo.kernels import stats_kernel, tokens_kernel
 
     assert triton_launch.fast_available()
     # Every site launch is checked against Triton's dispatch as the shapes change.
     with triton_launch.checked_sites():
-        _fast_path_cases(triton_launch, TritonBackend)
+        _fast_path_cases(triton_launch)
     levels = {**triton_launch.fast_level(stats_kernel), **triton_launch.fast_level(tokens_kernel)}
     print("kept-kernel levels:", sorted(set(levels.values())), "triton", __import__("triton").__version__)
     assert len(triton_launch.fast_level(stats_kernel)) >= 3  # dtypes, alignment, buffer: several sites
     assert set(levels.values()) == {"compiled"}
 
 
-def _fast_path_cases(triton_launch, TritonBackend):
+def _fast_path_cases(triton_launch):
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
+
     for n, h, v, dtype, ignored, offset, budget, workspace in CASES:
-        backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget, workspace_bytes=workspace))
+        chunks = {} if workspace is None else {"workspace_bytes": workspace}
+        backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget, **chunks))
         x, w, labels, g, e = _make(n, h, v, dtype, ignored, seed=n + offset, offset=offset)
         with triton_launch.normal_launches():
             normal = _run(backend, x, w, labels, g, e)
@@ -199,9 +201,8 @@ def _caller(launch, kernel, grid, args, kwargs, site):
 
 def test_host_time_per_launch_kept_kernel_vs_normal():
     """Host microseconds per launch of the normal path and of the kept kernel, for a pointer
-    kernel and a kernel of two host TMA descriptors (encoded per launch by Triton's launcher;
-    the former closure-reading level cached their encodings). Printed for the GPU report; the
-    kept kernel must not be slower than Triton's dispatch."""
+    kernel and a kernel of two host TMA descriptors (encoded per launch by Triton's launcher).
+    Printed for the GPU report; the kept kernel must not be slower than Triton's dispatch."""
     from mcore_ppo.backends import triton_launch
     from mcore_ppo.backends.triton_launch import TmaDesc
 
@@ -232,14 +233,23 @@ def test_host_time_per_launch_kept_kernel_vs_normal():
 @pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])
 def test_fused_forward_equals_generic_path(budget, monkeypatch):
     """``head_forward`` (labels and epilogue in the kernels, libdevice's log) against the
-    Function's generic path (torch ops around ``shard_statistics``): bit for bit."""
-    from mcore_ppo.backends import triton_backend
+    Function's generic path (torch ops around ``shard_statistics``, ``fused_forward=False``):
+    bit for bit."""
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 
     x, w, labels, g, e = _make(3000, 3584, 19008, ignored=0.3, seed=5)
     labels[7], labels[11] = 19008 + 5, -3  # out of range with validate=False: NaN log-probs
-    fused = _run(triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget)), x, w, labels, g, e)
-    monkeypatch.setattr(triton_backend, "FUSED_HEAD", False)
-    generic = _run(triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget)), x, w, labels, g, e)
+    heads = []  # fused_forward of the backend of every head_forward that runs
+    original = TritonBackend.head_forward
+
+    def head_forward(self, *args, **kwargs):
+        heads.append(self.capabilities.fused_forward)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonBackend, "head_forward", head_forward)
+    fused = _run(TritonBackend(TritonConfig(buffer_budget_bytes=budget)), x, w, labels, g, e)
+    generic = _run(TritonBackend(TritonConfig(buffer_budget_bytes=budget, fused_forward=False)), x, w, labels, g, e)
+    assert heads == [True, True]  # the fused backend's forward with grad and without; never the generic one's
     for name, a, b in zip(NAMES, fused, generic, strict=True):
         assert torch.equal(a.isnan(), b.isnan()), name
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name}: {(a - b).nan_to_num().abs().max().item():.3e}"
@@ -251,7 +261,7 @@ def test_cuda_graph_capture_of_fused_forward_and_backward(budget):
     """No host synchronisation on the fast path: ``head_forward`` and the backward capture in a
     CUDA graph, and its replay equals the eager calls."""
     from mcore_ppo.backends.base import GradientRequest
-    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 
     x, w, labels, g, e = _make(2048, 1024, 20000, ignored=0.3, seed=6)
     backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))

@@ -45,30 +45,42 @@ def make(n, h, v, dtype=torch.bfloat16, ignored=0.0, seed=0):
 
 
 @pytest.fixture(autouse=True)
-def recompute_by_default(monkeypatch):
-    """The recompute path unless a test asks for the buffer (the default budget would pick
-    the buffer at the small shards)."""
-    from mcore_ppo.backends import triton_backend as tb
-
+def no_budget_from_the_environment(monkeypatch):
+    """``backend="triton"`` by name builds its budget from the environment: the default here."""
     monkeypatch.delenv("MCORE_PPO_BUFFER_BUDGET_BYTES", raising=False)
-    monkeypatch.setattr(tb, "BUFFER_BUDGET_BYTES", 0)
+
+
+def triton(*, tma: bool = True, shard: int | None = None, **settings):
+    """A triton backend built with ``settings`` (:class:`TritonConfig` fields): the recompute
+    path unless a budget is given (the default budget would pick the buffer at the small
+    shards). ``tma=False``: gathered pointer loads instead of the copy engine (the GPU default),
+    with the default's forward tiles for a shard of ``shard`` rows."""
+    from dataclasses import replace
+
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
+    from mcore_ppo.backends.triton_config import GPU_BACKWARD
+
+    settings.setdefault("buffer_budget_bytes", 0)
+    if not tma:
+        forward = TritonBackend().forward_config_for(shard)
+        settings["forward_config"] = replace(forward, use_tma=False)
+        settings["backward_config"] = replace(GPU_BACKWARD, use_tma=False)
+    backend = TritonBackend(TritonConfig(**settings))
+    assert backend.forward_config.use_tma == tma and backend.backward_config.use_tma == tma
+    return backend
 
 
 @pytest.fixture(params=[False, True], ids=["pointer", "tma"])
-def use_tma(request, monkeypatch):
+def use_tma(request):
     """Both operand paths of the kernels: gathered pointer loads and the copy engine."""
-    from dataclasses import replace
-
-    from mcore_ppo.backends import triton_backend as tb
-
-    monkeypatch.setattr(tb, "FORWARD_CONFIG", replace(tb.FORWARD_CONFIG, use_tma=request.param))
-    monkeypatch.setattr(tb, "BACKWARD_CONFIG", replace(tb.BACKWARD_CONFIG, use_tma=request.param))
     return request.param
 
 
-def run(x, w, labels, g, e, temperature, backend="triton"):
+def run(x, w, labels, g, e, temperature, backend=None):
+    """Forward and backward through the API (``backend`` None: :func:`triton`'s default)."""
     from mcore_ppo import fused_log_probs_and_entropy
 
+    backend = triton() if backend is None else backend
     xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
     logp, ent = fused_log_probs_and_entropy(xg, wg, labels, temperature=temperature, backend=backend)
     torch.autograd.backward([logp, ent], [g, e])
@@ -83,7 +95,7 @@ def run(x, w, labels, g, e, temperature, backend="triton"):
 def test_full_shape_vs_fp64(h, v, ignored, use_tma):
     temperature = 0.7
     x, w, labels, g, e = make(N_TOKENS, h, v, ignored=ignored)
-    logp, ent, dh, dw = run(x, w, labels, g, e, temperature)
+    logp, ent, dh, dw = run(x, w, labels, g, e, temperature, triton(tma=use_tma, shard=v))
     ref = fp64_reference(x, w, labels, g, e, temperature)
     valid = labels != -100
     errs = {
@@ -100,7 +112,7 @@ def test_full_shape_vs_fp64(h, v, ignored, use_tma):
 
 def test_fp32_inputs_odd_shape(use_tma):
     x, w, labels, g, e = make(777, 1000, 5003, dtype=torch.float32, ignored=0.2, seed=1)
-    logp, ent, dh, dw = run(x, w, labels, g, e, 1.3)
+    logp, ent, dh, dw = run(x, w, labels, g, e, 1.3, triton(tma=use_tma, shard=5003))
     ref = fp64_reference(x, w, labels, g, e, 1.3)
     assert rel(logp, ref[0]) <= 1e-6 and rel(ent, ref[1]) <= 1e-6
     assert rel(dh, ref[2]) <= 1e-5 and rel(dw, ref[3]) <= 1e-5
@@ -116,7 +128,7 @@ def test_matches_torch_backend():
 
 def test_all_ignored(use_tma):
     x, w, labels, g, e = make(300, 256, 1000, ignored=1.0, seed=3)
-    for t in run(x, w, labels, g, e, 1.0):
+    for t in run(x, w, labels, g, e, 1.0, triton(tma=use_tma, shard=1000)):
         assert torch.isfinite(t).all() and (t == 0).all()
 
 
@@ -144,14 +156,15 @@ def test_no_grad_forward_keeps_nothing_and_memory_budget(h, v):
 
 
 def test_main_grad_fp32():
-    from mcore_ppo.pipeline import HeadOptions, run_head
+    from mcore_ppo import fused_log_probs_and_entropy
 
     x, w, labels, g, e = make(2048, 1024, 20000, seed=5)
     wg = w.detach().requires_grad_(True)
     wg.main_grad = torch.randn(w.shape, device="cuda")
     before = wg.main_grad.clone()
-    options = HeadOptions(temperature=0.7, ignore_index=-100, backend="triton")
-    logp, ent = run_head(x, wg, labels, options, tp_group=None, accumulate_into_main_grad=True)
+    logp, ent = fused_log_probs_and_entropy(
+        x, wg, labels, temperature=0.7, ignore_index=-100, backend=triton(), accumulate_into_main_grad=True
+    )
     torch.autograd.backward([logp, ent], [g, e])
     ref = fp64_reference(x, w, labels, g, e, 0.7)
     assert rel(wg.main_grad - before, ref[3]) <= 5e-3
@@ -162,16 +175,15 @@ def test_cuda_graph_capture(use_tma, budget):
     """No host synchronisation: the forward statistics and the backward capture in a CUDA graph
     (with the buffer too: the forward keeps it, the backward consumes it, inside the graph)."""
     from mcore_ppo.backends.base import GradientRequest, SavedTokens
-    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 
     x, w, labels, g, e = make(2048, 1024, 20000, ignored=0.3, seed=6)
     valid = labels != -100
     local = torch.where(valid, labels, -1)
-    backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))
+    backend = triton(tma=use_tma, shard=20000, buffer_budget_bytes=budget)
     lse, ent = torch.rand(2048, device="cuda") + 5, torch.rand(2048, device="cuda")
 
     def statistics():
-        return backend.shard_statistics(x, w, local, valid, 0.7, grad_needed=True)
+        return backend.shard_statistics(x, w, local, valid, 0.7, grad_needed=True, with_entropy=True)
 
     def gradients(stats):  # consumes the forward's buffer, if it kept one
         saved = SavedTokens(local, valid, lse, ent, stats.residual)
@@ -198,9 +210,12 @@ def test_buffer_mode_full_shape(h, v, monkeypatch):
     """The budgeted bf16 probability buffer (no recompute) at full shapes vs fp64."""
     from mcore_ppo.backends import triton_backend as tb
 
-    monkeypatch.setattr(tb, "BUFFER_BUDGET_BYTES", 1 << 40)
+    backward = []  # the backward takes the buffer (no recompute)
+    original = tb.gradients_from_buffer
+    monkeypatch.setattr(tb, "gradients_from_buffer", lambda *a, **k: backward.append(1) or original(*a, **k))
     x, w, labels, g, e = make(N_TOKENS, h, v, ignored=0.25, seed=7)
-    logp, ent, dh, dw = run(x, w, labels, g, e, 0.7)
+    logp, ent, dh, dw = run(x, w, labels, g, e, 0.7, triton(buffer_budget_bytes=1 << 40))
+    assert backward == [1]
     ref = fp64_reference(x, w, labels, g, e, 0.7)
     valid = labels != -100
     errs = [rel(logp[valid], ref[0][valid]), rel(ent[valid], ref[1][valid]), rel(dh, ref[2]), rel(dw, ref[3])]
@@ -209,15 +224,13 @@ def test_buffer_mode_full_shape(h, v, monkeypatch):
 
 
 @pytest.mark.parametrize("buffer", [False, True], ids=["recompute", "buffer"])
-def test_inf_padding_in_ignored_rows(buffer, monkeypatch):
+def test_inf_padding_in_ignored_rows(buffer):
     """Ignored rows full of inf (padding) change nothing: no 0·inf = NaN in d_W, same outputs."""
-    from mcore_ppo.backends import triton_backend as tb
-
-    monkeypatch.setattr(tb, "BUFFER_BUDGET_BYTES", (1 << 40) if buffer else 0)
+    backend = triton(buffer_budget_bytes=(1 << 40) if buffer else 0)
     x, w, labels, g, e = make(4096, 1024, 30016, ignored=0.3, seed=8)
-    clean = run(x, w, labels, g, e, 0.7)
+    clean = run(x, w, labels, g, e, 0.7, backend)
     padded = x.clone()
     padded[labels == -100] = float("inf")
-    dirty = run(padded, w, labels, g, e, 0.7)
+    dirty = run(padded, w, labels, g, e, 0.7, backend)
     for a, b in zip(clean, dirty, strict=True):
         assert torch.isfinite(b).all() and torch.equal(a, b)

@@ -5,7 +5,8 @@ Run on the lent H200 (``pytest tests/gpu/test_gpu_student.py``); skipped without
 ``triton`` (what ``auto`` picks on CUDA) and ``torch`` backends, fp32 and bf16 inputs, a 32k
 vocab over several vocab chunks, k ∈ {8, 64}, with a per-token temperature, ignored slots and
 entropy; the one-hot gradients folded into the triton backend's dz in its recompute and buffer
-modes, against fp64 and against the torch sparse path. Tolerances as for the head
+modes, against fp64 and against a torch sparse path around the same backend
+(:class:`mcore_ppo_testing.bench_student.SparseOnTorch`). Tolerances as for the head
 (``tests/core/test_head_options.py``): outputs 1e-5 of the tensor's max; gradients 1e-5 of
 their terms' magnitudes (bf16 + triton: 1e-2, plus the cast).
 """
@@ -20,7 +21,7 @@ import torch
 from mcore_ppo import fused_log_probs_at
 from mcore_ppo_testing.reference import assert_close
 from mcore_ppo_testing.seeds import next_seed
-from mcore_ppo_testing.student_fold import record_folds, refuse_sparse_torch
+from mcore_ppo_testing.student_fold import record_folds
 from mcore_ppo_testing.student_reference import student_reference
 
 pytestmark = [
@@ -82,10 +83,16 @@ def test_fold_matches_fp64_on_cuda(dtype, mode, share, monkeypatch):
     fp64: n 512, h 512, V 32768, k 64 teacher-like ids (top-k of a nearby distribution) with a
     duplicate in every row, a ninth of the rows half ignored, one row fully ignored, a
     per-token temperature; ``one_of_8``: only the ids in an eighth of the vocab kept (the others
-    ignored, as a rank's share at TP 8). The fold must run (the torch sparse path is refused),
-    and a second run gives the same bits (no atomics)."""
+    ignored, as a rank's share at TP 8). The fold must run (the torch backend's gradients, the
+    triton backend's fallback, are refused), and a second run gives the same bits (no atomics)."""
+    from mcore_ppo.backends import TorchBackend
+
     calls = record_folds(monkeypatch)
-    refuse_sparse_torch(monkeypatch)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the torch backend's gradients ran instead of the triton backend's fold")
+
+    monkeypatch.setattr(TorchBackend, "shard_gradients", refused)
     gen = torch.Generator(device="cuda").manual_seed(next_seed())
     n, h, vocab, k = 512, 512, 32768, 64
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
@@ -137,10 +144,12 @@ def test_fold_matches_fp64_on_cuda(dtype, mode, share, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fold_matches_the_torch_path(dtype, mode, monkeypatch):
     """``fused_log_probs_at`` (triton backend for the dense part) with the sparse part folded into
-    dz vs on the torch path (``GATHER_KERNELS = "torch"``), n 2048, h 1024, V 32768, k 64: the same
-    log q to fp32 rounding, the same gradients to the rounding of dz (bf16) / fp32."""
-    from mcore_ppo.distill import student as student_module
+    dz vs on a torch path around the same backend (:class:`SparseOnTorch`: gathered-row logits,
+    bmm and ``index_add_`` for their gradients), n 2048, h 1024, V 32768, k 64: the same log q to
+    fp32 rounding, the same gradients to the rounding of dz (bf16) / fp32."""
+    from mcore_ppo_testing.bench_student import SparseOnTorch
 
+    calls = record_folds(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(next_seed())
     n, h, vocab, k = 2048, 1024, 32768, 64
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
@@ -151,13 +160,14 @@ def test_fold_matches_the_torch_path(dtype, mode, monkeypatch):
     g = torch.randn(n, k, device="cuda", generator=gen)
     backend = _backend(mode, n, hidden.element_size())
     outs = {}
-    for gather in ("auto", "torch"):
-        monkeypatch.setattr(student_module, "GATHER_KERNELS", gather)
+    for gather, head_backend in (("auto", backend), ("torch", SparseOnTorch(backend))):
+        folds = len(calls)
         x = hidden.detach().requires_grad_(True)
         w = weight.detach().requires_grad_(True)
-        log_q, entropy = fused_log_probs_at(x, w, ids, temperature=0.8, backend=backend)
+        log_q, entropy = fused_log_probs_at(x, w, ids, temperature=0.8, backend=head_backend)
         ((log_q * g).sum() + entropy.sum()).backward()
         outs[gather] = (log_q.detach(), x.grad, w.grad)
+        assert (len(calls) > folds) == (gather == "auto")  # the fold runs only without SparseOnTorch
     for name, a, b in zip(("log_q", "d_hidden", "d_weight"), outs["auto"], outs["torch"], strict=True):
         tol = 1e-6 if name == "log_q" else (2.0**-7 if dtype == torch.bfloat16 else 1e-5)
         err = ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
