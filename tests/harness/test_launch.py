@@ -165,7 +165,7 @@ def _refused(tmp_path: Path, *args: str) -> str:
         (["--tp", "2", "--nproc", "3"], "--nproc 3 is not a multiple of tp*cp*pp = 4"),
         (["--tp", "3"], "model.vocab_size = 512 does not divide by tp = 3"),
         (["--pp", "3"], "model.num_layers = 2 does not divide by pp = 3"),
-        (["--backend=bogus"], "head.backend must be one of auto, torch, triton, liger, got 'bogus'"),
+        (["--backend=bogus"], "head.backend must be one of auto, torch, triton, got 'bogus'"),
         (["--steps", "x"], "--steps: invalid int value: 'x'"),
         (["--frobnicate"], "unknown option '--frobnicate'"),
         (["--steps", "1", "extra"], "unknown option 'extra'"),
@@ -194,7 +194,7 @@ def test_launch_rejects_a_bad_config_before_torchrun(tmp_path):
     ("args", "config", "says"),
     [
         (["--tp", "8", "--cp", "1"], None, "model.num_attention_heads = 4 does not divide by tp = 8"),
-        (["--backend", "bogus"], None, "head.backend must be one of auto, torch, triton, liger, got 'bogus'"),
+        (["--backend", "bogus"], None, "head.backend must be one of auto, torch, triton, got 'bogus'"),
         (["--cp-mode", "both"], None, "--cp-mode: invalid choice: 'both'"),
         ([], ("layout", "tp", "two"), "layout.tp"),
         ([], ("run", "steps", 1.5), "run.steps"),
