@@ -181,7 +181,7 @@ def qwen2_gpt_model(
         config: a ``transformers.Qwen2Config``.
         params_dtype: the Megatron parameters' dtype.
         attention: the local spec's core attention (:data:`mcore_ppo_testing.layer_specs.ATTENTIONS`).
-        device: as for :func:`mcore_ppo.build_gpt_model`.
+        device: as for :func:`mcore_ppo_testing.gpt_builder.build_gpt_model`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding

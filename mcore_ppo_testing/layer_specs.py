@@ -53,7 +53,7 @@ def local_layer_spec(*, attention: str = "reference", **kwargs: Any) -> ModuleSp
 def local_gpt_spec(*, attention: str = "reference", **kwargs: Any) -> Callable[[Any], TransformerBlockSubmodules]:
     """The decoder block spec as a function of the config: this pipeline stage's layers
     (:func:`local_layer_spec`) and an SP-capable final norm. Pass it to
-    :func:`mcore_ppo.build_gpt_model` as ``transformer_layer_spec``."""
+    :func:`mcore_ppo_testing.gpt_builder.build_gpt_model` as ``transformer_layer_spec``."""
     layer = local_layer_spec(attention=attention, **kwargs)
 
     def block_spec(config: Any) -> TransformerBlockSubmodules:

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mcore_ppo.pipeline import HeadOptions
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 import mcore_ppo
-from mcore_ppo import (
-    build_gpt_model,
-    gpt_log_probs_and_entropy,
-    install_fused_head,
-)
+from mcore_ppo import gpt_log_probs_and_entropy, install_fused_head
 from mcore_ppo import model as model_module
+from mcore_ppo.options import HeadOptions
 from mcore_ppo_testing import cpu_shims, install_cpu_shims, shims_installed, uninstall_cpu_shims
+from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import (
     logits_log_probs_and_entropy,
     pop_parameter_grads,
@@ -119,7 +116,7 @@ def test_install_is_idempotent_and_updates_options():
     assert again is head
     assert (head.temperature, head.backend, head.ignore_index) == (0.5, "auto", -1)
     assert (head.return_entropy, head.validate) == (False, True)
-    assert head.options == HeadOptions(temperature=0.5, backend="auto", ignore_index=-1, return_entropy=False)
+    assert head.options == HeadOptions(backend="auto", ignore_index=-1, return_entropy=False)
 
 
 def test_install_rejects_foreign_output_layer_and_bad_options():

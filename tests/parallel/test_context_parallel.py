@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import mcore_ppo
-from mcore_ppo.backends import torch_backend
+from mcore_ppo.backends import TorchBackend, TorchConfig
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, reference
 from mcore_ppo_testing.seeds import generator, next_seed
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
@@ -145,10 +145,9 @@ def test_roll_after_split_differs_exactly_at_chunk_boundaries(cp_size, cu_seqlen
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("cp_size", "cu_seqlens"), LAYOUTS, ids=LAYOUT_IDS)
-def test_head_cp_path_equals_cp1(cp_size, cu_seqlens, dtype, monkeypatch):
+def test_head_cp_path_equals_cp1(cp_size, cu_seqlens, dtype):
     """Every CP rank's head output and d_hidden, reassembled, equal the cp=1 run; d_weight sums to it."""
-    monkeypatch.setattr(torch_backend, "TOKEN_CHUNK", 5)
-    monkeypatch.setattr(torch_backend, "VOCAB_CHUNK", 7)
+    backend = TorchBackend(TorchConfig(token_chunk=5, vocab_chunk=7))
     gen = generator(next_seed())
     vocab, h = 61, 16
     total = total_length(cp_size, cu_seqlens)
@@ -160,7 +159,9 @@ def test_head_cp_path_equals_cp1(cp_size, cu_seqlens, dtype, monkeypatch):
     g, e = torch.randn(batch, total, generator=gen), torch.randn(batch, total, generator=gen)
 
     def run(hidden_part, labels, g_part, e_part, leaf_hidden, leaf_weight):
-        lp, ent = mcore_ppo.fused_log_probs_and_entropy(hidden_part, leaf_weight, labels, temperature=0.7)
+        lp, ent = mcore_ppo.fused_log_probs_and_entropy(
+            hidden_part, leaf_weight, labels, temperature=0.7, backend=backend
+        )
         check_invariants(lp, ent, labels, vocab)
         ((lp * g_part).sum() + (ent * e_part).sum()).backward()
         return lp.detach(), ent.detach()
