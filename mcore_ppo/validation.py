@@ -5,7 +5,7 @@ values, shapes, devices and layouts.
 
 Checks that read tensor *values* (the label range, a temperature tensor's values) cost a host
 synchronisation on CUDA; they run on every device when the head's ``validate`` option is on
-(:class:`mcore_ppo.pipeline.HeadOptions`; default :data:`VALIDATE_DEFAULT`), both in one sync,
+(:class:`mcore_ppo.options.HeadOptions`; default :data:`VALIDATE_DEFAULT`), both in one sync,
 and not at all when it is off (then a bad label gives a NaN log-prob, a bad temperature NaN
 outputs for its token, never a plausible wrong number). What these checks conclude on each
 rank is shared over the TP group by :mod:`mcore_ppo.verdict` before the first collective.
