@@ -88,7 +88,9 @@ class SparseOnTorch:
 
     def __init__(self, dense: Backend, gather_elements: int = 1 << 25):
         self.dense = dense
-        self.capabilities = dense.capabilities
+        # Its one-hot gradients are added to d_W after the dense backend's rows: an fp32 buffer,
+        # zeroed (a weight-dtype one would round each row twice).
+        self.capabilities = replace(dense.capabilities, weight_grad_in_weight_dtype=False, writes_weight_grad=False)
         self.gather_elements = gather_elements
         self._torch = TorchBackend()
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fills the git-ignored wheel folders that scripts/gpu_suite.sh carries to a GPU machine with no
 # network (Python 3.12, x86-64):
-#   .whl/   verl 0.9.1, what `import verl` needs (Ray excepted: tests/test_verl_real.py), liger-kernel
+#   .whl/   verl 0.9.1, what `import verl` and its Megatron engine need that the GPU image lacks (Ray
+#           excepted: tests/integrations/test_verl_real.py), liger-kernel, mbridge
 #   .carry/ megatron-core 0.19.0 from PyPI, and 0.20.0 built from a Megatron-LM checkout when one is
 #           given (not on PyPI yet): a pure wheel, without the optional C++ dataset helper.
 #
@@ -15,7 +16,7 @@ download() {
 }
 download -d .whl verl==0.9.1 transformers==5.10.4 tokenizers==0.22.2 huggingface_hub==1.33.0 \
   tensordict==0.15.3 pyvers==0.2.3 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2 codetiming==1.4.0 \
-  orjson==3.13.0 liger-kernel==0.8.5
+  orjson==3.13.0 liger-kernel==0.8.5 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 mbridge==0.15.1
 download -d .carry megatron-core==0.19.0
 if [ $# -ge 1 ]; then
   src=$(mktemp -d)

@@ -101,12 +101,11 @@ def _kwargs(backend: str, budget: int | None) -> dict:
 @pytest.mark.parametrize(
     "backend,budget,dtype",
     [
-        (*p.values, dtype)
+        pytest.param(*p.values, dtype, id=f"{p.id}-{name}", marks=p.marks)
         for p in BACKENDS
-        for dtype in (torch.float32, torch.bfloat16)
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
         if (p.values[0], dtype) != ("liger", torch.bfloat16)
     ],
-    ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v, None) if isinstance(v, torch.dtype) else None,
 )
 @pytest.mark.parametrize("layout", ["2d", "3d", "packed"])
 def test_per_token_temperature_matches_fp64(backend, budget, layout, dtype):
