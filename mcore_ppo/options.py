@@ -8,7 +8,6 @@ a per-call number is checked on its own, and the options object is reused as it 
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 
 from mcore_ppo import validation
@@ -68,26 +67,44 @@ def call_options(
 
     The common call, plain values and no options object, is built and validated once per
     distinct set of values; a bad value raises each time (an exception is not cached)."""
-    if options is not None and not isinstance(options, HeadOptions):
-        raise TypeError(f"options must be a HeadOptions or None, got {validation.type_name(options)}")
-    given = {
-        name: value
-        for name, value in (
-            ("ignore_index", ignore_index),
-            ("backend", backend),
-            ("return_entropy", return_entropy),
-            ("validate", validate),
-        )
-        if value is not None
-    }
     if options is None:
-        if all(type(value) in (int, str, bool) for value in given.values()):
-            # The types are part of the key: True == 1, but ignore_index=True is refused.
-            return _cached_options(tuple((name, type(value), value) for name, value in given.items()))
-        return HeadOptions(**given)
-    if not given:
+        # The types are part of the key: True == 1, but ignore_index=True is refused.
+        key = (
+            type(ignore_index), ignore_index, type(backend), backend, type(return_entropy), return_entropy,
+            type(validate), validate,
+        )  # fmt: skip
+        try:
+            found = _PLAIN.get(key)
+        except TypeError:  # an unhashable argument: no cache, the checks name it
+            found, key = None, None
+        if found is None:
+            found = _from_keywords(None, ignore_index, backend, return_entropy, validate)
+            if key is not None:
+                if len(_PLAIN) >= 64:
+                    _PLAIN.clear()
+                _PLAIN[key] = found
+        return found
+    if not isinstance(options, HeadOptions):
+        raise TypeError(f"options must be a HeadOptions or None, got {validation.type_name(options)}")
+    if ignore_index is None and backend is None and return_entropy is None and validate is None:
         return options
-    return HeadOptions(**{**_fields(options), **given})
+    return _from_keywords(options, ignore_index, backend, return_entropy, validate)
+
+
+# (type, value) of each keyword of a call without an options object -> its HeadOptions (frozen:
+# one object serves every call with these values; a bad value raises each time, never cached).
+_PLAIN: dict[tuple, HeadOptions] = {}
+
+
+def _from_keywords(options, ignore_index, backend, return_entropy, validate) -> HeadOptions:
+    fields = {} if options is None else _fields(options)
+    for name, value in (
+        ("ignore_index", ignore_index), ("backend", backend), ("return_entropy", return_entropy),
+        ("validate", validate),
+    ):  # fmt: skip
+        if value is not None:
+            fields[name] = value
+    return HeadOptions(**fields)
 
 
 def _fields(options: HeadOptions) -> dict:
@@ -97,12 +114,6 @@ def _fields(options: HeadOptions) -> dict:
         "return_entropy": options.return_entropy,
         "validate": options.validate,
     }
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_options(given: tuple) -> HeadOptions:
-    # Frozen, so one object serves every call with these values.
-    return HeadOptions(**{name: value for name, _, value in given})
 
 
 class TokenOrder(enum.Enum):
