@@ -20,6 +20,7 @@ import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mcore_ppo_testing import seeds
 
@@ -104,6 +105,18 @@ def fork_server():
             return servers[modules]
 
         yield get
+
+
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A one-rank gloo process group for the test (file rendezvous: no port)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -84,17 +84,6 @@ def test_named_backends_are_built_once():
     assert resolve_backend("torch", cpu) is not first
 
 
-@pytest.fixture
-def gloo_world(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_shard_check_cache_is_keyed_by_the_group_object(gloo_world, monkeypatch):
     """The shard sizes are all-reduced once per (group, size); a new group, even at a destroyed
     one's address, asks again."""

@@ -51,17 +51,6 @@ def fake_liger(monkeypatch):
     return module
 
 
-@pytest.fixture
-def gloo_world(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def case(seed, n=12, h=8, v=30, dtype=torch.float64):
     gen = generator(seed)
     hidden = torch.randn(n, h, generator=gen, dtype=dtype)

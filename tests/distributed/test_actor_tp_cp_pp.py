@@ -21,7 +21,6 @@ rank holds; the test checks that its micro-batches have such labels.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -30,19 +29,15 @@ import torch.distributed as dist
 from conftest import ACTOR_GPT as MODEL
 from conftest import DEVICE, fitting, shared_seed
 from megatron.core import parallel_state
+from test_actor_parity import TEMPERATURE, _layout_model
 
 from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
 from mcore_ppo.actor.batching import PackedRollout
 from mcore_ppo_testing.ppo_harness import (
-    build_actor_model,
-    destroy_layout,
     full_parameters,
-    init_layout,
-    layout_independent_init,
     logits_path_outputs,
 )
 
-TEMPERATURE = 0.8
 TOL = 1e-10  # fp64 model and head: rounding of fp64 arithmetic only
 TOPK = 8
 
@@ -103,27 +98,6 @@ def _labels_across_chunks(actor: MegatronPPOActor, rollout: PackedRollout) -> in
     return count
 
 
-@contextlib.contextmanager
-def _layout(tp, cp, pp, sp, batching, *, seed):
-    """The layout's groups and its fp64 model (the same global weights in every layout)."""
-    batching = dict(batching)
-    cp_in_model = batching.pop("cp_in_model", False)
-    parallel = init_layout(tp, cp, pp, cp_at_head=not cp_in_model)
-    try:
-        model = build_actor_model(
-            MODEL,
-            sequence_parallel=sp,
-            temperature=TEMPERATURE,
-            backend="torch",
-            params_dtype=torch.float64,
-            attention="sdpa" if cp_in_model else "reference",
-        )
-        layout_independent_init(model, seed)
-        yield parallel, model, batching
-    finally:
-        destroy_layout()
-
-
 def test_actor_tp_cp_pp_matches_single_rank(check, fresh_parallel_state):
     seed = shared_seed()
     rollout = _rollout(seed)
@@ -144,7 +118,7 @@ def test_actor_tp_cp_pp_matches_single_rank(check, fresh_parallel_state):
     for tp, cp, pp, sp, batching in layouts:
         name = f"tp{tp} cp{cp} pp{pp} sp{int(sp)} {batching}"
         check.case(name)
-        with _layout(tp, cp, pp, sp, batching, seed=seed) as (parallel, model, batching):
+        with _layout_model(tp, cp, pp, sp, batching, seed=seed) as (parallel, model, batching):
             before = full_parameters(model, parallel.tp)
             config = PPOActorConfig(
                 clip_ratio_low=0.2,

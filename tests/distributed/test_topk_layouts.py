@@ -35,6 +35,7 @@ from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, NH, TEMPERATURE, VOCAB, dr
 from mcore_ppo import TopKConfig, TorchBackend, TorchConfig, TritonBackend, TritonConfig, fused_log_probs_at, fused_topk
 from mcore_ppo.distill import topk_triton
 from mcore_ppo.verdict import PEER_REFUSED
+from mcore_ppo_testing.student_fold import record_folds
 from mcore_ppo_testing.student_reference import student_reference
 from mcore_ppo_testing.topk_reference import full_pairs, topk_reference
 from parallel import roll_and_split_labels, roll_labels, split_for_cp
@@ -425,22 +426,6 @@ RANK_BACKEND = (
     if DEVICE.type == "cpu"
     else "auto"
 )
-
-
-def record_folds(monkeypatch) -> list[tuple[int, int]]:
-    """The ``(v0, vc)`` of every one-hot add of the triton backend into a ``dz`` buffer or chunk
-    from now on (the student's k-id gradients folded into the backend's own ``dz``)."""
-    from mcore_ppo.backends import triton_gradients
-
-    calls: list[tuple[int, int]] = []
-    add = triton_gradients.add_onehot
-
-    def recorded(config, dz, onehot, v0, vc):
-        calls.append((v0, vc))
-        add(config, dz, onehot, v0, vc)
-
-    monkeypatch.setattr(triton_gradients, "add_onehot", recorded)
-    return calls
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
