@@ -1,6 +1,7 @@
 """Σπ² (``return_sum_pi_squared=True``): per token ``Σ_v softmax(z/T)_v²`` against the fp64
-full-softmax reference, on every backend (torch; triton fused, buffer, recompute and its
-generic forward), with the entropy on and off, per-token temperatures, ignored tokens, ``k`` ids.
+full-softmax reference, on every backend (torch, one chunk and several; triton fused, buffer,
+recompute, its generic forward, and tiles that cut V = 37 into two vocab splits), with the
+entropy on and off, per-token temperatures, ignored tokens, ``k`` ids.
 
 Also: the default return is unchanged (two outputs), the option changes no other output or
 gradient (bit for bit), Σπ² carries no gradient, bad types are a ``TypeError`` naming the
@@ -14,12 +15,14 @@ to its largest value, as the other outputs (``head_checks.OUT_RTOL``).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from head_checks import OUT_RTOL, TRITON_ON_CPU, make_case
 
 import mcore_ppo
+from mcore_ppo.backends import TorchBackend, TorchConfig
 from mcore_ppo.head_call import run_head
 from mcore_ppo.options import DEFAULT_LAYOUT, HeadOptions
 from mcore_ppo_testing.reference import assert_close, sum_pi_squared_reference
@@ -38,11 +41,21 @@ def _triton(**config):
     return TritonBackend(TritonConfig(**config))
 
 
+def _triton_splits():
+    """One vocab tile per program: V = 37 in two splits, merged per token (the squared factor)."""
+    from mcore_ppo.backends.triton_config import INTERPRETER_FORWARD
+
+    return _triton(forward_config=replace(INTERPRETER_FORWARD, tiles_per_split=1))
+
+
 BACKENDS = [
     pytest.param(lambda: "torch", id="torch"),
+    # Several vocab and token chunks with ragged tails: the merge inside a rank rescales q too.
+    pytest.param(lambda: TorchBackend(TorchConfig(token_chunk=5, vocab_chunk=8)), id="torch-chunked"),
     pytest.param(lambda: _triton(buffer_budget_bytes=0), id="triton-recompute", marks=TRITON_ON_CPU),
     pytest.param(lambda: _triton(buffer_budget_bytes=1 << 30), id="triton-buffer", marks=TRITON_ON_CPU),
     pytest.param(lambda: _triton(fused_forward=False), id="triton-generic-forward", marks=TRITON_ON_CPU),
+    pytest.param(_triton_splits, id="triton-splits", marks=TRITON_ON_CPU),
 ]
 
 
