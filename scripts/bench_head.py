@@ -11,7 +11,10 @@ implementation: forward, no-grad forward and forward+backward medians, ratios to
 peak extra memory of forward+backward (everything allocated above the inputs, the output
 gradients included), memory a no-grad forward leaves behind beyond its outputs, and relative
 errors (‖out − ref‖₂ / ‖ref‖₂) of log-prob, entropy, d_hidden and d_weight against a float64
-reference of all N tokens. Peers that are not installed are reported as skipped.
+reference of all N tokens. Peers that are not installed are reported as skipped. Beside
+``ours_triton``, on the same inputs: its forward with Σπ² (``return_sum_pi_squared=True``)
+against its plain forward, alternating order, medians and ratio (``sum_pi_squared`` in each
+entry; :mod:`mcore_ppo_testing.bench_sum_pi`; ``--sum-pi-squared-rounds 0`` skips it).
 
 Usage (GPU):  python scripts/bench_head.py [--shapes qwen7b,llama3-8b] [--tp 1,2,4,8] [--tune]
 Writes ``<out>/bench_head.json`` (after every configuration) and ``<out>/bench_head.png``.
@@ -330,6 +333,17 @@ def measure_config(entry: dict, impls: dict, inputs: HeadInputs, args, timer: Ti
             traceback.print_exc()
         torch.cuda.empty_cache()
         bar.update(f"{label} {name}")
+    if "ours_triton" in impls and args.sum_pi_squared_rounds > 0 and "error" not in entry["impls"]["ours_triton"]:
+        from mcore_ppo_testing.bench_sum_pi import gpu_timer, sum_pi_squared_overhead
+
+        entry["sum_pi_squared"] = res = sum_pi_squared_overhead(
+            inputs.x, inputs.w, inputs.labels, temperature, impls["ours_triton"][0].backend,
+            rounds=args.sum_pi_squared_rounds, time_call=gpu_timer(timer.hide_host_latency),
+        )  # fmt: skip
+        print(
+            f"{label} Σπ² forward ratio {res['fwd_ratio']:.4f}, no-grad {res['nograd_fwd_ratio']:.4f}", file=sys.stderr
+        )
+        bar.update(f"{label} sum_pi_squared")
     entry["floor_after"] = measure_floor(inputs, timer)
 
 
@@ -353,6 +367,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="hidden: GPU time, the host's work queued behind a spin as inside a model step; exposed: from an idle GPU",
     )
     parser.add_argument("--reps", type=int, default=5, help="timed calls per implementation and shape")
+    parser.add_argument(
+        "--sum-pi-squared-rounds", type=int, default=10,
+        help="rounds of ours_triton's forward without / with Σπ² (alternating order); 0 skips it",
+    )  # fmt: skip
     parser.add_argument("--tune", action="store_true", help="pick the Triton tile configs by timing first")
     parser.add_argument("--out", default="docs/benchmarks", help="folder for the JSON / PNG files")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
@@ -405,7 +423,8 @@ def main(argv=None) -> int:
                 impls = with_entropy_off(build_impls(config), config)
                 if args.impls != "all":
                     impls = {k: impl for k, impl in impls.items() if k in args.impls.split(",")}
-                bar = Progress(len(shapes) * len(tps) * (len(impls) + 2), "bench")
+                steps = len(impls) + 2 + ("ours_triton" in impls and args.sum_pi_squared_rounds > 0)
+                bar = Progress(len(shapes) * len(tps) * steps, "bench")
             measure_config(entry, impls, inputs, args, timer, bar)
             report["results"].append(entry)
             json_path.write_text(json.dumps(report, indent=1))
