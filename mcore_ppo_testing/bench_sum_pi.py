@@ -15,6 +15,7 @@ elsewhere (:func:`wall_ms`, for the CPU smoke test at tiny shapes).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,22 @@ def gpu_timer(hide_host_latency: bool) -> Callable[[Callable[[], Any]], float]:
     from mcore_ppo_testing.bench import event_times
 
     return lambda fn: event_times(fn, 1, hide_host_latency=hide_host_latency)[0]
+
+
+def record_sum_pi_squared(entry: dict, fn: Any, inputs: Any, rounds: int, timer: Any, bar: Any) -> None:
+    """bench_head's step: :func:`sum_pi_squared_overhead` of ``ours_triton`` (``fn``, with its
+    ``backend``) at one shard, into ``entry["sum_pi_squared"]`` (skipped where ``ours_triton``
+    failed), a line on stderr, and the progress bar's step."""
+    label = f"{entry['shape']} tp{entry['tp']}"
+    if "error" not in entry["impls"].get("ours_triton", {}):
+        entry["sum_pi_squared"] = res = sum_pi_squared_overhead(
+            inputs.x, inputs.w, inputs.labels, entry["temperature"], fn.backend, rounds=rounds,
+            time_call=gpu_timer(timer.hide_host_latency),
+        )  # fmt: skip
+        print(
+            f"{label} Σπ² forward ratio {res['fwd_ratio']:.4f}, no-grad {res['nograd_fwd_ratio']:.4f}", file=sys.stderr
+        )
+    bar.update(f"{label} sum_pi_squared")
 
 
 def sum_pi_squared_overhead(

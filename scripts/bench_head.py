@@ -54,6 +54,7 @@ from mcore_ppo_testing.bench import (
     print_table,
     rel_err,
 )
+from mcore_ppo_testing.bench_sum_pi import record_sum_pi_squared
 from mcore_ppo_testing.reports import DefaultsHelpFormatter
 
 
@@ -333,17 +334,8 @@ def measure_config(entry: dict, impls: dict, inputs: HeadInputs, args, timer: Ti
             traceback.print_exc()
         torch.cuda.empty_cache()
         bar.update(f"{label} {name}")
-    if "ours_triton" in impls and args.sum_pi_squared_rounds > 0 and "error" not in entry["impls"]["ours_triton"]:
-        from mcore_ppo_testing.bench_sum_pi import gpu_timer, sum_pi_squared_overhead
-
-        entry["sum_pi_squared"] = res = sum_pi_squared_overhead(
-            inputs.x, inputs.w, inputs.labels, temperature, impls["ours_triton"][0].backend,
-            rounds=args.sum_pi_squared_rounds, time_call=gpu_timer(timer.hide_host_latency),
-        )  # fmt: skip
-        print(
-            f"{label} Σπ² forward ratio {res['fwd_ratio']:.4f}, no-grad {res['nograd_fwd_ratio']:.4f}", file=sys.stderr
-        )
-        bar.update(f"{label} sum_pi_squared")
+    if "ours_triton" in impls and args.sum_pi_squared_rounds > 0:
+        record_sum_pi_squared(entry, impls["ours_triton"][0], inputs, args.sum_pi_squared_rounds, timer, bar)
     entry["floor_after"] = measure_floor(inputs, timer)
 
 
@@ -367,10 +359,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="hidden: GPU time, the host's work queued behind a spin as inside a model step; exposed: from an idle GPU",
     )
     parser.add_argument("--reps", type=int, default=5, help="timed calls per implementation and shape")
-    parser.add_argument(
-        "--sum-pi-squared-rounds", type=int, default=10,
-        help="rounds of ours_triton's forward without / with Σπ² (alternating order); 0 skips it",
-    )  # fmt: skip
+    parser.add_argument("--sum-pi-squared-rounds", type=int, default=10, help="ours_triton without / with Σπ²; 0: no")
     parser.add_argument("--tune", action="store_true", help="pick the Triton tile configs by timing first")
     parser.add_argument("--out", default="docs/benchmarks", help="folder for the JSON / PNG files")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")

@@ -104,6 +104,24 @@ def test_sum_pi_squared_overhead_runs_on_cpu_at_a_tiny_shape(backend):
         assert res[f"{mode}_ms"] > 0 and res[f"{mode}_sum_pi_squared_ms"] > 0 and res[f"{mode}_ratio"] > 0
 
 
+def test_bench_head_records_sum_pi_squared_per_entry(monkeypatch):
+    """The step bench_head runs after ``ours_triton`` (the GPU timer replaced by the wall clock)."""
+    import torch
+
+    from mcore_ppo_testing import bench_sum_pi
+
+    monkeypatch.setattr(bench_sum_pi, "gpu_timer", lambda hide: bench_sum_pi.wall_ms)
+    steps = []
+    bar = type("Bar", (), {"update": lambda self, label: steps.append(label)})()
+    inputs = bench.HeadInputs(torch.randn(6, 8), torch.randn(20, 8), torch.arange(6), torch.ones(6), torch.ones(6))
+    entry = {"shape": "tiny", "tp": 1, "temperature": 0.7, "impls": {"ours_triton": {}}}
+    bench_sum_pi.record_sum_pi_squared(entry, bench.ours("torch"), inputs, 2, bench.Timer(), bar)
+    assert entry["sum_pi_squared"]["rounds"] == 2 and steps == ["tiny tp1 sum_pi_squared"]
+    failed = {"shape": "tiny", "tp": 1, "temperature": 0.7, "impls": {"ours_triton": {"error": "x"}}}
+    bench_sum_pi.record_sum_pi_squared(failed, bench.ours("torch"), inputs, 2, bench.Timer(), bar)
+    assert "sum_pi_squared" not in failed
+
+
 def _interpreting() -> bool:
     import os
 
