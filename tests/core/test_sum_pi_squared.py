@@ -24,7 +24,7 @@ from head_checks import OUT_RTOL, TRITON_ON_CPU, make_case
 import mcore_ppo
 from mcore_ppo.backends import TorchBackend, TorchConfig
 from mcore_ppo.head_call import run_head
-from mcore_ppo.options import DEFAULT_LAYOUT, HeadOptions
+from mcore_ppo.options import DEFAULT_LAYOUT, HeadOptions, HiddenGrad, Layout, TokenOrder
 from mcore_ppo_testing.reference import assert_close, sum_pi_squared_reference
 from mcore_ppo_testing.seeds import base_seed, generator, next_seed
 
@@ -203,6 +203,26 @@ def test_the_returns_and_the_options_object():
         hidden, weight, labels, backend="torch", return_entropy=False, return_sum_pi_squared=True
     )
     assert entropy is None and torch.equal(sp, out[2])
+
+
+def test_flat_token_order_with_a_partial_d_hidden():
+    """The layout verl's route runs (``TokenOrder.FLAT``, ``HiddenGrad.PARTIAL``): ``run_head``
+    with ``HeadOptions(return_sum_pi_squared=True)`` gives ``[N]`` Σπ² in memory order."""
+    gen = generator(next_seed())
+    hidden = torch.randn(5, 2, 8, generator=gen)
+    weight = torch.randn(13, 8, generator=gen)
+    labels = torch.randint(0, 13, (5, 2), generator=gen)
+    labels[0, 1] = -100
+    temperature = 0.3 + torch.rand(5, 2, generator=gen)
+    layout = Layout(TokenOrder.FLAT, HiddenGrad.PARTIAL)
+    options = HeadOptions(backend="torch", return_sum_pi_squared=True, return_entropy=False)
+    x = hidden.clone().requires_grad_(True)
+    log_probs, entropy, sp = run_head(x, weight, labels, temperature, options, tp_group=None, layout=layout)
+    assert entropy is None and log_probs.shape == sp.shape == (10,)
+    ref = sum_pi_squared_reference(hidden.reshape(10, 8), weight, labels.reshape(10), temperature.reshape(10))
+    assert_close(sp, ref, name="sum_pi_squared[flat]", dtype=torch.float32, rtol=OUT_RTOL)
+    log_probs.sum().backward()
+    assert x.grad is not None
 
 
 def test_no_gradient_flows():
