@@ -51,7 +51,8 @@ def record_sum_pi_squared(entry: dict, fn: Any, inputs: Any, rounds: int, timer:
             time_call=gpu_timer(timer.hide_host_latency),
         )  # fmt: skip
         print(
-            f"{label} Σπ² forward ratio {res['fwd_ratio']:.4f}, no-grad {res['nograd_fwd_ratio']:.4f}", file=sys.stderr
+            f"{label} Σπ² forward ratio {res['fwd_ratio']:.4f}, no-grad {res['nograd_fwd_ratio']:.4f}",
+            file=sys.stderr,
         )
     bar.update(f"{label} sum_pi_squared")
 
