@@ -55,6 +55,7 @@ import torch
 
 from mcore_ppo.integrations.import_hook import AfterImportHook, backend_from_environment
 from mcore_ppo.integrations.verl.engine import WRAPPERS, current_call_site
+from mcore_ppo.integrations.verl.step_outputs import current_collector
 from mcore_ppo.logs import log_once, logger
 
 __all__ = [
@@ -127,17 +128,25 @@ def linear_cross_entropy(
     if site is not None and not site.return_entropy:
         extra["return_entropy"] = False
     backend = backend_from_environment(ENV_BACKEND)
-    outputs = compat_linear_cross_entropy(
-        hidden,
-        weight,
-        labels,
-        temperature,
-        reduction,
-        dist_process_group,
-        backend=backend,
-        reduce_hidden_grad=reduce_here,
-        **extra,
-    )
+    collector = current_collector()
+    if collector is not None and collector.wants_head_outputs and reduction in (None, "none"):
+        # verl's micro-batch asked for Σπ² or top-k distillation: the same call, more outputs.
+        outputs = collector.run_head(
+            hidden, weight, labels, temperature, dist_process_group, reduce_hidden_grad=reduce_here,
+            return_entropy=site is None or site.return_entropy, backend=backend,
+        )  # fmt: skip
+    else:
+        outputs = compat_linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            temperature,
+            reduction,
+            dist_process_group,
+            backend=backend,
+            reduce_hidden_grad=reduce_here,
+            **extra,
+        )
     log_once(
         logging.INFO,
         ("verl-on", backend, tp, sequence_parallel),
