@@ -122,3 +122,61 @@ def test_without_the_plugin_verls_fused_path_drops_topk_distillation():
     with verl_engine.plugin_on("torch"):
         mine = verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, backward=False)
     assert "distillation_losses" in mine.outputs and "log_probs" not in mine.outputs
+
+
+def _bad_batch(seed: int, change):
+    """A distillation_only micro-batch whose teacher tensors ``change(ids, logps)`` returns."""
+    teacher = verl_distill.random_teacher(LENGTHS, VOCAB, K, seed + 1)
+    ids, logps = change([t.clone() for t in teacher[0]], [t.clone() for t in teacher[1]])
+    gen = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+    return verl_distill.make_distill_batch(
+        sequences, 0.9, (ids, logps), prompt_lengths=PROMPTS, distillation_only=True,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )  # fmt: skip
+
+
+def _first(values, value):
+    values[1][3, 2] = value
+    return values
+
+
+@pytest.mark.usefixtures("verl_modules")
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda i, p: (_first(i, VOCAB), p), ValueError, r"teacher_ids must be in \[0, 64\)"),
+        (lambda i, p: (_first(i, -1), p), ValueError, r"teacher_ids must be in \[0, 64\)"),
+        (lambda i, p: (i, [x[:, :-1] for x in p]), ValueError, "same shape"),
+        (lambda i, p: ([x.float() for x in i], p), TypeError, "teacher_ids must be an integer tensor"),
+        (lambda i, p: (i, [x.long() for x in p]), TypeError, "teacher_logprobs must be a floating-point"),
+    ],
+    ids=["id-above-vocab", "negative-id", "k-mismatch", "float-ids", "integer-logprobs"],
+)
+def test_bad_teacher_inputs_raise_naming_the_argument(change, error, match):
+    model = _model()
+    configs = verl_distill.distill_configs(K, CLAMP, distillation_only=True)
+    batch = _bad_batch(next_seed(), change)
+    with verl_engine.plugin_on("torch"), pytest.raises(error, match=match):
+        verl_distill.distill_step(model, batch, configs, use_fused_kernels=True)
+
+
+@pytest.mark.usefixtures("verl_modules")
+def test_a_loss_that_needs_the_logits_is_refused_not_given_a_wrong_answer():
+    """A logits processor that reads the student's logits itself (not through verl's
+    ``_VocabParallelKLDivergence``) gets a RuntimeError on the fused path, never made-up values;
+    so does one that computes nothing, and a missing loss function is a TypeError."""
+    model = _model()
+    batch = _bad_batch(next_seed(), lambda i, p: (i, p))
+
+    def own_loss(student_logits=None, **kwargs):
+        return {"distillation_losses": torch.logsumexp(student_logits, dim=-1)}
+
+    with verl_engine.plugin_on("torch"):
+        engine = verl_engine.make_engine(model, use_fused_kernels=True)
+        with pytest.raises(RuntimeError, match="no student logits"):
+            type(engine).forward_step(engine, iter([batch]), model, own_loss, None)
+        with pytest.raises(RuntimeError, match="did not compute the top-k KL"):
+            type(engine).forward_step(engine, iter([batch]), model, lambda **kwargs: {}, None)
+        with pytest.raises(TypeError, match="logits_processor_func"):
+            type(engine).forward_step(engine, iter([batch]), model, None, None)
