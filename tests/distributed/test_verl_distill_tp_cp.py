@@ -12,7 +12,8 @@ combines the shards' statistics and reduces ``d_hidden`` once (SP: verl's gather
 Under CP each rank holds its zigzag part of the tokens and verl gathers the outputs.
 
 Layouts on the 4-rank world: TP 2 with SP off and on (the other two ranks a second
-data-parallel replica) and TP 2 × CP 2.
+data-parallel replica) and TP 2 × CP 2 (SP off, on). A bad teacher id on one TP rank raises
+on every rank (the head's shared verdict), none left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ TEMPERATURES = [0.7, 1.3, 0.9]
 OUT_TOL = 2e-6  # |a - b| <= OUT_TOL (1 + |b|): the head's fp32 against verl's fp64 logits (fp32 outputs)
 GRAD_TOL = 1e-5  # normwise per parameter; a TP factor gives O(1)
 OUTPUT_SCALE, CLAMP = 25.0, -5.0
-LAYOUTS = [(2, 1, False), (2, 1, True), (2, 2, True)]
+LAYOUTS = [(2, 1, False), (2, 1, True), (2, 2, False), (2, 2, True)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,4 +97,22 @@ def test_verl_topk_distillation_tp_sp_cp_equals_verls_logits_path(check, distill
         if "distillation_losses" not in theirs.outputs or ("log_probs" in theirs.outputs) == distillation_only:
             check.fail(f"verl's logits path returned {sorted(theirs.outputs)}")
         _compare(check, mine, theirs, what)
+    check.done()
+
+
+def test_a_bad_teacher_id_on_one_tp_rank_raises_on_every_rank(check):
+    from megatron.core import parallel_state
+
+    seed = shared_seed()
+    configs = verl_distill.distill_configs(K, CLAMP, distillation_only=True)
+    check.case("TP2 SP=off, rank 0 of each TP group with a teacher id = V")
+    with model_parallel(2, 1):
+        model = _model(seed, False)
+        batch = _batch(seed, distill=True, distillation_only=True)
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            ids = batch["teacher_ids"].values()
+            ids[3, 1] = VOCAB
+        match = "teacher_ids must be in" if parallel_state.get_tensor_model_parallel_rank() == 0 else "another rank"
+        with verl_engine.plugin_on("torch"):
+            check.raises(ValueError, match, verl_distill.distill_step, model, batch, configs, use_fused_kernels=True)
     check.done()
