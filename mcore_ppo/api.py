@@ -24,7 +24,8 @@ def fused_log_probs_and_entropy(
     return_entropy: bool | None = None,
     validate: bool | None = None,
     accumulate_into_main_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_sum_pi_squared: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-token ``log p(label)`` and entropy of ``softmax(hidden @ W.T / temperature)``.
 
     The ``[tokens, V]`` logits are never materialised: each TP rank computes softmax
@@ -51,7 +52,8 @@ def fused_log_probs_and_entropy(
         sequence_parallel: hidden arrives sequence-sharded over TP; the head all-gathers it
             and reduce-scatters ``d_hidden`` back to this rank's shard.
         options: a :class:`~mcore_ppo.options.HeadOptions` (built and validated once, reused
-            across calls); the four keywords below, when given, replace its fields.
+            across calls); the four keywords below and ``return_sum_pi_squared``, when given,
+            replace its fields.
         ignore_index: label value of tokens whose outputs and gradients are zero (default -100).
         backend: ``"auto"`` (default), ``"torch"``, ``"triton"`` or a backend object, e.g.
             ``TritonBackend(TritonConfig(buffer_budget_bytes=...))`` (docs/kernels.md).
@@ -62,12 +64,17 @@ def fused_log_probs_and_entropy(
             NaN outputs for their tokens. Default :data:`mcore_ppo.validation.VALIDATE_DEFAULT`.
         accumulate_into_main_grad: the weight gradient goes into ``weight.main_grad`` (fp32), as
             Megatron's gradient-accumulation fusion does; autograd then gets zeros.
+        return_sum_pi_squared: True returns a third output, ``Σ_v softmax(z/T)_v²`` per token
+            (verl's optimal token baseline ``w_t = 1 − 2π_t + Σπ²``), from the same pass and the
+            same TP all-reduce; fp32, in ``[1/V, 1]``, 0 for ignored tokens, detached (no
+            gradient flows from it). Works with ``return_entropy=False``.
 
     Returns:
         ``(log_probs, entropy)``, fp32 (fp64 with ``k`` ids and fp64 inputs), shaped like
         ``labels`` (the entropy per token), identical on every TP rank (``entropy`` None with
         ``return_entropy=False``). Gradients flow to ``hidden`` (reduced over TP exactly once)
-        and to ``weight``.
+        and to ``weight``. With ``return_sum_pi_squared``: ``(log_probs, entropy,
+        sum_pi_squared)``, the third per token like ``entropy``.
 
     Raises:
         TypeError: an argument of the wrong type (naming it).
@@ -76,7 +83,7 @@ def fused_log_probs_and_entropy(
     """
     return _call(
         hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend,
-        return_entropy, validate, accumulate_into_main_grad, ids=None,
+        return_entropy, validate, accumulate_into_main_grad, return_sum_pi_squared, ids=None,
     )  # fmt: skip
 
 
@@ -94,27 +101,34 @@ def fused_log_probs_at(
     return_entropy: bool | None = None,
     validate: bool | None = None,
     accumulate_into_main_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_sum_pi_squared: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A student's ``log q`` at ``k`` ids per token (e.g. a teacher's top-k from
     :func:`mcore_ppo.fused_topk`), and its entropy: :func:`fused_log_probs_and_entropy` with
     ``labels`` that must carry the trailing ``k`` dim (``[b, s, k]`` for hidden ``[s, b, h]``,
     ``[n, k]`` for ``[n, h]``, ``k >= 1``; under CP this rank's tokens). The same arguments,
-    checks, layouts and gradients; ``log_probs`` ``[..., k]``, ``entropy`` per token."""
+    checks, layouts and gradients; ``log_probs`` ``[..., k]``, ``entropy`` (and with
+    ``return_sum_pi_squared`` ``sum_pi_squared``) per token."""
     return _call(
         hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend,
-        return_entropy, validate, accumulate_into_main_grad, ids=True,
+        return_entropy, validate, accumulate_into_main_grad, return_sum_pi_squared, ids=True,
     )  # fmt: skip
 
 
 def _call(
     hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend, return_entropy,
-    validate, accumulate_into_main_grad, *, ids: bool | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    validate, accumulate_into_main_grad, return_sum_pi_squared, *, ids: bool | None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Both functions' call: their own argument checks (shared as ``prior_error``), then the head."""
     (options, layout), error = attempt(
         lambda: (
             call_options(
-                options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
+                options,
+                ignore_index=ignore_index,
+                backend=backend,
+                return_entropy=return_entropy,
+                validate=validate,
+                return_sum_pi_squared=return_sum_pi_squared,
             ),
             megatron_layout(sequence_parallel, accumulate_into_main_grad),
         ),

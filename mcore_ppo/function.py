@@ -5,6 +5,10 @@ Forward (one rank, its vocab shard ``[vocab_start, vocab_start + v)``):
      the backend returns a residual for its backward (the triton buffer);
   2. the cross-rank combine (:func:`parallel.combine_shard_statistics`): MAX, then one SUM;
   3. ``log_prob = y - lse`` and ``entropy = H``, zero for ignored tokens.
+With ``plan.return_sum_pi_squared`` the statistics carry ``q = Σ exp(2(z - m))`` too, packed into
+the same SUM, and a third output ``Σπ² = Q / S²`` (clamped to ``[1/V, 1]``, zero for ignored
+tokens) comes out of step 3; it is marked non-differentiable (verl uses it as a weight, not a
+loss), so no gradient reaches it and none flows from it.
 With one label per token, a backend whose :attr:`~mcore_ppo.backends.base.Capabilities.fused_forward`
 is set (the triton one) runs the three steps itself, the label preparation and step 3 in its
 kernels, with the same results. With ``k`` ids per token (labels ``[n, k]``) the statistics are
@@ -83,6 +87,8 @@ class ShardPlan:
         tp_group: the group the statistics are combined over (None: one rank).
         weight_grad: where the weight gradient goes (autograd, or Megatron's ``main_grad``).
         return_entropy: False: no entropy work anywhere; the second output is None.
+        return_sum_pi_squared: True: the third output is Σπ² per token (no gradient); False:
+            None, and no work for it anywhere.
         labels_checked: every label is known to be in ``[0, vocab_size)`` or ``ignore_index``
             (the caller validated them); False: a label outside gets a NaN log-prob here.
     """
@@ -96,6 +102,7 @@ class ShardPlan:
     weight_grad: WeightGrad = WeightGrad.GRAD
     return_entropy: bool = True
     labels_checked: bool = False
+    return_sum_pi_squared: bool = False
 
 
 def shard_head(
@@ -104,13 +111,13 @@ def shard_head(
     labels: torch.Tensor,
     plan: ShardPlan,
     temperature: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(log_prob, entropy [n] or None)``, fp32 (fp64 for fp64 inputs with ``k`` ids), for
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(log_prob, entropy [n] or None, sum_pi_squared [n] or None)``, fp32 (fp64 for fp64 inputs with ``k`` ids), for
     ``hidden [n, h]``, this rank's ``weight [v, h]`` and global int64 ``labels``: ``[n]`` (one
     label per token; ``log_prob [n]``) or ``[n, k]`` (``k`` ids; ``log_prob [n, k]``).
     Differentiable once (this rank's partial ``d_hidden``). ``temperature``: per-token ``[n]``
     (fp32, fp64 for fp64 inputs, contiguous, validated), used instead of ``plan.temperature``;
-    it gets no gradient."""
+    it gets no gradient. ``sum_pi_squared`` (with ``plan.return_sum_pi_squared``) is detached."""
     # Decided here, where grad mode is still visible: a backend keeps backward buffers only
     # when a backward can follow.
     grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -120,8 +127,8 @@ def shard_head(
         # No graph to record: the forward alone, without the autograd Function's own host cost
         # (its outputs would carry no gradient either way).
         with autocast_off(hidden.device):
-            log_prob, entropy, _ = _forward(hidden, weight, labels, plan, False, temperature)
-        return log_prob, entropy
+            log_prob, entropy, _, sum_pi_squared = _forward(hidden, weight, labels, plan, False, temperature)
+        return log_prob, entropy, sum_pi_squared
     return FusedPPOHeadFunction.apply(hidden, weight, labels, plan, grad_needed, temperature)
 
 
@@ -143,8 +150,14 @@ def weight_grad_buffer(weight: torch.Tensor, plan: ShardPlan) -> tuple[torch.Ten
     return torch.zeros(weight.shape, dtype=accumulation_dtype(weight.dtype), device=weight.device), False
 
 
-def _combine(m, s, u, y, *, tp_group: ProcessGroup):
-    return combine_shard_statistics(m, s, u, y, tp_group)
+def _combine(m, s, u, y, q=None, *, tp_group: ProcessGroup):
+    return combine_shard_statistics(m, s, u, y, tp_group, q)
+
+
+def _sum_pi_squared_flag(plan: ShardPlan) -> dict:
+    """The backends' keyword for Σπ², given only when it is asked for (a backend built before
+    the option existed keeps working without it)."""
+    return {"with_sum_pi_squared": True} if plan.return_sum_pi_squared else {}
 
 
 def _forward(
@@ -176,6 +189,7 @@ def _forward(
             with_entropy=plan.return_entropy,
             max_entropy=max_entropy(plan.vocab_size, torch.float32),
             combine=combine,
+            **_sum_pi_squared_flag(plan),
         )
         if result is not None:
             return result
@@ -202,10 +216,10 @@ def _label_forward(
         in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
         local_labels = torch.where(in_shard, local_labels, -1)
     stats = plan.backend.shard_statistics(
-        hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, with_entropy=plan.return_entropy
-    )
-    m, s, u, y = stats.tensors()
-    lse, entropy, label_logit = combine_shard_statistics(m, s, u, y, plan.tp_group)
+        hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, with_entropy=plan.return_entropy,
+        **_sum_pi_squared_flag(plan),
+    )  # fmt: skip
+    lse, entropy, label_logit, *square = combine_shard_statistics(*stats.tensors(), plan.tp_group, stats.q)
     # Rounding can push log p a hair above 0; the math forbids it.
     log_prob = torch.where(valid, (label_logit - lse).clamp_(max=0.0), 0.0)
     if not plan.labels_checked:
@@ -213,7 +227,8 @@ def _label_forward(
         # poisons its log-prob instead of returning a plausible number.
         log_prob = log_prob.masked_fill(valid & ((labels < 0) | (labels >= plan.vocab_size)), torch.nan)
     entropy_out = _entropy_output(entropy, valid, plan.vocab_size)
-    return HeadForward(log_prob, entropy_out, SavedTokens(local_labels, valid, lse, entropy, stats.residual))
+    saved = SavedTokens(local_labels, valid, lse, entropy, stats.residual)
+    return HeadForward(log_prob, entropy_out, saved, sum_pi_squared_output(square, valid, plan.vocab_size))
 
 
 def _ids_forward(
@@ -234,10 +249,10 @@ def _ids_forward(
     local_ids = torch.where(in_shard, local, -1)
     no_label = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     stats = plan.backend.shard_statistics(
-        hidden, weight, no_label, valid, temperature, grad_needed=grad_needed, with_entropy=plan.return_entropy
-    )
-    m, s, u, y = stats.tensors()
-    lse, entropy, _ = combine_shard_statistics(m, s, u, y, plan.tp_group)
+        hidden, weight, no_label, valid, temperature, grad_needed=grad_needed, with_entropy=plan.return_entropy,
+        **_sum_pi_squared_flag(plan),
+    )  # fmt: skip
+    lse, entropy, _, *square = combine_shard_statistics(*stats.tensors(), plan.tp_group, stats.q)
     logits = plan.backend.gather_logits(hidden, weight, local_ids, temperature)
     if group_size(plan.tp_group) > 1:
         # Each id lives on one rank; the others add exact zeros.
@@ -247,7 +262,7 @@ def _ids_forward(
     log_q = log_q.masked_fill((ids != plan.ignore_index) & ~in_range, torch.nan)
     entropy_out = _entropy_output(entropy, valid, plan.vocab_size)
     saved = SavedTokens(no_label, valid, lse, entropy, stats.residual, local_ids, slot_ok)
-    return HeadForward(log_q, entropy_out, saved)
+    return HeadForward(log_q, entropy_out, saved, sum_pi_squared_output(square, valid, plan.vocab_size))
 
 
 def _entropy_output(entropy: torch.Tensor | None, valid: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -257,9 +272,19 @@ def _entropy_output(entropy: torch.Tensor | None, valid: torch.Tensor, vocab_siz
     return torch.where(valid, entropy.clamp(min=0.0, max=max_entropy(vocab_size, entropy.dtype)), 0.0)
 
 
+def sum_pi_squared_output(square: list[torch.Tensor], valid: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Σπ² of the combine (``square``: ``[Q / S²]``, or empty when it was not asked for),
+    clamped to ``[1/V, 1]`` (its exact range: rounding can push it a hair outside; NaN stays
+    NaN) and 0 for ignored tokens."""
+    if not square:
+        return None
+    return torch.where(valid, square[0].clamp(min=1.0 / vocab_size, max=1.0), 0.0)
+
+
 class FusedPPOHeadFunction(torch.autograd.Function):
     """``(hidden [n,h], weight [v,h], labels [n] or [n, k], plan, grad_needed, temperature [n]
-    or None) → (log_prob [n] or [n, k], entropy [n] or None)``.
+    or None) → (log_prob [n] or [n, k], entropy [n] or None, sum_pi_squared [n] or None)``;
+    the third output is non-differentiable.
 
     ``labels`` are global vocab ids (or ``plan.ignore_index``); this rank owns rows
     ``[plan.vocab_start, plan.vocab_start + v)`` of the global vocab. Call it through
@@ -271,7 +296,9 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.device = hidden.device
         with autocast_off(hidden.device):
-            log_prob, entropy_out, saved = _forward(hidden, weight, labels, plan, grad_needed, temperature)
+            log_prob, entropy_out, saved, sum_pi_squared = _forward(
+                hidden, weight, labels, plan, grad_needed, temperature
+            )
         ctx.save_for_backward(
             hidden,
             weight,
@@ -286,10 +313,12 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         ctx.plan = plan
         # Not a saved tensor: the one backward that uses it takes it (see backward).
         ctx.residual = saved.residual
-        return log_prob, entropy_out
+        if sum_pi_squared is not None:
+            ctx.mark_non_differentiable(sum_pi_squared)
+        return log_prob, entropy_out, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_prob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+    def backward(ctx, grad_log_prob: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_sum_pi_squared=None):
         refuse_double_backward()
         with autocast_off(ctx.device):
             return FusedPPOHeadFunction._backward(ctx, grad_log_prob, grad_entropy)

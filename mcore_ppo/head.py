@@ -41,9 +41,10 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         init_method: weight initialiser, as for ``ColumnParallelLinear``.
         temperature: the default temperature of the fused path, a number (a call may
             override it, also with a per-token tensor); checked when set.
-        ignore_index, backend, return_entropy, validate: the fused path's options
-            (:class:`mcore_ppo.options.HeadOptions`; ``return_entropy=False`` makes the fused
-            path return ``(log_probs, None)``; ``validate`` None takes the default; a backend
+        ignore_index, backend, return_entropy, validate, return_sum_pi_squared: the fused path's
+            options (:class:`mcore_ppo.options.HeadOptions`; ``return_entropy=False`` makes the
+            fused path return ``(log_probs, None)``, ``return_sum_pi_squared=True`` makes it
+            return ``(log_probs, entropy, sum_pi_squared)``; ``validate`` None takes the default; a backend
             object such as ``TritonBackend(TritonConfig(...))`` carries its own settings), or
             ``options``, a ``HeadOptions`` whose fields these keywords replace when given. The
             head keeps them as one :class:`HeadOptions` (:attr:`options`), built here and
@@ -80,13 +81,15 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         output_dtype: torch.dtype | None = None,
         return_entropy: bool | None = None,
         validate: bool | None = None,
+        return_sum_pi_squared: bool | None = None,
         **kwargs,
     ) -> None:
         if bias:
             raise ValueError("VocabParallelFusedPPOHead has no bias (bias must be False): output layers have none")
         options = call_options(
-            options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
-        )
+            options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate,
+            return_sum_pi_squared=return_sum_pi_squared,
+        )  # fmt: skip
         temperature = validation.check_temperature(temperature)
         if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
             raise TypeError(f"output_dtype must be a torch.dtype or None, got {type(output_dtype).__name__}")
@@ -130,8 +133,10 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         reduction: str = "none",
         ignore_index: int | None = None,
         return_entropy: bool | None = None,
+        return_sum_pi_squared: bool | None = None,
     ):
-        """``(log_probs, entropy)`` for ``labels``, or ``(logits, None)`` when ``labels`` is None.
+        """``(log_probs, entropy)`` for ``labels`` (``(log_probs, entropy, sum_pi_squared)`` with
+        ``return_sum_pi_squared``), or ``(logits, None)`` when ``labels`` is None.
 
         Args:
             input_: hidden states ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism),
@@ -154,6 +159,8 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
                 head's), as a 0-d tensor.
             return_entropy: overrides the head's ``return_entropy`` for this call (None: keep it);
                 False returns ``(log_probs, None)``.
+            return_sum_pi_squared: overrides the head's ``return_sum_pi_squared`` for this call
+                (None: keep it); True adds Σπ² per token as a third output (fp32, no gradient).
         """
         if output_cross_entropy_loss:
             if labels is None:
@@ -162,8 +169,13 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         if labels is None:
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         options, error = self.options, None
+        changes = {}
         if return_entropy is not None and return_entropy is not options.return_entropy:
-            options, error = attempt(lambda: dataclasses.replace(self.options, return_entropy=return_entropy), options)
+            changes["return_entropy"] = return_entropy
+        if return_sum_pi_squared is not None and return_sum_pi_squared is not options.return_sum_pi_squared:
+            changes["return_sum_pi_squared"] = return_sum_pi_squared
+        if changes:
+            options, error = attempt(lambda: dataclasses.replace(self.options, **changes), options)
         # A number or a tensor here overrides the stored temperature for this call.
         temperature = self.temperature if temperature is None else temperature
         return self._run(input_, self._weight(weight), labels, options, temperature, error)
@@ -182,7 +194,9 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         def loss_options() -> HeadOptions:
             if reduction not in _LOSS_REDUCTIONS:
                 raise ValueError(f"reduction must be one of {_LOSS_REDUCTIONS}, got {reduction!r}")
-            return dataclasses.replace(self.options, ignore_index=ignore, return_entropy=False)
+            return dataclasses.replace(
+                self.options, ignore_index=ignore, return_entropy=False, return_sum_pi_squared=False
+            )
 
         options, error = attempt(loss_options, self.options)
         # The language-model loss has no sampling temperature: T = 1 whatever the head's default.
@@ -212,7 +226,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         options: HeadOptions,
         temperature: float | torch.Tensor,
         error: Exception | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, ...]:
         # Labels with a trailing k dim are k ids per token (distillation's student side).
         layout = megatron_layout(self.sequence_parallel, self.gradient_accumulation_fusion)
         return run_head(

@@ -67,8 +67,9 @@ def run_head(
     layout: Layout,
     ids: bool | None = None,
     prior_error: Exception | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token ``(log_probs, entropy)`` of ``softmax(hidden @ weight.T / T)`` over the TP-sharded vocab.
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per-token ``(log_probs, entropy)`` of ``softmax(hidden @ weight.T / T)`` over the TP-sharded vocab
+    (``(log_probs, entropy, sum_pi_squared)`` with ``options.return_sum_pi_squared``).
 
     Args:
         hidden, weight, labels: as for :func:`mcore_ppo.fused_log_probs_and_entropy` in
@@ -92,6 +93,10 @@ def run_head(
         fp32 ``(log_probs, entropy)``, identical on every TP rank, shaped like ``labels`` (``[N]``
         in the flat order; ``entropy`` per token with ``k`` ids); zero where labels equal
         ``options.ignore_index``. ``entropy`` is None when ``options.return_entropy`` is False.
+        With ``options.return_sum_pi_squared`` a third output, ``sum_pi_squared``: per token
+        (like ``entropy``) ``Σ_v softmax(z/T)_v²``, fp32, in ``[1/V, 1]``, 0 for ignored
+        tokens, identical on every TP rank, detached (no gradient); NaN for a token whose
+        temperature is bad when ``validate`` is off.
     """
     call = check_call(hidden, weight, labels, temperature, options, tp_group, layout, ids, prior_error=prior_error)
     return _execute(call, hidden, weight, options, tp_group, layout)
@@ -199,7 +204,7 @@ def _execute(
     options: HeadOptions,
     tp_group: ProcessGroup | None,
     layout: Layout,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, ...]:
     """Prepare the tokens, run the Function, return the outputs in the labels' layout."""
     # The one TP reduction of d_hidden lives in this mapping's backward (or in the caller's).
     if layout.hidden_grad is HiddenGrad.SEQUENCE_PARALLEL and call.tp_size > 1:
@@ -223,17 +228,21 @@ def _execute(
         weight_grad=layout.weight_grad,
         return_entropy=options.return_entropy,
         labels_checked=options.validate,
+        return_sum_pi_squared=options.return_sum_pi_squared,
     )
     row_temperature = call.temperature if isinstance(call.temperature, torch.Tensor) else None
-    log_probs, entropy = shard_head(hidden_rows(hidden), weight, rows, plan, row_temperature)
+    log_probs, *per_token = shard_head(hidden_rows(hidden), weight, rows, plan, row_temperature)
     if call.bad_temperature is not None and not options.validate:
         bad = call.bad_temperature
         log_probs = log_probs.masked_fill(bad[:, None] if log_probs.dim() == 2 else bad, math.nan)
-        entropy = None if entropy is None else entropy.masked_fill(bad, math.nan)
+        per_token = [None if value is None else value.masked_fill(bad, math.nan) for value in per_token]
     if one_id:
         log_probs = log_probs[:, None]
     if batch_first:
         batch, seq = labels.shape[:2]
         log_probs = from_rows(log_probs, True, batch, seq)
-        entropy = None if entropy is None else from_rows(entropy, True, batch, seq)
+        per_token = [None if value is None else from_rows(value, True, batch, seq) for value in per_token]
+    entropy, sum_pi_squared = per_token
+    if options.return_sum_pi_squared:
+        return log_probs, entropy, sum_pi_squared
     return log_probs, entropy

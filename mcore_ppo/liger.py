@@ -88,22 +88,35 @@ def liger_log_probs_and_entropy(
     ignore_index: int | None = None,
     return_entropy: bool | None = None,
     validate: bool | None = None,
+    return_sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`mcore_ppo.fused_log_probs_and_entropy`'s contract, computed by Liger-Kernel.
 
     The arguments, layouts (no sequence parallelism, one label per token) and checks are the
     head's; see the module doc for what Liger supports and how it differs.
+    ``return_sum_pi_squared`` must stay False: Liger's kernel returns whole outputs, not the
+    per-shard sums Σπ² is made of (use :func:`mcore_ppo.fused_log_probs_and_entropy`).
 
     Raises:
         TypeError, ValueError: as the head, and ValueError for a case Liger cannot run (naming
-            why) or where liger-kernel (with its fused linear scaled CE) is not installed.
+            why), for ``return_sum_pi_squared=True``, or where liger-kernel (with its fused
+            linear scaled CE) is not installed.
     """
-    options, error = attempt(
-        lambda: call_options(
-            None, ignore_index=ignore_index, backend=None, return_entropy=return_entropy, validate=validate
-        ),
-        DEFAULT_OPTIONS,
-    )
+
+    def build():
+        options = call_options(
+            None, ignore_index=ignore_index, backend=None, return_entropy=return_entropy, validate=validate,
+            return_sum_pi_squared=return_sum_pi_squared,
+        )  # fmt: skip
+        if options.return_sum_pi_squared:
+            raise ValueError(
+                "return_sum_pi_squared=True is not supported by liger_log_probs_and_entropy: Liger-Kernel's fused "
+                "linear cross-entropy returns whole outputs, not the per-shard sums Σπ² comes from; use "
+                "mcore_ppo.fused_log_probs_and_entropy(..., return_sum_pi_squared=True)"
+            )
+        return options
+
+    options, error = attempt(build, DEFAULT_OPTIONS)
     tp_group = resolve_tp_group(tp_group)
     call = check_call(
         hidden, weight, labels, temperature, options, tp_group, megatron_layout(False), ids=False,

@@ -26,6 +26,11 @@ class HeadOptions:
             ``TritonBackend(TritonConfig(buffer_budget_bytes=...))`` (docs/kernels.md).
         return_entropy: False: no entropy work anywhere (the kernels skip its sums, the TP
             combine packs one value less, the backward drops its term); the entropy output is None.
+        return_sum_pi_squared: True: a third output, per token ``Σ_v π_v²`` of the same
+            tempered softmax (verl's optimal token baseline ``w_t = 1 − 2π_t + Σπ²``), from one
+            more register sum in the same pass and one more value in the same TP all-reduce;
+            fp32, clamped to ``[1/V, 1]``, 0 for ignored tokens, detached (no gradient). False
+            (default): the outputs and the kernels are those without it.
         validate: True: the values of the inputs are checked on every device, labels in
             ``[0, V)`` or ``ignore_index`` and a temperature tensor's values in
             ``[MIN_TEMPERATURE, inf)``, a bad one raising ValueError, and the verdict of every
@@ -36,8 +41,8 @@ class HeadOptions:
             (``MCORE_PPO_VALIDATE=0`` at import turns it off).
 
     Raises:
-        TypeError: a field of the wrong type (bool is not an int here; ``return_entropy`` and
-            ``validate`` must be bools).
+        TypeError: a field of the wrong type (bool is not an int here; ``return_entropy``,
+            ``return_sum_pi_squared`` and ``validate`` must be bools).
         ValueError: an ``ignore_index`` beyond int64, or an unknown backend name.
     """
 
@@ -45,11 +50,13 @@ class HeadOptions:
     backend: str | Backend = "auto"
     return_entropy: bool = True
     validate: bool = validation.VALIDATE_DEFAULT
+    return_sum_pi_squared: bool = False
 
     def __post_init__(self) -> None:
         validation.check_ignore_index(self.ignore_index)
         check_backend(self.backend)
         validation.check_bool("return_entropy", self.return_entropy)
+        validation.check_bool("return_sum_pi_squared", self.return_sum_pi_squared)
         # None is the entry points' "not given": the documented default.
         object.__setattr__(self, "validate", validation.resolve_validate(self.validate))
 
@@ -61,6 +68,7 @@ def call_options(
     backend: str | Backend | None,
     return_entropy: bool | None,
     validate: bool | None,
+    return_sum_pi_squared: bool | None = None,
 ) -> HeadOptions:
     """An entry point's :class:`HeadOptions`: ``options`` (default: the defaults) with every
     keyword that is not None put in its place.
@@ -71,14 +79,14 @@ def call_options(
         # The types are part of the key: True == 1, but ignore_index=True is refused.
         key = (
             type(ignore_index), ignore_index, type(backend), backend, type(return_entropy), return_entropy,
-            type(validate), validate,
+            type(validate), validate, type(return_sum_pi_squared), return_sum_pi_squared,
         )  # fmt: skip
         try:
             found = _PLAIN.get(key)
         except TypeError:  # an unhashable argument: no cache, the checks name it
             found, key = None, None
         if found is None:
-            found = _from_keywords(None, ignore_index, backend, return_entropy, validate)
+            found = _from_keywords(None, ignore_index, backend, return_entropy, validate, return_sum_pi_squared)
             if key is not None:
                 if len(_PLAIN) >= 64:
                     _PLAIN.clear()
@@ -86,9 +94,10 @@ def call_options(
         return found
     if not isinstance(options, HeadOptions):
         raise TypeError(f"options must be a HeadOptions or None, got {validation.type_name(options)}")
-    if ignore_index is None and backend is None and return_entropy is None and validate is None:
+    given = (ignore_index, backend, return_entropy, validate, return_sum_pi_squared)
+    if all(value is None for value in given):
         return options
-    return _from_keywords(options, ignore_index, backend, return_entropy, validate)
+    return _from_keywords(options, *given)
 
 
 # (type, value) of each keyword of a call without an options object -> its HeadOptions (frozen:
@@ -96,11 +105,11 @@ def call_options(
 _PLAIN: dict[tuple, HeadOptions] = {}
 
 
-def _from_keywords(options, ignore_index, backend, return_entropy, validate) -> HeadOptions:
+def _from_keywords(options, ignore_index, backend, return_entropy, validate, return_sum_pi_squared) -> HeadOptions:
     fields = {} if options is None else _fields(options)
     for name, value in (
         ("ignore_index", ignore_index), ("backend", backend), ("return_entropy", return_entropy),
-        ("validate", validate),
+        ("validate", validate), ("return_sum_pi_squared", return_sum_pi_squared),
     ):  # fmt: skip
         if value is not None:
             fields[name] = value
@@ -113,6 +122,7 @@ def _fields(options: HeadOptions) -> dict:
         "backend": options.backend,
         "return_entropy": options.return_entropy,
         "validate": options.validate,
+        "return_sum_pi_squared": options.return_sum_pi_squared,
     }
 
 

@@ -6,10 +6,15 @@ Each rank holds, per token and over its own vocab shard (``z`` are the tempered 
     s = Σ_j exp(z_j - m)
     u = Σ_j exp(z_j - m) · (z_j - m)        (entropy term, relative to the shard max)
     y = z_label if the label is in the shard, else 0
+    q = Σ_j exp(2(z_j - m))                (optional: Σπ², relative to the shard max)
 
 ``u`` is kept relative to the shard's own max rather than as ``Σ exp(z-m)·z``: for logits of
 size 1e4 the absolute form makes the entropy ``lse - Tz/S`` a difference of two numbers near
 1e4 and loses three digits; the relative form keeps the entropy exact to fp32 rounding.
+
+``q`` (asked only for Σπ², verl's optimal token baseline) rescales by the square of ``s``'s
+factor, ``q·e^(2(m - M))``, and ``Σ_j π_j² = Q / S²`` with both relative to the global max ``M``:
+``Q ≥ 1`` and ``S ≥ 1`` (the argmax contributes 1 to each), so nothing under- or overflows.
 
 The same rescaling merges statistics of two vocab chunks inside one rank, so the backends
 use :func:`rescale_statistics` too.
@@ -43,14 +48,18 @@ def _rescale_factor(m: torch.Tensor, s: torch.Tensor, new_max: torch.Tensor) -> 
 
 
 def merge_statistics(
-    a: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    b: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge two ``(m, s, u)`` triples over disjoint vocab parts (online softmax)."""
+    a: tuple[torch.Tensor, ...],
+    b: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, ...]:
+    """Merge two ``(m, s, u)`` triples over disjoint vocab parts (online softmax); with a fourth
+    element ``q`` (Σπ²'s sum) in both, ``(m, s, u, q)``, ``q`` rescaled by the squared factor."""
     new_max = torch.maximum(a[0], b[0])
-    sa, ua = rescale_statistics(*a, new_max)
-    sb, ub = rescale_statistics(*b, new_max)
-    return new_max, sa + sb, ua + ub
+    sa, ua = rescale_statistics(*a[:3], new_max)
+    sb, ub = rescale_statistics(*b[:3], new_max)
+    if len(a) == 3:
+        return new_max, sa + sb, ua + ub
+    fa, fb = _rescale_factor(a[0], a[1], new_max), _rescale_factor(b[0], b[1], new_max)
+    return new_max, sa + sb, ua + ub, a[3] * (fa * fa) + b[3] * (fb * fb)
 
 
 def combine_shard_statistics(
@@ -59,34 +68,44 @@ def combine_shard_statistics(
     u: torch.Tensor | None,
     y: torch.Tensor,
     tp_group: ProcessGroup | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Combine per-shard statistics over the TP group into ``(lse, entropy, label_logit)``.
+    q: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Combine per-shard statistics over the TP group into ``(lse, entropy, label_logit)``, and
+    with ``q`` given ``(lse, entropy, label_logit, sum_pi_squared)``.
 
     Two collectives: an all-reduce MAX of ``m``, then one all-reduce SUM of the packed
-    ``[s, u, y]`` rescaled to the global max. All inputs are fp32 ``[n]``; so are the outputs.
-    ``u`` None (the entropy is off): the SUM packs only ``[s, y]`` and ``entropy`` is None.
+    ``[s, u, y]`` (with ``q``: ``[s, u, y, q]``) rescaled to the global max. All inputs are
+    fp32 ``[n]``; so are the outputs. ``u`` None (the entropy is off): the SUM packs no ``u``
+    and ``entropy`` is None. ``sum_pi_squared = Q / S²`` is not clamped here (the caller clamps
+    it to ``[1/V, 1]`` and zeroes ignored tokens).
     """
     if group_size(tp_group) == 1:
         # One shard: its statistics are already relative to its own max (rescaling them to it
         # is the identity, ~10 small kernels per call); nothing to reduce.
-        global_max, sum_exp, entropy_term, label_logit = m, s, u, y
+        global_max, sum_exp, entropy_term, label_logit, square_sum = m, s, u, y, q
     else:
         global_max = m.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        factor = None if u is not None and q is None else _rescale_factor(m, s, global_max)
         if u is None:
-            s_scaled = s * _rescale_factor(m, s, global_max)
-            packed = torch.stack([s_scaled, y])
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-            (sum_exp, label_logit), entropy_term = packed.unbind(0), None
+            rows = [s * factor, y]
         else:
-            s_scaled, u_scaled = rescale_statistics(m, s, u, global_max)
-            packed = torch.stack([s_scaled, u_scaled, y])
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-            sum_exp, entropy_term, label_logit = packed.unbind(0)
+            rows = [*rescale_statistics(m, s, u, global_max), y]
+        if q is not None:
+            rows.append(q * (factor * factor))
+        packed = torch.stack(rows)
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+        sums = list(packed.unbind(0))
+        square_sum = sums.pop() if q is not None else None
+        sum_exp, label_logit = sums[0], sums[-1]
+        entropy_term = sums[1] if u is not None else None
     log_sum_exp = torch.log(sum_exp)
     lse = global_max + log_sum_exp
-    if entropy_term is None:
-        return lse, None, label_logit
-    # H = -Σ p (z - lse) = lse - E[z] = log S - U / S   (U relative to the global max)
-    entropy = log_sum_exp - entropy_term / sum_exp
-    return lse, entropy, label_logit
+    entropy = None
+    if entropy_term is not None:
+        # H = -Σ p (z - lse) = lse - E[z] = log S - U / S   (U relative to the global max)
+        entropy = log_sum_exp - entropy_term / sum_exp
+    if q is None:
+        return lse, entropy, label_logit
+    # Σ π² = Σ e^(2(z - M)) / S² = Q / S²   (Q and S relative to the global max)
+    return lse, entropy, label_logit, square_sum / (sum_exp * sum_exp)

@@ -33,9 +33,10 @@ class ShardStatistics:
     """fp32 ``[n]`` statistics of one shard, and what the backward may reuse.
 
     ``m``: shard max of ``z``; ``s``: Σexp(z-m); ``u``: Σexp(z-m)(z-m); ``y``: ``z_label``
-    (0 if the label is not in this shard). ``residual``: the backend's own (e.g. the triton
-    backend's probability buffer), or None when the backward recomputes. ``u`` is None when
-    the entropy was not asked for (``with_entropy=False``).
+    (0 if the label is not in this shard); ``q``: Σexp(2(z-m)), the sum behind Σπ².
+    ``residual``: the backend's own (e.g. the triton backend's probability buffer), or None
+    when the backward recomputes. ``u`` is None when the entropy was not asked for
+    (``with_entropy=False``), ``q`` when Σπ² was not (``with_sum_pi_squared=False``).
     """
 
     m: torch.Tensor
@@ -43,6 +44,7 @@ class ShardStatistics:
     u: torch.Tensor | None
     y: torch.Tensor
     residual: Any = None
+    q: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """``(m, s, u, y)``, the arguments of :func:`parallel.combine_shard_statistics`."""
@@ -130,11 +132,14 @@ class Capabilities:
 class HeadForward(NamedTuple):
     """What :meth:`Backend.head_forward` returns: the head's outputs (fp32 ``[n]``, ``entropy``
     None when it is off) and what its backward needs (the ``SavedTokens`` that
-    :meth:`Backend.shard_gradients` receives; ``lse`` / ``entropy`` the combined values)."""
+    :meth:`Backend.shard_gradients` receives; ``lse`` / ``entropy`` the combined values).
+    ``sum_pi_squared``: fp32 ``[n]`` Σπ² (clamped to ``[1/V, 1]``, 0 for ignored tokens; no
+    gradient), None when it was not asked for."""
 
     log_prob: torch.Tensor
     entropy: torch.Tensor | None
     saved: SavedTokens
+    sum_pi_squared: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -160,10 +165,12 @@ class Backend(Protocol):
         *,
         grad_needed: bool,
         with_entropy: bool,
+        with_sum_pi_squared: bool = False,
     ) -> ShardStatistics:
         """This shard's statistics. ``grad_needed``: a backward will follow, so a residual for
         it may be returned (a backend keeps none otherwise). ``with_entropy`` False: ``u`` is
-        not computed (None)."""
+        not computed (None). ``with_sum_pi_squared`` True: ``q`` is computed in the same pass
+        (else None); the head passes the keyword only when it is True."""
         ...
 
     def gather_logits(
@@ -208,12 +215,15 @@ class Backend(Protocol):
         with_entropy: bool,
         max_entropy: float,
         combine: Callable | None,
+        with_sum_pi_squared: bool = False,
     ) -> HeadForward | None:
         """Called only when :attr:`Capabilities.fused_forward`: the generic forward's results for
         global int64 ``labels [n]``: ``log_prob = min(y - lse, 0)``, NaN for a label outside
         ``[0, vocab_size)`` unless ``labels_checked``; entropy clamped to ``[0, max_entropy]``;
         both 0 for ignored tokens. ``combine``: None when this shard is the whole vocab, else
         :func:`parallel.combine_shard_statistics` over the TP group as ``combine(m, s, u, y) ->
-        (lse, entropy, label_logit)``. None: these inputs are not handled here (the caller runs
-        the generic forward)."""
+        (lse, entropy, label_logit)`` (with ``with_sum_pi_squared``: ``combine(m, s, u, y, q)
+        -> (lse, entropy, label_logit, sum_pi_squared)``, and the result's ``sum_pi_squared``
+        set; the head passes the keyword only when it is True). None: these inputs are not
+        handled here (the caller runs the generic forward)."""
         ...

@@ -97,11 +97,13 @@ class TorchBackend:
         *,
         grad_needed: bool,
         with_entropy: bool,
+        with_sum_pi_squared: bool = False,
     ) -> ShardStatistics:
-        """``(m, s, u, y)`` in the accumulation dtype (``u`` None without entropy); see the Backend protocol."""
+        """``(m, s, u, y)`` in the accumulation dtype (``u`` None without entropy), and ``q``
+        with ``with_sum_pi_squared``; see the Backend protocol."""
         n, v = hidden.shape[0], weight.shape[0]
         acc = accumulation_dtype(hidden.dtype)
-        stats = torch.empty(4, n, dtype=acc, device=hidden.device)
+        stats = torch.empty(5 if with_sum_pi_squared else 4, n, dtype=acc, device=hidden.device)
         for t0, t1 in chunks(n, self.config.token_chunk):
             x, labels = hidden[t0:t1], local_labels[t0:t1]
             rows_t = _rows_of(temperature, t0, t1)
@@ -114,14 +116,19 @@ class TorchBackend:
                 e = torch.exp(shifted)
                 u = (e * shifted).sum(dim=1) if with_entropy else torch.zeros_like(m)
                 chunk_stats = (m, e.sum(dim=1), u)
+                if with_sum_pi_squared:
+                    chunk_stats = (*chunk_stats, (e * e).sum(dim=1))
                 running = chunk_stats if running is None else merge_statistics(running, chunk_stats)
                 cols, in_chunk = _label_columns(labels, v0, v1)
                 picked = z.gather(1, cols[:, None]).squeeze(1)
                 label_logit = torch.where(in_chunk, picked, label_logit)
-            stats[0, t0:t1], stats[1, t0:t1], stats[2, t0:t1] = running
+            stats[0, t0:t1], stats[1, t0:t1], stats[2, t0:t1] = running[:3]
             stats[3, t0:t1] = label_logit
-        m, s, u, y = stats.unbind(0)
-        return ShardStatistics(m, s, u if with_entropy else None, y)
+            if with_sum_pi_squared:
+                stats[4, t0:t1] = running[3]
+        m, s, u, y = stats[:4].unbind(0)
+        q = stats[4] if with_sum_pi_squared else None
+        return ShardStatistics(m, s, u if with_entropy else None, y, q=q)
 
     def gather_logits(
         self, hidden: torch.Tensor, weight: torch.Tensor, local_ids: torch.Tensor, temperature: float | torch.Tensor

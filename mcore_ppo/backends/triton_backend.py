@@ -11,7 +11,9 @@ also stores ``2^(z₂ − tile max)`` and the tile maxima as its residual
 A per-token temperature (``[n]`` tensor) reaches every kernel as a ``1/T`` vector read per row
 (their ``ROW_TEMP`` flag); a float reaches them as the scalar ``1/T``. Without the entropy
 (``with_entropy=False``) the forward kernels skip the ``u`` sums (``WITH_U``) and the backward's
-entropy term is off (``HAS_E``). ``k`` ids per token: :mod:`mcore_ppo.backends.triton_ids`.
+entropy term is off (``HAS_E``). With Σπ² (``with_sum_pi_squared=True``) they add the ``q``
+sums beside ``s`` (``WITH_Q``: one more register sum per tile, one more partial per split); its
+default variant is compiled without them. ``k`` ids per token: :mod:`mcore_ppo.backends.triton_ids`.
 
 Ignored tokens are compacted on the device (:func:`compact_rows`): programs past the valid count
 exit before any GEMM work, and nothing syncs the host.
@@ -129,21 +131,25 @@ class TritonBackend:
         *,
         grad_needed: bool,
         with_entropy: bool,
+        with_sum_pi_squared: bool = False,
     ) -> ShardStatistics:
-        """fp32 ``(m, s, u, y)`` over this shard (``u`` None without entropy), and with
-        ``grad_needed`` and a budget that fits, the :class:`ProbabilityBuffer` as residual; see
-        the Backend protocol."""
+        """fp32 ``(m, s, u, y)`` over this shard (``u`` None without entropy; ``q`` with
+        ``with_sum_pi_squared``), and with ``grad_needed`` and a budget that fits, the
+        :class:`ProbabilityBuffer` as residual; see the Backend protocol."""
+        with_q = with_sum_pi_squared
         if self._fallback(hidden, weight):
             return self._reference.shard_statistics(
-                hidden, weight, local_labels, valid, temperature, grad_needed=False, with_entropy=with_entropy
-            )
+                hidden, weight, local_labels, valid, temperature, grad_needed=False, with_entropy=with_entropy,
+                with_sum_pi_squared=with_q,
+            )  # fmt: skip
         hidden, weight = rowmajor(hidden), rowmajor(weight)
-        plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, isinstance(temperature, torch.Tensor))
+        row_temp = isinstance(temperature, torch.Tensor)
+        plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp, with_q)
         perm, count = compact_rows(valid)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
         parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature)
-        m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy)
-        return ShardStatistics(m, sum_exp, u, y, residual)
+        m, sum_exp, u, *q = merge_splits(parts, perm, count, with_u=with_entropy, with_q=with_q)
+        return ShardStatistics(m, sum_exp, u, y, residual, q[0] if with_q else None)
 
     def head_forward(
         self,
@@ -160,20 +166,22 @@ class TritonBackend:
         with_entropy: bool,
         max_entropy: float,
         combine: Callable | None,
+        with_sum_pi_squared: bool = False,
     ) -> HeadForward | None:
         """The whole forward of the head on this shard in three to six launches (see
         :class:`~mcore_ppo.backends.base.FusedHeadBackend`): the per-token preparation from the
         global labels (``tokens_kernel``), the statistics, and, on one shard, the merge with
         the outputs' epilogue in one kernel (``merge_finish_kernel``); over TP the merge, the
         caller's ``combine`` and the epilogue (``finish_kernel``). None (the caller runs the
-        generic path) where :meth:`shard_statistics` would fall back to the reference."""
+        generic path) where :meth:`shard_statistics` would fall back to the reference. With
+        ``with_sum_pi_squared`` the same launches carry ``q`` and write Σπ² (``WITH_Q``)."""
         if self._fallback(hidden, weight):
             return None
         from mcore_ppo import kernels
 
         hidden, weight = rowmajor(hidden), rowmajor(weight)
-        row_temp = isinstance(temperature, torch.Tensor)
-        plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp)
+        row_temp, with_q = isinstance(temperature, torch.Tensor), with_sum_pi_squared
+        plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp, with_q)
         n, device = plan.n, hidden.device
         local_labels = torch.empty(n, dtype=torch.int64, device=device)
         perm = torch.empty(n, dtype=torch.int32, device=device)
@@ -195,6 +203,8 @@ class TritonBackend:
         log_prob = torch.empty(n, dtype=torch.float32, device=device)
         entropy_out = torch.empty(n, dtype=torch.float32, device=device) if with_entropy else None
         ent_out = log_prob if entropy_out is None else entropy_out  # never written without WITH_U
+        sp_out = torch.empty(n, dtype=torch.float32, device=device) if with_q else None
+        sp_arg = log_prob if sp_out is None else sp_out  # never written without WITH_Q
         merge_grid = (cdiv(n, MERGE_BLOCK_T),)
         if combine is None:
             lse = torch.empty(n, dtype=torch.float32, device=device) if grad_needed else None
@@ -204,9 +214,9 @@ class TritonBackend:
                 kernels.merge_finish_kernel,
                 merge_grid,
                 (
-                    parts[0], parts[1], parts[-1], perm, count, y, labels, lse_arg,
+                    parts[0], parts[1], parts[2 if with_entropy else 1], perm, count, y, labels, lse_arg,
                     lse_arg if entropy is None else entropy, log_prob, ent_out, n, plan.num_splits, stride_l,
-                    vocab_size, max_entropy,
+                    vocab_size, max_entropy, parts[-1] if with_q else parts[1], sp_arg,
                 ),
                 plan.finish_options[labels_checked, grad_needed],
                 # The plan fixes every argument's specialisation but the labels' dtype and the
@@ -216,14 +226,14 @@ class TritonBackend:
         else:
             # The plan fixes the partials', the row order's and the merged statistics' (fresh
             # allocations of its n) specialisation.
-            m, sum_exp, u = merge_splits(parts, perm, count, with_u=with_entropy, site=(plan, "merge"))
-            lse, entropy, label_logit = combine(m, sum_exp, u, y)
+            merged = merge_splits(parts, perm, count, with_u=with_entropy, with_q=with_q, site=(plan, "merge"))
+            lse, entropy, label_logit, *square = combine(*merged[:3], y, *merged[3:])
             launch(
                 kernels.finish_kernel,
                 merge_grid,
                 (
                     lse, lse if entropy is None else entropy, label_logit, labels, log_prob, ent_out, n, stride_l,
-                    ignore_index, vocab_size, max_entropy,
+                    ignore_index, vocab_size, max_entropy, square[0] if with_q else lse, sp_arg,
                 ),
                 plan.combined_options[labels_checked],
                 # The combine's outputs are fresh tensors of the plan's n; the labels' dtype and
@@ -232,23 +242,31 @@ class TritonBackend:
             )  # fmt: skip
         if residual is None and grad_needed:
             residual = RowOrder(perm, count, plan)
-        return HeadForward(log_prob, entropy_out, SavedTokens(local_labels, valid, lse, entropy, residual))
+        return HeadForward(log_prob, entropy_out, SavedTokens(local_labels, valid, lse, entropy, residual), sp_out)
 
     def _forward_plan(
-        self, hidden: torch.Tensor, weight: torch.Tensor, grad_needed: bool, with_entropy: bool, row_temp: bool
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        grad_needed: bool,
+        with_entropy: bool,
+        row_temp: bool,
+        with_q: bool = False,
     ) -> LaunchPlan:
         """The forward's per-shape decisions, made once per key (shapes, dtype, strides, 16-byte
         alignment of the operands, device, gradient and options)."""
         key = (
             tuple(hidden.shape), weight.shape[0], hidden.dtype, hidden.stride(0), weight.stride(0),
             hidden.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0, hidden.device, grad_needed,
-            with_entropy, row_temp,
+            with_entropy, row_temp, with_q,
         )  # fmt: skip
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= self.config.plan_cache_size:
                 self._plans.clear()
-            plan = self._plans[key] = LaunchPlan.build(self, hidden, weight, grad_needed, with_entropy, row_temp)
+            plan = self._plans[key] = LaunchPlan.build(
+                self, hidden, weight, grad_needed, with_entropy, row_temp, with_q
+            )
         return plan
 
     def _statistics(
@@ -264,7 +282,7 @@ class TritonBackend:
         *,
         site: bool = False,
     ) -> tuple[tuple[torch.Tensor, ...], ProbabilityBuffer | None]:
-        """The forward kernel's launches: per-split partials ``(m, s[, u])`` (``[splits, n]``
+        """The forward kernel's launches: per-split partials ``(m, s[, u][, q])`` (``[splits, n]``
         each) and the label logits into ``y``; the probability buffer as residual when the
         plan stores it. ``site``: the caller's ``local_labels``, ``perm``, ``count`` and ``y``
         are the fresh int64 / int32 / int32 / fp32 tensors of :meth:`head_forward`, so the plan
@@ -275,6 +293,9 @@ class TritonBackend:
         # Separate buffers: views of one (unbind) cost more host time than the allocations.
         parts = tuple(torch.empty(plan.num_splits, n, dtype=torch.float32, device=device) for _ in range(plan.n_parts))
         inv_temp, inv_temp_rows, _ = inverse_temperature(temperature, y)
+        # Never read or written without WITH_U / WITH_Q: the s partials stand in for them.
+        u_part = parts[2] if plan.with_u else parts[1]
+        q_part = parts[-1] if plan.with_q else parts[1]
         if plan.store:
             buf = torch.empty(n, v, dtype=hidden.dtype, device=device)
             tmax = torch.empty(n, plan.n_tiles_v, dtype=torch.float32, device=device)
@@ -287,9 +308,9 @@ class TritonBackend:
         def run(x_rows: torch.Tensor, direct_pass: int) -> None:
             x_desc = TmaDesc(x_rows, (cfg.block_m, cfg.block_k)) if plan.use_tma else x_rows
             args = (
-                x_rows, weight, x_desc, w_desc, perm, count, local_labels, parts[0], parts[1], parts[-1], y, buf,
+                x_rows, weight, x_desc, w_desc, perm, count, local_labels, parts[0], parts[1], u_part, y, buf,
                 buf_desc, tmax, n, v, plan.h, x_rows.stride(0), weight.stride(0), plan.num_splits, inv_temp,
-                plan.n_tiles_v, direct_pass, inv_temp_rows,
+                plan.n_tiles_v, direct_pass, inv_temp_rows, q_part,
             )  # fmt: skip
             key = (plan, "stats", direct_pass) if site else None
             launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, key)

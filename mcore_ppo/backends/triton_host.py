@@ -140,25 +140,29 @@ def merge_splits(
     count: torch.Tensor,
     *,
     with_u: bool = True,
+    with_q: bool = False,
     site: object = None,
 ) -> tuple[torch.Tensor, ...]:
     """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [3, splits, n]``
     (or its three ``[splits, n]`` rows; ``with_u`` False: ``(m, s, None)``, the ``u`` partials
-    are neither read nor merged). ``site``: the caller's launch site key, when its plan fixes
-    every argument's specialisation (:func:`~mcore_ppo.backends.triton_launch.launch`)."""
+    are neither read nor merged). ``with_q``: the last of ``parts`` holds the ``q`` partials
+    (Σπ²), and ``(m, s, u, q)`` is returned. ``site``: the caller's launch site key, when its
+    plan fixes every argument's specialisation (:func:`~mcore_ppo.backends.triton_launch.launch`)."""
     from mcore_ppo.kernels import merge_splits_kernel
 
     num_splits, n = parts[0].shape
-    stats = torch.empty(3 if with_u else 2, n, dtype=torch.float32, device=parts[0].device).unbind(0)
-    u_out = stats[-1]  # not written without WITH_U
+    stats = torch.empty(2 + with_u + with_q, n, dtype=torch.float32, device=parts[0].device).unbind(0)
+    u_in, u_out = (parts[2], stats[2]) if with_u else (parts[1], stats[1])  # not read / written without WITH_U
+    q_in, q_out = (parts[-1], stats[-1]) if with_q else (parts[1], stats[1])  # nor without WITH_Q
     launch(
         merge_splits_kernel,
         (cdiv(n, MERGE_BLOCK_T),),
-        (parts[0], parts[1], parts[-1], perm, count, stats[0], stats[1], u_out, n, num_splits),
-        {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_u},
+        (parts[0], parts[1], u_in, perm, count, stats[0], stats[1], u_out, n, num_splits, q_in, q_out),
+        {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_u, **({"WITH_Q": True} if with_q else {})},
         site,
     )
-    return stats[0], stats[1], (stats[2] if with_u else None)
+    merged = stats[0], stats[1], (stats[2] if with_u else None)
+    return (*merged, stats[-1]) if with_q else merged
 
 
 def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:

@@ -54,7 +54,9 @@ class LaunchPlan:
     cfg: GemmConfig
     num_splits: int
     n_tiles_v: int
-    n_parts: int
+    n_parts: int  # the per-split partials: m, s, then u (entropy on), then q (Σπ² on)
+    with_u: bool
+    with_q: bool
     store: bool
     use_tma: bool
     buf_tma: bool
@@ -72,6 +74,7 @@ class LaunchPlan:
         grad_needed: bool,
         with_entropy: bool,
         row_temp: bool,
+        with_q: bool = False,
     ) -> LaunchPlan:
         n, h = hidden.shape
         v = weight.shape[0]
@@ -89,7 +92,8 @@ class LaunchPlan:
         # a gathered copy of only their rows (a second): no row copy when nothing is ignored.
         direct = use_tma and descriptor_ok(hidden)
         # The default variant is launched without the new flags: its compile is the same as before.
-        variant = {**({"ROW_TEMP": True} if row_temp else {}), **({} if with_entropy else {"WITH_U": False})}
+        q_flag = {"WITH_Q": True} if with_q else {}
+        variant = {**({"ROW_TEMP": True} if row_temp else {}), **({} if with_entropy else {"WITH_U": False}), **q_flag}
         stats_options = {
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "TILES_PER_SPLIT": cfg.tiles_per_split, "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps,
@@ -100,16 +104,17 @@ class LaunchPlan:
         finish_options = {
             (checked, grad_needed): {
                 "BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_entropy,
-                "CHECK_RANGE": not checked, "LIBDEVICE": libdevice, "SAVE": grad_needed, **_exact_libdevice(),
+                "CHECK_RANGE": not checked, "LIBDEVICE": libdevice, "SAVE": grad_needed, **_exact_libdevice(), **q_flag,
             }
             for checked in (False, True)
         }  # fmt: skip
         combined_options = {
-            checked: {"BLOCK_T": MERGE_BLOCK_T, "WITH_U": with_entropy, "CHECK_RANGE": not checked}
+            checked: {"BLOCK_T": MERGE_BLOCK_T, "WITH_U": with_entropy, "CHECK_RANGE": not checked, **q_flag}
             for checked in (False, True)
         }
         return LaunchPlan(
-            n, h, v, cfg, num_splits, n_tiles_v, 3 if with_entropy else 2, store, use_tma, buf_tma, direct,
+            n, h, v, cfg, num_splits, n_tiles_v, 2 + with_entropy + with_q, with_entropy, with_q, store, use_tma,
+            buf_tma, direct,
             (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
         )  # fmt: skip
 

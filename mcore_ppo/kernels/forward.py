@@ -15,13 +15,16 @@ consecutive in the original, ``DIRECT_ROWS``); a program whose rows all lie
 past the device-side valid count exits before any GEMM work, so ignored tokens cost nothing
 and the host never learns the count.
 
-Two constexpr options leave the default variant's code as it was: ``ROW_TEMP`` reads ``1/T``
+Three constexpr options leave the default variant's code as it was: ``ROW_TEMP`` reads ``1/T``
 per row from ``inv_temp_ptr`` (a per-token temperature) instead of the scalar ``inv_temp``;
-``WITH_U`` False (the entropy is off) skips the ``u`` sums and their store.
+``WITH_U`` False (the entropy is off) skips the ``u`` sums and their store; ``WITH_Q`` True
+(Σπ² asked for) adds ``q = Σ 2^(2(z₂-m)) = Σ exp(2(z-m))`` beside ``s``, rescaled by the square of
+``s``'s factor, stored in ``part_q_ptr`` (unit-free like ``s``). Without it ``part_q_ptr`` is
+never read or written.
 
 ``merge_splits_kernel``: per token, merges the split partials (online-softmax rescaling, as
-:func:`parallel.combine.merge_statistics`) into the shard's ``(m, s, u)``; ignored tokens get
-``(0, 1, 0)`` so that downstream ``log`` stays finite.
+:func:`parallel.combine.merge_statistics`) into the shard's ``(m, s, u)`` (and ``q`` with
+``WITH_Q``); ignored tokens get ``(0, 1, 0)`` (``q`` 1) so that downstream ``log`` stays finite.
 """
 
 import triton
@@ -47,6 +50,7 @@ LN2 = tl.constexpr(0.6931471805599453)
         "y_ptr",
         "tmax_ptr",
         "inv_temp_ptr",
+        "part_q_ptr",
     ],
 )
 def stats_kernel(
@@ -74,6 +78,7 @@ def stats_kernel(
     n_tiles_v,
     direct_pass,
     inv_temp_ptr,
+    part_q_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -88,8 +93,9 @@ def stats_kernel(
     DIRECT_ROWS: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
     WITH_U: tl.constexpr = True,
+    WITH_Q: tl.constexpr = False,
 ):
-    """Per-(split, row) ``(m, s, u)`` partials and the label logit ``y``; see the module doc."""
+    """Per-(split, row) ``(m, s, u)`` partials (and ``q``) and the label logit ``y``; see the module doc."""
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     count = tl.load(count_ptr)
@@ -121,6 +127,7 @@ def stats_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s_i = tl.zeros((BLOCK_M,), tl.float32)
     u_i = tl.zeros((BLOCK_M,), tl.float32)
+    q_i = tl.zeros((BLOCK_M,), tl.float32)
     y_i = tl.zeros((BLOCK_M,), tl.float32)
     split_lo = pid_n * TILES_PER_SPLIT * BLOCK_N
     n_tiles = tl.minimum(TILES_PER_SPLIT, tl.cdiv(V - split_lo, BLOCK_N))
@@ -179,6 +186,8 @@ def stats_kernel(
             if WITH_U:
                 shift = tl.where(s_i > 0, m_i - m_new, 0.0)
                 u_i = alpha * (u_i + s_i * shift) + beta * (u_t + s_t * (t_max - m_new))
+            if WITH_Q:
+                q_i = alpha * alpha * q_i + beta * beta * tl.sum(e * e, 1)
             s_i = alpha * s_i + beta * s_t
             m_i = m_new
         else:
@@ -191,6 +200,8 @@ def stats_kernel(
             if WITH_U:
                 shift = tl.where(s_i > 0, m_i - m_new, 0.0)
                 u_i = alpha * (u_i + s_i * shift) + tl.sum(eu, 1)
+            if WITH_Q:
+                q_i = alpha * alpha * q_i + tl.sum(e * e, 1)
             s_i = alpha * s_i + tl.sum(e, 1)
             m_i = m_new
 
@@ -199,6 +210,8 @@ def stats_kernel(
     tl.store(part_s_ptr + part, s_i, mask=row_ok)
     if WITH_U:
         tl.store(part_u_ptr + part, u_i * LN2, mask=row_ok)
+    if WITH_Q:
+        tl.store(part_q_ptr + part, q_i, mask=row_ok)
     split_hi = split_lo + TILES_PER_SPLIT * BLOCK_N
     mine = row_ok & (labels >= split_lo) & (labels < split_hi)
     tl.store(y_ptr + rows, y_i * inv_t, mask=mine)
@@ -206,10 +219,11 @@ def stats_kernel(
 
 @triton.jit
 def _merge_rows(
-    part_m_ptr, part_s_ptr, part_u_ptr, offs_t, valid, N, num_splits,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, WITH_U: tl.constexpr,
+    part_m_ptr, part_s_ptr, part_u_ptr, part_q_ptr, offs_t, valid, N, num_splits,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, WITH_U: tl.constexpr, WITH_Q: tl.constexpr,
 ):  # fmt: skip
-    """``(m, s, u)`` of the compacted tokens ``offs_t`` merged over the splits (0 where not ``valid``)."""
+    """``(m, s, u, q)`` of the compacted tokens ``offs_t`` merged over the splits (0 where not
+    ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor)."""
     offs_s = tl.arange(0, BLOCK_S)
     m_all = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
@@ -220,6 +234,7 @@ def _merge_rows(
 
     s_all = tl.zeros((BLOCK_T,), tl.float32)
     u_all = tl.zeros((BLOCK_T,), tl.float32)
+    q_all = tl.zeros((BLOCK_T,), tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
         idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
@@ -232,7 +247,10 @@ def _merge_rows(
         s_all += tl.sum(ps * scale, 1)
         if WITH_U:
             u_all += tl.sum((pu + ps * shift) * scale, 1)
-    return m_safe, s_all, u_all
+        if WITH_Q:
+            pq = tl.load(part_q_ptr + idx, mask=mask, other=0.0)
+            q_all += tl.sum(pq * (scale * scale), 1)
+    return m_safe, s_all, u_all, q_all
 
 
 @triton.jit(
@@ -246,6 +264,8 @@ def _merge_rows(
         "m_ptr",
         "s_ptr",
         "u_ptr",
+        "part_q_ptr",
+        "q_ptr",
     ],
 )
 def merge_splits_kernel(
@@ -259,24 +279,30 @@ def merge_splits_kernel(
     u_ptr,
     N,
     num_splits,
+    part_q_ptr,
+    q_ptr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WITH_U: tl.constexpr = True,
+    WITH_Q: tl.constexpr = False,
 ):
     """Shard ``(m, s, u)`` per token from the ``[num_splits, N]`` partials (rows via ``perm``);
-    without ``WITH_U`` only ``(m, s)``."""
+    without ``WITH_U`` only ``(m, s)``; with ``WITH_Q`` also ``q`` (1 for ignored tokens)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = offs_t < N
     count = tl.load(count_ptr)
     valid = offs_t < count
     rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
-    m_safe, s_all, u_all = _merge_rows(
-        part_m_ptr, part_s_ptr, part_u_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U
-    )
+    m_safe, s_all, u_all, q_all = _merge_rows(
+        part_m_ptr, part_s_ptr, part_u_ptr, part_q_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U,
+        WITH_Q,
+    )  # fmt: skip
     tl.store(m_ptr + rows, m_safe, mask=in_n)
     tl.store(s_ptr + rows, tl.where(valid, s_all, 1.0), mask=in_n)
     if WITH_U:
         tl.store(u_ptr + rows, tl.where(valid, u_all, 0.0), mask=in_n)
+    if WITH_Q:
+        tl.store(q_ptr + rows, tl.where(valid, q_all, 1.0), mask=in_n)
 
 
 @triton.jit
@@ -302,12 +328,16 @@ def _finish_rows(
     ent_out_ptr,
     vocab_size,
     max_entropy,
+    sum_pi_squared,
+    sp_out_ptr,
     WITH_U: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
+    WITH_Q: tl.constexpr,
 ):
     """The outputs of rows ``rows``: ``log p = min(y - lse, 0)`` (NaN for a label outside
-    ``[0, vocab_size)`` with ``CHECK_RANGE``), ``H`` clamped to ``[0, max_entropy]``, both 0
-    where not ``valid`` (NaN kept by the clamps, as torch's clamp keeps it)."""
+    ``[0, vocab_size)`` with ``CHECK_RANGE``), ``H`` clamped to ``[0, max_entropy]``, with
+    ``WITH_Q`` Σπ² clamped to ``[1/V, 1]``, each 0 where not ``valid`` (NaN kept by the clamps,
+    as torch's clamp keeps it)."""
     y = tl.load(y_ptr + rows, mask=in_n, other=0.0)
     log_p = y - lse
     log_p = tl.where(log_p > 0.0, 0.0, log_p)
@@ -320,6 +350,11 @@ def _finish_rows(
         h = tl.where(entropy < 0.0, 0.0, entropy)
         h = tl.where(h > max_entropy, max_entropy, h)
         tl.store(ent_out_ptr + rows, tl.where(valid, h, 0.0), mask=in_n)
+    if WITH_Q:
+        floor = 1.0 / vocab_size.to(tl.float32)
+        sp = tl.where(sum_pi_squared < floor, floor, sum_pi_squared)
+        sp = tl.where(sp > 1.0, 1.0, sp)
+        tl.store(sp_out_ptr + rows, tl.where(valid, sp, 0.0), mask=in_n)
 
 
 @triton.jit(
@@ -336,6 +371,8 @@ def _finish_rows(
         "ent_ptr",
         "lp_ptr",
         "ent_out_ptr",
+        "part_q_ptr",
+        "sp_out_ptr",
     ],
 )
 def merge_finish_kernel(
@@ -355,25 +392,30 @@ def merge_finish_kernel(
     stride_l,
     vocab_size,
     max_entropy,
+    part_q_ptr,
+    sp_out_ptr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WITH_U: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     SAVE: tl.constexpr,
+    WITH_Q: tl.constexpr = False,
 ):
     """One shard holding the whole vocab: the merge of :func:`merge_splits_kernel` and then the
     head's outputs in the same pass, as the torch epilogue computes them from the merged
     ``(m, s, u)``: ``lse = m + log s``, ``H = log s - u/s`` (stored with ``SAVE``, for the
-    backward), then :func:`_finish_rows`. Ignored tokens get ``lse = H = 0`` and zero outputs."""
+    backward), and with ``WITH_Q`` ``Σπ² = q/s²``, then :func:`_finish_rows`. Ignored tokens get
+    ``lse = H = 0`` and zero outputs."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = offs_t < N
     count = tl.load(count_ptr)
     valid = offs_t < count
     rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
-    m_safe, s_all, u_all = _merge_rows(
-        part_m_ptr, part_s_ptr, part_u_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U
-    )
+    m_safe, s_all, u_all, q_all = _merge_rows(
+        part_m_ptr, part_s_ptr, part_u_ptr, part_q_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U,
+        WITH_Q,
+    )  # fmt: skip
     s = tl.where(valid, s_all, 1.0)
     log_s = _log(s, LIBDEVICE)
     lse = m_safe + log_s
@@ -384,16 +426,21 @@ def merge_finish_kernel(
         entropy = log_s - tl.math.div_rn(tl.where(valid, u_all, 0.0), s)
         if SAVE:
             tl.store(ent_ptr + rows, entropy, mask=in_n)
+    sum_pi_squared = s
+    if WITH_Q:
+        sum_pi_squared = tl.math.div_rn(tl.where(valid, q_all, 1.0), s * s)
     _finish_rows(
         lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
-        max_entropy, WITH_U, CHECK_RANGE,
+        max_entropy, sum_pi_squared, sp_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
     )  # fmt: skip
 
 
 @triton.jit(
     do_not_specialize=["N", "stride_l", "ignore_index", "vocab_size"],
-    do_not_specialize_on_alignment=["lse_ptr", "ent_ptr", "y_ptr", "labels_ptr", "lp_ptr", "ent_out_ptr"],
-)
+    do_not_specialize_on_alignment=[
+        "lse_ptr", "ent_ptr", "y_ptr", "labels_ptr", "lp_ptr", "ent_out_ptr", "sp_ptr", "sp_out_ptr",
+    ],
+)  # fmt: skip
 def finish_kernel(
     lse_ptr,
     ent_ptr,
@@ -406,12 +453,16 @@ def finish_kernel(
     ignore_index,
     vocab_size,
     max_entropy,
+    sp_ptr,
+    sp_out_ptr,
     BLOCK_T: tl.constexpr,
     WITH_U: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
+    WITH_Q: tl.constexpr = False,
 ):
-    """The head's outputs from the combined (over TP) ``lse``, ``H`` and label logit ``y``,
-    per token in place order: :func:`_finish_rows` with ``valid = label != ignore_index``."""
+    """The head's outputs from the combined (over TP) ``lse``, ``H`` (and with ``WITH_Q`` Σπ²
+    from ``sp_ptr``) and label logit ``y``, per token in place order: :func:`_finish_rows` with
+    ``valid = label != ignore_index``."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = rows < N
     label = tl.load(labels_ptr + rows.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
@@ -420,7 +471,10 @@ def finish_kernel(
     entropy = lse
     if WITH_U:
         entropy = tl.load(ent_ptr + rows, mask=in_n, other=0.0)
+    sum_pi_squared = lse
+    if WITH_Q:
+        sum_pi_squared = tl.load(sp_ptr + rows, mask=in_n, other=0.0)
     _finish_rows(
         lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
-        max_entropy, WITH_U, CHECK_RANGE,
+        max_entropy, sum_pi_squared, sp_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
     )  # fmt: skip

@@ -69,7 +69,7 @@ COMPILE = textwrap.dedent(
             kernel = stats_kernel.warmup(
                 x, w, TensorDescriptor.from_tensor(x, [f.block_m, f.block_k]),
                 TensorDescriptor.from_tensor(w, [f.block_n, f.block_k]), ints, count, labels, vec, vec, vec, vec,
-                buf, buf_desc, tmax, n, v, h, h, h, splits, 1.0, tiles, 1, vec,
+                buf, buf_desc, tmax, n, v, h, h, h, splits, 1.0, tiles, 1, vec, vec,
                 BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k, TILES_PER_SPLIT=f.tiles_per_split,
                 GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=min(f.num_stages, 3) if store else f.num_stages,
                 USE_TMA=True, STORE_P=store, BUF_TMA=store, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False,
