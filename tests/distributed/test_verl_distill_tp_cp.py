@@ -116,3 +116,25 @@ def test_a_bad_teacher_id_on_one_tp_rank_raises_on_every_rank(check):
         with verl_engine.plugin_on("torch"):
             check.raises(ValueError, match, verl_distill.distill_step, model, batch, configs, use_fused_kernels=True)
     check.done()
+
+
+@pytest.mark.parametrize("distill", [False, True], ids=["log-prob-pass", "with-topk-distillation"])
+def test_verl_sum_pi_squared_tp_sp_cp_equals_verls_logits_path(check, distill):
+    """``calculate_sum_pi_squared=True`` (verl's fused path refuses it) on the head: values on every
+    rank, layout and dtype as verl's ``vocab_parallel_sum_pi_squared`` gives them, alone and with
+    top-k distillation in the same pass; log-probs, entropy and every gradient unchanged."""
+    seed = shared_seed()
+    configs = verl_distill.distill_configs(K, CLAMP, distillation_only=False) if distill else None
+    for tp, cp, sp in fitting(LAYOUTS, lambda layout: layout[0] * layout[1], _describe):
+        what = f"{_describe((tp, cp, sp))} sum_pi_squared distill={distill}"
+        check.case(what)
+        with model_parallel(tp, cp):
+            model = _model(seed, sp)
+            batch = _batch(seed, distill=distill, calculate_sum_pi_squared=True)
+            theirs = verl_distill.distill_step(model, batch, configs, use_fused_kernels=False, grad_seed=seed)
+            with verl_engine.plugin_on("torch"):
+                mine = verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, grad_seed=seed)
+        if "sum_pi_squared" not in theirs.outputs:
+            check.fail(f"verl's logits path returned {sorted(theirs.outputs)}")
+        _compare(check, mine, theirs, what)
+    check.done()

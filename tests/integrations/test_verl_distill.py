@@ -180,3 +180,30 @@ def test_a_loss_that_needs_the_logits_is_refused_not_given_a_wrong_answer():
             type(engine).forward_step(engine, iter([batch]), model, lambda **kwargs: {}, None)
         with pytest.raises(TypeError, match="logits_processor_func"):
             type(engine).forward_step(engine, iter([batch]), model, None, None)
+
+
+@pytest.mark.usefixtures("verl_modules")
+@pytest.mark.parametrize("distill", [False, True], ids=["log-prob-pass", "with-topk-distillation"])
+def test_sum_pi_squared_on_the_fused_path_equals_verls_logits_path(distill, caplog):
+    """``calculate_sum_pi_squared=True``: verl's fused path refuses it; with the plugin the head
+    computes it (same key, nested layout and dtype as verl's ``vocab_parallel_sum_pi_squared`` on
+    the logits), alone and together with top-k distillation in the same pass."""
+    from verl.utils import tensordict_utils as tu
+
+    model = _model()
+    seed = next_seed()
+    configs = verl_distill.distill_configs(K, CLAMP, distillation_only=False) if distill else None
+    batch = _batch(seed, distill=distill, calculate_sum_pi_squared=True)
+    with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared=True is not supported"):
+        verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, backward=False)
+    theirs = verl_distill.distill_step(model, batch, configs, use_fused_kernels=False, grad_seed=seed)
+    forget_logged()
+    with caplog.at_level(logging.INFO, logger="mcore_ppo"), verl_engine.plugin_on("torch"):
+        mine = verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, grad_seed=seed)
+    assert "sum_pi_squared" in theirs.outputs
+    _assert_same(mine, theirs, f"sum_pi_squared (distill={distill}): plugin vs verl's logits path")
+    spi = theirs.outputs["sum_pi_squared"].values()
+    assert (spi > 1.5 / VOCAB).all() and (spi < 1).all()  # not the uniform floor: a real spread
+    assert tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=None) is True  # flag restored
+    lifted = [r for r in caplog.records if "calculate_sum_pi_squared=True on verl's fused path" in r.getMessage()]
+    assert len(lifted) == 1 and lifted[0].levelno == logging.WARNING

@@ -167,6 +167,8 @@ class Collector:
                 hidden_rows, weight, label_rows, temperature, options, tp_group=tp_group, layout=layout, ids=False
             )
             sum_pi_squared = rest[0] if rest else None
+            # verl's kernel contract: fp32 log-probs and entropy (the head gives fp64 for fp64 inputs).
+            log_probs, entropy = log_probs.float(), None if entropy is None else entropy.float()
         if self.request.sum_pi_squared:
             if sum_pi_squared is None:
                 raise RuntimeError("mcore_ppo verl plugin: the head returned no sum_pi_squared")
