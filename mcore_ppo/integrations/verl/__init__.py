@@ -17,7 +17,11 @@ they already are):
 - the call sites around it and verl's engine hooks, :mod:`mcore_ppo.integrations.verl.engine`:
   the model's ``config.sequence_parallel`` (which decides the TP reduction of ``d_hidden``),
   ``calculate_entropy`` and per-sample temperatures reach the head, and an engine whose fused
-  path is off says so (WARNING, naming the verl setting) at its first forward.
+  path is off says so (WARNING, naming the verl setting) at its first forward;
+- verl's logits-only micro-batch outputs on the fused path: ``calculate_sum_pi_squared`` (verl
+  refuses it there) and top-k distillation (``distillation_use_topk``, ``distillation_only``;
+  verl drops them there), :mod:`mcore_ppo.integrations.verl.step_outputs` and
+  :mod:`mcore_ppo.integrations.verl.distill_topk`.
 
 ``model_forward_1f1b_overlap`` (not called by verl 0.9.1 or main) keeps verl's own kernel: its
 call runs later, from a schedule plan, where no wrapper can say what the model's SP setting is.

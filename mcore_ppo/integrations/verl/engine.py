@@ -32,7 +32,13 @@ And in ``verl.workers.engine.megatron.transformer_impl``:
   engine's first forward, a WARNING naming the verl setting to change when the engine runs its
   non-fused logits path (where the plugin does nothing); INFO for a value model, which computes
   no log-probs; on the fused path, the micro-batch's MTP state (its loss mask) for
-  the MTP postprocess.
+  the MTP postprocess, and its Σπ² / top-k distillation request
+  (:mod:`mcore_ppo.integrations.verl.step_outputs`: verl's refusal of Σπ² lifted, the extra
+  outputs added to ``fused_forward_model_engine``'s).
+
+And in ``verl.trainer.distillation.megatron.losses``: ``_VocabParallelKLDivergence``, whose
+``apply`` on the plugin's stand-in for the student's logits runs on the head
+(:mod:`mcore_ppo.integrations.verl.distill_topk`); real logits still go to verl's.
 """
 
 from __future__ import annotations
