@@ -31,9 +31,18 @@ __all__ = ["DistillRun", "distill_configs", "distill_step", "make_distill_batch"
 DIFFERENTIABLE = ("distillation_losses", "log_probs", "entropy")
 
 
-def distill_configs(k: int, log_prob_min_clamp: float | None, *, distillation_only: bool) -> tuple[Any, Any]:
+def distill_configs(
+    k: int,
+    log_prob_min_clamp: float | None,
+    *,
+    distillation_only: bool,
+    strategy: str = "megatron",
+    use_chunked_topk: bool = False,
+) -> tuple[Any, Any]:
     """verl's ``McoreActorConfig`` and ``DistillationConfig`` for ``forward_kl_topk`` (supervised:
-    ``use_policy_gradient=False``; ``distillation_only`` also without task rewards)."""
+    ``use_policy_gradient=False``; ``distillation_only`` also without task rewards).
+    ``strategy="fsdp"`` makes verl's loss function take its FSDP top-k KL on the (full-vocab, TP 1)
+    logits, with ``use_chunked_topk`` its chunked variant (benchmarks)."""
     from verl.workers.config import DistillationConfig, DistillationLossConfig, McoreActorConfig
 
     loss = DistillationLossConfig(
@@ -42,8 +51,9 @@ def distill_configs(k: int, log_prob_min_clamp: float | None, *, distillation_on
         use_policy_gradient=False,
         use_task_rewards=not distillation_only,
         log_prob_min_clamp=log_prob_min_clamp,
+        use_chunked_topk=use_chunked_topk,
     )
-    actor = McoreActorConfig(strategy="megatron", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+    actor = McoreActorConfig(strategy=strategy, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1)
     return actor, DistillationConfig(enabled=False, distillation_loss=loss)
 
 
