@@ -217,6 +217,10 @@ def fits(model, length: int, impl: str, args, device: str) -> bool:
         return True
     except torch.OutOfMemoryError:
         return False
+    except RuntimeError as err:  # an allocation failing inside a library (cuBLAS, NCCL)
+        if "out of memory" in str(err).lower() or "ALLOC_FAILED" in str(err):
+            return False
+        raise
     finally:
         del batch
         for param in model.parameters():

@@ -183,8 +183,12 @@ def test_a_loss_that_needs_the_logits_is_refused_not_given_a_wrong_answer():
 
 
 @pytest.mark.usefixtures("verl_modules")
-@pytest.mark.parametrize("distill", [False, True], ids=["log-prob-pass", "with-topk-distillation"])
-def test_sum_pi_squared_on_the_fused_path_equals_verls_logits_path(distill, caplog):
+@pytest.mark.parametrize(
+    "distill, entropy",
+    [(False, True), (False, False), (True, True)],
+    ids=["log-prob-pass", "no-entropy", "with-topk-distillation"],
+)
+def test_sum_pi_squared_on_the_fused_path_equals_verls_logits_path(distill, entropy, caplog):
     """``calculate_sum_pi_squared=True``: verl's fused path refuses it; with the plugin the head
     computes it (same key, nested layout and dtype as verl's ``vocab_parallel_sum_pi_squared`` on
     the logits), alone and together with top-k distillation in the same pass."""
@@ -193,7 +197,7 @@ def test_sum_pi_squared_on_the_fused_path_equals_verls_logits_path(distill, capl
     model = _model()
     seed = next_seed()
     configs = verl_distill.distill_configs(K, CLAMP, distillation_only=False) if distill else None
-    batch = _batch(seed, distill=distill, calculate_sum_pi_squared=True)
+    batch = _batch(seed, distill=distill, calculate_sum_pi_squared=True, calculate_entropy=entropy)
     with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared=True is not supported"):
         verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, backward=False)
     theirs = verl_distill.distill_step(model, batch, configs, use_fused_kernels=False, grad_seed=seed)
