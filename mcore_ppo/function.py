@@ -112,9 +112,10 @@ def shard_head(
     plan: ShardPlan,
     temperature: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(log_prob, entropy [n] or None, sum_pi_squared [n] or None)``, fp32 (fp64 for fp64 inputs with ``k`` ids), for
-    ``hidden [n, h]``, this rank's ``weight [v, h]`` and global int64 ``labels``: ``[n]`` (one
-    label per token; ``log_prob [n]``) or ``[n, k]`` (``k`` ids; ``log_prob [n, k]``).
+    """``(log_prob, entropy [n] or None, sum_pi_squared [n] or None)``, fp32 (fp64 for fp64
+    inputs with ``k`` ids), for ``hidden [n, h]``, this rank's ``weight [v, h]`` and global
+    int64 ``labels``: ``[n]`` (one label per token; ``log_prob [n]``) or ``[n, k]`` (``k`` ids;
+    ``log_prob [n, k]``).
     Differentiable once (this rank's partial ``d_hidden``). ``temperature``: per-token ``[n]``
     (fp32, fp64 for fp64 inputs, contiguous, validated), used instead of ``plan.temperature``;
     it gets no gradient. ``sum_pi_squared`` (with ``plan.return_sum_pi_squared``) is detached."""

@@ -78,6 +78,26 @@ def reference_outputs(
     return outputs_from_logits(torch.matmul(x, weight.t()), labels, temperature, ignore_index)
 
 
+def sum_pi_squared_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """fp64 ``Σ_v softmax(hidden @ W.T / T)_v²`` per token from the full logits, shaped like
+    ``labels`` (per token: ``[..., k]`` labels give ``[...]``, a token counting when any slot is
+    not ignored), 0 for ignored tokens."""
+    x, token_labels = _tokens_first(hidden.detach().to(torch.float64), labels)
+    if token_labels.dim() == x.dim():  # k ids per token
+        valid = (token_labels.long() != ignore_index).any(dim=-1)
+    else:
+        valid = token_labels.long() != ignore_index
+    scale = _per_row(temperature, valid.shape, x.device)
+    p = torch.softmax(torch.matmul(x, weight.detach().to(torch.float64).t()) / scale, dim=-1)
+    return torch.where(valid, (p * p).sum(dim=-1), torch.zeros((), dtype=torch.float64))
+
+
 def reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,

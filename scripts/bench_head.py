@@ -11,7 +11,10 @@ implementation: forward, no-grad forward and forward+backward medians, ratios to
 peak extra memory of forward+backward (everything allocated above the inputs, the output
 gradients included), memory a no-grad forward leaves behind beyond its outputs, and relative
 errors (‖out − ref‖₂ / ‖ref‖₂) of log-prob, entropy, d_hidden and d_weight against a float64
-reference of all N tokens. Peers that are not installed are reported as skipped.
+reference of all N tokens. Peers that are not installed are reported as skipped. Beside
+``ours_triton``, on the same inputs: its forward with Σπ² (``return_sum_pi_squared=True``)
+against its plain forward, alternating order, medians and ratio (``sum_pi_squared`` in each
+entry; :mod:`mcore_ppo_testing.bench_sum_pi`; ``--sum-pi-squared-rounds 0`` skips it).
 
 Usage (GPU):  python scripts/bench_head.py [--shapes qwen7b,llama3-8b] [--tp 1,2,4,8] [--tune]
 Writes ``<out>/bench_head.json`` (after every configuration) and ``<out>/bench_head.png``.
@@ -51,6 +54,7 @@ from mcore_ppo_testing.bench import (
     print_table,
     rel_err,
 )
+from mcore_ppo_testing.bench_sum_pi import record_sum_pi_squared
 from mcore_ppo_testing.reports import DefaultsHelpFormatter
 
 
@@ -330,6 +334,8 @@ def measure_config(entry: dict, impls: dict, inputs: HeadInputs, args, timer: Ti
             traceback.print_exc()
         torch.cuda.empty_cache()
         bar.update(f"{label} {name}")
+    if "ours_triton" in impls and args.sum_pi_squared_rounds > 0:
+        record_sum_pi_squared(entry, impls["ours_triton"][0], inputs, args.sum_pi_squared_rounds, timer, bar)
     entry["floor_after"] = measure_floor(inputs, timer)
 
 
@@ -353,6 +359,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="hidden: GPU time, the host's work queued behind a spin as inside a model step; exposed: from an idle GPU",
     )
     parser.add_argument("--reps", type=int, default=5, help="timed calls per implementation and shape")
+    parser.add_argument("--sum-pi-squared-rounds", type=int, default=10, help="ours_triton without / with Σπ²; 0: no")
     parser.add_argument("--tune", action="store_true", help="pick the Triton tile configs by timing first")
     parser.add_argument("--out", default="docs/benchmarks", help="folder for the JSON / PNG files")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
@@ -405,7 +412,8 @@ def main(argv=None) -> int:
                 impls = with_entropy_off(build_impls(config), config)
                 if args.impls != "all":
                     impls = {k: impl for k, impl in impls.items() if k in args.impls.split(",")}
-                bar = Progress(len(shapes) * len(tps) * (len(impls) + 2), "bench")
+                steps = len(impls) + 2 + ("ours_triton" in impls and args.sum_pi_squared_rounds > 0)
+                bar = Progress(len(shapes) * len(tps) * steps, "bench")
             measure_config(entry, impls, inputs, args, timer, bar)
             report["results"].append(entry)
             json_path.write_text(json.dumps(report, indent=1))

@@ -12,11 +12,22 @@ for bit those of the entropy-on call whose entropy is unused (no entropy term re
 Bad temperature tensors raise naming ``temperature`` (type, shape, device, values); without
 the value check (``validate=False``) a bad value poisons its token's outputs with NaN and
 leaves the other tokens exact.
+
+Σπ² (``return_sum_pi_squared=True``): per token ``Σ_v softmax(z/T)_v²`` against the fp64
+full-softmax reference (:func:`mcore_ppo_testing.reference.sum_pi_squared_reference`), on every
+backend (torch, one chunk and several; triton fused, buffer, recompute, its generic forward,
+and tiles that cut V = 37 into two vocab splits), entropy on and off, per-token temperatures,
+16-bit and fp64 inputs, ignored tokens, ``k`` ids, verl's flat order. The option changes no
+other output or gradient (bit for bit); the default return is two outputs; Σπ² carries no
+gradient; a bad type is a ``TypeError`` naming it; a bad temperature with ``validate=False``
+gives NaN for its token; Liger's entry refuses it. Tolerance: a ratio of fp32 sums (``Q / S²``),
+``OUT_RTOL`` relative to its largest value as the other outputs.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,11 +35,12 @@ from head_checks import BF16_CAST_RTOL, GRAD_ATOL, OUT_RTOL, TRITON_ON_CPU, entr
 
 import mcore_ppo
 from mcore_ppo import validation
-from mcore_ppo.backends import import_optional
+from mcore_ppo.backends import TorchBackend, TorchConfig, import_optional
+from mcore_ppo.head_call import run_head
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
-from mcore_ppo.options import HeadOptions
+from mcore_ppo.options import DEFAULT_LAYOUT, HeadOptions, HiddenGrad, Layout, TokenOrder
 from mcore_ppo_testing.gpt_builder import build_gpt_model
-from mcore_ppo_testing.reference import assert_close, check_invariants, reference
+from mcore_ppo_testing.reference import assert_close, check_invariants, reference, sum_pi_squared_reference
 from mcore_ppo_testing.seeds import generator, next_seed
 from parallel import split_for_cp, split_temperature_for_cp
 
@@ -382,3 +394,236 @@ def test_gpt_log_probs_tensor_temperature_and_entropy_off(megatron_tp1):
         )
     assert ent_off is None
     torch.testing.assert_close(lp_off, lp, **exact)
+
+
+# --- Σπ² (return_sum_pi_squared) ------------------------------------------------------------------------
+
+
+def _triton(**config):
+    from mcore_ppo.backends import TritonBackend, TritonConfig
+
+    return TritonBackend(TritonConfig(**config))
+
+
+def _triton_splits():
+    """One vocab tile per program: V = 37 in two splits, merged per token (the squared factor)."""
+    from mcore_ppo.backends.triton_config import INTERPRETER_FORWARD
+
+    return _triton(forward_config=replace(INTERPRETER_FORWARD, tiles_per_split=1))
+
+
+SP_BACKENDS = [
+    pytest.param(lambda: "torch", id="torch"),
+    # Several vocab and token chunks with ragged tails: the merge inside a rank rescales q too.
+    pytest.param(lambda: TorchBackend(TorchConfig(token_chunk=5, vocab_chunk=8)), id="torch-chunked"),
+    pytest.param(lambda: _triton(buffer_budget_bytes=0), id="triton-recompute", marks=TRITON_ON_CPU),
+    pytest.param(lambda: _triton(buffer_budget_bytes=1 << 30), id="triton-buffer", marks=TRITON_ON_CPU),
+    pytest.param(lambda: _triton(fused_forward=False), id="triton-generic-forward", marks=TRITON_ON_CPU),
+    pytest.param(_triton_splits, id="triton-splits", marks=TRITON_ON_CPU),
+]
+
+
+def _sp_temperature(labels: torch.Tensor, kind: str, gen: torch.Generator) -> float | torch.Tensor:
+    if kind == "float":
+        return 0.7
+    return 0.3 + 2.2 * torch.rand(labels.shape, generator=gen)
+
+
+def _with_and_without_sp(case, temperature, backend, *, return_entropy=True, **kwargs):
+    """The call with Σπ² and without, each forward + backward of ``Σ g·log_prob (+ Σ e·H)``."""
+    results = []
+    for with_sp in (False, True):
+        hidden = case["hidden"].detach().requires_grad_(True)
+        weight = case["weight"].detach().requires_grad_(True)
+        out = mcore_ppo.fused_log_probs_and_entropy(
+            hidden, weight, case["labels"], temperature=temperature, backend=backend,
+            return_entropy=return_entropy, return_sum_pi_squared=with_sp, **kwargs,
+        )  # fmt: skip
+        assert len(out) == (3 if with_sp else 2)
+        loss = (out[0] * case["g"]).sum()
+        if out[1] is not None:
+            loss = loss + (out[1] * case["e"]).sum()
+        loss.backward()
+        results.append((out, hidden.grad, weight.grad))
+    return results
+
+
+@pytest.mark.parametrize("make_backend", SP_BACKENDS)
+@pytest.mark.parametrize("layout", ["2d", "3d", "packed"])
+def test_sum_pi_squared_matches_fp64_and_changes_nothing_else(make_backend, layout):
+    """Entropy on with per-token temperatures, entropy off with a float: Σπ² against fp64, and
+    every other output and both gradients bit for bit those of the call without it."""
+    backend = make_backend()
+    gen = generator(next_seed())
+    for dtype, kind, return_entropy in ((torch.float32, "token", True), (torch.float32, "float", False)):
+        case = make_case(layout, dtype, VOCAB, HIDDEN, TOKENS, gen)
+        temperature = _sp_temperature(case["labels"], kind, gen)
+        (plain, dh0, dw0), (with_sp, dh1, dw1) = _with_and_without_sp(
+            case, temperature, backend, return_entropy=return_entropy
+        )
+        sp = with_sp[2]
+        assert sp.dtype == torch.float32 and sp.shape == case["labels"].shape and not sp.requires_grad
+        ref = sum_pi_squared_reference(case["hidden"], case["weight"], case["labels"], temperature)
+        assert_close(sp, ref, name=f"sum_pi_squared[{kind}]", dtype=dtype, rtol=OUT_RTOL)
+        ignored = case["labels"] == -100
+        assert ignored.any() and torch.all(sp[ignored] == 0)
+        assert torch.all(sp[~ignored] >= 1.0 / VOCAB) and torch.all(sp[~ignored] <= 1.0)
+        assert torch.equal(plain[0], with_sp[0])
+        assert (with_sp[1] is None) == (not return_entropy)
+        if return_entropy:
+            assert torch.equal(plain[1], with_sp[1])
+        assert torch.equal(dh0, dh1) and torch.equal(dw0, dw1)
+
+
+@pytest.mark.parametrize("make_backend", SP_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=["bf16", "fp16", "fp64"])
+def test_sum_pi_squared_dtypes(make_backend, dtype):
+    """16-bit inputs against the fp64 reference of the same values; fp64 inputs to fp64 rounding."""
+    gen = generator(next_seed())
+    case = make_case("3d", dtype, VOCAB, HIDDEN, TOKENS, gen)
+    temperature = _sp_temperature(case["labels"], "token", gen)
+    out = mcore_ppo.fused_log_probs_and_entropy(
+        case["hidden"], case["weight"], case["labels"], temperature=temperature, backend=make_backend(),
+        return_sum_pi_squared=True,
+    )  # fmt: skip
+    ref = sum_pi_squared_reference(case["hidden"], case["weight"], case["labels"], temperature)
+    rtol = 1e-12 if dtype == torch.float64 else OUT_RTOL
+    assert_close(out[2], ref, name=f"sum_pi_squared[{dtype}]", dtype=dtype, rtol=rtol)
+
+
+@pytest.mark.parametrize("make_backend", SP_BACKENDS)
+def test_sum_pi_squared_k_ids_and_edges(make_backend):
+    """``[..., k]`` labels: Σπ² per token, equal to the one-label call's (k = 1 and k = 3);
+    every token ignored: zeros, no NaN; uniform logits: exactly ``1/V``; one dominant logit: 1."""
+    backend = make_backend()
+    gen = generator(next_seed())
+    case = make_case("3d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)
+    hidden, weight, labels = case["hidden"], case["weight"], case["labels"]
+    one = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, backend=backend, return_sum_pi_squared=True)
+    ids = torch.randint(0, VOCAB, (*labels.shape, 3), generator=gen)
+    ids[..., 0] = labels
+    ids[labels == -100] = -100
+    for k in (1, 3):
+        log_q, _, sp = mcore_ppo.fused_log_probs_at(
+            hidden, weight, ids[..., :k], backend=backend, return_sum_pi_squared=True
+        )
+        assert log_q.shape == ids[..., :k].shape and sp.shape == labels.shape
+        assert_close(sp, one[2], name=f"sum_pi_squared[k={k}]", dtype=torch.float32, rtol=OUT_RTOL)
+        ref = sum_pi_squared_reference(hidden, weight, ids[..., :k], 1.0)
+        assert_close(sp, ref, name=f"sum_pi_squared[k={k}] vs fp64", dtype=torch.float32, rtol=OUT_RTOL)
+    all_ignored = torch.full_like(labels, -100)
+    out = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, all_ignored, backend=backend, return_sum_pi_squared=True
+    )
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    flat = torch.zeros(5, HIDDEN)
+    uniform = mcore_ppo.fused_log_probs_and_entropy(
+        flat, weight, torch.arange(5), backend=backend, return_sum_pi_squared=True
+    )[2]
+    assert torch.all((uniform - 1.0 / VOCAB).abs() <= 1e-7 / VOCAB) and torch.all(uniform >= 1.0 / VOCAB)
+    peaked = torch.zeros(2, HIDDEN)
+    peaked[:, 0] = 1e4
+    w = torch.zeros(VOCAB, HIDDEN)
+    w[3, 0] = 1.0
+    assert torch.equal(
+        mcore_ppo.fused_log_probs_and_entropy(peaked, w, torch.tensor([3, 5]), backend=backend,
+                                              return_sum_pi_squared=True)[2],
+        torch.ones(2),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("make_backend", SP_BACKENDS)
+def test_sum_pi_squared_unchecked_bad_temperature_is_nan(make_backend):
+    gen = generator(next_seed())
+    case = make_case("2d", torch.float32, VOCAB, HIDDEN, TOKENS, gen)
+    labels = case["labels"].clone()
+    labels[3] = 5
+    temperature = torch.full(labels.shape, 0.7)
+    temperature[3] = 0.0
+    out = mcore_ppo.fused_log_probs_and_entropy(
+        case["hidden"], case["weight"], labels, temperature=temperature, backend=make_backend(),
+        return_sum_pi_squared=True, validate=False,
+    )  # fmt: skip
+    assert math.isnan(out[2][3]) and math.isnan(out[1][3])
+    others = torch.arange(labels.numel()) != 3
+    ref = sum_pi_squared_reference(case["hidden"], case["weight"], labels, temperature.clamp(min=0.7))
+    assert_close(out[2][others], ref[others], name="sum_pi_squared", dtype=torch.float32, rtol=OUT_RTOL)
+
+
+def test_sum_pi_squared_returns_and_options_object():
+    """Default: two outputs. ``HeadOptions(return_sum_pi_squared=True)`` as ``options`` (and
+    ``run_head`` with it): three; a keyword False overrides it back to two."""
+    hidden, weight = torch.randn(6, 8), torch.randn(11, 8)
+    labels = torch.tensor([1, 2, -100, 4, 10, 0])
+    assert len(mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, backend="torch")) == 2
+    options = HeadOptions(backend="torch", return_sum_pi_squared=True)
+    out = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, options=options)
+    assert len(out) == 3
+    assert len(mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, options=options,
+                                                     return_sum_pi_squared=False)) == 2  # fmt: skip
+    direct = run_head(hidden, weight, labels, 1.0, options, tp_group=None, layout=DEFAULT_LAYOUT)
+    assert len(direct) == 3 and torch.equal(direct[2], out[2])
+    two = run_head(hidden, weight, labels, 1.0, HeadOptions(backend="torch"), tp_group=None, layout=DEFAULT_LAYOUT)
+    assert len(two) == 2
+    _, entropy, sp = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, labels, backend="torch", return_entropy=False, return_sum_pi_squared=True
+    )
+    assert entropy is None and torch.equal(sp, out[2])
+
+
+def test_sum_pi_squared_flat_token_order():
+    """The layout verl's route runs (``TokenOrder.FLAT``, ``HiddenGrad.PARTIAL``): ``run_head``
+    with ``HeadOptions(return_sum_pi_squared=True)`` gives ``[N]`` Σπ² in memory order."""
+    gen = generator(next_seed())
+    hidden = torch.randn(5, 2, 8, generator=gen)
+    weight = torch.randn(13, 8, generator=gen)
+    labels = torch.randint(0, 13, (5, 2), generator=gen)
+    labels[0, 1] = -100
+    temperature = 0.3 + torch.rand(5, 2, generator=gen)
+    layout = Layout(TokenOrder.FLAT, HiddenGrad.PARTIAL)
+    options = HeadOptions(backend="torch", return_sum_pi_squared=True, return_entropy=False)
+    x = hidden.clone().requires_grad_(True)
+    log_probs, entropy, sp = run_head(x, weight, labels, temperature, options, tp_group=None, layout=layout)
+    assert entropy is None and log_probs.shape == sp.shape == (10,)
+    ref = sum_pi_squared_reference(hidden.reshape(10, 8), weight, labels.reshape(10), temperature.reshape(10))
+    assert_close(sp, ref, name="sum_pi_squared[flat]", dtype=torch.float32, rtol=OUT_RTOL)
+    log_probs.sum().backward()
+    assert x.grad is not None
+
+
+def test_sum_pi_squared_gets_no_gradient():
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(11, 8, requires_grad=True)
+    labels = torch.tensor([1, 2, -100, 4, 10, 0])
+    log_prob, entropy, sp = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, labels, backend="torch", return_sum_pi_squared=True
+    )
+    assert log_prob.requires_grad and entropy.requires_grad
+    assert not sp.requires_grad and sp.grad_fn is None
+    with pytest.raises(RuntimeError):
+        sp.sum().backward()
+    (log_prob.sum() + (entropy * sp).sum()).backward()  # Σπ² as a weight: a constant
+    expected_h, expected_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    lp2, ent2 = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, backend="torch")
+    (lp2.sum() + (ent2 * sp).sum()).backward()
+    assert torch.equal(hidden.grad, expected_h) and torch.equal(weight.grad, expected_w)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, 1.0])
+def test_sum_pi_squared_wrong_type_is_a_type_error(bad):
+    hidden, weight, labels = torch.randn(4, 8), torch.randn(11, 8), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(TypeError, match="return_sum_pi_squared"):
+        HeadOptions(return_sum_pi_squared=bad)
+    for entry in (mcore_ppo.fused_log_probs_and_entropy, mcore_ppo.fused_log_probs_at):
+        call_labels = labels if entry is mcore_ppo.fused_log_probs_and_entropy else labels[:, None]
+        with pytest.raises(TypeError, match="return_sum_pi_squared"):
+            entry(hidden, weight, call_labels, backend="torch", return_sum_pi_squared=bad)
+
+
+def test_liger_refuses_sum_pi_squared():
+    hidden, weight, labels = torch.randn(4, 8), torch.randn(11, 8), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="return_sum_pi_squared"):
+        mcore_ppo.liger_log_probs_and_entropy(hidden, weight, labels, return_sum_pi_squared=True)
+    with pytest.raises(TypeError, match="return_sum_pi_squared"):
+        mcore_ppo.liger_log_probs_and_entropy(hidden, weight, labels, return_sum_pi_squared="yes")

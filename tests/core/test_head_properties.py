@@ -6,7 +6,9 @@ Drawn per example: the backend (``torch``; ``triton`` in the interpreter, fp32 o
 temperature (from the floor ``MIN_TEMPERATURE`` to 1e4, log-uniform, plus the usual values),
 the logit scale, the label dtype (int64/int32/int16, uint8 where the ids fit, with an ignore
 index that dtype can hold), which outputs get a gradient, and the data seed. Checked: the
-invariants, both outputs and both gradients against :func:`mcore_ppo_testing.reference.reference`.
+invariants, both outputs and both gradients against :func:`mcore_ppo_testing.reference.reference`;
+and Σπ² (``return_sum_pi_squared``, torch backend) against
+:func:`mcore_ppo_testing.reference.sum_pi_squared_reference`.
 
 Tolerances (``head_checks`` has the rationale): ``eps`` is the unit roundoff of the computation
 (fp32 for fp32/bf16 inputs, fp64 for fp64) and ``scale = max(1, max|x·w| / T)`` the tempered
@@ -37,7 +39,7 @@ from head_checks import TRITON_ON_CPU, with_budget
 
 import mcore_ppo
 from mcore_ppo.validation import MIN_TEMPERATURE
-from mcore_ppo_testing.reference import assert_close, check_invariants, reference
+from mcore_ppo_testing.reference import assert_close, check_invariants, reference, sum_pi_squared_reference
 from mcore_ppo_testing.seeds import base_seed, generator
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -159,3 +161,35 @@ def test_torch_backend_matches_fp64_reference(case):
 @given(case=cases("triton"))
 def test_triton_backend_matches_fp64_reference(case):
     check_against_reference(case, "triton")
+
+
+@seed(base_seed())
+@settings(BOUNDED, max_examples=max(1, MAX_EXAMPLES // 2))
+@given(
+    n=st.integers(1, 10),
+    h=st.integers(1, 12),
+    vocab=st.integers(1, 40),
+    logit_std=st.sampled_from([0.01, 1.0, 10.0, 100.0]),
+    temperature=st.sampled_from([1e-4, 0.3, 1.0, 1e4]),
+    data_seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_sum_pi_squared_torch_backend_matches_fp64(n, h, vocab, logit_std, temperature, data_seed, dtype):
+    """Any size (V = 1 included), logit scale and temperature: in ``[1/V, 1]`` and within a few
+    roundings of the logits' own error (``eps·scale``, as the property test of the head)."""
+    gen = generator(data_seed)
+    hidden = (torch.randn(n, h, generator=gen, dtype=torch.float64) * logit_std).to(dtype)
+    weight = (torch.randn(vocab, h, generator=gen, dtype=torch.float64) / math.sqrt(h)).to(dtype)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.3] = -100
+    sp = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, weight, labels, temperature=temperature, backend="torch", return_sum_pi_squared=True
+    )[2]
+    ref = sum_pi_squared_reference(hidden, weight, labels, temperature)
+    valid = labels != -100
+    assert torch.all(sp[~valid] == 0)
+    assert torch.all(sp[valid] >= (1.0 / vocab) * (1 - 1e-7)) and torch.all(sp[valid] <= 1.0)
+    eps = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    scale = max(1.0, (hidden.double() @ weight.double().t()).abs().max().item() / temperature)
+    # Σπ² moves by ~2·Σπ²·δz under a logit error δz: relative error a few eps·scale.
+    assert torch.all((sp.double() - ref).abs() <= 32 * eps * scale * ref + 1e-300)

@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent(
 
     # The same numbers straight through the Function, and against the full logits.
     plan = ShardPlan(TorchBackend(), temperature=0.7, ignore_index=-100, vocab_start=0, vocab_size=11)
-    flat_lp, _ = shard_head(hidden.detach().reshape(-1, 8), weight.detach(), labels.t().reshape(-1), plan)
+    flat_lp, _, _ = shard_head(hidden.detach().reshape(-1, 8), weight.detach(), labels.t().reshape(-1), plan)
     torch.testing.assert_close(flat_lp.view(4, 3).t(), log_probs.detach())
     full = torch.log_softmax(hidden.detach().transpose(0, 1) @ weight.detach().t() / 0.7, dim=-1)
     expected = full.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(labels == -100, 0.0)

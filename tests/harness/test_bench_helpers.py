@@ -78,3 +78,63 @@ def test_bench_head_refuses_an_unknown_shape_by_name(capsys):
         script.parse_args(["--shapes", "qwen7b,qwen99"])
     assert exit_info.value.code == 2
     assert f"unknown shape 'qwen99' in --shapes (known: {', '.join(bench.SHAPES)})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sum_pi_squared_overhead_runs_on_cpu_at_a_tiny_shape(backend):
+    """bench_head's Σπ² measurement (alternating order, medians, ratio, error against fp64) on CPU
+    tensors: the torch backend, and the triton one in the interpreter; and its flag parses."""
+    import torch
+
+    from mcore_ppo_testing.bench_sum_pi import sum_pi_squared_overhead
+    from mcore_ppo_testing.seeds import generator, next_seed
+
+    if backend == "triton":
+        from mcore_ppo.backends import import_optional
+
+        if import_optional("triton") is None or not _interpreting():
+            pytest.skip("the triton backend runs CPU tensors only in the interpreter")
+    gen = generator(next_seed())
+    x, w = torch.randn(12, 16, generator=gen), torch.randn(40, 16, generator=gen) / 4
+    labels = torch.randint(0, 40, (12,), generator=gen)
+    labels[::3] = -100
+    res = sum_pi_squared_overhead(x, w, labels, 0.7, backend, rounds=3)
+    assert res["rounds"] == 3 and res["sum_pi_squared_rel_err"] < 1e-5
+    for mode in ("fwd", "nograd_fwd"):
+        assert res[f"{mode}_ms"] > 0 and res[f"{mode}_sum_pi_squared_ms"] > 0 and res[f"{mode}_ratio"] > 0
+
+
+def test_bench_head_records_sum_pi_squared_per_entry(monkeypatch):
+    """The step bench_head runs after ``ours_triton`` (the GPU timer replaced by the wall clock)."""
+    import torch
+
+    from mcore_ppo_testing import bench_sum_pi
+
+    monkeypatch.setattr(bench_sum_pi, "gpu_timer", lambda hide: bench_sum_pi.wall_ms)
+    steps = []
+    bar = type("Bar", (), {"update": lambda self, label: steps.append(label)})()
+    inputs = bench.HeadInputs(torch.randn(6, 8), torch.randn(20, 8), torch.arange(6), torch.ones(6), torch.ones(6))
+    entry = {"shape": "tiny", "tp": 1, "temperature": 0.7, "impls": {"ours_triton": {}}}
+    bench_sum_pi.record_sum_pi_squared(entry, bench.ours("torch"), inputs, 2, bench.Timer(), bar)
+    assert entry["sum_pi_squared"]["rounds"] == 2 and steps == ["tiny tp1 sum_pi_squared"]
+    failed = {"shape": "tiny", "tp": 1, "temperature": 0.7, "impls": {"ours_triton": {"error": "x"}}}
+    bench_sum_pi.record_sum_pi_squared(failed, bench.ours("torch"), inputs, 2, bench.Timer(), bar)
+    assert "sum_pi_squared" not in failed
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def test_bench_head_parses_the_sum_pi_squared_rounds():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_head.py"
+    spec = importlib.util.spec_from_file_location("bench_head_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.parse_args([]).sum_pi_squared_rounds == 10
+    assert script.parse_args(["--sum-pi-squared-rounds", "0"]).sum_pi_squared_rounds == 0

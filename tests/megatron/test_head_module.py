@@ -122,6 +122,39 @@ def test_temperature_override():
             head(hidden, labels, temperature=0.0)
 
 
+def test_sum_pi_squared_option_and_override():
+    """``return_sum_pi_squared`` as a constructor option, an attribute (validated when set) and a
+    forward keyword, as ``return_entropy``: a third output equal to the function's, no gradient;
+    ``output_cross_entropy_loss`` stays one tensor."""
+    gen = generator(next_seed())
+    hidden, labels, g, _ = make_inputs("3d", torch.float32, gen)
+    head = make_head(temperature=0.7, return_sum_pi_squared=True)
+    x = hidden.clone().requires_grad_(True)
+    lp, _, sp = head(x, labels)
+    (lp * g).sum().backward()
+    assert not sp.requires_grad and x.grad is not None
+    expected = mcore_ppo.fused_log_probs_and_entropy(
+        hidden, head.weight.detach(), labels, temperature=0.7, return_sum_pi_squared=True
+    )
+    assert torch.equal(sp, expected[2]) and torch.equal(lp.detach(), expected[0])
+    with torch.no_grad():
+        assert len(head(hidden, labels, return_sum_pi_squared=False)) == 2
+        assert head(hidden, labels, output_cross_entropy_loss=True).shape == labels.shape
+        plain = make_head(temperature=0.7)
+        assert len(plain(hidden, labels)) == 2
+        plain.weight.copy_(head.weight)
+        _, ent2, sp2 = plain(hidden, labels, return_sum_pi_squared=True, return_entropy=False)
+        assert ent2 is None and torch.equal(sp2, sp)
+        with pytest.raises(TypeError, match="return_sum_pi_squared"):
+            plain(hidden, labels, return_sum_pi_squared="yes")
+    with pytest.raises(TypeError, match="return_sum_pi_squared"):
+        plain.return_sum_pi_squared = 1
+    plain.return_sum_pi_squared = True
+    assert plain.options.return_sum_pi_squared is True
+    with pytest.raises(TypeError, match="return_sum_pi_squared"):
+        make_head(return_sum_pi_squared="yes")
+
+
 def test_constructor_options():
     """ignore_index is honoured; bias=True and a bad temperature are rejected at construction."""
     gen = generator(next_seed())
