@@ -10,7 +10,7 @@ verl's worker binds it), once on the logits path and once on the fused path with
 every returned tensor (same keys, nested layout, dtype), verl's distillation loss and metrics on
 them (``distillation_loss``: its masks, clamps, ``agg_loss``), and every parameter's gradient, with
 per-sample temperatures, a response mask with zeros and ``log_prob_min_clamp`` on and off.
-TP 2 (SP off/on) and TP 2 × CP 2: ``tests/distributed/test_verl_distill_tp_cp.py``.
+TP 2 (SP off/on) and TP 2 × CP 2: ``tests/distributed/test_verl_tp_cp.py``.
 """
 
 from __future__ import annotations
