@@ -60,7 +60,7 @@ COMPILE = textwrap.dedent(
     splits = triton.cdiv(v, f.tiles_per_split * f.block_n)
     tiles = triton.cdiv(v, f.block_n)
     # The default variant, and the per-token temperature / entropy-off variants beside it.
-    variants = {"": {}, " row_temp": {"ROW_TEMP": True}, " no_u": {"WITH_U": False}}
+    variants = {"": {}, " row_temp": {"ROW_TEMP": True}, " no_u": {"WITH_U": False}, " with_q": {"WITH_Q": True}}
     for store in (False, True):
         buf = torch.empty(n, v, dtype=torch.bfloat16) if store else vec
         tmax = torch.empty(n, tiles) if store else vec
@@ -97,12 +97,15 @@ COMPILE = textwrap.dedent(
 def test_default_gemm_kernels_fit_hopper_shared_memory():
     """stats_kernel (statistics only, and with the probability buffer's TMA store) and
     dz_kernel (with its TMA store) at the default tiles and stages, bf16, TMA operands; each
-    also with a per-token temperature (ROW_TEMP) and with the entropy off (WITH_U / HAS_E)."""
+    also with a per-token temperature (ROW_TEMP), with the entropy off (WITH_U / HAS_E) and,
+    for stats_kernel, with Σπ²'s q sums (WITH_Q)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    stats = {f"stats_kernel{buffer}{flag}" for buffer in ("", " buffer") for flag in ("", " row_temp", " no_u")}
+    stats = {
+        f"stats_kernel{buffer}{flag}" for buffer in ("", " buffer") for flag in ("", " row_temp", " no_u", " with_q")
+    }
     assert set(shared) == stats | {"dz_kernel", "dz_kernel row_temp", "dz_kernel no_e"}
     print(shared)
     too_big = {name: size for name, size in shared.items() if size > HOPPER_SHARED_BYTES}
