@@ -21,6 +21,13 @@ zeros), TP 2 with SP off and on and TP 2 x CP 2 (the per-depth rolls cross CP ra
 path kept on with MTP against verl's logits path with MTP (outputs, the MTP losses verl logs,
 every gradient).
 
+Σπ² and top-k distillation (verl's ``calculate_sum_pi_squared``, ``distillation_use_topk``,
+``distillation_only``; ``loss_mode="forward_kl_topk"`` with verl's own configs and loss function,
+``mcore_ppo_testing.verl_distill``), in every layout above: the fused path with the plugin
+against verl's logits path, every returned tensor (keys, nested layout, dtype, values on every
+rank), verl's distillation loss and metrics and every gradient shard, with a response mask with
+zeros and ``log_prob_min_clamp``; a bad teacher id on one TP rank raising on every rank.
+
 Last, verl's kernel contract under TP (``mcore_ppo.integrations.verl.kernel``): with a TP group
 ``linear_cross_entropy`` returns the full-vocab values on every rank and a *partial* ``d_hidden``
 (this rank's vocab shard's contribution) that the caller reduces over TP, as verl's Megatron path
@@ -38,7 +45,7 @@ from head_cases import BACKEND
 from mcore_ppo.integrations import verl as plugin
 from mcore_ppo.integrations.verl.engine import call_site
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
-from mcore_ppo_testing import verl_engine
+from mcore_ppo_testing import verl_distill, verl_engine
 from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.real_verl import require_verl
@@ -258,4 +265,100 @@ def test_verl_compat_tp_values_and_partial_d_hidden(check):
         )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         check.close("d_hidden (SP)", local.grad, ref_dh.chunk(tp, dim=0)[layout.tp_rank], tol=1e-12, kind=kind)
+    check.done()
+
+
+# Σπ² and top-k distillation (verl's logits-only micro-batch outputs) on the fused path.
+K = 8  # the teacher's top-k
+PROMPTS = (3, 6, 2)
+# |a - b| <= DISTILL_TOL (1 + |b|): the head's fp32 against verl's fp64 logits (fp32 outputs)
+DISTILL_TOL = 2e-6
+# The output layer scaled so the student's log-probs spread and the clamp cuts some of them.
+OUTPUT_SCALE, CLAMP = 25.0, -5.0
+
+
+def _distill_model(seed: int, sp: bool) -> torch.nn.Module:
+    model = build_gpt_model(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+        max_sequence_length=MAX_LEN, sequence_parallel=sp, params_dtype=torch.float64, seed=seed % 100_000,
+        transformer_layer_spec=local_gpt_spec(attention="sdpa"), device=DEVICE, position_embedding_type="rope",
+    )  # fmt: skip
+    with torch.no_grad():
+        model.output_layer.weight.mul_(OUTPUT_SCALE)
+    return model
+
+
+def _distill_batch(seed: int, *, distill: bool, **flags):
+    gen = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+    masks = [[int(j % 3 != 1) for j in range(n - p)] for n, p in zip(LENGTHS, PROMPTS, strict=True)]
+    teacher = verl_distill.random_teacher(LENGTHS, VOCAB, K, seed + 1) if distill else None
+    return verl_distill.make_distill_batch(
+        sequences, list(TEMPERATURES), teacher, prompt_lengths=PROMPTS, response_masks=masks, device=DEVICE, **flags
+    )
+
+
+def _compare(check, mine, theirs, what):
+    for d in verl_distill.compare_runs(mine, theirs, out_tol=DISTILL_TOL, grad_tol=GRAD_TOL):
+        print(f"{what}: {d.name}: max abs {d.max_abs:.2e}, max rel {d.max_rel:.2e} {d.note}")
+        if not d.ok:
+            check.fail(f"{d.name}: max abs {d.max_abs:.2e}, max rel {d.max_rel:.2e} {d.note}")
+
+
+@pytest.mark.parametrize("distillation_only", [False, True], ids=["with-log-probs", "distillation-only"])
+def test_verl_topk_distillation_tp_sp_cp_equals_verls_logits_path(check, distillation_only):
+    seed = shared_seed()
+    configs = verl_distill.distill_configs(K, CLAMP, distillation_only=distillation_only)
+    for tp, cp, sp in fitting(LAYOUTS, lambda layout: layout[0] * layout[1], _describe):
+        what = f"{_describe((tp, cp, sp))} distillation_only={distillation_only}"
+        check.case(what)
+        with model_parallel(tp, cp):
+            model = _distill_model(seed, sp)
+            batch = _distill_batch(seed, distill=True, distillation_only=distillation_only, calculate_entropy=True)
+            theirs = verl_distill.distill_step(model, batch, configs, use_fused_kernels=False, grad_seed=seed)
+            with verl_engine.plugin_on("torch"):
+                mine = verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, grad_seed=seed)
+        if "distillation_losses" not in theirs.outputs or ("log_probs" in theirs.outputs) == distillation_only:
+            check.fail(f"verl's logits path returned {sorted(theirs.outputs)}")
+        _compare(check, mine, theirs, what)
+    check.done()
+
+
+def test_a_bad_teacher_id_on_one_tp_rank_raises_on_every_rank(check):
+    from megatron.core import parallel_state
+
+    seed = shared_seed()
+    configs = verl_distill.distill_configs(K, CLAMP, distillation_only=True)
+    check.case("TP2 SP=off, rank 0 of each TP group with a teacher id = V")
+    with model_parallel(2, 1):
+        model = _distill_model(seed, False)
+        batch = _distill_batch(seed, distill=True, distillation_only=True)
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            ids = batch["teacher_ids"].values()
+            ids[3, 1] = VOCAB
+        match = "teacher_ids must be in" if parallel_state.get_tensor_model_parallel_rank() == 0 else "another rank"
+        with verl_engine.plugin_on("torch"):
+            check.raises(ValueError, match, verl_distill.distill_step, model, batch, configs, use_fused_kernels=True)
+    check.done()
+
+
+@pytest.mark.parametrize("distill", [False, True], ids=["log-prob-pass", "with-topk-distillation"])
+def test_verl_sum_pi_squared_tp_sp_cp_equals_verls_logits_path(check, distill):
+    """``calculate_sum_pi_squared=True`` (verl's fused path refuses it) on the head: values on every
+    rank, layout and dtype as verl's ``vocab_parallel_sum_pi_squared`` gives them, alone and with
+    top-k distillation in the same pass; log-probs, entropy and every gradient unchanged."""
+    seed = shared_seed()
+    configs = verl_distill.distill_configs(K, CLAMP, distillation_only=False) if distill else None
+    for tp, cp, sp in fitting(LAYOUTS, lambda layout: layout[0] * layout[1], _describe):
+        what = f"{_describe((tp, cp, sp))} sum_pi_squared distill={distill}"
+        check.case(what)
+        with model_parallel(tp, cp):
+            model = _distill_model(seed, sp)
+            batch = _distill_batch(seed, distill=distill, calculate_sum_pi_squared=True)
+            theirs = verl_distill.distill_step(model, batch, configs, use_fused_kernels=False, grad_seed=seed)
+            with verl_engine.plugin_on("torch"):
+                mine = verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, grad_seed=seed)
+        if "sum_pi_squared" not in theirs.outputs:
+            check.fail(f"verl's logits path returned {sorted(theirs.outputs)}")
+        _compare(check, mine, theirs, what)
     check.done()

@@ -178,3 +178,43 @@ def test_live_path_with_mtp_triton_fp32_equals_verls_logits_path_with_mtp(verl_o
     for key, value in theirs.mtp_losses.items():
         assert mine.mtp_losses[key] == pytest.approx(value, rel=1e-4), key
     _assert_same(mine, theirs, f"MTP train={train}: plugin vs verl's logits path", {"rtol": 1e-4, "atol": 1e-4}, 1e-4)
+
+
+def test_live_path_triton_fp32_topk_distillation_and_sum_pi_squared_equal_verls_logits_path(verl_on_cuda):
+    """Top-k distillation (k 16, ``log_prob_min_clamp=-5``, per-sample temperatures, a response
+    mask with zeros) and Σπ² in the same micro-batch, on the installed megatron-core's route (the
+    ``output_processor`` hook on >= 0.18) with the triton backend and ``fused_topk``'s kernels,
+    against verl's logits path: every output, verl's distillation loss and metrics, every gradient
+    (fp32 model, TF32 off). The student's top-k ids decide ``overlap_count``: a near-tie at the
+    k-th value within fp32 rounding may pick another id, so those two outputs may differ on at
+    most 2 % of the tokens."""
+    from mcore_ppo_testing import verl_distill
+
+    verl_engine = verl_on_cuda
+    k, prompts = 16, [5, 12, 3, 10]
+    model = _model(torch.float32)
+    with torch.no_grad():
+        model.output_layer.weight.mul_(25.0)  # the student's log-probs spread: the clamp cuts some
+    seed = next_seed()
+    sequences = _sequences()
+    masks = [[int(j % 3 != 1) for j in range(n - p)] for n, p in zip(LENGTHS, prompts, strict=True)]
+    batch = verl_distill.make_distill_batch(
+        sequences, [0.6, 1.0, 1.6, 0.9], verl_distill.random_teacher(LENGTHS, VOCAB, k, seed), prompt_lengths=prompts,
+        response_masks=masks, calculate_sum_pi_squared=True, device="cuda",
+    )  # fmt: skip
+    configs = verl_distill.distill_configs(k, -5.0, distillation_only=False)
+    theirs = verl_distill.distill_step(model, batch, configs, use_fused_kernels=False, grad_seed=seed)
+    with verl_engine.plugin_on("triton"):
+        mine = verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, grad_seed=seed)
+    bad = []
+    for d in verl_distill.compare_runs(mine, theirs, out_tol=1e-4, grad_tol=1e-4):
+        print(f"top-k distillation + Σπ² (triton): {d.name}: max abs {d.max_abs:.2e}, max rel {d.max_rel:.2e} {d.note}")
+        if d.ok:
+            continue
+        if d.name in ("overlap_count", "overlap_token_advantage", "metric distillation/overlap_ratio",
+                      "metric distillation/overlap_token_advantage"):  # fmt: skip
+            a, b = (run.outputs["overlap_count"].values() for run in (mine, theirs))
+            if (a != b).float().mean().item() <= 0.02:
+                continue
+        bad.append(d)
+    assert not bad, bad

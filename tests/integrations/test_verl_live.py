@@ -225,6 +225,7 @@ def test_value_model_is_noted_not_warned(caplog):
 def test_uninstall_restores_every_verl_function():
     import verl.models.mcore.model_forward_fused as fused
     import verl.models.mcore.registry as registry
+    import verl.trainer.distillation.megatron.losses as distill_losses
     import verl.workers.engine.megatron.transformer_impl as impl
 
     def current():
@@ -238,6 +239,7 @@ def test_uninstall_restores_every_verl_function():
             impl.MegatronEngine.__dict__["_maybe_enable_fused_kernels"],
             impl.MegatronEngineWithLMHead.__dict__["forward_step"],
             impl.MegatronEngineWithValueHead.__dict__["forward_step"],
+            distill_losses._VocabParallelKLDivergence,
         ]
 
     plugin.uninstall()

@@ -17,7 +17,11 @@ they already are):
 - the call sites around it and verl's engine hooks, :mod:`mcore_ppo.integrations.verl.engine`:
   the model's ``config.sequence_parallel`` (which decides the TP reduction of ``d_hidden``),
   ``calculate_entropy`` and per-sample temperatures reach the head, and an engine whose fused
-  path is off says so (WARNING, naming the verl setting) at its first forward.
+  path is off says so (WARNING, naming the verl setting) at its first forward;
+- verl's logits-only micro-batch outputs on the fused path: ``calculate_sum_pi_squared`` (verl
+  refuses it there) and top-k distillation (``distillation_use_topk``, ``distillation_only``;
+  verl drops them there), :mod:`mcore_ppo.integrations.verl.step_outputs` and
+  :mod:`mcore_ppo.integrations.verl.distill_topk`.
 
 ``model_forward_1f1b_overlap`` (not called by verl 0.9.1 or main) keeps verl's own kernel: its
 call runs later, from a schedule plan, where no wrapper can say what the model's SP setting is.
@@ -55,6 +59,7 @@ import torch
 
 from mcore_ppo.integrations.import_hook import AfterImportHook, backend_from_environment
 from mcore_ppo.integrations.verl.engine import WRAPPERS, current_call_site
+from mcore_ppo.integrations.verl.step_outputs import current_collector
 from mcore_ppo.logs import log_once, logger
 
 __all__ = [
@@ -127,17 +132,25 @@ def linear_cross_entropy(
     if site is not None and not site.return_entropy:
         extra["return_entropy"] = False
     backend = backend_from_environment(ENV_BACKEND)
-    outputs = compat_linear_cross_entropy(
-        hidden,
-        weight,
-        labels,
-        temperature,
-        reduction,
-        dist_process_group,
-        backend=backend,
-        reduce_hidden_grad=reduce_here,
-        **extra,
-    )
+    collector = current_collector()
+    if collector is not None and collector.wants_head_outputs and reduction in (None, "none"):
+        # verl's micro-batch asked for Σπ² or top-k distillation: the same call, more outputs.
+        outputs = collector.run_head(
+            hidden, weight, labels, temperature, dist_process_group, reduce_hidden_grad=reduce_here,
+            return_entropy=site is None or site.return_entropy, backend=backend,
+        )  # fmt: skip
+    else:
+        outputs = compat_linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            temperature,
+            reduction,
+            dist_process_group,
+            backend=backend,
+            reduce_hidden_grad=reduce_here,
+            **extra,
+        )
     log_once(
         logging.INFO,
         ("verl-on", backend, tp, sequence_parallel),

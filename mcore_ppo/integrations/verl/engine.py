@@ -32,7 +32,13 @@ And in ``verl.workers.engine.megatron.transformer_impl``:
   engine's first forward, a WARNING naming the verl setting to change when the engine runs its
   non-fused logits path (where the plugin does nothing); INFO for a value model, which computes
   no log-probs; on the fused path, the micro-batch's MTP state (its loss mask) for
-  the MTP postprocess.
+  the MTP postprocess, and its Σπ² / top-k distillation request
+  (:mod:`mcore_ppo.integrations.verl.step_outputs`: verl's refusal of Σπ² lifted, the extra
+  outputs added to ``fused_forward_model_engine``'s).
+
+And in ``verl.trainer.distillation.megatron.losses``: ``_VocabParallelKLDivergence``, whose
+``apply`` on the plugin's stand-in for the student's logits runs on the head
+(:mod:`mcore_ppo.integrations.verl.distill_topk`); real logits still go to verl's.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from typing import Any
 
 import torch
 
-from mcore_ppo.integrations.verl import mtp, mtp_postprocess, mtp_step
+from mcore_ppo.integrations.verl import distill_topk, mtp, mtp_postprocess, mtp_step, step_outputs
 from mcore_ppo.logs import log_once
 
 __all__ = ["WRAPPERS", "CallSite", "call_site", "current_call_site", "fused_path_off_reason"]
@@ -156,8 +162,13 @@ def wrap_fused_forward_model_engine(original: Callable[..., Any]) -> Callable[..
                 per_token = _per_token_temperature(temperature, arguments)
                 arguments["temperature"] = 1.0  # verl's own code sees a float; the head reads per_token
             known = {"return_entropy": bool(arguments.get("calculate_entropy", True)), "temperature": per_token}
-            with call_site("fused_forward_model_engine", **known), mtp_step.fused_engine_inputs(arguments):
-                return inner(*bound.args, **bound.kwargs)
+            with (
+                call_site("fused_forward_model_engine", **known),
+                mtp_step.fused_engine_inputs(arguments),
+                step_outputs.collect(arguments) as collected,
+            ):
+                output = inner(*bound.args, **bound.kwargs)
+            return collected.finish(output)  # Σπ², top-k distillation: step_outputs
 
         return fused_forward_model_engine_inner
 
@@ -169,7 +180,6 @@ def _per_token_temperature(temperature: torch.Tensor, arguments: dict[str, Any])
     ``fused_forward_model_engine`` lays out the labels (the non-fused path does the same)."""
     import verl.utils.torch_functional as verl_F
     from verl.models.mcore.util import preprocess_thd_engine
-    from verl.utils.megatron_utils import unwrap_model
 
     input_ids = arguments["input_ids"]
     per_sample = temperature.detach().to(device=input_ids.device, dtype=torch.float32).reshape(-1)
@@ -177,20 +187,10 @@ def _per_token_temperature(temperature: torch.Tensor, arguments: dict[str, Any])
         raise ValueError(
             f"temperature has {per_sample.numel()} values for a micro-batch of {input_ids.shape[0]} sequences"
         )
-    config = unwrap_model(arguments["model"]).config
-    min_local_rows = (
-        config.csa_window_size if getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid" else None
-    )
     per_token, _, _ = preprocess_thd_engine(
-        verl_F.expand_as_nested(per_sample, input_ids),
-        pre_process=True,
-        need_roll=False,
-        use_fp8_padding=getattr(config, "fp8", None) in ("e4m3", "hybrid"),
-        min_local_rows=min_local_rows,
-        pad_to_length_bucket=arguments.get("pad_to_length_bucket"),
-        cp_layout=arguments.get("cp_layout", "zigzag"),
-        local_cp_size=arguments.get("local_cp_size"),
-    )
+        verl_F.expand_as_nested(per_sample, input_ids), pre_process=True, need_roll=False,
+        **step_outputs.thd_packing(arguments),
+    )  # fmt: skip
     # Alignment padding carries 0 (its outputs are dropped by verl's postprocess): any valid value.
     return torch.where(per_token > 0, per_token, torch.ones_like(per_token)).contiguous()
 
@@ -290,6 +290,8 @@ def _check_first_forward(engine: Any) -> None:
 
 
 def wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def forward_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         _check_first_forward(self)
@@ -305,7 +307,8 @@ def wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
             args[0] = replay
         else:
             kwargs["batch_iter"] = replay
-        with mtp_step.engine_step(self, batch):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        with mtp_step.engine_step(self, batch), step_outputs.engine_step(batch, bound.get("logits_processor_func")):
             return original(self, *args, **kwargs)
 
     return forward_step
@@ -321,6 +324,7 @@ WRAPPERS: dict[str, tuple[tuple[str, Callable[[Callable[..., Any]], Callable[...
     ),
     "verl.models.mcore.registry": (("fused_forward_model_engine", wrap_fused_forward_model_engine),),
     "verl.models.mcore.mtp_patch": (("_megatron_gptmodel_postprocess", mtp_postprocess.wrap_mtp_postprocess),),
+    "verl.trainer.distillation.megatron.losses": (("_VocabParallelKLDivergence", distill_topk.wrap_kl_divergence),),
     "verl.workers.engine.megatron.transformer_impl": (
         ("_resolve_fused_temperature", wrap_resolve_fused_temperature),
         ("MegatronEngine._maybe_enable_fused_kernels", wrap_maybe_enable_fused_kernels),
