@@ -157,6 +157,27 @@ def step_impls(x, w, labels, t_ids, t_logps, temperature, clamp, chunk, backend)
     return {name: (lambda f=f: run(f)) for name, f in zip(IMPLS, (fused, verl_logits, verl_chunked), strict=True)}
 
 
+def floor_impls(x, w, k: int, temperature: float, backend: str) -> dict[str, Callable[[], object]]:
+    """The yardsticks timed beside the routes: ``gemm4``, the four-GEMM floor of a recompute
+    design (the logits GEMM in the forward and again in the backward, then ``dz @ W`` and
+    ``dzᵀ @ x``; bf16 inputs, fp32 logits), and ``student_topk``, the fused route's own pass for
+    the student's top-k ids alone (:func:`mcore_ppo.fused_topk`, no gradient)."""
+    from mcore_ppo import fused_topk
+    from mcore_ppo_testing.bench_student import _mm32
+
+    def gemm4():
+        _mm32(x, w.t())
+        dz = _mm32(x, w.t()).to(x.dtype)
+        torch.mm(dz, w)
+        torch.mm(dz.t(), x)
+
+    def student_topk():
+        impl = "torch" if backend == "torch" else "auto"
+        return fused_topk(x, w.detach(), k, temperature=temperature, impl=impl, validate=False).ids
+
+    return {"gemm4": gemm4, "student_topk": student_topk}
+
+
 def run_step(args, device: str, tp: int, report: dict) -> bool:
     gen = torch.Generator().manual_seed(args.seed + tp)
     shard = args.vocab // tp
@@ -171,9 +192,16 @@ def run_step(args, device: str, tp: int, report: dict) -> bool:
     results = {name: impls[name]() for name in IMPLS}  # warm-up, and the outputs compared
     ref_kl, ref_dh = results["verl_logits"]
     ok = True
-    times: dict[str, list[float]] = {name: [] for name in IMPLS}
-    for name in (*IMPLS, *reversed(IMPLS)):
-        times[name] += clock(impls[name], args.reps)
+    parts = floor_impls(x, w, args.k, args.temperature, args.backend)
+    for fn in parts.values():
+        fn()  # warm-up
+    order = (*parts, *IMPLS, *reversed(IMPLS), *reversed(parts))
+    times: dict[str, list[float]] = {name: [] for name in (*IMPLS, *parts)}
+    for name in order:
+        times[name] += clock(parts[name] if name in parts else impls[name], args.reps)
+    floor = statistics.median(times["gemm4"])
+    row["gemm4_ms"] = floor
+    row["student_topk_ms"] = statistics.median(times["student_topk"])
     for name in IMPLS:
         kl, dh = results[name]
         kl_err = float(((kl.float() - ref_kl.float()).abs() / (1 + ref_kl.float().abs())).max())
@@ -182,6 +210,7 @@ def run_step(args, device: str, tp: int, report: dict) -> bool:
         gc.collect()
         row[name] = {
             "ms": statistics.median(times[name]),
+            "ratio_to_gemm4": statistics.median(times[name]) / floor,
             "peak_gib": _peak(impls[name], device),
             "kl_max_rel_vs_verl_logits": kl_err,
             "d_hidden_normwise_vs_verl_logits": dh_err,
@@ -270,15 +299,22 @@ def run_longest(args, device: str, report: dict) -> None:
 def markdown(report: dict) -> str:
     lines = ["# verl top-k distillation: fused route vs verl's logits path vs use_chunked_topk", ""]
     if report["step"]:
-        lines += ["| TP | V shard | k | tokens | impl | ms | peak GiB | KL rel vs verl_logits |", "|---" * 8 + "|"]
+        lines += [
+            "| TP | V shard | k | tokens | impl | ms | × four-GEMM floor | peak GiB | KL rel vs verl_logits |",
+            "|---" * 9 + "|",
+        ]
         for row in report["step"]:
             for name in IMPLS:
                 r = row[name]
                 peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
                 lines.append(
                     f"| {row['tp']} | {row['vocab_shard']} | {row['k']} | {row['tokens']} | {name} | {r['ms']:.2f} | "
-                    f"{peak} | {r['kl_max_rel_vs_verl_logits']:.1e} |"
+                    f"{r['ratio_to_gemm4']:.2f} | {peak} | {r['kl_max_rel_vs_verl_logits']:.1e} |"
                 )
+            lines.append(
+                f"| {row['tp']} | {row['vocab_shard']} | {row['k']} | {row['tokens']} | four-GEMM floor "
+                f"(student top-k alone: {row['student_topk_ms']:.2f} ms) | {row['gemm4_ms']:.2f} | 1.00 | - | - |"
+            )
     if report["longest"]:
         lines += ["", "| impl | longest single sequence | first not fitting |", "|---|---|---|"]
         lines += [f"| {r['impl']} | {r['longest_fitting']} | {r['first_not_fitting']} |" for r in report["longest"]]

@@ -28,7 +28,9 @@ def test_smoke_run_reports_every_route(tmp_path):
     for row in report["step"]:
         for impl in ("fused", "verl_logits", "verl_chunked"):
             assert row[impl]["ms"] > 0 and row[impl]["kl_max_rel_vs_verl_logits"] < 1e-5
+            assert row[impl]["ratio_to_gemm4"] == row[impl]["ms"] / row["gemm4_ms"]
             assert row[impl]["d_hidden_normwise_vs_verl_logits"] < 1e-5
+        assert row["gemm4_ms"] > 0 and row["student_topk_ms"] > 0
     assert [r["impl"] for r in report["longest"]] == ["fused", "verl_logits", "verl_chunked"]
     # On the CPU nothing runs out of memory: every route reaches the smoke run's cap.
     assert all(r["longest_fitting"] == 64 and r["first_not_fitting"] is None for r in report["longest"])
