@@ -91,3 +91,44 @@ def test_constant_tensor_is_the_float_and_entropy_off_is_entropy_unused(budget):
     assert off[1] is None
     for i in (0, 2, 3):
         assert torch.equal(off[i], unused[i])
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])
+@pytest.mark.parametrize("return_entropy", [True, False], ids=["entropy", "no-entropy"])
+@pytest.mark.parametrize("ids", [False, True], ids=["label", "k-ids"])
+def test_sum_pi_squared_against_fp64_and_the_other_outputs_unchanged(budget, return_entropy, ids):
+    """Σπ² from the triton kernels (WITH_Q) against the fp64 full softmax, within fp32 rounding;
+    with it on, the log-probs, entropy and gradients are bit for bit those of the call without it."""
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
+    from mcore_ppo_testing.reference import sum_pi_squared_reference
+
+    x, w, labels, g, _, temperature = make(2)
+    if ids:  # four ids per token, one of them ignored in some tokens
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        labels = torch.randint(0, V, (N, 4), device="cuda", generator=gen)
+        labels[:, 3][torch.rand(N, device="cuda", generator=gen) < 0.5] = -100
+        g = torch.randn(N, 4, device="cuda", generator=gen)
+    backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))
+    results = []
+    for with_q in (False, True):
+        xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        out = mcore_ppo.fused_log_probs_and_entropy(
+            xg, wg, labels, temperature=temperature, backend=backend, return_entropy=return_entropy,
+            return_sum_pi_squared=with_q,
+        )  # fmt: skip
+        out[0].backward(g)
+        torch.cuda.synchronize()
+        results.append((*(None if t is None else t.detach() for t in out), xg.grad, wg.grad))
+    plain, with_sum = results
+    sum_pi = with_sum[2]
+    assert sum_pi.dtype == torch.float32 and not sum_pi.requires_grad
+    ref = sum_pi_squared_reference(x, w, labels, temperature)
+    valid = (labels != -100).any(dim=-1) if ids else labels != -100
+    err = rel(sum_pi[valid], ref[valid])
+    print({"sum_pi_squared": err})
+    assert err <= 1e-5
+    assert torch.all(sum_pi[~valid] == 0)
+    assert torch.all((sum_pi[valid] >= 1 / V) & (sum_pi[valid] <= 1))
+    for i, j in ((0, 0), (1, 1), (3, 2), (4, 3)):  # log-probs, entropy, d_hidden, d_weight
+        a, b = with_sum[i], plain[j]
+        assert (a is None and b is None) or torch.equal(a, b)
