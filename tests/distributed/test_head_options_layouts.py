@@ -288,6 +288,16 @@ def _compare_sp(check, actual: dict, expected: dict, expected64: torch.Tensor | 
         )  # fmt: skip
 
 
+def _single_rank_references(case, temperature, dtype, return_entropy):
+    """The single-rank outputs of ``case`` and, for fp32 inputs, the fp64 Σπ² from the full logits."""
+    args = (case.hidden, case.weight, case.labels, temperature, case.grad_log_prob)
+    ref = run_sp(*args, return_entropy=return_entropy, single=True)
+    ref64 = None
+    if dtype == torch.float32:
+        ref64 = sum_pi_squared_reference(case.hidden, case.weight, case.labels, temperature)
+    return ref, ref64
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_sp_sum_pi_squared(tp, check):
     layout = tp_cp_groups(tp)
@@ -296,11 +306,7 @@ def test_tp_sp_sum_pi_squared(tp, check):
         for name in LAYOUT_SHAPES:
             case = make_case(name, dtype)
             temperature = _sp_temperature(case.labels, kind)
-            args = (case.hidden, case.weight, case.labels, temperature, case.grad_log_prob)
-            ref = run_sp(*args, return_entropy=return_entropy, single=True)
-            ref64 = None
-            if dtype == torch.float32:
-                ref64 = sum_pi_squared_reference(case.hidden, case.weight, case.labels, temperature)
+            ref, ref64 = _single_rank_references(case, temperature, dtype, return_entropy)
             if layout.tp_group is None:
                 continue
             weight = case.weight.chunk(tp, dim=0)[layout.tp_rank]
@@ -323,11 +329,7 @@ def test_tp_cp_sum_pi_squared(tp, cp, check):
         for packed in (False, True):
             case, _, cu_seqlens = make_cp_case(packed, cp, dtype)
             temperature = _sp_temperature(case.labels, kind)
-            args = (case.hidden, case.weight, case.labels, temperature, case.grad_log_prob)
-            ref = run_sp(*args, return_entropy=return_entropy, single=True)
-            ref64 = None
-            if dtype == torch.float32:
-                ref64 = sum_pi_squared_reference(case.hidden, case.weight, case.labels, temperature)
+            ref, ref64 = _single_rank_references(case, temperature, dtype, return_entropy)
             if layout.cp_group is None:
                 continue
 
