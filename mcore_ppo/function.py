@@ -111,6 +111,7 @@ def shard_head(
     labels: torch.Tensor,
     plan: ShardPlan,
     temperature: torch.Tensor | None = None,
+    log_normalizer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(log_prob, entropy [n] or None, sum_pi_squared [n] or None)``, fp32 (fp64 for fp64
     inputs with ``k`` ids), for ``hidden [n, h]``, this rank's ``weight [v, h]`` and global
@@ -118,7 +119,10 @@ def shard_head(
     ``log_prob [n, k]``).
     Differentiable once (this rank's partial ``d_hidden``). ``temperature``: per-token ``[n]``
     (fp32, fp64 for fp64 inputs, contiguous, validated), used instead of ``plan.temperature``;
-    it gets no gradient. ``sum_pi_squared`` (with ``plan.return_sum_pi_squared``) is detached."""
+    it gets no gradient. ``sum_pi_squared`` (with ``plan.return_sum_pi_squared``) is detached.
+    ``log_normalizer``: with ``k`` ids only, the tokens' global ``lse`` already computed over the
+    same tempered logits by another pass (the student's top-k in distillation): the statistics
+    pass is skipped (no entropy, no Σπ²: the plan asks for neither) and the backward recomputes."""
     # Decided here, where grad mode is still visible: a backend keeps backward buffers only
     # when a backward can follow.
     grad_needed = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -128,9 +132,11 @@ def shard_head(
         # No graph to record: the forward alone, without the autograd Function's own host cost
         # (its outputs would carry no gradient either way).
         with autocast_off(hidden.device):
-            log_prob, entropy, _, sum_pi_squared = _forward(hidden, weight, labels, plan, False, temperature)
+            log_prob, entropy, _, sum_pi_squared = _forward(
+                hidden, weight, labels, plan, False, temperature, log_normalizer
+            )
         return log_prob, entropy, sum_pi_squared
-    return FusedPPOHeadFunction.apply(hidden, weight, labels, plan, grad_needed, temperature)
+    return FusedPPOHeadFunction.apply(hidden, weight, labels, plan, grad_needed, temperature, log_normalizer)
 
 
 def weight_grad_buffer(weight: torch.Tensor, plan: ShardPlan) -> tuple[torch.Tensor, bool]:
@@ -168,11 +174,12 @@ def _forward(
     plan: ShardPlan,
     grad_needed: bool,
     row_temperature: torch.Tensor | None,
+    log_normalizer: torch.Tensor | None = None,
 ) -> HeadForward:
     """The forward's outputs and what its backward needs (module doc)."""
     temperature = plan.temperature if row_temperature is None else row_temperature
     if labels.dim() == 2:
-        return _ids_forward(hidden, weight, labels, plan, grad_needed, temperature)
+        return _ids_forward(hidden, weight, labels, plan, grad_needed, temperature, log_normalizer)
     if plan.backend.capabilities.fused_forward:
         combine = None
         if group_size(plan.tp_group) > 1:
@@ -239,8 +246,10 @@ def _ids_forward(
     plan: ShardPlan,
     grad_needed: bool,
     temperature: float | torch.Tensor,
+    log_normalizer: torch.Tensor | None,
 ) -> HeadForward:
-    """``k`` ids per token: the statistics with no label in the shard, and the ids' logits."""
+    """``k`` ids per token: the statistics with no label in the shard (or the given
+    ``log_normalizer``, see :func:`shard_head`), and the ids' logits."""
     n = hidden.shape[0]
     in_range = (ids >= 0) & (ids < plan.vocab_size)
     slot_ok = (ids != plan.ignore_index) & in_range
@@ -249,11 +258,15 @@ def _ids_forward(
     in_shard = slot_ok & (local >= 0) & (local < weight.shape[0])
     local_ids = torch.where(in_shard, local, -1)
     no_label = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
-    stats = plan.backend.shard_statistics(
-        hidden, weight, no_label, valid, temperature, grad_needed=grad_needed, with_entropy=plan.return_entropy,
-        **_sum_pi_squared_flag(plan),
-    )  # fmt: skip
-    lse, entropy, _, *square = combine_shard_statistics(*stats.tensors(), plan.tp_group, stats.q)
+    if log_normalizer is None:
+        stats = plan.backend.shard_statistics(
+            hidden, weight, no_label, valid, temperature, grad_needed=grad_needed, with_entropy=plan.return_entropy,
+            **_sum_pi_squared_flag(plan),
+        )  # fmt: skip
+        lse, entropy, _, *square = combine_shard_statistics(*stats.tensors(), plan.tp_group, stats.q)
+        residual = stats.residual
+    else:
+        lse, entropy, square, residual = log_normalizer, None, [], None
     logits = plan.backend.gather_logits(hidden, weight, local_ids, temperature)
     if group_size(plan.tp_group) > 1:
         # Each id lives on one rank; the others add exact zeros.
@@ -262,7 +275,7 @@ def _ids_forward(
     # An id outside the vocab (possible only when validation was off) poisons its slot.
     log_q = log_q.masked_fill((ids != plan.ignore_index) & ~in_range, torch.nan)
     entropy_out = _entropy_output(entropy, valid, plan.vocab_size)
-    saved = SavedTokens(no_label, valid, lse, entropy, stats.residual, local_ids, slot_ok)
+    saved = SavedTokens(no_label, valid, lse, entropy, residual, local_ids, slot_ok)
     return HeadForward(log_q, entropy_out, saved, sum_pi_squared_output(square, valid, plan.vocab_size))
 
 
@@ -284,8 +297,8 @@ def sum_pi_squared_output(square: list[torch.Tensor], valid: torch.Tensor, vocab
 
 class FusedPPOHeadFunction(torch.autograd.Function):
     """``(hidden [n,h], weight [v,h], labels [n] or [n, k], plan, grad_needed, temperature [n]
-    or None) → (log_prob [n] or [n, k], entropy [n] or None, sum_pi_squared [n] or None)``;
-    the third output is non-differentiable.
+    or None, log_normalizer [n] or None) → (log_prob [n] or [n, k], entropy [n] or None,
+    sum_pi_squared [n] or None)``; the third output is non-differentiable.
 
     ``labels`` are global vocab ids (or ``plan.ignore_index``); this rank owns rows
     ``[plan.vocab_start, plan.vocab_start + v)`` of the global vocab. Call it through
@@ -293,12 +306,12 @@ class FusedPPOHeadFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, plan: ShardPlan, grad_needed: bool, temperature):
+    def forward(ctx, hidden, weight, labels, plan: ShardPlan, grad_needed: bool, temperature, log_normalizer):
         ctx.set_materialize_grads(False)
         ctx.device = hidden.device
         with autocast_off(hidden.device):
             log_prob, entropy_out, saved, sum_pi_squared = _forward(
-                hidden, weight, labels, plan, grad_needed, temperature
+                hidden, weight, labels, plan, grad_needed, temperature, log_normalizer
             )
         ctx.save_for_backward(
             hidden,
@@ -332,7 +345,7 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         # retain_graph, recomputes), and the backend may overwrite it in place.
         residual, ctx.residual = ctx.residual, None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        nones = (None,) * 4
+        nones = (None,) * 5
         if entropy is None:
             grad_entropy = None
         if (grad_log_prob is None and grad_entropy is None) or not (need_hidden or need_weight):

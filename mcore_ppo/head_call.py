@@ -67,6 +67,7 @@ def run_head(
     layout: Layout,
     ids: bool | None = None,
     prior_error: Exception | None = None,
+    log_normalizer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-token ``(log_probs, entropy)`` of ``softmax(hidden @ weight.T / T)`` over the TP-sharded vocab
     (``(log_probs, entropy, sum_pi_squared)`` with ``options.return_sum_pi_squared``).
@@ -88,6 +89,11 @@ def run_head(
         prior_error: what the entry point's own checks of its arguments raised (see
             :func:`attempt`), shared with the other ranks like any other refusal; ``options``
             and ``layout`` are then its fallbacks.
+        log_normalizer: for ``k`` ids per token with the entropy and Σπ² off, each token's global
+            ``log Σ_v exp(z_v)`` of the same tempered logits, already computed by another pass
+            (the student's top-k, :func:`mcore_ppo.distill.topk.topk_and_log_normalizer`), in the
+            rows' order, in the accumulation dtype: the head then skips its statistics pass and
+            its backward recomputes the logits. None: the head computes it.
 
     Returns:
         fp32 ``(log_probs, entropy)``, identical on every TP rank, shaped like ``labels`` (``[N]``
@@ -99,7 +105,9 @@ def run_head(
         temperature is bad when ``validate`` is off.
     """
     call = check_call(hidden, weight, labels, temperature, options, tp_group, layout, ids, prior_error=prior_error)
-    return _execute(call, hidden, weight, options, tp_group, layout)
+    if log_normalizer is not None and (not call.ids or options.return_entropy or options.return_sum_pi_squared):
+        raise ValueError("log_normalizer stands in for the statistics pass only for k ids with entropy and Σπ² off")
+    return _execute(call, hidden, weight, options, tp_group, layout, log_normalizer)
 
 
 def attempt(build: Callable[[], T], fallback: T) -> tuple[T, Exception | None]:
@@ -204,6 +212,7 @@ def _execute(
     options: HeadOptions,
     tp_group: ProcessGroup | None,
     layout: Layout,
+    log_normalizer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Prepare the tokens, run the Function, return the outputs in the labels' layout."""
     # The one TP reduction of d_hidden lives in this mapping's backward (or in the caller's).
@@ -215,7 +224,7 @@ def _execute(
     flat = layout.tokens is TokenOrder.FLAT
     batch_first = not flat and labels.dim() == 2 + call.ids
     rows = to_rows(labels, batch_first, per_token_dims=int(call.ids)) if not flat else labels.reshape(-1)
-    one_id = call.ids and labels.shape[-1] == 1
+    one_id = call.ids and labels.shape[-1] == 1 and log_normalizer is None
     if one_id:  # k = 1 is the head's own path
         rows = rows[:, 0]
     plan = ShardPlan(
@@ -231,7 +240,7 @@ def _execute(
         return_sum_pi_squared=options.return_sum_pi_squared,
     )
     row_temperature = call.temperature if isinstance(call.temperature, torch.Tensor) else None
-    log_probs, *per_token = shard_head(hidden_rows(hidden), weight, rows, plan, row_temperature)
+    log_probs, *per_token = shard_head(hidden_rows(hidden), weight, rows, plan, row_temperature, log_normalizer)
     if call.bad_temperature is not None and not options.validate:
         bad = call.bad_temperature
         log_probs = log_probs.masked_fill(bad[:, None] if log_probs.dim() == 2 else bad, math.nan)

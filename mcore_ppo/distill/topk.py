@@ -156,6 +156,30 @@ def fused_topk(
             unknown ``impl`` or ``"triton"`` where it cannot run, or another TP rank's refusal
             of its own inputs.
     """
+    return topk_and_log_normalizer(
+        hidden, weight, k, temperature=temperature, tp_group=tp_group, sequence_parallel=sequence_parallel,
+        labels=labels, ignore_index=ignore_index, impl=impl, validate=validate, config=config,
+    )[0]  # fmt: skip
+
+
+def topk_and_log_normalizer(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    tp_group: ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    impl: str = "auto",
+    validate: bool | None = None,
+    config: TopKConfig | None = None,
+) -> tuple[TopK, torch.Tensor]:
+    """:func:`fused_topk`'s result and, from the same pass, each token's global ``log Σ_v exp(z_v)``
+    (``[n]`` in the rows' order of the head, fp32; fp64 for fp64 inputs; no gradient): what the
+    head's ``[..., k]`` ids pass takes as ``log_normalizer`` instead of running its own statistics
+    pass over the same logits (:func:`mcore_ppo.head_call.run_head`)."""
     with torch.no_grad():
         return _fused_topk(
             hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl, validate, config
@@ -174,7 +198,7 @@ def _fused_topk(
     impl: str,
     validate: bool | None,
     config: TopKConfig | None,
-) -> TopK:
+) -> tuple[TopK, torch.Tensor]:
     # The head's backend does not run here (the shard pass is this module's): "torch" is a
     # backend every device has, so the head's checks never refuse these inputs for it. A bad
     # option or flag is shared over the TP group with every other refusal (prior_error).
@@ -222,8 +246,8 @@ def _fused_topk(
         tail_log_mass = tail_log_mass.masked_fill(call.bad_temperature, math.nan)
     if batch_first:
         seq, batch = hidden.shape[:2]
-        return TopK(*(from_rows(out, True, batch, seq) for out in (top_ids, log_probs, tail_log_mass)))
-    return TopK(top_ids, log_probs, tail_log_mass)
+        return TopK(*(from_rows(out, True, batch, seq) for out in (top_ids, log_probs, tail_log_mass))), lse
+    return TopK(top_ids, log_probs, tail_log_mass), lse
 
 
 def _zero_labels(hidden: object, tp_group: ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:

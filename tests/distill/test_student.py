@@ -14,6 +14,7 @@ cast, 2^-8 per element).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -493,3 +494,41 @@ def test_fold_into_main_grad_and_fp64_reference(monkeypatch):
     case64 = fold_case(torch.float64, generator(next_seed()))
     compare(run(case64, backend=TritonBackend()), reference_of(case64), torch.float64)
     assert calls == []  # no kernel fold for fp64
+
+
+@pytest.mark.parametrize("dtype_name", ["fp64", "fp32"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON_ON_CPU)])
+def test_log_normalizer_of_the_topk_pass_stands_in_for_the_statistics(backend, dtype_name):
+    """The ids pass given the top-k pass's log-normalizer (verl's top-k distillation route: no
+    statistics pass of its own, the backward recomputes) against fp64, per-token temperature;
+    refused where the head would need its own statistics (entropy, Σπ²) or has one label."""
+    from mcore_ppo.distill.topk import topk_and_log_normalizer
+    from mcore_ppo.head_call import run_head
+    from mcore_ppo.options import HiddenGrad, Layout, TokenOrder, call_options
+
+    dtype = DTYPES[dtype_name]
+    case = make_case("nh", 100, 8, dtype, generator(next_seed()))
+    temperature = 0.5 + torch.rand(case["ids"].shape[0], generator=generator(next_seed()), dtype=torch.float64)
+    hidden = case["hidden"].detach().requires_grad_(True)
+    weight = case["weight"].detach().requires_grad_(True)
+    # As verl's route: the top-k pass's own "auto" choice unless the head runs on torch.
+    impl, backend_object = ("torch", small_torch()) if backend == "torch" else ("auto", backend)
+    options = call_options(None, ignore_index=IGNORE, backend=backend_object, return_entropy=False, validate=True)
+    layout = Layout(TokenOrder.MEGATRON, HiddenGrad.PARTIAL)
+    _, lse = topk_and_log_normalizer(hidden, weight, 8, temperature=temperature, impl=impl)
+    log_q, entropy = run_head(
+        hidden, weight, case["ids"], temperature, options, tp_group=None, layout=layout, ids=True, log_normalizer=lse
+    )
+    assert entropy is None and not lse.requires_grad
+    (log_q * case["g"].to(log_q.dtype)).sum().backward()
+    out = {"log_q": log_q, "d_hidden": hidden.grad, "d_weight": weight.grad}
+    compare(out, reference_of(case, temperature, use_entropy=False), dtype, with_entropy=False)
+    refusals = [
+        (dataclasses.replace(options, return_entropy=True), case["ids"]),
+        (dataclasses.replace(options, return_sum_pi_squared=True), case["ids"]),
+        (options, case["ids"][:, 0]),  # one label per token
+    ]
+    for refused_options, labels in refusals:
+        with pytest.raises(ValueError, match="log_normalizer"):
+            run_head(hidden, weight, labels, temperature, refused_options, tp_group=None, layout=layout,
+                     log_normalizer=lse)  # fmt: skip

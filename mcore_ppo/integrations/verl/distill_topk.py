@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from mcore_ppo import validation
-from mcore_ppo.distill.topk import MAX_TOPK, fused_topk
+from mcore_ppo.distill.topk import MAX_TOPK, topk_and_log_normalizer
 from mcore_ppo.head_call import attempt, run_head
 from mcore_ppo.options import HeadOptions, Layout
 from parallel.ranks import ProcessGroup, group_size
@@ -179,11 +179,21 @@ def forward_kl_topk(
         ),
         None,
     )
+    # The student's own top-k first: its pass over the logits also gives each token's log-normalizer,
+    # which the head's ids pass then takes instead of a statistics pass of its own (one pass over
+    # the vocab in the forward, not two) when it needs no entropy and no Σπ² from it.
+    k = target_topk_indices.shape[-1] if isinstance(target_topk_indices, torch.Tensor) else 1
+    top, log_normalizer = topk_and_log_normalizer(
+        student.hidden, student.weight, max(1, min(k, MAX_TOPK, vocab)), temperature=student.temperature,
+        tp_group=student.tp_group, impl=student.topk_impl, validate=student.options.validate,
+    )  # fmt: skip
+    if student.options.return_entropy or student.options.return_sum_pi_squared:
+        log_normalizer = None
     # A refused argument still reaches the head, which shares the verdict: every TP rank raises.
     ids = student.labels[:, None] if checked is None else torch.cat([student.labels[:, None], checked[1]], dim=1)
     outputs = run_head(
         student.hidden, student.weight, ids, student.temperature, student.options, tp_group=student.tp_group,
-        layout=student.layout, ids=True, prior_error=error,
+        layout=student.layout, ids=True, prior_error=error, log_normalizer=None if checked is None else log_normalizer,
     )  # fmt: skip
     if checked is None:  # not reached: run_head raised the shared verdict
         raise error if error is not None else RuntimeError("teacher inputs refused")
@@ -191,12 +201,7 @@ def forward_kl_topk(
     log_probs, entropy, *rest = outputs
     # verl's kernel contract: fp32 log-probs and entropy (the k-ids pass gives fp64 for fp64 inputs).
     student.main = (log_probs[:, 0].float(), None if entropy is None else entropy.float(), rest[0] if rest else None)
-    k = teacher_ids.shape[1]
-    top_ids = fused_topk(
-        student.hidden, student.weight, k, temperature=student.temperature, tp_group=student.tp_group,
-        impl=student.topk_impl, validate=student.options.validate,
-    ).ids  # fmt: skip
-    out = _kl_outputs(log_probs[:, 1:], teacher_logps, teacher_ids, top_ids, clamp)
+    out = _kl_outputs(log_probs[:, 1:], teacher_logps, teacher_ids, top.ids, clamp)
     return tuple(x.reshape(1, n) for x in out)  # type: ignore[return-value]
 
 
@@ -260,7 +265,11 @@ def _kl_outputs(
     loss = per_id.sum(dim=-1)
     student_mass = student_logps.detach().exp().sum(dim=-1)
     teacher_mass = p.sum(dim=-1)
-    overlap = (teacher_ids[:, :, None] == student_top_ids[:, None, :]).any(dim=-1)
+    # Membership of each teacher id in the student's top ids: a search in the sorted row ([n, k]
+    # memory, not the [n, k, k] of an all-pairs comparison).
+    top_sorted = student_top_ids.sort(dim=-1).values.contiguous()
+    where = torch.searchsorted(top_sorted, teacher_ids.contiguous()).clamp_(max=top_sorted.shape[-1] - 1)
+    overlap = top_sorted.gather(-1, where) == teacher_ids
     overlap_count = overlap.sum(dim=-1)
     advantage = (-per_id.detach() * overlap).sum(dim=-1) / overlap_count.clamp_min(1)
     advantage = torch.where(overlap_count > 0, advantage, torch.zeros_like(advantage))
