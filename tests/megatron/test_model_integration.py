@@ -290,8 +290,8 @@ def test_actor_with_a_sum_pi_squared_head_gets_the_pair():
         install_fused_head(model, backend="torch", return_sum_pi_squared=on)
         actor = MegatronPPOActor(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
-        rollout.old_log_probs = log_probs - 0.01
-        results.append((log_probs, entropy, actor.update_policy(rollout)))
+        metrics = actor.update_policy(rollout.with_fields(old_log_probs=log_probs - 0.01))
+        results.append((log_probs, entropy, metrics))
     (lp_on, ent_on, metrics_on), (lp_off, ent_off, metrics_off) = results
     torch.testing.assert_close(lp_on, lp_off, rtol=0, atol=0)
     torch.testing.assert_close(ent_on, ent_off, rtol=0, atol=0)
