@@ -89,6 +89,7 @@ def install_fused_head(
     ignore_index: int | None = None,
     return_entropy: bool | None = None,
     validate: bool | None = None,
+    return_sum_pi_squared: bool | None = None,
 ) -> VocabParallelFusedPPOHead | None:
     """Make ``model``'s output layer a :class:`VocabParallelFusedPPOHead` (idempotent).
 
@@ -101,9 +102,11 @@ def install_fused_head(
 
     ``temperature`` is the head's default temperature; ``options`` (a
     :class:`mcore_ppo.options.HeadOptions`) and ``backend``, ``ignore_index``,
-    ``return_entropy`` and ``validate`` (given: they replace its fields) are the head's options,
-    checked before the model is looked at. Backend settings travel with a backend object:
-    ``backend=TritonBackend(TritonConfig(buffer_budget_bytes=...))``.
+    ``return_entropy``, ``validate`` and ``return_sum_pi_squared`` (given: they replace its
+    fields) are the head's options, checked before the model is looked at. With
+    ``return_sum_pi_squared=True`` :func:`mcore_ppo.model.gpt_log_probs_and_entropy` returns
+    ``(log_probs, entropy, sum_pi_squared)`` unless a call turns it off. Backend settings
+    travel with a backend object: ``backend=TritonBackend(TritonConfig(buffer_budget_bytes=...))``.
 
     Called again on a model that has the head, it replaces the head's options and temperature
     with these and returns the same head.
@@ -118,8 +121,9 @@ def install_fused_head(
         NotImplementedError: ``config.defer_embedding_wgrad_compute`` is set.
     """
     options = call_options(
-        options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate
-    )
+        options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate,
+        return_sum_pi_squared=return_sum_pi_squared,
+    )  # fmt: skip
     temperature = check_temperature(temperature)
     gpt = unwrap_gpt_model(model)
     if not gpt.post_process:

@@ -7,8 +7,9 @@ Two entry points:
   object (untied) or none at all (tied: the embedding's weight is passed at call time, as
   ``GPTModel`` does), so state-dict keys, checkpoints, optimizer state and Megatron DDP's
   parameter hooks are unchanged.
-- :func:`gpt_log_probs_and_entropy` — runs the model and returns ``(log_probs, entropy)`` on
-  the last pipeline stage, without ever materialising the logits.
+- :func:`gpt_log_probs_and_entropy` — runs the model and returns ``(log_probs, entropy)`` (with
+  ``return_sum_pi_squared``: ``(log_probs, entropy, sum_pi_squared)``) on the last pipeline
+  stage, without ever materialising the logits.
 
 How the forward reaches the head (decision recorded in ``docs/megatron.md``):
 
@@ -78,6 +79,7 @@ class FusedHeadContext:
     Attributes:
         temperature: the per-call temperature, a float or a per-token tensor (None: the head's default).
         return_entropy: the per-call entropy switch (None: the head's ``return_entropy``).
+        return_sum_pi_squared: the per-call Σπ² switch (None: the head's ``return_sum_pi_squared``).
         labels: the head's labels when the model was given others (multi-token prediction:
             Megatron's MTP loss gets the labels with ignored tokens replaced and a loss mask,
             :func:`_mtp_labels_and_mask`); None: the labels Megatron passes.
@@ -86,6 +88,7 @@ class FusedHeadContext:
     temperature: float | torch.Tensor | None = None
     labels: torch.Tensor | None = None
     return_entropy: bool | None = None
+    return_sum_pi_squared: bool | None = None
 
 
 def fused_output_processor(
@@ -97,8 +100,9 @@ def fused_output_processor(
     context: FusedHeadContext | None = None,
     config: Any = None,
     **_unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """megatron-core's ``output_processor`` hook: ``(log_probs, entropy)`` from the fused head.
+) -> tuple[torch.Tensor, ...]:
+    """megatron-core's ``output_processor`` hook: ``(log_probs, entropy)`` from the fused head
+    (``(log_probs, entropy, sum_pi_squared)`` when Σπ² is on for the call).
 
     ``hidden_states`` arrive as the decoder left them (``[s/tp, b, h]`` under SP); the head
     gathers them. ``output_weight`` is the embedding's weight for tied models, else None.
@@ -112,13 +116,19 @@ def fused_output_processor(
     if labels is None:
         raise ValueError("fused_output_processor needs labels; call the model without the processor for logits")
     check_supported_config(config)
-    temperature = None if context is None else context.temperature
-    return_entropy = None if context is None else context.return_entropy
-    if context is not None and context.labels is not None:
-        labels = context.labels
+    context = _NO_CONTEXT if context is None else context
+    labels = labels if context.labels is None else context.labels
     return output_layer(
-        hidden_states, labels, weight=output_weight, temperature=temperature, return_entropy=return_entropy
+        hidden_states,
+        labels,
+        weight=output_weight,
+        temperature=context.temperature,
+        return_entropy=context.return_entropy,
+        return_sum_pi_squared=context.return_sum_pi_squared,
     )
+
+
+_NO_CONTEXT = FusedHeadContext()
 
 
 def check_supported_config(config: Any) -> None:
@@ -140,8 +150,9 @@ def gpt_log_probs_and_entropy(
     temperature: float | torch.Tensor | None = None,
     packed_seq_params: Any | None = None,
     return_entropy: bool | None = None,
+    return_sum_pi_squared: bool | None = None,
     **model_kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
+) -> tuple[torch.Tensor | None, ...] | torch.Tensor:
     """Run a GPT model whose output layer is the fused head (see :func:`install_fused_head`).
 
     Args:
@@ -159,18 +170,26 @@ def gpt_log_probs_and_entropy(
         packed_seq_params: Megatron ``PackedSeqParams`` for THD batches.
         return_entropy: False returns ``(log_probs, None)`` and skips the entropy work
             (None: the head's ``return_entropy``, True unless it was built otherwise).
+        return_sum_pi_squared: True returns ``(log_probs, entropy, sum_pi_squared)``, the third
+            per token ``Σ_v π_v²`` of the same tempered softmax (fp32, no gradient, 0 for ignored
+            tokens); False the 2-tuple (None: the head's ``return_sum_pi_squared``, False unless it
+            was built otherwise, e.g. ``install_fused_head(model, return_sum_pi_squared=True)``).
         **model_kwargs: other ``GPTModel.forward`` keywords (``decoder_input``,
             ``extra_block_kwargs``, ``padding_mask``, ...).
 
     Returns:
         Last pipeline stage: ``(log_probs, entropy)``, fp32, shaped like ``labels``, identical
-        on every TP rank (``entropy`` None when it is off). Other stages: the hidden states ``GPTModel`` returns there.
-        ``labels=None``: the model's own output (``[b, s, V/tp]`` logits on the last stage).
+        on every TP rank (``entropy`` None when it is off); ``(log_probs, entropy,
+        sum_pi_squared)`` when Σπ² is on for the call. Other stages: the hidden states
+        ``GPTModel`` returns there. ``labels=None``: the model's own output (``[b, s, V/tp]``
+        logits on the last stage).
     """
     if temperature is not None and not isinstance(temperature, torch.Tensor):
         temperature = check_temperature(temperature)
-    if return_entropy is not None and not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy must be a bool or None, got {type(return_entropy).__name__}")
+    for name, value in (("return_entropy", return_entropy), ("return_sum_pi_squared", return_sum_pi_squared)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+    switches = {"return_entropy": return_entropy, "return_sum_pi_squared": return_sum_pi_squared}
     gpt = unwrap_gpt_model(model)
     forward_kwargs = dict(model_kwargs)
     forward_kwargs["packed_seq_params"] = packed_seq_params
@@ -184,13 +203,13 @@ def gpt_log_probs_and_entropy(
         )
     check_supported_config(gpt.config)
     if supports_output_processor(gpt):
-        context = FusedHeadContext(temperature, return_entropy=return_entropy)
+        context = FusedHeadContext(temperature, **switches)
         model_labels = labels
         if getattr(gpt.config, "mtp_num_layers", None):
             model_labels, forward_kwargs["loss_mask"] = _mtp_labels_and_mask(
                 gpt, head, labels, forward_kwargs.get("loss_mask")
             )
-            context = FusedHeadContext(temperature, labels, return_entropy)
+            context = FusedHeadContext(temperature, labels, **switches)
         return model(
             input_ids,
             position_ids,
@@ -201,7 +220,7 @@ def gpt_log_probs_and_entropy(
             **forward_kwargs,
         )
     return _forward_without_hook(
-        gpt, head, input_ids, position_ids, attention_mask, labels, temperature, forward_kwargs, return_entropy
+        gpt, head, input_ids, position_ids, attention_mask, labels, temperature, forward_kwargs, switches
     )
 
 
@@ -243,16 +262,17 @@ def _forward_without_hook(
     labels: torch.Tensor,
     temperature: float | torch.Tensor | None,
     forward_kwargs: dict[str, Any],
-    return_entropy: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """megatron-core < 0.18: the model with ``post_process`` cleared, then the head module."""
+    switches: dict[str, bool | None],
+) -> tuple[torch.Tensor | None, ...]:
+    """megatron-core < 0.18: the model with ``post_process`` cleared, then the head module
+    (``switches``: the call's ``return_entropy`` and ``return_sum_pi_squared``, None: the head's)."""
     if getattr(gpt.config, "fine_grained_activation_offloading", False):
         # GPTModel marks the output layer's parameters only while post_process is set.
         _mark_not_offloadable(head)
     hidden_states, output_weight = hidden_states_without_postprocess(
         gpt, input_ids, position_ids, attention_mask, forward_kwargs
     )
-    return head(hidden_states, labels, weight=output_weight, temperature=temperature, return_entropy=return_entropy)
+    return head(hidden_states, labels, weight=output_weight, temperature=temperature, **switches)
 
 
 def hidden_states_without_postprocess(

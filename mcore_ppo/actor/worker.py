@@ -51,7 +51,10 @@ class MegatronPPOActor:
         parallel: the groups (default :meth:`ActorParallel.from_parallel_state`).
         forward_fn: ``(model, input_ids, position_ids, attention_mask, labels, *, temperature,
             packed_seq_params) -> (log_probs, entropy)`` on the last stage (hidden states on
-            others); default :func:`mcore_ppo.model.gpt_log_probs_and_entropy`.
+            others); default :func:`mcore_ppo.model.gpt_log_probs_and_entropy` with
+            ``return_sum_pi_squared=False``: the loss does not use Σπ², so a head installed with
+            it on (``install_fused_head(model, return_sum_pi_squared=True)``, for other callers)
+            skips its work here and still returns the pair.
     """
 
     def __init__(
@@ -79,7 +82,9 @@ class MegatronPPOActor:
                 f"parallel.schedule_cp_size = {self.parallel.schedule_cp_size}, but Megatron's schedule runs "
                 f"with parallel_state's CP size {schedule_cp}"
             )
-        self.forward_fn = forward_fn if forward_fn is not None else gpt_log_probs_and_entropy
+        if forward_fn is None:
+            forward_fn = partial(gpt_log_probs_and_entropy, return_sum_pi_squared=False)
+        self.forward_fn = forward_fn
         self.grads = ActorGradients(model, optimizer, self.parallel, config.max_grad_norm)
         mcfg = self.gpt.config
         self.sequence_parallel = bool(mcfg.sequence_parallel) and group_size(self.parallel.tp) > 1

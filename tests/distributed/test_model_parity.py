@@ -14,6 +14,10 @@ CP (CP 2, TP 2 × CP 2; on 8 ranks also TP 4 × CP 2 and TP 2 × CP 4, with SP):
 boundary (final hidden states of a cp=1 run, split as Megatron splits them, through the installed
 head), and inside the whole model (the harness's CP attention, ``SdpaAttention``: K/V
 all-gathered over CP, Megatron's load-balanced chunks) against the cp=1 model.
+
+Σπ² (``gpt_log_probs_and_entropy(..., return_sum_pi_squared=True)``) through the model path,
+TP 2 with SP and TP 2 × CP 2 with SP, both forward paths, per-token temperature, entropy off:
+equal to the TP 1 model's and to fp64 from the layout's own full logits.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from mcore_ppo_testing.gpt_reference import (
 )
 from mcore_ppo_testing.hooked_gpt import forward_path
 from mcore_ppo_testing.layer_specs import local_gpt_spec
-from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp
+from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp, split_temperature_for_cp
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 8, 2, 16
 TEMPERATURE = 0.7
@@ -339,6 +343,70 @@ def test_full_model_context_parallel(tp: int, cp: int, sp: bool, check):
             check.fail(f"parameter names differ: {sorted(out[3].keys() ^ ref[3].keys())}")
         for name in sorted(out[3].keys() & ref[3].keys()):
             check.close(f"grad {name}", out[3][name], ref[3][name], tol=1e-9, kind=kind_name)
+    check.done()
+
+
+def _sum_pi_squared_run(tp: int, cp: int, batch, temperature: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Σπ² of the whole GPT (SP when TP > 1; CP inside the model with ``SdpaAttention``) through
+    ``gpt_log_probs_and_entropy`` on both forward paths, this rank's CP part, and fp64
+    ``Σ softmax(z / T)²`` from the same model's logits gathered over TP."""
+    cu = batch.cu_seqlens
+    rank = parallel_state.get_context_parallel_rank()
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return split_for_cp(t, cp, rank, seq_dim=1, cu_seqlens=cu)
+
+    model = _model(tied=False, sp=tp > 1, attention="sdpa" if cp > 1 else "reference", context_parallel_size=cp)
+    install_fused_head(model, temperature=TEMPERATURE, backend="torch")  # Σπ² off: turned on per call
+    inputs = dict(batch.model_inputs(), input_ids=split(batch.input_ids), position_ids=split(batch.position_ids))
+    labels = roll_and_split_labels(batch.input_ids, cp, rank, seq_dim=1, cu_seqlens=cu)
+    local_temperature = split_temperature_for_cp(temperature, cp, rank, seq_dim=1, cu_seqlens=cu)
+    out = {}
+    with torch.no_grad():
+        for path in ("fallback", "hook"):
+            with forward_path(model, path):
+                lp, ent, out[path] = gpt_log_probs_and_entropy(
+                    model,
+                    labels=labels,
+                    temperature=local_temperature,
+                    return_entropy=False,
+                    return_sum_pi_squared=True,
+                    **inputs,
+                )
+            assert ent is None and lp.shape == out[path].shape == labels.shape
+        logits = model(**inputs)  # [b, s_local, V/tp]
+    if tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)
+    probs = torch.softmax(logits.double() / local_temperature.unsqueeze(-1), dim=-1)
+    return out, torch.where(labels == -100, 0.0, (probs * probs).sum(-1))
+
+
+def test_sum_pi_squared_through_the_model_tp_sp_and_cp(check):
+    """Σπ² from the model path (hook and fallback) under TP 2 + SP and TP 2 × CP 2 + SP equals the
+    TP 1 model's (this rank's CP part) and fp64 from the layout's gathered logits; padded and packed."""
+    require_ranks(4, "TP2 × CP2")
+    torch.manual_seed(shared_seed())
+    batches = {kind: _cp_batch(kind, 2) for kind in ("padded", "packed")}
+    temperatures = {k: 0.5 + torch.rand(b.labels.shape, dtype=torch.float64).to(DEVICE) for k, b in batches.items()}
+    single = {}
+    with model_parallel(1):
+        for kind, batch in batches.items():
+            out, ref = _sum_pi_squared_run(1, 1, batch, temperatures[kind])
+            check.case(f"tp1 {kind}")
+            check.close("sum_pi_squared", out["fallback"], ref, tol=1e-12, kind="Σπ² TP1 vs fp64")
+            single[kind] = out["fallback"]
+    for tp, cp in ((2, 1), (2, 2)):
+        with model_parallel(tp, cp):
+            rank = parallel_state.get_context_parallel_rank()
+            for kind, batch in batches.items():
+                out, ref = _sum_pi_squared_run(tp, cp, batch, temperatures[kind])
+                expected = split_for_cp(single[kind], cp, rank, seq_dim=1, cu_seqlens=batch.cu_seqlens)
+                check.case(f"tp{tp} cp{cp} sp {kind}")
+                for path, value in out.items():
+                    check.close(f"sum_pi_squared[{path}]", value, ref, tol=1e-12, kind="Σπ² model path vs fp64")
+                    check.close(f"sum_pi_squared[{path}]", value, expected, tol=1e-10, kind="Σπ² vs TP1")
     check.done()
 
 

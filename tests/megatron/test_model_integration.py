@@ -125,6 +125,8 @@ def test_install_rejects_foreign_output_layer_and_bad_options():
         install_fused_head(model, temperature=0.0)
     with pytest.raises(TypeError, match="ignore_index"):
         install_fused_head(model, ignore_index=1.5)
+    with pytest.raises(TypeError, match="return_sum_pi_squared"):
+        install_fused_head(model, return_sum_pi_squared="yes")
     model.config.defer_embedding_wgrad_compute = True
     with pytest.raises(NotImplementedError, match="defer_embedding_wgrad_compute"):
         install_fused_head(model)
@@ -229,6 +231,71 @@ def test_temperature_per_call_overrides_head_default():
     assert not torch.allclose(default_lp, lp)
     with pytest.raises(ValueError, match="temperature"):
         gpt_log_probs_and_entropy(model, labels=batch.labels, temperature=-1.0, **batch.model_inputs())
+
+
+@pytest.mark.parametrize("path", ["fallback", "hook"])
+def test_sum_pi_squared_through_the_model(path: str):
+    """Σπ² from the model path (head option and per-call switch, per-token temperature, entropy
+    off) equals the head's own on the model's final hidden states and softmax(logits / T)² summed
+    in fp64 from the model's logits; off, the same call returns the pair."""
+    batch = _batch("padded", 11)
+    temperature = torch.linspace(0.5, 1.5, batch.labels.numel(), dtype=torch.float64).view_as(batch.labels)
+    model = _model()
+    ignored = batch.labels == -100
+    with torch.no_grad():
+        probs = torch.softmax(model(batch.input_ids, batch.position_ids, None) / temperature.unsqueeze(-1), dim=-1)
+    ref = torch.where(ignored, 0.0, (probs * probs).sum(-1))
+    head = install_fused_head(model, backend="torch", return_sum_pi_squared=True)
+    assert head.options == HeadOptions(backend="torch", return_sum_pi_squared=True)
+    inputs = batch.model_inputs()
+    hook_calls = HookedGPTModel.hook_calls
+    with forward_path(model, path):
+        lp, ent, spi = gpt_log_probs_and_entropy(
+            model, labels=batch.labels, temperature=temperature, return_entropy=False, **inputs
+        )
+        pair = gpt_log_probs_and_entropy(model, labels=batch.labels, return_sum_pi_squared=False, **inputs)
+        head.return_sum_pi_squared = False
+        with torch.no_grad():
+            per_call = gpt_log_probs_and_entropy(
+                model, labels=batch.labels, temperature=temperature, return_sum_pi_squared=True, **inputs
+            )
+        with pytest.raises(TypeError, match="return_sum_pi_squared"):
+            gpt_log_probs_and_entropy(model, labels=batch.labels, return_sum_pi_squared=1, **inputs)
+    if not model_module.supports_output_processor(model):
+        assert HookedGPTModel.hook_calls == hook_calls + 3 * (path == "hook")
+    assert ent is None and spi.shape == batch.labels.shape and not spi.requires_grad and lp.requires_grad
+    torch.testing.assert_close(spi, ref, **TOL)
+    assert bool((spi[ignored] == 0).all())
+    hidden, _ = model_module.hidden_states_without_postprocess(model, batch.input_ids, batch.position_ids, None, {})
+    with torch.no_grad():
+        own = head(hidden, batch.labels, temperature=temperature, return_sum_pi_squared=True)[2]
+    torch.testing.assert_close(spi, own, rtol=0, atol=0)
+    assert len(pair) == 2 and pair[1] is not None
+    assert len(per_call) == 3
+    torch.testing.assert_close(per_call[2], spi, rtol=0, atol=0)
+    torch.testing.assert_close(per_call[0], lp.detach(), rtol=0, atol=0)
+
+
+def test_actor_with_a_sum_pi_squared_head_gets_the_pair():
+    """The PPO actor's forward turns Σπ² off (its loss does not use it): a head installed with it
+    on gives the same log-probs, entropy and update metrics as one without."""
+    from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
+    from mcore_ppo_testing.ppo_harness import synthetic_rollout
+
+    rollout = synthetic_rollout(num_seqs=3, vocab_size=VOCAB, prompt_len=(2, 4), response_len=(3, 6), seed=5)
+    config = PPOActorConfig(temperature=TEMPERATURE, micro_batch_size=2, entropy_coeff=0.01)
+    results = []
+    for on in (True, False):
+        model = _model()
+        install_fused_head(model, backend="torch", return_sum_pi_squared=on)
+        actor = MegatronPPOActor(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
+        metrics = actor.update_policy(rollout.with_fields(old_log_probs=log_probs - 0.01))
+        results.append((log_probs, entropy, metrics))
+    (lp_on, ent_on, metrics_on), (lp_off, ent_off, metrics_off) = results
+    torch.testing.assert_close(lp_on, lp_off, rtol=0, atol=0)
+    torch.testing.assert_close(ent_on, ent_off, rtol=0, atol=0)
+    assert metrics_on == metrics_off
 
 
 def test_labels_none_returns_the_models_logits():

@@ -5,7 +5,9 @@ the labels and loss mask the model was called with; its vocab-parallel cross ent
 ignore index. The reference is Megatron's own forward with labels: its language-model loss and
 its MTP losses, with the ignored tokens given label 0 and loss mask 0. The fused path must give
 the same gradient for every parameter (the MTP layers' ones come only from the MTP loss) when
-called with labels of -100, and ``log_prob = -loss`` where tokens count.
+called with labels of -100, and ``log_prob = -loss`` where tokens count, with Σπ² on (the
+head's option, or the call's switch): the main tokens' Σπ² comes back third, equal to fp64
+from the hidden states the processor got.
 
 On megatron-core < 0.18 the hook path is emulated (``mcore_ppo_testing.hooked_gpt``, with its
 ``process_mtp_loss``); the fallback path refuses MTP.
@@ -23,6 +25,7 @@ from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import pop_parameter_grads, synthetic_batch
 from mcore_ppo_testing.hooked_gpt import forward_path
 from mcore_ppo_testing.layer_specs import local_gpt_spec
+from mcore_ppo_testing.reference import sum_pi_squared_reference
 
 VOCAB, HIDDEN, HEADS, SEQ, DEPTHS = 64, 16, 2, 12, 2
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -111,7 +114,16 @@ def test_mtp_loss_ignores_what_the_head_ignores(tied: bool, depth_loss: str, tes
     ref_log_probs, ref_grads = _reference(model, batch, grad_log_prob)
     assert any(name.startswith("mtp.") and g.abs().sum() > 0 for name, g in ref_grads.items())
 
-    head = install_fused_head(model, temperature=1.0, backend="torch")
+    # Σπ² on, tied by the head's option, untied by the call's switch; the MTP depths' calls of the head
+    # are unchanged by it.
+    head = install_fused_head(model, temperature=1.0, backend="torch", return_sum_pi_squared=tied)
+    main_calls = []  # (hidden states, weight) of the head's calls with labels: the main tokens'
+
+    def record(_, args, kwargs):
+        if len(args) > 1 and args[1] is not None and not kwargs.get("output_cross_entropy_loss"):
+            main_calls.append((args[0].detach(), kwargs["weight"]))
+
+    capture = head.register_forward_pre_hook(record, with_kwargs=True)
     # Megatron's dev branch (cross_entropy_fusion_impl="linear") sets this on GPTModel; its MTP
     # depths then call the output layer's fused loss instead of building logits.
     model.fuse_linear_cross_entropy = depth_loss == "fused"
@@ -124,11 +136,19 @@ def test_mtp_loss_ignores_what_the_head_ignores(tied: bool, depth_loss: str, tes
 
     with forward_path(model, "hook"), pytest.MonkeyPatch.context() as patch:
         patch.setattr(ColumnParallelLinear, "forward", spy)
-        log_probs, entropy = gpt_log_probs_and_entropy(model, batch.input_ids, batch.position_ids, None, batch.labels)
+        log_probs, entropy, sum_pi_squared = gpt_log_probs_and_entropy(
+            model, batch.input_ids, batch.position_ids, None, batch.labels, return_sum_pi_squared=None if tied else True
+        )
         heads_logits = [name for name in logits_calls if name == type(head).__name__]
         (log_probs * grad_log_prob).sum().backward()
+    capture.remove()
     torch.testing.assert_close(log_probs, ref_log_probs, **TOL)
     assert torch.all(entropy[batch.labels == -100] == 0)
+    # fp64 from the main tokens' hidden states as the processor got them and the output weight
+    assert len(main_calls) == 1
+    hidden, weight = main_calls[0]
+    expected = sum_pi_squared_reference(hidden, head.weight if weight is None else weight, batch.labels, 1.0)
+    torch.testing.assert_close(sum_pi_squared, expected, rtol=1e-9, atol=1e-12)
     grads = pop_parameter_grads(model)
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
