@@ -446,6 +446,65 @@ def test_long_context_table_is_its_json():
                     check_cells(row[name], [got["step_s"], got["peak_gib"]], f"long context {label} {variant}")
 
 
+VERL_RECORD = "gpu_runs/h200_2026-12-03b"
+VERL_IMPLS = {"fused": "fused", "verl_logits": "verl_logits", "verl_chunked": "verl_chunked"}
+
+
+def test_verl_distill_tables_are_their_json():
+    """verl_distill_h200.md and its record's README: Σπ²'s cost, the distillation step and the
+    longest sequence, cell by cell against the run's JSON."""
+    pages = (BENCH / "verl_distill_h200.md", BENCH / VERL_RECORD / "README.md")
+    sum_pi = {
+        (e["shape"], str(e["tp"])): e["sum_pi_squared"]
+        for e in load(f"{VERL_RECORD}/1_bench_head_sum_pi.json")["results"]
+    }
+    short = table(pages[0], "shape, tp", "no-grad forward ratio")
+    full = table(pages[1], "shape, tp", "forward ms")
+    assert len(short.rows) == len(full.rows) == len(sum_pi) == 4
+    for row in short.rows:
+        sp = sum_pi[tuple(x.strip() for x in row[0].split(","))]
+        check_cells(" ".join(row[1:]), [sp["fwd_ratio"], sp["nograd_fwd_ratio"], sp["sum_pi_squared_rel_err"]], row[0])
+    for row in full.rows:
+        sp = sum_pi[tuple(x.strip() for x in row[0].split(","))]
+        keys = ("fwd_ms", "fwd_sum_pi_squared_ms", "fwd_ratio", "nograd_fwd_ms", "nograd_fwd_sum_pi_squared_ms")
+        check_cells(" ".join(row[1:7]), [sp[k] for k in keys] + [sp["nograd_fwd_ratio"]], row[0])
+        assert row[7] == ("yes" if max(sp["fwd_ratio"], sp["nograd_fwd_ratio"]) <= 1.02 else "no"), row[0]
+        check_cells(row[8], [sp["sum_pi_squared_rel_err"]], row[0])
+
+    steps = {str(r["tp"]): r for r in load(f"{VERL_RECORD}/2_step/bench_verl_distill.json")["step"]}
+    for page in pages:
+        rows = table(page, "impl", "× four-GEMM floor", "peak GiB").dicts()
+        assert len(rows) == (8 if page == pages[0] else 10)
+        for row in rows:
+            step, what = steps[row["tp"]], f"{page.name} TP {row['tp']} {row['impl']}"
+            if row["impl"] in VERL_IMPLS:
+                r = step[row["impl"]]
+                values = [r["ms"], r["ratio_to_gemm4"], r["peak_gib"], r["kl_max_rel_vs_verl_logits"]]
+            elif row["impl"] == "student's top-k pass alone":
+                values = [step["student_topk_ms"], step["student_topk_ms"] / step["gemm4_ms"], None, None]
+            else:
+                assert row["impl"] == "four-GEMM floor", what
+                values = [step["gemm4_ms"], 1.0, None, None]
+            cells = [row["ms"], row["× four-gemm floor"], row["peak gib"], row["kl rel vs verl_logits"]]
+            for cell, value in zip(cells, values, strict=True):
+                check_cells(cell, [value], what)
+            if "v shard" in row:
+                check_cells(row["v shard"], [step["vocab_shard"]], what)
+
+    longest = {r["impl"]: r for r in load(f"{VERL_RECORD}/4_longest/bench_verl_distill.json")["longest"]}
+    for page in pages:
+        rows = table(page, "route", "longest single sequence").dicts()
+        assert [r["route"] for r in rows] == list(longest)
+        for row in rows:
+            r, what = longest[row["route"]], f"{page.name} longest {row['route']}"
+            check_cells(row["longest single sequence"], [r["longest_fitting"]], what)
+            if r["first_not_fitting"] is None:
+                assert r["longest_fitting"] == r["capped_at"] and "cap" in row["longest single sequence"], what
+                assert row["first not fitting"] == "not reached", what
+            else:
+                check_cells(row["first not fitting"], [r["first_not_fitting"]], what)
+
+
 HOST_ROWS = {
     "no-grad forward": "nograd_forward_host_ms_steady",
     "forward that keeps the graph": "forward_host_ms_steady",
