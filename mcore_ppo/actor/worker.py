@@ -83,7 +83,9 @@ class MegatronPPOActor:
                 f"with parallel_state's CP size {schedule_cp}"
             )
         if forward_fn is None:
-            forward_fn = partial(gpt_log_probs_and_entropy, return_sum_pi_squared=False)
+            # The actor's loss and metrics read the entropy and never Σπ²: whatever outputs the
+            # installed head was built with, its calls here ask for exactly these two.
+            forward_fn = partial(gpt_log_probs_and_entropy, return_entropy=True, return_sum_pi_squared=False)
         self.forward_fn = forward_fn
         self.grads = ActorGradients(model, optimizer, self.parallel, config.max_grad_norm)
         mcfg = self.gpt.config

@@ -276,9 +276,13 @@ def test_sum_pi_squared_through_the_model(path: str):
     torch.testing.assert_close(per_call[0], lp.detach(), rtol=0, atol=0)
 
 
-def test_actor_with_a_sum_pi_squared_head_gets_the_pair():
-    """The PPO actor's forward turns Σπ² off (its loss does not use it): a head installed with it
-    on gives the same log-probs, entropy and update metrics as one without."""
+@pytest.mark.parametrize(
+    "head_options", [{"return_sum_pi_squared": True}, {"return_entropy": False}], ids=["sum-pi-squared", "no-entropy"]
+)
+def test_actor_gets_its_pair_whatever_the_heads_outputs(head_options):
+    """The PPO actor's forward asks for the entropy and not Σπ² (what its loss and metrics read):
+    a head installed with Σπ² on, or with the entropy off, gives the same log-probs, entropy and
+    update metrics as the default head."""
     from mcore_ppo.actor import MegatronPPOActor, PPOActorConfig
     from mcore_ppo_testing.ppo_harness import synthetic_rollout
 
@@ -287,7 +291,7 @@ def test_actor_with_a_sum_pi_squared_head_gets_the_pair():
     results = []
     for on in (True, False):
         model = _model()
-        install_fused_head(model, backend="torch", return_sum_pi_squared=on)
+        install_fused_head(model, backend="torch", **(head_options if on else {}))
         actor = MegatronPPOActor(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
         metrics = actor.update_policy(rollout.with_fields(old_log_probs=log_probs - 0.01))
