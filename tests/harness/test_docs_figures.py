@@ -871,3 +871,13 @@ def test_benchmark_records_name_files_that_exist(path):
         elif not (_exists(base, quoted) or _exists(BENCH, quoted)):
             missing.append(quoted)
     assert not missing, f"{path.relative_to(REPO)}: no such files {missing}"
+
+
+RESULT_SUFFIXES = {".json", ".log", ".md", ".png", ".tsv", ".txt"}
+
+
+def test_benchmark_folder_holds_results_only():
+    """docs/benchmarks/ holds results (tables, logs, JSON, figures); scripts, diffs and code live
+    in scripts/ and git's history, not beside the numbers."""
+    others = sorted(str(p.relative_to(BENCH)) for p in BENCH.rglob("*") if p.is_file() and p.suffix not in RESULT_SUFFIXES)
+    assert not others, f"docs/benchmarks/ holds non-result files: {others}"
