@@ -879,5 +879,6 @@ RESULT_SUFFIXES = {".json", ".log", ".md", ".png", ".tsv", ".txt"}
 def test_benchmark_folder_holds_results_only():
     """docs/benchmarks/ holds results (tables, logs, JSON, figures); scripts, diffs and code live
     in scripts/ and git's history, not beside the numbers."""
-    others = sorted(str(p.relative_to(BENCH)) for p in BENCH.rglob("*") if p.is_file() and p.suffix not in RESULT_SUFFIXES)
+    files = (p for p in BENCH.rglob("*") if p.is_file())
+    others = sorted(str(p.relative_to(BENCH)) for p in files if p.suffix not in RESULT_SUFFIXES)
     assert not others, f"docs/benchmarks/ holds non-result files: {others}"
