@@ -105,9 +105,25 @@ def run_head(
         temperature is bad when ``validate`` is off.
     """
     call = check_call(hidden, weight, labels, temperature, options, tp_group, layout, ids, prior_error=prior_error)
-    if log_normalizer is not None and (not call.ids or options.return_entropy or options.return_sum_pi_squared):
-        raise ValueError("log_normalizer stands in for the statistics pass only for k ids with entropy and Σπ² off")
+    if log_normalizer is not None:
+        _check_log_normalizer(log_normalizer, call, options, hidden)
     return _execute(call, hidden, weight, options, tp_group, layout, log_normalizer)
+
+
+def _check_log_normalizer(log_normalizer: object, call: CheckedCall, options: HeadOptions, hidden: torch.Tensor):
+    """``log_normalizer`` fits the call (:func:`run_head`): every rank's caller passes it alike,
+    so a refusal here is the same on every rank."""
+    if not call.ids or options.return_entropy or options.return_sum_pi_squared:
+        raise ValueError("log_normalizer stands in for the statistics pass only for k ids with entropy and Σπ² off")
+    if not isinstance(log_normalizer, torch.Tensor):
+        raise TypeError(f"log_normalizer must be a torch.Tensor, got {validation.type_name(log_normalizer)}")
+    tokens = call.labels[..., 0].numel()
+    expected = torch.promote_types(hidden.dtype, torch.float32)
+    if log_normalizer.shape != (tokens,) or log_normalizer.dtype != expected or log_normalizer.device != hidden.device:
+        raise ValueError(
+            f"log_normalizer must be [{tokens}] {expected} on {hidden.device} (one per token, in the rows' order), "
+            f"got {list(log_normalizer.shape)} {log_normalizer.dtype} on {log_normalizer.device}"
+        )
 
 
 def attempt(build: Callable[[], T], fallback: T) -> tuple[T, Exception | None]:
