@@ -175,15 +175,19 @@ def topk_and_log_normalizer(
     impl: str = "auto",
     validate: bool | None = None,
     config: TopKConfig | None = None,
+    prior_error: Exception | None = None,
 ) -> tuple[TopK, torch.Tensor]:
     """:func:`fused_topk`'s result and, from the same pass, each token's global ``log Σ_v exp(z_v)``
     (``[n]`` in the rows' order of the head, fp32; fp64 for fp64 inputs; no gradient): what the
     head's ``[..., k]`` ids pass takes as ``log_normalizer`` instead of running its own statistics
-    pass over the same logits (:func:`mcore_ppo.head_call.run_head`)."""
+    pass over the same logits (:func:`mcore_ppo.head_call.run_head`). ``prior_error``: the
+    caller's own refusal of its arguments, shared over the TP group with this call's verdict
+    (:func:`mcore_ppo.head_call.check_call`), before any collective of the pass."""
     with torch.no_grad():
         return _fused_topk(
-            hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl, validate, config
-        )
+            hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl, validate, config,
+            prior_error,
+        )  # fmt: skip
 
 
 def _fused_topk(
@@ -198,10 +202,12 @@ def _fused_topk(
     impl: str,
     validate: bool | None,
     config: TopKConfig | None,
+    caller_error: Exception | None = None,
 ) -> tuple[TopK, torch.Tensor]:
     # The head's backend does not run here (the shard pass is this module's): "torch" is a
     # backend every device has, so the head's checks never refuse these inputs for it. A bad
-    # option or flag is shared over the TP group with every other refusal (prior_error).
+    # option or flag, or the caller's own refusal, is shared over the TP group with every other
+    # refusal (prior_error).
     (options, layout), prior_error = attempt(
         lambda: (
             call_options(None, ignore_index=ignore_index, backend="torch", return_entropy=False, validate=validate),
@@ -216,7 +222,7 @@ def _fused_topk(
     unsupported = functools.partial(_unsupported, weight=weight, k=k, impl=impl, config=config, tp_group=tp_group)
     call = check_call(
         hidden, weight, labels, temperature, options, tp_group, layout, ids=False, unsupported=unsupported,
-        prior_error=prior_error,
+        prior_error=caller_error or prior_error,
     )  # fmt: skip
     config = DEFAULT_CONFIG if config is None else config
     use_triton = _use_triton(impl, hidden)

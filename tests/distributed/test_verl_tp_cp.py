@@ -362,3 +362,31 @@ def test_verl_sum_pi_squared_tp_sp_cp_equals_verls_logits_path(check, distill):
             check.fail(f"verl's logits path returned {sorted(theirs.outputs)}")
         _compare(check, mine, theirs, what)
     check.done()
+
+
+def test_a_teacher_k_refused_on_one_tp_rank_raises_on_every_rank_before_the_topk_pass(check):
+    """Rank 0 of a TP 2 group gives teacher tensors with k above MAX_TOPK: the route's own
+    refusal is shared at the student's top-k pass's verdict, so rank 0 raises naming the argument
+    and rank 1 raises too, before a top-k pass whose k would differ between the ranks."""
+    from mcore_ppo.integrations.verl import distill_topk
+    from mcore_ppo.options import HiddenGrad, Layout, TokenOrder, call_options
+
+    torch.manual_seed(shared_seed())
+    n, h, k = 6, 16, 4
+    hidden = torch.randn(n, h, dtype=torch.float64, device=DEVICE)
+    weight = torch.randn(VOCAB, h, dtype=torch.float64, device=DEVICE)
+    labels = torch.randint(0, VOCAB, (n,), device=DEVICE)
+    layout = tp_cp_groups(2)
+    if layout.tp_group is not None:
+        check.case("TP2, rank 0 with k = 129 teacher ids, rank 1 with 4")
+        width = 129 if layout.tp_rank == 0 else k
+        ids = torch.randint(0, VOCAB, (1, n, width), device=DEVICE)
+        logps = torch.full((1, n, width), -5.0, dtype=torch.float64, device=DEVICE)
+        options = call_options(None, ignore_index=-100, backend="torch", return_entropy=False, validate=True)
+        student = distill_topk.Student(
+            hidden, weight.chunk(2)[layout.tp_rank], labels, 1.0, layout.tp_group,
+            Layout(TokenOrder.MEGATRON, HiddenGrad.PARTIAL), options, "torch", None,
+        )  # fmt: skip
+        match = "k must be in" if layout.tp_rank == 0 else "another rank"
+        check.raises(ValueError, match, distill_topk.forward_kl_topk, student, logps, ids, None)
+    check.done()

@@ -161,7 +161,7 @@ def forward_kl_topk(
     log_prob_min_clamp: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_VocabParallelKLDivergence.forward``'s five outputs (module doc) from the head; sets
-    ``student.main``. Every argument error is shared over the TP group with the head's verdict.
+    ``student.main``. Every argument error is shared over the TP group, before any collective.
 
     Raises:
         TypeError: teacher ids not integer, teacher log-probs not floating point, a clamp that is
@@ -181,23 +181,24 @@ def forward_kl_topk(
     )
     # The student's own top-k first: its pass over the logits also gives each token's log-normalizer,
     # which the head's ids pass then takes instead of a statistics pass of its own (one pass over
-    # the vocab in the forward, not two) when it needs no entropy and no Σπ² from it.
-    k = target_topk_indices.shape[-1] if isinstance(target_topk_indices, torch.Tensor) else 1
+    # the vocab in the forward, not two) when it needs no entropy and no Σπ² from it. A refused
+    # teacher argument is shared at that pass's verdict, before any of its collectives, so every
+    # TP rank raises there (the refused rank's k of 1 is never used).
+    k = 1 if checked is None else checked[1].shape[1]
     top, log_normalizer = topk_and_log_normalizer(
-        student.hidden, student.weight, max(1, min(k, MAX_TOPK, vocab)), temperature=student.temperature,
-        tp_group=student.tp_group, impl=student.topk_impl, validate=student.options.validate,
+        student.hidden, student.weight, k, temperature=student.temperature, tp_group=student.tp_group,
+        impl=student.topk_impl, validate=student.options.validate, prior_error=error,
     )  # fmt: skip
-    if student.options.return_entropy or student.options.return_sum_pi_squared:
-        log_normalizer = None
-    # A refused argument still reaches the head, which shares the verdict: every TP rank raises.
-    ids = student.labels[:, None] if checked is None else torch.cat([student.labels[:, None], checked[1]], dim=1)
-    outputs = run_head(
-        student.hidden, student.weight, ids, student.temperature, student.options, tp_group=student.tp_group,
-        layout=student.layout, ids=True, prior_error=error, log_normalizer=None if checked is None else log_normalizer,
-    )  # fmt: skip
-    if checked is None:  # not reached: run_head raised the shared verdict
+    if checked is None:  # not reached: the shared verdict raised this rank's refusal
         raise error if error is not None else RuntimeError("teacher inputs refused")
     teacher_logps, teacher_ids, clamp = checked
+    if student.options.return_entropy or student.options.return_sum_pi_squared:
+        log_normalizer = None
+    ids = torch.cat([student.labels[:, None], teacher_ids], dim=1)
+    outputs = run_head(
+        student.hidden, student.weight, ids, student.temperature, student.options, tp_group=student.tp_group,
+        layout=student.layout, ids=True, log_normalizer=log_normalizer,
+    )  # fmt: skip
     log_probs, entropy, *rest = outputs
     # verl's kernel contract: fp32 log-probs and entropy (the k-ids pass gives fp64 for fp64 inputs).
     student.main = (log_probs[:, 0].float(), None if entropy is None else entropy.float(), rest[0] if rest else None)
