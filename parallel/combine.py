@@ -29,16 +29,18 @@ from parallel.ranks import ProcessGroup, group_size
 
 
 def rescale_statistics(
-    m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, new_max: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Express ``(s, u)`` taken relative to ``m`` relative to ``new_max >= m`` instead.
+    m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, new_max: torch.Tensor, q: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Express ``(s, u)`` taken relative to ``m`` relative to ``new_max >= m`` instead; with
+    ``q`` (Σπ²'s sum) ``(s, u, q)``, ``q`` by the squared factor.
 
     A shard or chunk with no entries (``m = -inf``, ``s = 0``) contributes exactly zero.
     """
     shift = m - new_max  # <= 0, or NaN where both are -inf (an empty part: masked below)
     empty = s == 0
     scale = torch.exp(shift).masked_fill(empty, 0.0)
-    return s * scale, (u + s * shift.masked_fill(empty, 0.0)) * scale
+    rescaled = s * scale, (u + s * shift.masked_fill(empty, 0.0)) * scale
+    return rescaled if q is None else (*rescaled, q * (scale * scale))
 
 
 def _rescale_factor(m: torch.Tensor, s: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
@@ -54,12 +56,9 @@ def merge_statistics(
     """Merge two ``(m, s, u)`` triples over disjoint vocab parts (online softmax); with a fourth
     element ``q`` (Σπ²'s sum) in both, ``(m, s, u, q)``, ``q`` rescaled by the squared factor."""
     new_max = torch.maximum(a[0], b[0])
-    sa, ua = rescale_statistics(*a[:3], new_max)
-    sb, ub = rescale_statistics(*b[:3], new_max)
-    if len(a) == 3:
-        return new_max, sa + sb, ua + ub
-    fa, fb = _rescale_factor(a[0], a[1], new_max), _rescale_factor(b[0], b[1], new_max)
-    return new_max, sa + sb, ua + ub, a[3] * (fa * fa) + b[3] * (fb * fb)
+    rescaled_a = rescale_statistics(*a[:3], new_max, *a[3:])
+    rescaled_b = rescale_statistics(*b[:3], new_max, *b[3:])
+    return new_max, *(x + y for x, y in zip(rescaled_a, rescaled_b, strict=True))
 
 
 def combine_shard_statistics(
@@ -86,13 +85,12 @@ def combine_shard_statistics(
     else:
         global_max = m.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        factor = None if u is not None and q is None else _rescale_factor(m, s, global_max)
         if u is None:
-            rows = [s * factor, y]
+            factor = _rescale_factor(m, s, global_max)
+            rows = [s * factor, y] + ([] if q is None else [q * (factor * factor)])
         else:
-            rows = [*rescale_statistics(m, s, u, global_max), y]
-        if q is not None:
-            rows.append(q * (factor * factor))
+            s_scaled, u_scaled, *q_scaled = rescale_statistics(m, s, u, global_max, q)
+            rows = [s_scaled, u_scaled, y, *q_scaled]
         packed = torch.stack(rows)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
         sums = list(packed.unbind(0))
