@@ -54,7 +54,6 @@ class LaunchPlan:
     cfg: GemmConfig
     num_splits: int
     n_tiles_v: int
-    n_parts: int  # the per-split partials: m, s, then u (entropy on), then q (Σπ² on)
     with_u: bool
     with_q: bool
     store: bool
@@ -65,6 +64,11 @@ class LaunchPlan:
     stats_options: dict
     finish_options: dict  # by (labels_checked, grad_needed): the launch options of merge_finish_kernel
     combined_options: dict  # by labels_checked: those of finish_kernel
+
+    @property
+    def n_parts(self) -> int:
+        """The per-split partials: m, s, then u (entropy on), then q (Σπ² on)."""
+        return 2 + self.with_u + self.with_q
 
     @staticmethod
     def build(
@@ -113,8 +117,7 @@ class LaunchPlan:
             for checked in (False, True)
         }
         return LaunchPlan(
-            n, h, v, cfg, num_splits, n_tiles_v, 2 + with_entropy + with_q, with_entropy, with_q, store, use_tma,
-            buf_tma, direct,
+            n, h, v, cfg, num_splits, n_tiles_v, with_entropy, with_q, store, use_tma, buf_tma, direct,
             (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
         )  # fmt: skip
 
