@@ -21,7 +21,7 @@ def _python_blocks() -> list[str]:
 @pytest.mark.slow  # a fresh process per block
 def test_readme_python_examples_run():
     blocks = _python_blocks()
-    assert len(blocks) >= 3  # the API, the head module, the CP labels
+    assert len(blocks) >= 3  # the API, the options, the head module
     # Each block in a process of its own, as a reader would paste it; on the CPU whatever the host
     # has. torch's and Megatron's imports are not what is checked: the blocks are forks of a server
     # that made them once, the blocks' own imports (mcore_ppo, parallel) fresh in each. On a CUDA
