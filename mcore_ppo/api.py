@@ -7,7 +7,7 @@ import torch
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.head_call import attempt, run_head
 from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, HeadOptions, call_options, megatron_layout
-from parallel.groups import ProcessGroup, resolve_tp_group
+from mcore_ppo.parallel.groups import ProcessGroup, resolve_tp_group
 
 
 def fused_log_probs_and_entropy(

@@ -3,7 +3,7 @@
 Forward (one rank, its vocab shard ``[vocab_start, vocab_start + v)``):
   1. local statistics ``(m, s, u, y)`` from the backend, fp32, nothing ``[n, v]`` kept unless
      the backend returns a residual for its backward (the triton buffer);
-  2. the cross-rank combine (:func:`parallel.combine_shard_statistics`): MAX, then one SUM;
+  2. the cross-rank combine (:func:`mcore_ppo.parallel.combine_shard_statistics`): MAX, then one SUM;
   3. ``log_prob = y - lse`` and ``entropy = H``, zero for ignored tokens.
 With ``plan.return_sum_pi_squared`` the statistics carry ``q = Σ exp(2(z - m))`` too, packed into
 the same SUM, and a third output ``Σπ² = Q / S²`` (clamped to ``[1/V, 1]``, zero for ignored
@@ -24,7 +24,7 @@ and ``d_weight``; with ``k`` ids it is asked for the dense part with the upstrea
 of each token and adds the one-hot parts ``g_j`` at ``id_j`` to its ``dz`` before its products
 (:class:`~mcore_ppo.backends.base.SparseGradient`), so ``dz_i = Σ_j g_j 1[i = id_j] - q_i (G +
 e (log q_i + H))`` comes out of the same GEMMs. The partial ``d_hidden`` is summed over TP by the
-mapping that wraps ``hidden`` outside this Function (:mod:`parallel.mappings`), or by the caller
+mapping that wraps ``hidden`` outside this Function (:mod:`mcore_ppo.parallel.mappings`), or by the caller
 (verl's contract), so it is reduced exactly once, whatever the layout.
 
 Both directions run with autocast off for the inputs' device (:func:`autocast_off`): inside a
@@ -45,8 +45,8 @@ import torch.distributed as dist
 from mcore_ppo.backends.base import Backend, GradientRequest, HeadForward, SavedTokens, SparseGradient
 from mcore_ppo.numerics import accumulation_dtype, max_entropy
 from mcore_ppo.options import WeightGrad
-from parallel.combine import combine_shard_statistics
-from parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.parallel.combine import combine_shard_statistics
+from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 NO_DOUBLE_BACKWARD = (
     "mcore_ppo's fused PPO head is differentiable once: backward(create_graph=True) through it "

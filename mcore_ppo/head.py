@@ -142,7 +142,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             input_: hidden states ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism),
                 ``[t, 1, h]`` packed, or ``[n, h]``.
             labels: global vocab ids ``[b, s]`` / ``[1, t]`` / ``[n]`` (already rolled, and
-                split for CP with :func:`parallel.roll_and_split_labels`), or None. With a
+                split for CP with :func:`mcore_ppo.parallel.roll_and_split_labels`), or None. With a
                 trailing ``k`` dim (``[b, s, k]``, ...): ``k`` ids per token, log-probs
                 ``[..., k]`` (:func:`mcore_ppo.fused_log_probs_at`).
             weight: the weight to use instead of ``self.weight`` (tied embeddings: the
@@ -151,7 +151,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
             temperature: overrides the head's default temperature for this call: a float, or a
                 per-token floating-point tensor shaped like ``labels`` or broadcastable to them
                 (``[b, 1]`` per sequence; under CP this rank's part, split like the labels with
-                :func:`parallel.split_temperature_for_cp`). The tensor gets no gradient.
+                :func:`mcore_ppo.parallel.split_temperature_for_cp`). The tensor gets no gradient.
             output_cross_entropy_loss, reduction, ignore_index: ``LinearCrossEntropyModule``'s
                 contract (class doc): with ``output_cross_entropy_loss`` the result is the
                 cross entropy at temperature 1, ``[b, s]`` for ``reduction="none"``, else its

@@ -29,10 +29,10 @@ from mcore_ppo import validation
 from mcore_ppo.backends import Backend, resolve_backend
 from mcore_ppo.function import ShardPlan, shard_head
 from mcore_ppo.options import HeadOptions, HiddenGrad, Layout, TokenOrder
+from mcore_ppo.parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
+from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 from mcore_ppo.verdict import bad_values, label_error, refuse_capture, share_verdict, temperature_error
-from parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
-from parallel.ranks import ProcessGroup, group_rank, group_size
 
 T = TypeVar("T")
 
@@ -79,7 +79,7 @@ def run_head(
             tokens or broadcastable to them (``[b, 1]``: one per sequence of ``[b, s]`` labels;
             in the flat order also any shape of ``N`` elements, in the labels' memory order).
             It covers the same tokens as ``labels`` (the whole gathered sequence under SP, this
-            rank's CP part: split it like the labels, :func:`parallel.split_temperature_for_cp`)
+            rank's CP part: split it like the labels, :func:`mcore_ppo.parallel.split_temperature_for_cp`)
             and gets no gradient.
         options: the caller's :class:`~mcore_ppo.options.HeadOptions`.
         tp_group: the TP group, already resolved (None: one rank).

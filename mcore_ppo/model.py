@@ -160,13 +160,13 @@ def gpt_log_probs_and_entropy(
         input_ids, position_ids, attention_mask: as for ``GPTModel.forward`` (``[b, s]``;
             packed THD: ``[1, t]`` with ``packed_seq_params``).
         labels: global next-token ids ``[b, s]`` (``[1, t]`` packed), already rolled; under CP
-            this rank's part from :func:`parallel.roll_and_split_labels`; ``ignore_index``
+            this rank's part from :func:`mcore_ppo.parallel.roll_and_split_labels`; ``ignore_index``
             marks tokens to skip. None returns what ``GPTModel`` returns (logits on the last
             stage).
         temperature: overrides the head's temperature for this call: a float, or a per-token
             floating-point tensor shaped like ``labels`` or broadcastable to them (``[b, 1]``
             per sequence); under CP this rank's part, split like the labels
-            (:func:`parallel.split_temperature_for_cp`). The tensor gets no gradient.
+            (:func:`mcore_ppo.parallel.split_temperature_for_cp`). The tensor gets no gradient.
         packed_seq_params: Megatron ``PackedSeqParams`` for THD batches.
         return_entropy: False returns ``(log_probs, None)`` and skips the entropy work
             (None: the head's ``return_entropy``, True unless it was built otherwise).

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from parallel.ranks import ProcessGroup
+from mcore_ppo.parallel.ranks import ProcessGroup
 
 _FALSE = ("0", "false", "False", "off", "no")
 _VALIDATE_ENV = os.environ.get("MCORE_PPO_VALIDATE", "").strip()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_ppo import validation
-from parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 PEER_REFUSED = (
     "another rank of the tensor-parallel group rejected its inputs (its exception names the argument); "

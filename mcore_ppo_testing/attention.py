@@ -39,9 +39,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 
-from parallel.context_parallel import cp_token_index
-from parallel.groups import group_rank, group_size
-from parallel.mappings import gather_sequence_parallel
+from mcore_ppo.parallel.context_parallel import cp_token_index
+from mcore_ppo.parallel.groups import group_rank, group_size
+from mcore_ppo.parallel.mappings import gather_sequence_parallel
 
 __all__ = ["SdpaAttention", "ThdDotProductAttention", "packed_causal_mask"]
 
@@ -143,7 +143,7 @@ def _plan(bounds: tuple[int, ...], cp_size: int, cp_rank: int) -> _Plan:
 
     CP 1: one segment per non-empty sequence, causal. CP > 1: each sequence of padded length
     ``L`` is cut in ``2·cp`` chunks of ``L/(2cp)``; this rank's local tokens are chunks ``r``
-    and ``2cp-1-r`` of every sequence, in order (:func:`parallel.context_parallel.cp_token_index`),
+    and ``2cp-1-r`` of every sequence, in order (:func:`mcore_ppo.parallel.context_parallel.cp_token_index`),
     and local chunk ``c`` attends to global keys ``[start, start + (c+1)·L/(2cp))`` of its
     sequence. The CP all-gather concatenates every rank's local tokens rank by rank, so a
     global position maps to a row of the gathered keys through the inverse of that order.

@@ -15,8 +15,8 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from parallel.context_parallel import roll_labels
-from parallel.groups import group_size, resolve_tp_group
+from mcore_ppo.parallel.context_parallel import roll_labels
+from mcore_ppo.parallel.groups import group_size, resolve_tp_group
 
 
 def logits_log_probs_and_entropy(

@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from mcore_ppo.model import unwrap_gpt_model
-from parallel.groups import ProcessGroup, group_size
+from mcore_ppo.parallel.groups import ProcessGroup, group_size
 
 
 def _all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> None:

@@ -31,8 +31,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from mcore_ppo.actor import ActorParallel
 from mcore_ppo.actor.batching import PackedRollout, pack_micro_batch
 from mcore_ppo.model import gpt_log_probs_and_entropy, install_fused_head, unwrap_gpt_model
+from mcore_ppo.parallel.groups import ProcessGroup, group_size
 from mcore_ppo_testing.gpt_builder import build_gpt_model
-from parallel.groups import ProcessGroup, group_size
 
 
 def te_available() -> bool:

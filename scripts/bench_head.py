@@ -220,7 +220,7 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, config) -> d
     from mcore_ppo.backends import triton_host
     from mcore_ppo.backends.base import GradientRequest, SavedTokens
     from mcore_ppo.backends.triton_backend import TritonBackend
-    from parallel.combine import combine_shard_statistics
+    from mcore_ppo.parallel.combine import combine_shard_statistics
 
     x, w, labels = inputs.x, inputs.w, inputs.labels
     backend = TritonBackend(replace(config, buffer_budget_bytes=0))  # the recompute path

@@ -11,7 +11,7 @@ same under every TP/CP/DP layout and micro-batch split:
   DP rank and CP shard, one all-reduce each) and returns to the schedule the factor that
   undoes its ``× cp / num_microbatches`` and the DP×CP gradient averaging (:mod:`.loss`).
 - Labels are rolled on the global sequence before the CP split
-  (:func:`parallel.roll_and_split_labels`), never after.
+  (:func:`mcore_ppo.parallel.roll_and_split_labels`), never after.
 - Context parallelism at the head, for models that cannot run CP themselves (:mod:`.layout`).
 
 Modules, one concern each: :mod:`.worker` (:class:`MegatronPPOActor`: batching, the schedule,

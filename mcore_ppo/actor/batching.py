@@ -10,8 +10,8 @@ For the model, each micro-batch of whole sequences is packed in Megatron's THD l
 as Megatron's and verl's packers do). The model's output at position ``i`` predicts token
 ``i + 1`` of the same sequence, so the per-token training fields are moved to *label*
 positions (``label i ↔ token i + 1``), the labels are built on the global sequence and rolled
-before the context-parallel split (:func:`parallel.roll_and_split_labels`), and every
-label-aligned field is split the same way (:func:`parallel.split_for_cp`).
+before the context-parallel split (:func:`mcore_ppo.parallel.roll_and_split_labels`), and every
+label-aligned field is split the same way (:func:`mcore_ppo.parallel.split_for_cp`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from mcore_ppo.parallel.context_parallel import roll_and_split_labels, sequence_bounds, split_for_cp
 from mcore_ppo.validation import check_tensor
-from parallel.context_parallel import roll_and_split_labels, sequence_bounds, split_for_cp
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:

@@ -37,8 +37,8 @@ from mcore_ppo.model import (
     supports_output_processor,
     unwrap_gpt_model,
 )
+from mcore_ppo.parallel.groups import group_size
 from mcore_ppo.validation import check_tensor
-from parallel.groups import group_size
 
 __all__ = [
     "DISTILL_METRIC_NAMES",

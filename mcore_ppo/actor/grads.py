@@ -34,7 +34,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from mcore_ppo.actor.layout import ActorParallel, all_reduce
 from mcore_ppo.model import unwrap_gpt_model
-from parallel.groups import ProcessGroup, group_size
+from mcore_ppo.parallel.groups import ProcessGroup, group_size
 
 __all__ = ["ActorGradients", "clip_grads", "grad_norm", "is_megatron_optimizer"]
 

@@ -22,8 +22,8 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 
-from parallel.context_parallel import split_for_cp
-from parallel.groups import ProcessGroup, group_rank, group_size
+from mcore_ppo.parallel.context_parallel import split_for_cp
+from mcore_ppo.parallel.groups import ProcessGroup, group_rank, group_size
 
 __all__ = ["ActorParallel", "all_reduce", "broadcast_from_last_stage", "cp_split_at_head"]
 

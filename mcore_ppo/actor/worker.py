@@ -28,7 +28,7 @@ from mcore_ppo.actor.loss import assign_loss_weights, policy_loss, reduce_metric
 from mcore_ppo.actor.ppo_loss import schedule_loss_scale
 from mcore_ppo.distill import TopK
 from mcore_ppo.model import gpt_log_probs_and_entropy, unwrap_gpt_model
-from parallel.groups import group_size
+from mcore_ppo.parallel.groups import group_size
 
 __all__ = ["MegatronPPOActor"]
 

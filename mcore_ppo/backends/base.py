@@ -47,7 +47,7 @@ class ShardStatistics:
     q: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(m, s, u, y)``, the arguments of :func:`parallel.combine_shard_statistics`."""
+        """``(m, s, u, y)``, the arguments of :func:`mcore_ppo.parallel.combine_shard_statistics`."""
         return self.m, self.s, self.u, self.y
 
 
@@ -221,7 +221,7 @@ class Backend(Protocol):
         global int64 ``labels [n]``: ``log_prob = min(y - lse, 0)``, NaN for a label outside
         ``[0, vocab_size)`` unless ``labels_checked``; entropy clamped to ``[0, max_entropy]``;
         both 0 for ignored tokens. ``combine``: None when this shard is the whole vocab, else
-        :func:`parallel.combine_shard_statistics` over the TP group as ``combine(m, s, u, y) ->
+        :func:`mcore_ppo.parallel.combine_shard_statistics` over the TP group as ``combine(m, s, u, y) ->
         (lse, entropy, label_logit)`` (with ``with_sum_pi_squared``: ``combine(m, s, u, y, q)
         -> (lse, entropy, label_logit, sum_pi_squared)``, and the result's ``sum_pi_squared``
         set; the head passes the keyword only when it is True). None: these inputs are not

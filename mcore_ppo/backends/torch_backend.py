@@ -24,8 +24,8 @@ import torch
 
 from mcore_ppo.backends.base import Capabilities, GradientRequest, SavedTokens, ShardStatistics
 from mcore_ppo.numerics import accumulation_dtype, chunks
+from mcore_ppo.parallel.combine import merge_statistics
 from mcore_ppo.validation import check_positive_int
-from parallel.combine import merge_statistics
 
 
 @dataclass(frozen=True)

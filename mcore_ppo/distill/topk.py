@@ -8,7 +8,7 @@ mass outside them. Each TP rank reduces its own shard, one bounded block of logi
 block the ``k`` largest (``torch.topk`` plus a deterministic repair of ties at the k-th value),
 merged with the rank's running candidates; every entry that is not (or stops being) a candidate
 is folded into the softmax statistics ``(m, s)`` of the shard's rest. The ranks then merge
-(:func:`parallel.topk.merge_topk_over_ranks`).
+(:func:`mcore_ppo.parallel.topk.merge_topk_over_ranks`).
 
 On CUDA (fp16/bf16/fp32) the shard's pass is fused Triton kernels instead
 (:mod:`mcore_ppo.distill.topk_triton`): logit tiles in registers, each giving its largest entries
@@ -41,11 +41,11 @@ from mcore_ppo.function import autocast_off
 from mcore_ppo.head_call import attempt, check_call
 from mcore_ppo.numerics import accumulation_dtype, chunks
 from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
+from mcore_ppo.parallel.groups import resolve_tp_group
+from mcore_ppo.parallel.mappings import all_gather_first_dim
+from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
+from mcore_ppo.parallel.topk import fold_into_statistics, merge_topk_over_ranks, select_topk
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
-from parallel.groups import resolve_tp_group
-from parallel.mappings import all_gather_first_dim
-from parallel.ranks import ProcessGroup, group_rank, group_size
-from parallel.topk import fold_into_statistics, merge_topk_over_ranks, select_topk
 
 __all__ = ["IMPLS", "MAX_TOPK", "TopK", "TopKConfig", "check_k", "fused_topk"]
 

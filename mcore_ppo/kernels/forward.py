@@ -23,7 +23,7 @@ per row from ``inv_temp_ptr`` (a per-token temperature) instead of the scalar ``
 never read or written.
 
 ``merge_splits_kernel``: per token, merges the split partials (online-softmax rescaling, as
-:func:`parallel.combine.merge_statistics`) into the shard's ``(m, s, u)`` (and ``q`` with
+:func:`mcore_ppo.parallel.combine.merge_statistics`) into the shard's ``(m, s, u)`` (and ``q`` with
 ``WITH_Q``); ignored tokens get ``(0, 1, 0)`` (``q`` 1) so that downstream ``log`` stays finite.
 """
 

@@ -21,8 +21,8 @@ from mcore_ppo.actor.ppo_loss import (
     schedule_loss_scale,
     sequence_token_counts,
 )
+from mcore_ppo.parallel.context_parallel import split_for_cp
 from mcore_ppo_testing.seeds import next_seed
-from parallel.context_parallel import split_for_cp
 
 
 def _scalar_ppo_loss(lp: float, old: float, adv: float, lo: float, hi: float, c: float | None) -> float:

@@ -33,9 +33,9 @@ import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the int
 from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
 from mcore_ppo.backends import triton_config, triton_launch  # noqa: E402
 from mcore_ppo.backends.base import SavedTokens  # noqa: E402
+from mcore_ppo.parallel.combine import combine_shard_statistics  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
-from parallel.combine import combine_shard_statistics  # noqa: E402
 
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]
@@ -300,7 +300,7 @@ def test_no_fast_launch_under_the_interpreter():
 def test_rescale_in_fewer_ops_gives_the_same_bits():
     """The TP combine's rescaling (``masked_fill`` instead of ``where`` against ``zeros_like``)
     gives the former formula's values bit for bit, empty parts (``s = 0``, ``m = -inf``) too."""
-    from parallel.combine import _rescale_factor, rescale_statistics
+    from mcore_ppo.parallel.combine import _rescale_factor, rescale_statistics
 
     gen = generator(next_seed())
     m = torch.randn(64, generator=gen) * 30

@@ -22,9 +22,9 @@ triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels  # noqa: E402,F401  (decorated now, under the interpreter on CPU)
 from mcore_ppo.backends.base import GradientRequest, SavedTokens  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
+from mcore_ppo.parallel.combine import combine_shard_statistics  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
-from parallel.combine import combine_shard_statistics  # noqa: E402
 
 if _SET_INTERPRET:
     del os.environ["TRITON_INTERPRET"]

@@ -39,10 +39,10 @@ from mcore_ppo.backends import TorchBackend, TorchConfig, import_optional
 from mcore_ppo.head_call import run_head
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 from mcore_ppo.options import DEFAULT_LAYOUT, HeadOptions, HiddenGrad, Layout, TokenOrder
+from mcore_ppo.parallel import split_for_cp, split_temperature_for_cp
 from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.reference import assert_close, check_invariants, reference, sum_pi_squared_reference
 from mcore_ppo_testing.seeds import generator, next_seed
-from parallel import split_for_cp, split_temperature_for_cp
 
 LIGER = pytest.mark.skipif(import_optional("liger_kernel") is None, reason="liger-kernel is not installed")
 # (backend name, buffer budget): the triton backend in buffer mode and in recompute mode.

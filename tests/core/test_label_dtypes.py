@@ -15,10 +15,10 @@ import torch
 from head_checks import TRITON_ON_CPU
 
 import mcore_ppo
+from mcore_ppo.parallel import roll_and_split_labels, roll_labels, split_for_cp
 from mcore_ppo.validation import LABEL_DTYPES
 from mcore_ppo_testing.reference import reference
 from mcore_ppo_testing.seeds import generator, next_seed
-from parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 

@@ -43,8 +43,8 @@ SCRIPT = textwrap.dedent(
     import mcore_ppo.kernels
     import mcore_ppo.head_call
     import mcore_ppo.liger
-    import parallel.combine
-    import parallel.groups
+    import mcore_ppo.parallel.combine
+    import mcore_ppo.parallel.groups
     from mcore_ppo.backends.torch_backend import TorchBackend
     from mcore_ppo.function import ShardPlan, shard_head
 

@@ -15,10 +15,10 @@ import torch
 
 import mcore_ppo
 from mcore_ppo.backends import torch_backend
+from mcore_ppo.parallel import roll_and_split_labels, roll_labels, split_for_cp
 from mcore_ppo.validation import check_layout
 from mcore_ppo_testing.reference import IGNORE_INDEX, check_invariants
 from mcore_ppo_testing.seeds import generator, next_seed
-from parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 

@@ -19,9 +19,9 @@ from head_checks import TRITON_ON_CPU, plain_case
 
 import mcore_ppo
 from mcore_ppo.backends import resolve_backend
+from mcore_ppo.parallel import roll_and_split_labels, roll_labels, sequence_bounds, split_for_cp
 from mcore_ppo.validation import MIN_TEMPERATURE
 from mcore_ppo_testing.reference import assert_close, reference
-from parallel import roll_and_split_labels, roll_labels, sequence_bounds, split_for_cp
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 

@@ -34,7 +34,7 @@ from head_cases import (
     upcast,
 )
 
-from parallel import roll_and_split_labels, roll_labels, split_for_cp
+from mcore_ppo.parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 

@@ -4,7 +4,7 @@ single-rank result of the same dtype and against the fp64 reference.
 
 The temperature tensor covers the same tokens as the labels: the whole gathered sequence under
 SP (it is not sharded with hidden), this rank's CP part under CP, split like the labels
-(:func:`parallel.split_temperature_for_cp`; a ``[b, 1]`` per-sequence tensor is the same on
+(:func:`mcore_ppo.parallel.split_temperature_for_cp`; a ``[b, 1]`` per-sequence tensor is the same on
 every CP rank). Labels cover the first and last id of every vocab shard; the CP data force
 distinct labels at every chunk boundary (``test_head_context_parallel.make_cp_case``), and the
 per-token temperatures are drawn at random (distinct everywhere), so a temperature paired with
@@ -42,9 +42,9 @@ from head_cases import (
 from test_head_context_parallel import make_cp_case
 
 from mcore_ppo import fused_log_probs_and_entropy
+from mcore_ppo.parallel import split_for_cp, split_temperature_for_cp
 from mcore_ppo_testing.reference import reference as fp64_reference
 from mcore_ppo_testing.reference import sum_pi_squared_reference
-from parallel import split_for_cp, split_temperature_for_cp
 
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 

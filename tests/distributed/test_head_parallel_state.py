@@ -14,7 +14,7 @@ from conftest import layout_id, megatron_timeout_minutes, shared_seed, tp_cp_gro
 from head_cases import DTYPES, LAYOUT_SHAPES, compare, make_case, reference, run_head, tp_part
 from megatron.core import parallel_state
 
-from parallel import resolve_cp_group, resolve_tp_group
+from mcore_ppo.parallel import resolve_cp_group, resolve_tp_group
 
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 

@@ -29,6 +29,12 @@ from conftest import DEVICE, fitting, model_parallel, require_ranks, shared_seed
 from megatron.core import parallel_state
 
 from mcore_ppo import gpt_log_probs_and_entropy, install_fused_head
+from mcore_ppo.parallel.context_parallel import (
+    roll_and_split_labels,
+    roll_labels,
+    split_for_cp,
+    split_temperature_for_cp,
+)
 from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import (
     logits_log_probs_and_entropy,
@@ -38,7 +44,6 @@ from mcore_ppo_testing.gpt_reference import (
 )
 from mcore_ppo_testing.hooked_gpt import forward_path
 from mcore_ppo_testing.layer_specs import local_gpt_spec
-from parallel.context_parallel import roll_and_split_labels, roll_labels, split_for_cp, split_temperature_for_cp
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 128, 32, 8, 2, 16
 TEMPERATURE = 0.7

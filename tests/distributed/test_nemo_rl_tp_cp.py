@@ -30,13 +30,13 @@ from head_cases import BACKEND
 
 import mcore_ppo.integrations.nemo_rl as nemo_rl_switch
 from mcore_ppo.integrations.nemo_rl import from_parallel_hidden_states_to_logprobs
+from mcore_ppo.parallel import split_for_cp
 from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import pop_parameter_grads
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.nemo_rl_reference import logits_path_logprobs
 from mcore_ppo_testing.real_nemo_rl import log_prob_pass, microbatch, train_pass, vendored_nemo_rl
 from mcore_ppo_testing.reference import normwise_relative_error
-from parallel import split_for_cp
 
 VOCAB, H, TEMPERATURE = 64, 16, 0.8
 # (tp, cp, sp); the last three need a world of 8.

@@ -34,11 +34,11 @@ from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, NH, TEMPERATURE, VOCAB, dr
 
 from mcore_ppo import TopKConfig, TorchBackend, TorchConfig, TritonBackend, TritonConfig, fused_log_probs_at, fused_topk
 from mcore_ppo.distill import topk_triton
+from mcore_ppo.parallel import roll_and_split_labels, roll_labels, split_for_cp
 from mcore_ppo.verdict import PEER_REFUSED
 from mcore_ppo_testing.student_fold import record_folds
 from mcore_ppo_testing.student_reference import student_reference
 from mcore_ppo_testing.topk_reference import full_pairs, topk_reference
-from parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 

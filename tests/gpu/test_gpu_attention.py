@@ -3,7 +3,7 @@
 The varlen path (bf16/fp16 on CUDA) runs every segment in one ``torch.nn.attention.varlen``
 call, with causal masks aligned to the bottom right when a CP query chunk attends to a longer
 key prefix. Its CP index plans are emulated on one GPU: the CP all-gather is the concatenation of
-every rank's local keys (:func:`parallel.context_parallel.cp_token_index` order). Reference:
+every rank's local keys (:func:`mcore_ppo.parallel.context_parallel.cp_token_index` order). Reference:
 causal attention of each whole sequence in fp32, split the way CP splits it. Outputs and the
 gradients of q, k, v (through the gather) must agree to bf16 rounding. Skipped without CUDA.
 """
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mcore_ppo.parallel.context_parallel import cp_token_index
 from mcore_ppo_testing.attention import _plan, _segments_sdpa, _segments_varlen, _uses_varlen, _varlen_attn
-from parallel.context_parallel import cp_token_index
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from mcore_ppo.actor.batching import pack_micro_batch
+from mcore_ppo.parallel.context_parallel import cp_token_index
 from mcore_ppo_testing.attention import _plan
 from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.layer_specs import local_gpt_spec, local_layer_spec
 from mcore_ppo_testing.norms import SequenceParallelTorchNorm
 from mcore_ppo_testing.ppo_harness import synthetic_rollout
-from parallel.context_parallel import cp_token_index
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 VOCAB = 64

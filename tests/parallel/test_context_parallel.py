@@ -20,9 +20,9 @@ import torch
 
 import mcore_ppo
 from mcore_ppo.backends import TorchBackend, TorchConfig
+from mcore_ppo.parallel import roll_and_split_labels, roll_labels, split_for_cp
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, check_invariants, reference
 from mcore_ppo_testing.seeds import generator, next_seed
-from parallel import roll_and_split_labels, roll_labels, split_for_cp
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 

@@ -16,7 +16,7 @@ policy's next-token log-probs in one of two ways:
 :func:`from_parallel_hidden_states_to_logprobs` here takes the hidden-states call's arguments
 and returns what the logits path returns, for every layout that path has: TP (with or without
 SP), CP, packed sequences, temperature, and the entropy on request. It builds the labels with
-:func:`parallel.roll_and_split_labels` (roll the global sequence, then split: the position a
+:func:`mcore_ppo.parallel.roll_and_split_labels` (roll the global sequence, then split: the position a
 rank holds gets its true successor) and runs :func:`mcore_ppo.head_call.run_head`. Top-k/top-p
 filtering is refused: the head's log-probs are those of the whole softmax. (What
 :func:`mcore_ppo.integrations.nemo_rl.enable` puts in NeMo-RL's own call site is
@@ -34,9 +34,9 @@ from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.head_call import attempt, run_head
 from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
-from parallel.context_parallel import roll_labels, split_for_cp
-from parallel.cp_gather import gather_from_cp
-from parallel.ranks import ProcessGroup, group_rank, group_size
+from mcore_ppo.parallel.context_parallel import roll_labels, split_for_cp
+from mcore_ppo.parallel.cp_gather import gather_from_cp
+from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
 
 __all__ = ["from_parallel_hidden_states_to_logprobs"]
 

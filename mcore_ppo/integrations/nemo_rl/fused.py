@@ -39,7 +39,7 @@ from mcore_ppo.integrations.import_hook import backend_from_environment
 from mcore_ppo.integrations.nemo_rl import ENV_BACKEND
 from mcore_ppo.integrations.nemo_rl.adapter import from_parallel_hidden_states_to_logprobs
 from mcore_ppo.logs import log_once
-from parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 __all__ = ["fused_hidden_states_to_logprobs", "step_temperature", "with_step_temperature"]
 

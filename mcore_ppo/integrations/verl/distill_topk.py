@@ -48,7 +48,7 @@ from mcore_ppo import validation
 from mcore_ppo.distill.topk import MAX_TOPK, topk_and_log_normalizer
 from mcore_ppo.head_call import attempt, run_head
 from mcore_ppo.options import HeadOptions, Layout
-from parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 __all__ = ["Student", "StudentLogits", "compute_on_head", "forward_kl_topk", "wrap_kl_divergence"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -5,7 +5,7 @@ and the softmax statistics ``(m, s)`` of every other entry of its shard (``m`` t
 ``Σ exp(z - m)``; ``m = -inf``, ``s = 0`` when there is none). :func:`merge_topk_over_ranks`
 all-gathers the candidates (one collective), keeps the global top ``k`` on every rank by the same
 rule, folds the candidates it drops into the rest, and combines the rest's statistics over the
-group with :func:`parallel.combine.combine_shard_statistics` (the head's MAX, then SUM). Every
+group with :func:`mcore_ppo.parallel.combine.combine_shard_statistics` (the head's MAX, then SUM). Every
 quantity is a sum of its own terms, never a difference: the tail mass ``Σ_{j ∉ top-k} p_j`` stays
 exact to rounding however small it is.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from parallel.combine import _rescale_factor, combine_shard_statistics
-from parallel.mappings import all_gather_first_dim
-from parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.parallel.combine import _rescale_factor, combine_shard_statistics
+from mcore_ppo.parallel.mappings import all_gather_first_dim
+from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 __all__ = ["fold_into_statistics", "merge_topk_over_ranks", "select_topk"]
 

@@ -1,7 +1,7 @@
 """Gather per-token values from every context-parallel rank back into global sequence order.
 
 Each CP rank holds its tokens in Megatron's load-balanced order (chunks ``r`` and ``2cp-1-r`` of
-every sequence: :func:`parallel.context_parallel.cp_token_index`). :func:`gather_from_cp`
+every sequence: :func:`mcore_ppo.parallel.context_parallel.cp_token_index`). :func:`gather_from_cp`
 all-gathers them and puts every value at its global position, for padded batches and for
 packed ones (``cu_seqlens``), with autograd.
 
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from parallel.context_parallel import cp_token_index, sequence_bounds
-from parallel.mappings import all_gather_first_dim
-from parallel.ranks import ProcessGroup, group_rank, group_size
+from mcore_ppo.parallel.context_parallel import cp_token_index, sequence_bounds
+from mcore_ppo.parallel.mappings import all_gather_first_dim
+from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
 
 
 class _GatherFromCP(torch.autograd.Function):

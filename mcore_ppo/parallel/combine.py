@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 
 def rescale_statistics(

@@ -4,7 +4,7 @@ Order of precedence, the same for TP and CP: an explicit group passed by the cal
 Megatron's ``parallel_state`` when it has been initialised, else a single rank (``None``).
 ``None`` always means "one rank, no communication", so callers never special-case
 ``torch.distributed`` being absent. Megatron is imported only when a group is resolved with
-``torch.distributed`` initialised; the size and rank helpers (:mod:`parallel.ranks`, re-exported
+``torch.distributed`` initialised; the size and rank helpers (:mod:`mcore_ppo.parallel.ranks`, re-exported
 here) need torch alone.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from parallel.ranks import ProcessGroup, group_rank, group_size
+from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
 
 __all__ = ["ProcessGroup", "group_rank", "group_size", "resolve_cp_group", "resolve_tp_group"]
 

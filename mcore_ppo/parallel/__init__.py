@@ -3,16 +3,16 @@
 of PPO, and imports with torch alone: Megatron's ``parallel_state`` is consulted only inside
 :func:`resolve_tp_group` / :func:`resolve_cp_group`, when ``torch.distributed`` is initialised."""
 
-from parallel.combine import combine_shard_statistics, merge_statistics, rescale_statistics
-from parallel.context_parallel import (
+from mcore_ppo.parallel.combine import combine_shard_statistics, merge_statistics, rescale_statistics
+from mcore_ppo.parallel.context_parallel import (
     roll_and_split_labels,
     roll_labels,
     sequence_bounds,
     split_for_cp,
     split_temperature_for_cp,
 )
-from parallel.groups import group_rank, group_size, resolve_cp_group, resolve_tp_group
-from parallel.mappings import (
+from mcore_ppo.parallel.groups import group_rank, group_size, resolve_cp_group, resolve_tp_group
+from mcore_ppo.parallel.mappings import (
     all_gather_first_dim,
     gather_sequence_parallel,
     reduce_grad_over_tp,

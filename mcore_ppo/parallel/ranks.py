@@ -2,7 +2,7 @@
 
 The head's core (the autograd Function, the backends, the combine and the TP mappings) takes
 a group that is already resolved and needs nothing else; which group to use by default
-(Megatron's ``parallel_state``) is decided by :mod:`parallel.groups`, at the entry points.
+(Megatron's ``parallel_state``) is decided by :mod:`mcore_ppo.parallel.groups`, at the entry points.
 """
 
 from __future__ import annotations
