@@ -266,7 +266,7 @@ def _ids_forward(
         lse, entropy, _, *square = combine_shard_statistics(*stats.tensors(), plan.tp_group, stats.q)
         residual = stats.residual
     else:
-        lse, entropy, square, residual = log_normalizer, None, [], None
+        lse, entropy, square, residual = log_normalizer, None, [], ()
     logits = plan.backend.gather_logits(hidden, weight, local_ids, temperature)
     if group_size(plan.tp_group) > 1:
         # Each id lives on one rank; the others add exact zeros.
@@ -327,6 +327,7 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         ctx.plan = plan
         # Not a saved tensor: the one backward that uses it takes it (see backward).
         ctx.residual = saved.residual
+        ctx.fused_forward = saved.fused_forward
         if sum_pi_squared is not None:
             ctx.mark_non_differentiable(sum_pi_squared)
         return log_prob, entropy_out, sum_pi_squared
@@ -343,7 +344,7 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         plan: ShardPlan = ctx.plan
         # Taken, not read: the buffer is freed with this backward (a second one, with
         # retain_graph, recomputes), and the backend may overwrite it in place.
-        residual, ctx.residual = ctx.residual, None
+        residual, ctx.residual = ctx.residual, ()
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         nones = (None,) * 5
         if entropy is None:
@@ -360,7 +361,7 @@ class FusedPPOHeadFunction(torch.autograd.Function):
         d_hidden, d_weight = plan.backend.shard_gradients(
             hidden,
             weight,
-            SavedTokens(local_labels, valid, lse, entropy, residual),
+            SavedTokens(local_labels, valid, lse, entropy, residual, fused_forward=ctx.fused_forward),
             GradientRequest(grad_log_prob, grad_entropy, need_hidden, weight_grad, sparse, weight_grad_unset=unset),
             temperature=plan.temperature if row_temperature is None else row_temperature,
         )

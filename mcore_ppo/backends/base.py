@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -34,16 +34,18 @@ class ShardStatistics:
 
     ``m``: shard max of ``z``; ``s``: Σexp(z-m); ``u``: Σexp(z-m)(z-m); ``y``: ``z_label``
     (0 if the label is not in this shard); ``q``: Σexp(2(z-m)), the sum behind Σπ².
-    ``residual``: the backend's own (e.g. the triton backend's probability buffer), or None
-    when the backward recomputes. ``u`` is None when the entropy was not asked for
-    (``with_entropy=False``), ``q`` when Σπ² was not (``with_sum_pi_squared=False``).
+    ``residual``: the backend's own tensors for its backward (the triton backend's probability
+    buffer and row order), empty when the backward recomputes from nothing kept; plain tensors,
+    so the head's op can return and save them where saved-tensor hooks see them. ``u`` is None
+    when the entropy was not asked for (``with_entropy=False``), ``q`` when Σπ² was not
+    (``with_sum_pi_squared=False``).
     """
 
     m: torch.Tensor
     s: torch.Tensor
     u: torch.Tensor | None
     y: torch.Tensor
-    residual: Any = None
+    residual: tuple[torch.Tensor, ...] = ()
     q: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -58,18 +60,21 @@ class SavedTokens:
     ``local_labels`` and ``valid`` as in the module doc; ``lse`` and ``entropy`` are the
     combined (global, over every TP rank) fp32 values (``entropy`` None when it is off: then
     no entropy gradient is asked for either); ``residual`` is
-    :attr:`ShardStatistics.residual` of the same call, or None (recompute). With ``k`` ids per
+    :attr:`ShardStatistics.residual` of the same call (empty: nothing kept). With ``k`` ids per
     token, ``local_ids`` ``[n, k]`` holds each id's row in this shard (-1 elsewhere) and
     ``slot_ok`` which slots count; both are the Function's, None with one label per token.
+    ``fused_forward``: the backend's own :meth:`Backend.head_forward` made them (its buffers are
+    fresh allocations of known alignment, which a backend may key its backward's launches on).
     """
 
     local_labels: torch.Tensor
     valid: torch.Tensor
     lse: torch.Tensor
     entropy: torch.Tensor | None
-    residual: Any = None
+    residual: tuple[torch.Tensor, ...] = ()
     local_ids: torch.Tensor | None = None
     slot_ok: torch.Tensor | None = None
+    fused_forward: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,8 @@ Forward (:meth:`TritonBackend.shard_statistics`): ``stats_kernel`` folds the log
 ``x @ W.T / T`` (fp32 accumulation) into online softmax statistics in registers, one partial
 per (vocab split, token); ``merge_splits_kernel`` merges the splits per token. When a gradient
 will be needed and it fits the budget (:attr:`TritonConfig.buffer_budget_bytes`), the forward
-also stores ``2^(z₂ − tile max)`` and the tile maxima as its residual
-(:class:`~mcore_ppo.backends.triton_host.ProbabilityBuffer`) for a three-GEMM backward
-(:mod:`mcore_ppo.backends.triton_gradients`).
+also stores ``2^(z₂ − tile max)`` and the tile maxima as its residual (:data:`BUFFER_RESIDUAL`)
+for a three-GEMM backward (:mod:`mcore_ppo.backends.triton_gradients`).
 
 A per-token temperature (``[n]`` tensor) reaches every kernel as a ``1/T`` vector read per row
 (their ``ROW_TEMP`` flag); a float reaches them as the scalar ``1/T``. Without the entropy
@@ -47,7 +46,6 @@ from mcore_ppo.backends.triton_host import (
     COMPACT_WARPS,
     MERGE_BLOCK_T,
     GemmConfig,
-    ProbabilityBuffer,
     compact_rows,
     gathered_rows,
     interpreting,
@@ -55,7 +53,7 @@ from mcore_ppo.backends.triton_host import (
 )
 from mcore_ppo.backends.triton_ids import gather_logits
 from mcore_ppo.backends.triton_launch import TmaDesc, launch
-from mcore_ppo.backends.triton_plan import LaunchPlan, RowOrder
+from mcore_ppo.backends.triton_plan import LaunchPlan
 from mcore_ppo.logs import log_once
 from mcore_ppo.numerics import cdiv, inverse_temperature, rowmajor
 
@@ -73,6 +71,12 @@ def is_available() -> bool:
     """Triton is importable and can run here (a CUDA device, or the interpreter)."""
     return triton is not None and (torch.cuda.is_available() or interpreting())
 
+
+# What the residual holds, in order: in buffer mode the probability buffer ``2^(z₂ − tile max)``
+# ([n, v], input dtype, rows in compacted order), the tile maxima ([n, v tiles], fp32), the row order
+# and the valid count; a forward that recomputes in its backward keeps the row order and count alone.
+BUFFER_RESIDUAL = ("probs", "tile_max", "perm", "count")
+ROW_ORDER_RESIDUAL = ("perm", "count")
 
 _TOKENS_OPTIONS = {save: {"BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS, "SAVE": save} for save in (False, True)}
 
@@ -135,7 +139,7 @@ class TritonBackend:
     ) -> ShardStatistics:
         """fp32 ``(m, s, u, y)`` over this shard (``u`` None without entropy; ``q`` with
         ``with_sum_pi_squared``), and with ``grad_needed`` and a budget that fits, the
-        :class:`ProbabilityBuffer` as residual; see the Backend protocol."""
+        probability buffer as residual (:data:`BUFFER_RESIDUAL`); see the Backend protocol."""
         with_q = with_sum_pi_squared
         if self._fallback(hidden, weight):
             return self._reference.shard_statistics(
@@ -240,9 +244,10 @@ class TritonBackend:
                 # the integers' values stand for the rest of the specialisation.
                 (plan, "combined", labels_checked, labels.dtype, stride_l, ignore_index, vocab_size),
             )  # fmt: skip
-        if residual is None and grad_needed:
-            residual = RowOrder(perm, count, plan)
-        return HeadForward(log_prob, entropy_out, SavedTokens(local_labels, valid, lse, entropy, residual), sp_out)
+        if not residual and grad_needed:
+            residual = (perm, count)  # the row order, for a backward that recomputes
+        saved = SavedTokens(local_labels, valid, lse, entropy, residual, fused_forward=True)
+        return HeadForward(log_prob, entropy_out, saved, sp_out)
 
     def _forward_plan(
         self,
@@ -281,7 +286,7 @@ class TritonBackend:
         temperature: float | torch.Tensor,
         *,
         site: bool = False,
-    ) -> tuple[tuple[torch.Tensor, ...], ProbabilityBuffer | None]:
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The forward kernel's launches: per-split partials ``(m, s[, u][, q])`` (``[splits, n]``
         each) and the label logits into ``y``; the probability buffer as residual when the
         plan stores it. ``site``: the caller's ``local_labels``, ``perm``, ``count`` and ``y``
@@ -321,10 +326,7 @@ class TritonBackend:
             run(gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m, site=gather_site), 0)
         else:
             run(gathered_rows(hidden, perm, count, site=gather_site) if plan.use_tma else hidden, 0)
-        residual = (
-            ProbabilityBuffer(buf, tmax, cfg.block_n, perm, count, plan if site else None) if plan.store else None
-        )
-        return parts, residual
+        return parts, (buf, tmax, perm, count) if plan.store else ()
 
     def forward_config_for(self, v: int) -> GemmConfig:
         """The forward's tile config for a shard of ``v`` vocab rows (one per shard size, so
@@ -369,6 +371,16 @@ class TritonBackend:
             if request.weight_grad_unset:  # the reference adds into d_W
                 request.weight_grad.zero_()
             return self._reference.shard_gradients(hidden, weight, saved, request, temperature=temperature)
-        if isinstance(saved.residual, ProbabilityBuffer):
-            return gradients_from_buffer(self, hidden, weight, saved, request, temperature=temperature)
-        return gradients_by_recompute(self, hidden, weight, saved, request, temperature=temperature)
+        hidden, weight = rowmajor(hidden), rowmajor(weight)
+        buffered = len(saved.residual) == len(BUFFER_RESIDUAL)
+        plan = None
+        if buffered or saved.fused_forward:
+            # The forward's plan (cached under the same key): its tiles are the buffer's, and
+            # head_forward's per-token tensors, fresh allocations of its n, let it key the launches.
+            plan = self._forward_plan(
+                hidden, weight, True, saved.entropy is not None, isinstance(temperature, torch.Tensor)
+            )
+        if buffered:
+            return gradients_from_buffer(self, plan, hidden, weight, saved, request, temperature=temperature)
+        plan = plan if saved.fused_forward else None
+        return gradients_by_recompute(self, plan, hidden, weight, saved, request, temperature=temperature)

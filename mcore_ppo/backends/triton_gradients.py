@@ -21,7 +21,6 @@ import torch
 
 from mcore_ppo.backends.base import GradientRequest, SavedTokens
 from mcore_ppo.backends.triton_host import (
-    ProbabilityBuffer,
     addmm_fp32,
     compact_rows,
     for_dtype,
@@ -36,15 +35,16 @@ from mcore_ppo.backends.triton_host import (
 )
 from mcore_ppo.backends.triton_ids import add_onehot, merged_onehot
 from mcore_ppo.backends.triton_launch import TmaDesc, launch
-from mcore_ppo.backends.triton_plan import RowOrder
-from mcore_ppo.numerics import cdiv, inverse_temperature, rowmajor
+from mcore_ppo.numerics import cdiv, inverse_temperature
 
 if TYPE_CHECKING:
     from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_plan import LaunchPlan
 
 
 def gradients_by_recompute(
     backend: TritonBackend,
+    plan: LaunchPlan | None,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     saved: SavedTokens,
@@ -52,20 +52,19 @@ def gradients_by_recompute(
     *,
     temperature: float | torch.Tensor,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Backward without a buffer: ``dz`` recomputed vocab chunk by chunk (module doc)."""
+    """Backward without a buffer: ``dz`` recomputed vocab chunk by chunk (module doc). ``plan``:
+    the forward's, keying the launch sites (None: Triton's own dispatch per launch)."""
     from mcore_ppo.kernels import dz_kernel
 
     local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
     weight_grad = request.weight_grad
 
-    hidden, weight = rowmajor(hidden), rowmajor(weight)
     cfg = for_dtype(backend.backward_config, hidden.dtype)
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
-    plan = None
-    if isinstance(saved.residual, RowOrder):  # the forward's, when it kept it
-        perm, count, plan = saved.residual.perm, saved.residual.count, saved.residual.plan
+    if saved.residual:  # the forward's row order, when it kept it
+        perm, count = saved.residual
     else:
         perm, count = compact_rows(valid)
     has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
@@ -126,6 +125,7 @@ def gradients_by_recompute(
 
 def gradients_from_buffer(
     backend: TritonBackend,
+    plan: LaunchPlan | None,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     saved: SavedTokens,
@@ -135,15 +135,17 @@ def gradients_from_buffer(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward of the buffer mode: ``dz`` formed in place from the forward's buffer, then
     the two GEMMs over the whole shard at once (K = V/tp for ``d_hidden``: no fp32
-    read-modify-write per chunk). Three GEMMs per step instead of four."""
+    read-modify-write per chunk). Three GEMMs per step instead of four. ``plan``: the
+    forward's (its tiles are the buffer's); it keys the launch sites only for
+    ``head_forward``'s buffers."""
     from mcore_ppo.kernels import dz_from_buffer_kernel
 
-    buffer: ProbabilityBuffer = saved.residual
-    buf, tmax, block_n, perm, count = buffer.probs, buffer.tile_max, buffer.block_n, buffer.perm, buffer.count
+    buf, tmax, perm, count = saved.residual
     local_labels, lse, entropy = saved.local_labels, saved.lse, saved.entropy
     weight_grad = request.weight_grad
-    hidden, weight = rowmajor(hidden), rowmajor(weight)
     n, v = hidden.shape[0], weight.shape[0]
+    block_n = plan.cfg.block_n  # the forward's tiles, whose maxima tmax holds
+    site = plan if saved.fused_forward else None
     has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
     entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
@@ -151,7 +153,6 @@ def gradients_from_buffer(
     n_tiles_v = tmax.shape[1]
     # The forward's plan (head_forward's buffers) fixes every argument's specialisation but
     # the upstream gradients' presence and the labels' dtype.
-    plan = buffer.plan
     launch(
         dz_from_buffer_kernel,
         (cdiv(n, cfg.block_m) * n_tiles_v,),
@@ -161,7 +162,7 @@ def gradients_from_buffer(
             "FAST_LOG2": cfg.fast_log2 and buf.dtype == torch.bfloat16, "num_warps": cfg.num_warps,
             **({"ROW_TEMP": True} if row_temp else {}),
         },
-        None if plan is None else (plan, "dz_buffer", has_g, has_e, local_labels.dtype),
+        None if site is None else (site, "dz_buffer", has_g, has_e, local_labels.dtype),
     )  # fmt: skip
     del tmax
     if request.sparse is not None:
@@ -171,12 +172,12 @@ def gradients_from_buffer(
     if request.need_hidden_grad:
         hidden_grad_c = mm_fp32(buf, weight)
     if weight_grad is not None:
-        x_c = gathered_rows(hidden, perm, count, site=None if plan is None else (plan, "gather_backward"))
+        x_c = gathered_rows(hidden, perm, count, site=None if site is None else (site, "gather_backward"))
         gemm_into(weight_grad, buf.t(), x_c, overwrite=request.weight_grad_unset)
         del x_c
     del buf
     if request.need_hidden_grad:
-        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=None if plan is None else (plan, "scatter"))
+        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=None if site is None else (site, "scatter"))
     return hidden_grad, weight_grad
 
 

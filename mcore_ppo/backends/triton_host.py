@@ -14,7 +14,6 @@ import logging
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -99,18 +98,6 @@ class ElementwiseConfig:
     block_m: int = 8
     num_warps: int = 4
     fast_log2: bool = True  # bf16 buffers: log2 from the bits (see kernels.backward._log2_bf16)
-
-
-@dataclass(frozen=True)
-class ProbabilityBuffer:
-    """The forward's residual in buffer mode: what the backward forms ``dz`` from."""
-
-    probs: torch.Tensor  # [n, v] input dtype, 2^(z₂ − tile max), rows in compacted order
-    tile_max: torch.Tensor  # [n, v tiles] fp32
-    block_n: int  # columns per tile of the forward that wrote it
-    perm: torch.Tensor  # compacted row order of the forward
-    count: torch.Tensor  # valid rows, on the device
-    plan: Any = None  # the forward's cached plan: the backward's launch sites key on it
 
 
 def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,16 +32,6 @@ if TYPE_CHECKING:
     from mcore_ppo.backends.triton_backend import TritonBackend
 
 
-@dataclass(frozen=True)
-class RowOrder:
-    """The forward's compacted row order, kept for a backward that recomputes (no buffer), and
-    its plan (the backward's launch sites key on it)."""
-
-    perm: torch.Tensor
-    count: torch.Tensor
-    plan: LaunchPlan | None = None
-
-
 @dataclass(frozen=True, eq=False)
 class LaunchPlan:
     """What the forward decides from shapes, dtypes, strides, alignment and options alone.

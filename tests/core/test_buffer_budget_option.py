@@ -61,7 +61,7 @@ def spy(monkeypatch):
 
     def spied_stats(self, *args, **kwargs):
         out = stats(self, *args, **kwargs)
-        record["forward"].append((self.config.buffer_budget_bytes, out[1] is not None))
+        record["forward"].append((self.config.buffer_budget_bytes, bool(out[1])))
         return out
 
     def spied_from_buffer(backend, *args, **kwargs):
