@@ -26,13 +26,13 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from mcore_ppo import validation
-from mcore_ppo.backends import Backend, resolve_backend
-from mcore_ppo.function import ShardPlan, shard_head
+from mcore_ppo.backends import Backend, backend_key, resolve_backend
+from mcore_ppo.ops import HeadCall, head
 from mcore_ppo.options import HeadOptions, HiddenGrad, Layout, TokenOrder
-from mcore_ppo.parallel.mappings import gather_sequence_parallel, reduce_grad_over_tp
+from mcore_ppo.parallel.groups import group_key
 from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
-from mcore_ppo.verdict import bad_values, label_error, refuse_capture, share_verdict, temperature_error
+from mcore_ppo.verdict import bad_values, label_error, share_verdict, temperature_error, values_readable
 
 T = TypeVar("T")
 
@@ -54,6 +54,7 @@ class CheckedCall(NamedTuple):
     backend: Backend | None
     tp_size: int
     vocab_size: int
+    labels_in_range: bool = False  # the values were read and passed (validate on, where reading is free)
 
 
 def run_head(
@@ -161,8 +162,7 @@ def check_call(
     if local_error is None:
         try:
             call = _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported)
-            if options.validate and not call.labels.is_meta:  # meta tensors (shape inference) hold no values
-                refuse_capture(call.labels.device)
+            if options.validate and values_readable(call.labels):
                 values = bad_values(call.labels, call.vocab_size, options.ignore_index, call.bad_temperature)
         except (TypeError, ValueError) as err:
             local_error = err
@@ -173,8 +173,19 @@ def check_call(
         return temperature_error(call.temperature_values, call.bad_temperature)
 
     rows = weight.shape[0] if local_error is None else 0
-    share_verdict(tp_group, rows, local_error, values, value_error, every_call=options.validate)
-    return call
+    signature = None if local_error is not None else _signature(hidden, weight, call, options, layout)
+    share_verdict(tp_group, rows, local_error, values, value_error, signature=signature, every_call=options.validate)
+    return call._replace(labels_in_range=values is not None)
+
+
+def _signature(hidden: torch.Tensor, weight: torch.Tensor, call: CheckedCall, options: HeadOptions, layout: Layout):
+    """What this rank's checks saw, but the token counts: a verdict shared once per group and
+    signature (where sharing costs a host sync) covers every later call with the same one."""
+    temperature = call.temperature.dtype if isinstance(call.temperature, torch.Tensor) else float
+    return (
+        hidden.dtype, hidden.dim(), hidden.shape[-1], hidden.device, weight.dtype, tuple(weight.shape),
+        call.labels.dim(), call.labels.shape[-1] if call.ids else 0, temperature, options, layout,
+    )  # fmt: skip
 
 
 def _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported) -> CheckedCall:
@@ -230,12 +241,7 @@ def _execute(
     layout: Layout,
     log_normalizer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Prepare the tokens, run the Function, return the outputs in the labels' layout."""
-    # The one TP reduction of d_hidden lives in this mapping's backward (or in the caller's).
-    if layout.hidden_grad is HiddenGrad.SEQUENCE_PARALLEL and call.tp_size > 1:
-        hidden = gather_sequence_parallel(hidden, tp_group)
-    elif layout.hidden_grad is not HiddenGrad.PARTIAL:
-        hidden = reduce_grad_over_tp(hidden, tp_group)
+    """Prepare the tokens, run the head's op, return the outputs in the labels' layout."""
     labels = call.labels
     flat = layout.tokens is TokenOrder.FLAT
     batch_first = not flat and labels.dim() == 2 + call.ids
@@ -243,21 +249,25 @@ def _execute(
     one_id = call.ids and labels.shape[-1] == 1 and log_normalizer is None
     if one_id:  # k = 1 is the head's own path
         rows = rows[:, 0]
-    plan = ShardPlan(
-        backend=call.backend,
-        temperature=call.temperature if not isinstance(call.temperature, torch.Tensor) else 1.0,
+    row_temperature = call.temperature if isinstance(call.temperature, torch.Tensor) else None
+    head_call = HeadCall(
+        backend=backend_key(options.backend, hidden.device),
+        tp_group=group_key(tp_group),
+        # At one rank nothing is reduced or gathered, whatever the layout.
+        hidden_grad=layout.hidden_grad if call.tp_size > 1 else HiddenGrad.PARTIAL,
+        weight_grad=layout.weight_grad,
         ignore_index=options.ignore_index,
         vocab_start=group_rank(tp_group) * weight.shape[0],
         vocab_size=call.vocab_size,
-        tp_group=tp_group,
-        weight_grad=layout.weight_grad,
+        temperature_value=1.0 if row_temperature is not None else call.temperature,
         return_entropy=options.return_entropy,
-        labels_checked=options.validate,
         return_sum_pi_squared=options.return_sum_pi_squared,
+        labels_in_range=call.labels_in_range,
     )
-    row_temperature = call.temperature if isinstance(call.temperature, torch.Tensor) else None
-    log_probs, *per_token = shard_head(hidden_rows(hidden), weight, rows, plan, row_temperature, log_normalizer)
-    if call.bad_temperature is not None and not options.validate:
+    token_rows = hidden_rows(hidden)
+    log_probs, *per_token = head(token_rows, weight, rows, row_temperature, log_normalizer, head_call)
+    if call.bad_temperature is not None and not call.labels_in_range:
+        # Not read back: a bad temperature poisons its token's outputs (never a plausible number).
         bad = call.bad_temperature
         log_probs = log_probs.masked_fill(bad[:, None] if log_probs.dim() == 2 else bad, math.nan)
         per_token = [None if value is None else value.masked_fill(bad, math.nan) for value in per_token]

@@ -36,7 +36,7 @@ from types import ModuleType
 import torch
 
 from mcore_ppo.backends import import_optional
-from mcore_ppo.function import autocast_off, refuse_double_backward
+from mcore_ppo.shard import autocast_off, refuse_double_backward
 from mcore_ppo.head_call import attempt, check_call
 from mcore_ppo.options import DEFAULT_OPTIONS, call_options, megatron_layout
 from mcore_ppo.parallel.groups import resolve_tp_group

@@ -3,22 +3,24 @@
 A bad argument may reach one rank only (its own labels, a shape it computed itself). If that
 rank raised alone, the others would wait in the head's first collective for a rank that has
 left. So each rank runs its checks without raising, and one all-reduce (MAX) over the TP group
-carries what they concluded: whether its arguments passed, its weight shard's size, and, with
-value checks on, whether its labels or temperatures hold a bad value. Then every rank raises,
+carries what they concluded: whether its arguments passed, its weight shard's size, and, where
+its labels and temperatures were read, whether they hold a bad value. Then every rank raises,
 the failing one its own exception naming the argument, the others a ValueError that says a
 peer refused its inputs; or every rank goes on.
 
-The all-reduce and its read-back cost one host sync: every call pays it when the value checks
-are on (they sync anyway) or the group runs on the CPU (gloo: the read is free). A call with
-``validate=False`` on an accelerator reads nothing back (CUDA graphs, host-bound loops): there
-the shard sizes are checked collectively on the first call per group and size, and a rank whose
-own arguments fail raises alone.
+No check makes the host wait for the device (docs/design.md §5). Tensor values are read only
+where reading costs no device sync (:func:`values_readable`: CPU tensors, outside a compiled
+region); elsewhere a bad label or temperature gives its token NaN outputs on every rank. The
+verdict itself is shared on every call where its all-reduce runs on the CPU (a gloo group); over
+an accelerator's group (NCCL), whose read-back would be a host sync, it is shared on the first
+call of each group and call signature (what the checks saw, but the token counts), so a loop
+with steady shapes pays one sync in all.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.distributed as dist
@@ -32,25 +34,22 @@ PEER_REFUSED = (
 )
 
 
+def values_readable(tensor: torch.Tensor) -> bool:
+    """Reading ``tensor``'s values costs no device sync: a CPU tensor, in eager mode (a compiled
+    region must not read data-dependent values)."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def bad_values(
     labels: torch.Tensor, vocab_size: int, ignore_index: int, bad_temperature: torch.Tensor | None
 ) -> torch.Tensor:
-    """int64 ``[2]`` on the labels' device, no host sync: whether any label lies outside
-    ``[0, vocab_size)`` and is not ``ignore_index`` (int64 ``labels``: neither bound wraps), and
-    whether ``bad_temperature`` (a mask, or None) flags any value."""
+    """int64 ``[2]`` on the labels' device: whether any label lies outside ``[0, vocab_size)``
+    and is not ``ignore_index`` (int64 ``labels``: neither bound wraps), and whether
+    ``bad_temperature`` (a mask, or None) flags any value."""
     bad_labels = ((labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))).any()
     if bad_temperature is None:
         bad_temperature = torch.zeros((), dtype=torch.bool, device=labels.device)
     return torch.stack([bad_labels, bad_temperature.any()]).long()
-
-
-def refuse_capture(device: torch.device) -> None:
-    """Value checks read back to the host, which CUDA-graph capture forbids: say so, naming the fix."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError(
-            "validate=True reads labels (and a temperature tensor) back to the host, which CUDA-graph "
-            "capture forbids: pass validate=False to a head that is captured"
-        )
 
 
 def label_error(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> ValueError:
@@ -79,7 +78,8 @@ def share_verdict(
     values: torch.Tensor | None,
     value_error: Callable[[int, int], Exception],
     *,
-    every_call: bool,
+    signature: Hashable | None,
+    every_call: bool = True,
 ) -> None:
     """Raise on every rank if any rank's inputs failed (module doc); return on every rank otherwise.
 
@@ -87,27 +87,38 @@ def share_verdict(
         tp_group: the TP group (None: one rank, nothing to share).
         weight_rows: this rank's weight shard rows (any value when ``local_error`` is set).
         local_error: this rank's own exception from its argument checks, or None.
-        values: :func:`bad_values` of this rank (value checks on and its arguments passed), or None.
+        values: :func:`bad_values` of this rank (its values were read), or None.
         value_error: builds this rank's exception from its two value flags (called only when
             one is set here).
-        every_call: the call's value checks are on, so the verdict is shared on this call
-            whatever the device (the ranks of a group must agree on it: it is the call's
-            ``validate``); off, it is shared per call only on the CPU (module doc).
+        signature: what this rank's checks saw but the token counts (None when they failed):
+            over an accelerator's group the verdict is shared once per group and signature.
+        every_call: False (the call's ``validate`` off): not even a CPU group shares it per call.
     """
     if group_size(tp_group) == 1:
         if local_error is not None:
             raise local_error
         if values is not None:
-            bad_label, bad_temperature = values.tolist()
-            if bad_label or bad_temperature:
-                raise value_error(bad_label, bad_temperature)
+            _raise_for_values(values.tolist(), value_error)
         return
     device = _collective_device(tp_group)
-    if not every_call and device.type != "cpu":
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        # A compiled region is traced once per guarded signature (the trace is that signature's
+        # verdict) and a captured graph cannot read back: this rank's own refusal only.
         if local_error is not None:
             raise local_error
-        _check_shards_once(tp_group, weight_rows, device)
         return
+    if device.type != "cpu" or not every_call:
+        seen = _shared_signatures(tp_group)
+        if local_error is None and signature in seen:
+            return
+        _share(tp_group, weight_rows, local_error, None, value_error, device)
+        seen.add(signature)
+        return
+    _share(tp_group, weight_rows, local_error, values, value_error, device)
+
+
+def _share(tp_group, weight_rows, local_error, values, value_error, device) -> None:
+    """The verdict's all-reduce and what every rank concludes from it."""
     failed = local_error is not None
     rows = 0 if failed else weight_rows
     flags = torch.tensor([int(failed), rows, -rows, 0, 0], dtype=torch.int64, device=device)
@@ -119,20 +130,20 @@ def share_verdict(
         raise local_error
     if any_failed:
         raise ValueError(PEER_REFUSED)
-    _check_equal(weight_rows, largest, -neg_smallest)
+    if largest != -neg_smallest:
+        raise ValueError(
+            f"weight shards must have the same number of rows on every tensor-parallel rank; "
+            f"this rank has {weight_rows}, the group has sizes from {-neg_smallest} to {largest}"
+        )
     if any_bad_label or any_bad_temperature:
-        mine = values.tolist()
-        if any(mine):
-            raise value_error(*mine)
+        mine = [0, 0] if values is None else values.tolist()
+        _raise_for_values(mine, value_error)
         raise ValueError(PEER_REFUSED)
 
 
-def _check_equal(rows: int, largest: int, smallest: int) -> None:
-    if largest != smallest:
-        raise ValueError(
-            f"weight shards must have the same number of rows on every tensor-parallel rank; "
-            f"this rank has {rows}, the group has sizes from {smallest} to {largest}"
-        )
+def _raise_for_values(flags: list[int], value_error: Callable[[int, int], Exception]) -> None:
+    if any(flags):
+        raise value_error(*flags)
 
 
 def _collective_device(group: ProcessGroup) -> torch.device:
@@ -143,24 +154,17 @@ def _collective_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-# Groups whose shard sizes were checked, with the sizes: keyed by the group object itself where
-# it takes weak references (a new group never inherits an old one's entry, as it could through a
-# reused id()), else by its ranks and name.
-_CHECKED_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CHECKED_SHARDS: set[tuple] = set()
+# The signatures whose verdict a group has shared (over an accelerator: once each), keyed by
+# the group object itself: a new group never inherits an old one's entry.
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _check_shards_once(tp_group: ProcessGroup, rows: int, device: torch.device) -> None:
-    """The shard-size check alone, once per group and size (no per-call host sync)."""
+_SHARED_BY_NAME: dict[tuple, set] = {}
+
+
+def _shared_signatures(tp_group: ProcessGroup) -> set:
     try:
-        seen, key = _CHECKED_GROUPS.setdefault(tp_group, set()), (rows,)
-    except TypeError:  # no weak references to this group object
-        seen = _CHECKED_SHARDS
-        key = (tuple(dist.get_process_group_ranks(tp_group)), getattr(tp_group, "group_name", None), rows)
-    if key in seen:
-        return
-    sizes = torch.tensor([rows, -rows], dtype=torch.int64, device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=tp_group)
-    largest, neg_smallest = sizes.tolist()
-    _check_equal(rows, largest, -neg_smallest)
-    seen.add(key)
+        return _SHARED.setdefault(tp_group, set())
+    except TypeError:  # a group object without weak references: keyed by its ranks and name
+        key = (tuple(dist.get_process_group_ranks(tp_group)), getattr(tp_group, "group_name", None))
+        return _SHARED_BY_NAME.setdefault(key, set())

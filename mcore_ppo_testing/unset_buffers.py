@@ -8,10 +8,10 @@ from __future__ import annotations
 def nan_filled_unset_buffers(monkeypatch) -> list[bool]:
     """From now on every ``d_W`` buffer of the head that is handed over unset is NaN-filled
     first. Returns the ``unset`` flag of every buffer made (the list grows)."""
-    from mcore_ppo import function
+    from mcore_ppo import shard
 
     made: list[bool] = []
-    original = function.weight_grad_buffer
+    original = shard.weight_grad_buffer
 
     def nan_filled(*args, **kwargs):
         buffer, unset = original(*args, **kwargs)
@@ -20,5 +20,5 @@ def nan_filled_unset_buffers(monkeypatch) -> list[bool]:
         made.append(unset)
         return buffer, unset
 
-    monkeypatch.setattr(function, "weight_grad_buffer", nan_filled)
+    monkeypatch.setattr(shard, "weight_grad_buffer", nan_filled)
     return made

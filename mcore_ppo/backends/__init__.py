@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import weakref
 from types import ModuleType
 
 import torch
@@ -57,7 +58,10 @@ _FACTORIES = {"torch": _torch_backend, "triton": _triton_backend}
 
 
 def check_backend(backend: object) -> None:
-    """``backend`` is one of :data:`BACKENDS` or a :class:`Backend` object; TypeError / ValueError otherwise."""
+    """``backend`` is one of :data:`BACKENDS` or a :class:`Backend` object; TypeError / ValueError otherwise.
+
+    A backend object is registered under its :func:`backend_key` here, where the caller builds
+    its options (outside any compiled region), so the head's ops can find it by that key."""
     if isinstance(backend, str):
         if backend not in BACKENDS:
             hint = " (Liger-Kernel: mcore_ppo.liger_log_probs_and_entropy)" if backend == "liger" else ""
@@ -68,6 +72,47 @@ def check_backend(backend: object) -> None:
             f"backend must be a str, one of {BACKENDS}, or a backend object (mcore_ppo.backends.base.Backend), "
             f"got {type(backend).__name__}"
         )
+    _register(backend)
+
+
+# Backend objects by their key (the ops take the key: their signatures hold no Python objects).
+# Weak values: a backend the caller drops is forgotten with it; a new object never inherits an
+# old one's key while the old one lives (the key holds its id).
+_BY_KEY: weakref.WeakValueDictionary[str, Backend] = weakref.WeakValueDictionary()
+_KEY_ATTRIBUTE = "_mcore_ppo_key"
+
+
+def _register(backend: Backend) -> str:
+    key = getattr(backend, _KEY_ATTRIBUTE, None)
+    if key is None or _BY_KEY.get(key) is not backend:
+        key = f"{backend.name}@{id(backend):x}"
+        _BY_KEY[key] = backend
+        setattr(backend, _KEY_ATTRIBUTE, key)
+    return key
+
+
+def backend_key(backend: str | Backend, device: torch.device) -> str:
+    """The string the head's ops name ``backend`` by: ``"<name>:<device type>"`` for a name
+    (:func:`backend_from_key` resolves it, once per device type, as :func:`resolve_backend`
+    does), else the key a backend object was registered under when its options were checked."""
+    if isinstance(backend, str):
+        return f"{backend}:{device.type}"
+    key = getattr(backend, _KEY_ATTRIBUTE, None)
+    return key if key is not None else _register(backend)
+
+
+def backend_from_key(key: str) -> Backend:
+    """The backend :func:`backend_key` named (inside the ops, and in their shape functions)."""
+    backend = _BY_KEY.get(key)
+    if backend is not None:
+        return backend
+    name, _, device_type = key.partition(":")
+    if device_type and "@" not in key:
+        return resolve_backend(name, torch.device(device_type))
+    raise ValueError(
+        f"backend {key!r} is not registered: build a backend object outside a compiled region and pass it "
+        "through HeadOptions or the backend= argument"
+    )
 
 
 # (name, device type) -> the backend object that name resolves to there. Backends are stateless
@@ -167,6 +212,8 @@ __all__ = [
     "TorchConfig",
     "TritonBackend",
     "TritonConfig",
+    "backend_from_key",
+    "backend_key",
     "check_backend",
     "clear_backend_cache",
     "import_optional",

@@ -160,6 +160,28 @@ class Backend(Protocol):
         before any collective), or None when it can."""
         ...
 
+    def fused_forward_for(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether :meth:`head_forward` runs the one-label forward of these inputs (False
+        whenever :attr:`Capabilities.fused_forward` is). Decided from shapes, dtypes and devices
+        alone: the head's shape function calls it with fake tensors."""
+        ...
+
+    def residual_spec(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        *,
+        fused: bool,
+        grad_needed: bool,
+        with_entropy: bool,
+        row_temperature: bool,
+        with_sum_pi_squared: bool,
+    ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """``(shape, dtype)`` of each tensor of the residual the forward will return for these
+        inputs (:meth:`head_forward` when ``fused``, else :meth:`shard_statistics`), from their
+        shapes, dtypes and devices alone (the head's shape function calls it with fake tensors)."""
+        ...
+
     def shard_statistics(
         self,
         hidden: torch.Tensor,
@@ -221,14 +243,13 @@ class Backend(Protocol):
         max_entropy: float,
         combine: Callable | None,
         with_sum_pi_squared: bool = False,
-    ) -> HeadForward | None:
-        """Called only when :attr:`Capabilities.fused_forward`: the generic forward's results for
+    ) -> HeadForward:
+        """Called only when :meth:`fused_forward_for` these inputs: the generic forward's results for
         global int64 ``labels [n]``: ``log_prob = min(y - lse, 0)``, NaN for a label outside
         ``[0, vocab_size)`` unless ``labels_checked``; entropy clamped to ``[0, max_entropy]``;
         both 0 for ignored tokens. ``combine``: None when this shard is the whole vocab, else
         :func:`mcore_ppo.parallel.combine_shard_statistics` over the TP group as ``combine(m, s, u, y) ->
         (lse, entropy, label_logit)`` (with ``with_sum_pi_squared``: ``combine(m, s, u, y, q)
         -> (lse, entropy, label_logit, sum_pi_squared)``, and the result's ``sum_pi_squared``
-        set; the head passes the keyword only when it is True). None: these inputs are not
-        handled here (the caller runs the generic forward)."""
+        set; the head passes the keyword only when it is True)."""
         ...

@@ -83,9 +83,17 @@ class TorchBackend:
         """None: torch ops run on every device and dtype."""
         return None
 
+    def fused_forward_for(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Never: the head's generic forward runs over :meth:`shard_statistics`."""
+        return False
+
+    def residual_spec(self, hidden: torch.Tensor, weight: torch.Tensor, **flags: bool) -> tuple:
+        """Nothing is kept: the backward recomputes."""
+        return ()
+
     def head_forward(self, *args, **kwargs) -> None:
-        """Not fused (``capabilities.fused_forward`` is False): the Function's generic forward runs."""
-        return None
+        """Not fused (:meth:`fused_forward_for` is False): never called."""
+        raise NotImplementedError("the torch backend has no fused forward")
 
     def shard_statistics(
         self,

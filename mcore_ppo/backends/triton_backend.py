@@ -53,7 +53,7 @@ from mcore_ppo.backends.triton_host import (
 )
 from mcore_ppo.backends.triton_ids import gather_logits
 from mcore_ppo.backends.triton_launch import TmaDesc, launch
-from mcore_ppo.backends.triton_plan import LaunchPlan
+from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
 from mcore_ppo.logs import log_once
 from mcore_ppo.numerics import cdiv, inverse_temperature, rowmajor
 
@@ -65,6 +65,11 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised only without 
     triton = None
 
 __all__ = ["TritonBackend", "TritonConfig", "is_available"]
+
+
+def _takes_reference(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """fp64 (gradcheck), empty problems and meta tensors (shape inference) run on the torch reference."""
+    return hidden.dtype == torch.float64 or hidden.numel() == 0 or weight.shape[0] == 0 or hidden.is_meta
 
 
 def is_available() -> bool:
@@ -122,8 +127,35 @@ class TritonBackend:
             raise ValueError(f"backend='triton' cannot run these inputs: {reason}")
         if hidden.dtype == torch.float64:
             log_once(logging.INFO, ("triton-fallback", "fp64"), "mcore_ppo: triton backend -> torch reference: fp64")
-            return True
-        return hidden.numel() == 0 or weight.shape[0] == 0 or hidden.is_meta
+        return _takes_reference(hidden, weight)
+
+    def fused_forward_for(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+        """The one-label forward runs in :meth:`head_forward` (unless ``fused_forward=False``)
+        for every input but those the torch reference takes (fp64, empty, meta)."""
+        return self.config.fused_forward and not _takes_reference(hidden, weight)
+
+    def residual_spec(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        *,
+        fused: bool,
+        grad_needed: bool,
+        with_entropy: bool,
+        row_temperature: bool,
+        with_sum_pi_squared: bool,
+    ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """The residual's ``(shape, dtype)`` by :data:`BUFFER_RESIDUAL` when the buffer fits the
+        budget, else :data:`ROW_ORDER_RESIDUAL` for :meth:`head_forward` and nothing for
+        :meth:`shard_statistics`; nothing without a backward or for the reference's inputs."""
+        if not grad_needed or _takes_reference(hidden, weight):
+            return ()
+        n, v = hidden.shape[0], weight.shape[0]
+        store, n_tiles_v = buffer_decision(self, n, v, hidden.dtype)
+        order = (((n,), torch.int32), ((1,), torch.int32))
+        if store:
+            return (((n, v), hidden.dtype), ((n, n_tiles_v), torch.float32), *order)
+        return order if fused else ()
 
     def shard_statistics(
         self,

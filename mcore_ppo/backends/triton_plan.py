@@ -74,9 +74,9 @@ class LaunchPlan:
         v = weight.shape[0]
         cfg = for_dtype(backend.forward_config_for(v), hidden.dtype)
         num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
-        n_tiles_v = cdiv(v, cfg.block_n)
+        fits, n_tiles_v = buffer_decision(backend, n, v, hidden.dtype)
+        store = grad_needed and fits
         buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
-        store = grad_needed and buffer_bytes <= backend.config.buffer_budget_bytes
         log_buffer_decision(grad_needed, store, buffer_bytes, backend.config.buffer_budget_bytes)
         use_tma = operands_by_tma(hidden, weight, cfg)
         buf_tma = False
@@ -110,6 +110,15 @@ class LaunchPlan:
             n, h, v, cfg, num_splits, n_tiles_v, with_entropy, with_q, store, use_tma, buf_tma, direct,
             (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
         )  # fmt: skip
+
+
+def buffer_decision(backend: TritonBackend, n: int, v: int, dtype: torch.dtype) -> tuple[bool, int]:
+    """``(fits, n_tiles_v)``: whether the probability buffer of ``n`` rows by ``v`` columns (and
+    its tile maxima) fits the backend's budget, and the number of the forward's vocab tiles;
+    from shapes alone (the op's shape function decides the residual with it too)."""
+    block_n = for_dtype(backend.forward_config_for(v), dtype).block_n
+    n_tiles_v = cdiv(v, block_n)
+    return n * (v * dtype.itemsize + n_tiles_v * 4) <= backend.config.buffer_budget_bytes, n_tiles_v
 
 
 @functools.cache

@@ -37,7 +37,7 @@ from mcore_ppo import validation
 from mcore_ppo.backends.triton_host import fp32_output_gemms
 from mcore_ppo.distill import topk_triton
 from mcore_ppo.distill.topk_config import DEFAULT_CONFIG, TopKConfig
-from mcore_ppo.function import autocast_off
+from mcore_ppo.shard import autocast_off
 from mcore_ppo.head_call import attempt, check_call
 from mcore_ppo.numerics import accumulation_dtype, chunks
 from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout

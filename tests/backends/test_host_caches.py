@@ -84,32 +84,20 @@ def test_named_backends_are_built_once():
     assert resolve_backend("torch", cpu) is not first
 
 
-def test_shard_check_cache_is_keyed_by_the_group_object(gloo_world, monkeypatch):
-    """The shard sizes are all-reduced once per (group, size); a new group, even at a destroyed
-    one's address, asks again."""
-    reductions = []
-    all_reduce = dist.all_reduce
-    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: reductions.append(k["group"]) or all_reduce(*a, **k))
-    cpu = torch.device("cpu")
-    before = len(verdict._CHECKED_GROUPS)
+def test_shared_signatures_are_keyed_by_the_group_object(gloo_world):
+    """The signatures whose verdict a group shared (once each, over an accelerator's group) are
+    kept per group object; a new group, even at a destroyed one's address, starts clean."""
+    before = len(verdict._SHARED)
     group = dist.new_group([0])
-    verdict._check_shards_once(group, 10, cpu)
-    verdict._check_shards_once(group, 10, cpu)
-    assert reductions == [group] and (10,) in verdict._CHECKED_GROUPS[group]
-    verdict._check_shards_once(group, 11, cpu)
-    assert reductions == [group, group]
+    verdict._shared_signatures(group).add("signature")
+    assert "signature" in verdict._shared_signatures(group)
     other = dist.new_group([0])
-    assert other not in verdict._CHECKED_GROUPS
-    verdict._check_shards_once(other, 10, cpu)
-    assert reductions == [group, group, other]
+    assert verdict._shared_signatures(other) == set()
     # A destroyed group takes its entries with it: a later group, even one at the same address
     # (the id() reuse that an id-keyed cache would mistake for the old group), starts clean.
     dist.destroy_process_group(group)
     del group
-    reductions.clear()
     gc.collect()
-    assert len(verdict._CHECKED_GROUPS) == before + 1  # only ``other``'s
+    assert len(verdict._SHARED) == before + 1  # only ``other``'s
     fresh = dist.new_group([0])
-    assert fresh not in verdict._CHECKED_GROUPS
-    verdict._check_shards_once(fresh, 10, cpu)
-    assert reductions == [fresh]
+    assert verdict._shared_signatures(fresh) == set()

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import mcore_ppo
+from mcore_ppo.ops import dummy_weight_grad
 from mcore_ppo.backends import TorchBackend, TorchConfig, import_optional
 from mcore_ppo_testing.reference import assert_close
 from mcore_ppo_testing.seeds import generator, next_seed
@@ -297,7 +298,8 @@ def test_accumulate_into_main_grad():
     )
     ((log_q * case["g"].float()).sum() + (entropy * case["e"].float()).sum()).backward()
     ref = reference_of(case)
-    assert weight.grad_added_to_main_grad and torch.equal(weight.grad, torch.zeros_like(weight))
+    # Megatron's convention: autograd gets the one dummy gradient, not a fresh [V, h] tensor.
+    assert weight.grad_added_to_main_grad and weight.grad.data_ptr() == dummy_weight_grad(weight).data_ptr()
     assert_close(weight.main_grad - 1, ref["d_weight"], name="student d_weight", dtype=torch.float32, rtol=OUT_RTOL,
                  atol=1e-6, terms=ref["d_weight_terms"])  # fmt: skip
     assert_close(hidden.grad, ref["d_hidden"], name="student d_hidden", dtype=torch.float32, rtol=OUT_RTOL,
@@ -486,7 +488,8 @@ def test_fold_into_main_grad_and_fp64_reference(monkeypatch):
     ((log_q * case["g"].float()).sum() + (entropy * case["e"].float()).sum()).backward()
     assert calls == [(0, FOLD_VOCAB)]
     ref = reference_of(case)
-    assert weight.grad_added_to_main_grad and torch.equal(weight.grad, torch.zeros_like(weight))
+    # Megatron's convention: autograd gets the one dummy gradient, not a fresh [V, h] tensor.
+    assert weight.grad_added_to_main_grad and weight.grad.data_ptr() == dummy_weight_grad(weight).data_ptr()
     assert_close(weight.main_grad - 1, ref["d_weight"], name="student d_weight", dtype=torch.float32, rtol=OUT_RTOL,
                  atol=1e-6, terms=ref["d_weight_terms"])  # fmt: skip
 

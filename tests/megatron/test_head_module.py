@@ -246,8 +246,11 @@ def test_skipped_weight_must_be_passed():
         head(hidden, labels)
 
 
-def test_gradient_accumulation_into_main_grad():
-    """Megatron's gradient-accumulation fusion: d_weight is added into weight.main_grad (fp32).
+@pytest.mark.parametrize("zero_out_wgrad", [False, True], ids=["dummy", "zeroed-dummy"])
+def test_gradient_accumulation_into_main_grad(zero_out_wgrad):
+    """Megatron's gradient-accumulation fusion: d_weight is added into weight.main_grad (fp32),
+    and autograd gets one reused dummy gradient (zeroed for a ``zero_out_wgrad`` weight, which
+    Megatron's DDP hook adds to main_grad), never a fresh ``[V/tp, h]`` tensor per backward.
 
     Building the layer with ``gradient_accumulation_fusion=True`` needs Megatron's CUDA extension,
     so the flag is switched on after construction, as the behaviour under test is the head's.
@@ -255,6 +258,8 @@ def test_gradient_accumulation_into_main_grad():
     gen = generator(next_seed())
     head = make_head(temperature=0.7)
     head.gradient_accumulation_fusion = True
+    if zero_out_wgrad:
+        head.weight.zero_out_wgrad = True
     prefill = torch.randn(V, H, generator=gen, dtype=torch.float64)
     head.weight.main_grad = prefill.float().clone()
     hidden, labels, g, e = make_inputs("3d", torch.float32, gen)
@@ -272,4 +277,12 @@ def test_gradient_accumulation_into_main_grad():
         track=False,
     )
     assert head.weight.grad_added_to_main_grad is True
-    assert head.weight.grad is not None and (head.weight.grad == 0).all(), "DDP's hook gets a zero dummy grad"
+    dummy = head.weight.grad
+    assert dummy is not None and dummy.shape == head.weight.shape
+    if zero_out_wgrad:
+        assert (dummy == 0).all(), "a zero_out_wgrad weight's dummy is zeroed (DDP's hook adds it)"
+    # The next backward hands autograd the same dummy (as Megatron's DDP hook does, drop .grad first).
+    head.weight.grad = None
+    lp, ent = head(hidden, labels)
+    backward(lp, ent, g, e)
+    assert head.weight.grad.data_ptr() == dummy.data_ptr()
