@@ -221,10 +221,16 @@ def _checked_locally(hidden, weight, labels, temperature, options, tp_group, lay
     else:
         temperature = validation.check_temperature(temperature)
     if unsupported is None:
-        backend = resolve_backend(options.backend, hidden.device)
-        reason = backend.unsupported(hidden)
-        if reason is not None:
-            raise ValueError(f"backend={backend.name!r} cannot run these inputs: {reason}")
+        if isinstance(options.backend, str) and torch.compiler.is_compiling():
+            # A name is resolved (and its backend checked) by the op's shape function, which
+            # runs while the region is traced: resolving it here would build the backend inside
+            # the trace, whose later calls the trace's guards would then see change.
+            backend = None
+        else:
+            backend = resolve_backend(options.backend, hidden.device)
+            reason = backend.unsupported(hidden)
+            if reason is not None:
+                raise ValueError(f"backend={backend.name!r} cannot run these inputs: {reason}")
     else:
         backend, reason = None, unsupported(hidden)
         if reason is not None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Hashable
+
+import torch
 
 logger = logging.getLogger("mcore_ppo")
 if os.environ.get("MCORE_PPO_LOG_LEVEL"):
@@ -24,27 +25,27 @@ if os.environ.get("MCORE_PPO_LOG_LEVEL"):
 # stays small; the cap only guards against a caller keying on per-call values by mistake.
 _SEEN: set[Hashable] = set()
 _SEEN_CAP = 4096
-_LOCK = threading.Lock()
 
 
 def log_once(level: int, key: Hashable, message: str, *args: object) -> bool:
     """Log ``message % args`` at ``level`` the first time ``key`` is seen; True when it logged.
 
     ``key`` names the decision (e.g. ``("backend", "auto", "cuda", "triton")``); keep per-call
-    values such as token counts out of it and in ``args`` instead.
+    values such as token counts out of it and in ``args`` instead. Nothing is logged while
+    ``torch.compile`` traces (a log call would break its graph): the decision is logged by the
+    next call made outside a compiled region, if any. No lock: two threads meeting a new key at
+    once may both log it, which costs a duplicate line, not a wrong one.
     """
-    with _LOCK:
-        if key in _SEEN or len(_SEEN) >= _SEEN_CAP:
-            return False
-        _SEEN.add(key)
+    if key in _SEEN or len(_SEEN) >= _SEEN_CAP or torch.compiler.is_compiling():
+        return False
+    _SEEN.add(key)
     logger.log(level, message, *args)
     return True
 
 
 def forget_logged() -> None:
     """Forget every key, so each decision is logged again once (tests; a new phase of a run)."""
-    with _LOCK:
-        _SEEN.clear()
+    _SEEN.clear()
 
 
 __all__ = ["forget_logged", "log_once", "logger"]

@@ -49,8 +49,7 @@ _LIB.define(
     "head_backward(Tensor? grad_log_prob, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor lse, "
     "Tensor? saved_entropy, Tensor local_labels, Tensor valid, Tensor? local_ids, Tensor? slot_ok, "
     "Tensor(a!)[] residual, Tensor? temperature, float temperature_value, Tensor(b!)? main_grad, str backend, "
-    "str tp_group, str hidden_grad, bool need_hidden, bool need_weight, bool fused_forward) "
-    "-> (Tensor d_hidden, Tensor d_weight)"
+    "str tp_group, str hidden_grad, bool need_hidden, bool need_weight) -> (Tensor d_hidden, Tensor d_weight)"
 )
 
 
@@ -147,6 +146,10 @@ def _head_forward_fake(
 ):  # fmt: skip
     mode = HiddenGrad(hidden_grad)
     layout = SavedLayout.of(labels, log_normalizer, return_entropy, mode, tp_group)
+    backend_obj = backend_from_key(backend)
+    reason = backend_obj.unsupported(hidden)
+    if reason is not None:  # a backend named in a compiled region is checked here, where it resolves
+        raise ValueError(f"backend={backend_obj.name!r} cannot run these inputs: {reason}")
     n = hidden.shape[0] * (group_size(group_from_key(tp_group)) if layout.gathered else 1)
     out_dtype = accumulation_dtype(hidden.dtype)
 
@@ -157,7 +160,6 @@ def _head_forward_fake(
     if not grad_needed:
         return *outputs, []
     token_hidden = hidden.new_empty((n, hidden.shape[1])) if layout.gathered else hidden
-    backend_obj = backend_from_key(backend)
     fused = not layout.ids and backend_obj.fused_forward_for(token_hidden, weight)
     spec = backend_obj.residual_spec(
         token_hidden, weight, fused=fused, grad_needed=True, with_entropy=return_entropy,
@@ -178,12 +180,12 @@ def _head_forward_fake(
 def _head_backward(
     grad_log_prob, grad_entropy, hidden, weight, lse, saved_entropy, local_labels, valid, local_ids, slot_ok, residual,
     temperature, temperature_value, main_grad, backend, tp_group, hidden_grad, need_hidden, need_weight,
-    fused_forward,
 ):  # fmt: skip
     backend_obj = backend_from_key(backend)
-    saved = SavedTokens(
-        local_labels, valid, lse, saved_entropy, tuple(residual), local_ids, slot_ok, fused_forward=fused_forward
-    )
+    # Whether the backend's fused forward made the saved tensors (its backward may key its
+    # launches on that): decided from the inputs, as the forward decided it.
+    fused = local_ids is None and backend_obj.fused_forward_for(hidden, weight)
+    saved = SavedTokens(local_labels, valid, lse, saved_entropy, tuple(residual), local_ids, slot_ok, fused_forward=fused)
     weight_grad, unset = None, False
     if need_weight:
         weight_grad, unset = (main_grad, False) if main_grad is not None else shard.weight_grad_buffer(weight, backend_obj)
@@ -202,7 +204,6 @@ def _head_backward(
 def _head_backward_fake(
     grad_log_prob, grad_entropy, hidden, weight, lse, saved_entropy, local_labels, valid, local_ids, slot_ok, residual,
     temperature, temperature_value, main_grad, backend, tp_group, hidden_grad, need_hidden, need_weight,
-    fused_forward,
 ):  # fmt: skip
     # Called only with an upstream gradient for an output the forward computed (see _backward):
     # d_hidden comes back where it is wanted, d_weight where it is wanted and not in main_grad.
@@ -261,12 +262,8 @@ def _save(ctx, hidden, weight, labels, temperature, log_normalizer, square, save
     """What the backward needs: the tensors through ``save_for_backward`` (saved-tensor hooks see
     them), the call and the saved list's layout on ``ctx``."""
     layout = SavedLayout.of(labels, log_normalizer, call.return_entropy, call.hidden_grad, call.tp_group)
-    token_hidden = saved[0] if layout.gathered else hidden
     ctx.set_materialize_grads(False)
     ctx.call, ctx.layout = call, layout
-    # Whether the backend's fused forward made the saved tensors (its backward may key its
-    # launches on that); decided from the inputs, as the fake decides the residual's shapes.
-    ctx.fused = not layout.ids and backend_from_key(call.backend).fused_forward_for(token_hidden, weight)
     # Megatron's main_grad lives on the parameter itself; a saved-tensor hook may hand back another object.
     ctx.weight = weight if call.weight_grad is WeightGrad.MAIN_GRAD else None
     # Under sequence parallelism the backward reads the gathered rows (in ``saved``) only.
@@ -275,6 +272,7 @@ def _save(ctx, hidden, weight, labels, temperature, log_normalizer, square, save
     # The residual is consumed by the first backward (the buffer becomes dz in place): a second
     # one (retain_graph) recomputes instead.
     ctx.residual_consumed = False
+    ctx.copy_residual = False
 
 
 def _backward(ctx, grad_log_prob, grad_entropy):
@@ -289,14 +287,15 @@ def _backward(ctx, grad_log_prob, grad_entropy):
     if not (need_hidden or need_weight) or (grad_log_prob is None and grad_entropy is None):
         return None, None
     if ctx.residual_consumed:
-        # The first backward turned the buffer into dz: recompute (keeping a fused forward's row order).
-        residual = residual[-2:] if ctx.fused else []
+        residual = []  # the first backward turned the buffer into dz: recompute
+    elif ctx.copy_residual:
+        residual = [r.clone() for r in residual]
     ctx.residual_consumed = True
     main_grad = getattr(ctx.weight, "main_grad", None) if ctx.weight is not None and need_weight else None
     d_hidden, d_weight = torch.ops.mcore_ppo.head_backward.default(
         grad_log_prob, grad_entropy, hidden if token_hidden is None else token_hidden, weight, lse, entropy,
         local_labels, valid, local_ids, slot_ok, residual, temperature, call.temperature_value, main_grad,
-        call.backend, call.tp_group, call.hidden_grad.value, need_hidden, need_weight, ctx.fused,
+        call.backend, call.tp_group, call.hidden_grad.value, need_hidden, need_weight,
     )  # fmt: skip
     if not need_weight:
         d_weight = None
@@ -336,6 +335,9 @@ def _setup_context(ctx, inputs, output):
     )  # fmt: skip
     _, _, square, saved = output
     _save(ctx, hidden, weight, labels, temperature, log_normalizer, square, saved, call)
+    # A direct caller holds the saved list (an output of the op): the backward must not turn the
+    # residual it holds into dz, so it works on a copy.
+    ctx.copy_residual = True
 
 
 def _op_backward(ctx, grad_log_prob, grad_entropy, *_):

@@ -103,7 +103,9 @@ def check_temperature(temperature: object) -> float:
         value = float(temperature)
     except OverflowError:  # a Python int beyond the float range
         raise ValueError(f"temperature must be {allowed}, got an int too large for a float") from None
-    if not math.isfinite(value) or value < MIN_TEMPERATURE:
+    # value - value == 0 is False for inf and NaN (math.isfinite would reject a float that
+    # torch.compile traces symbolically, once the temperature has changed between calls).
+    if not value - value == 0 or value < MIN_TEMPERATURE:
         raise ValueError(f"temperature must be {allowed}, got {value}")
     return value
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import weakref
 from types import ModuleType
 
 import torch
 
+from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Backend, Capabilities
 from mcore_ppo.backends.torch_backend import TorchBackend, TorchConfig
 from mcore_ppo.logs import log_once
@@ -72,23 +72,7 @@ def check_backend(backend: object) -> None:
             f"backend must be a str, one of {BACKENDS}, or a backend object (mcore_ppo.backends.base.Backend), "
             f"got {type(backend).__name__}"
         )
-    _register(backend)
-
-
-# Backend objects by their key (the ops take the key: their signatures hold no Python objects).
-# Weak values: a backend the caller drops is forgotten with it; a new object never inherits an
-# old one's key while the old one lives (the key holds its id).
-_BY_KEY: weakref.WeakValueDictionary[str, Backend] = weakref.WeakValueDictionary()
-_KEY_ATTRIBUTE = "_mcore_ppo_key"
-
-
-def _register(backend: Backend) -> str:
-    key = getattr(backend, _KEY_ATTRIBUTE, None)
-    if key is None or _BY_KEY.get(key) is not backend:
-        key = f"{backend.name}@{id(backend):x}"
-        _BY_KEY[key] = backend
-        setattr(backend, _KEY_ATTRIBUTE, key)
-    return key
+    registry.register(backend)
 
 
 def backend_key(backend: str | Backend, device: torch.device) -> str:
@@ -97,13 +81,13 @@ def backend_key(backend: str | Backend, device: torch.device) -> str:
     does), else the key a backend object was registered under when its options were checked."""
     if isinstance(backend, str):
         return f"{backend}:{device.type}"
-    key = getattr(backend, _KEY_ATTRIBUTE, None)
-    return key if key is not None else _register(backend)
+    key = getattr(backend, "op_key", None)
+    return key if key is not None else registry.register(backend)
 
 
 def backend_from_key(key: str) -> Backend:
     """The backend :func:`backend_key` named (inside the ops, and in their shape functions)."""
-    backend = _BY_KEY.get(key)
+    backend = registry.registered(key)
     if backend is not None:
         return backend
     name, _, device_type = key.partition(":")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, SavedTokens, ShardStatistics
 from mcore_ppo.numerics import accumulation_dtype, chunks
 from mcore_ppo.parallel.combine import merge_statistics
@@ -78,6 +79,7 @@ class TorchBackend:
         if config is not None and not isinstance(config, TorchConfig):
             raise TypeError(f"config must be a TorchConfig or None, got {type(config).__name__}")
         self.config = config or TorchConfig()
+        self.op_key = registry.register(self)  # the key the head's ops name it by
 
     def unsupported(self, hidden: torch.Tensor) -> str | None:
         """None: torch ops run on every device and dtype."""

@@ -37,6 +37,7 @@ from dataclasses import replace
 
 import torch
 
+from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, HeadForward, SavedTokens, ShardStatistics
 from mcore_ppo.backends.torch_backend import TorchBackend
 from mcore_ppo.backends.triton_config import TritonConfig
@@ -110,6 +111,7 @@ class TritonBackend:
         )
         self._reference = TorchBackend()
         self._plans: dict[tuple, LaunchPlan] = {}
+        self.op_key = registry.register(self)  # the key the head's ops name it by
 
     def unsupported(self, hidden: torch.Tensor) -> str | None:
         """Why these inputs cannot run here (CPU tensors without ``TRITON_INTERPRET=1``), or None."""
