@@ -234,6 +234,7 @@ def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -
         all_reduces()
     out["two_all_reduces_ms_steady"] = _steady_host_ms(all_reduces, max(2, min(reps, 40)), cuda)
     out["collectives"] = dist.get_backend(group)
+    dist.destroy_process_group()
     return out
 
 
@@ -354,15 +355,15 @@ def main() -> None:
     )
     result["steady_calls"] = {"forward": forward_calls, "backward": backward_calls}
     result["fast_launch_levels"] = _levels(launcher)
-    if args.tp_combine:
-        if not hasattr(backend, "head_forward"):
-            parser.error("--tp-combine needs a backend with a fused forward (triton)")
-        result["tp_combine"] = _tp_combine(backend, x.detach(), w.detach(), labels, vocab, args.reps, cuda)
 
     text = io.StringIO()
     text.write(_profile("no-grad forward", nograd, forward_calls, cuda))
     pair = {key: (counts["forward"][key] or 0) + (counts["backward"][key] or 0) for key in ("aten_ops", "launches")}
     text.write(_profile("forward + backward", lambda: (forward(), backward()), _queue_calls(pair, args.reps), cuda))
+    if args.tp_combine:  # last: its process group would send the API's calls to Megatron's groups
+        if not hasattr(backend, "head_forward"):
+            parser.error("--tp-combine needs a backend with a fused forward (triton)")
+        result["tp_combine"] = _tp_combine(backend, x.detach(), w.detach(), labels, vocab, args.reps, cuda)
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
