@@ -214,7 +214,7 @@ def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -
         out[f"{name}_one_rank_ms_steady"] = _steady_host_ms(lambda g=grad_needed: forward(g, False), calls, cuda)
         phases = []
 
-        def timed(g=grad_needed):
+        def timed(g=grad_needed, phases=phases):
             start = time.perf_counter()
             forward(g, True)
             phases.append((start, *stamps[-2:], time.perf_counter()))
@@ -277,11 +277,13 @@ def main() -> None:
     labels = torch.randint(0, v, (n,), device=device, generator=gen)
     grads = [torch.randn(n, device=device, generator=gen) for _ in range(2)]
 
+    # The object a name resolves to (once per device type): the API gets the name, as users pass
+    # it (an object costs a Protocol isinstance check per call); its launcher counts the launches.
     backend = resolve_backend(args.backend, torch.device(device))
-    launcher = getattr(backend, "launcher", None)  # the triton backend's: it counts the launches
+    launcher = getattr(backend, "launcher", None)
 
     def head(x, w, labels):
-        return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=backend, validate=args.validate)
+        return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=args.backend, validate=args.validate)
 
     if args.graphed:
         if not cuda or args.validate:

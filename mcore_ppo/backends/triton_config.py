@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from mcore_ppo.backends.triton_host import ElementwiseConfig, GemmConfig, budget_bytes, interpreting
+from mcore_ppo.backends.triton_host import ElementwiseConfig, GemmConfig, budget_bytes
+from mcore_ppo.backends.triton_launch import interpreting
 from mcore_ppo.validation import check_bool, check_positive_int
 
 #: The forward on a GPU: TMA operands and 3 stages were the fastest at every V/tp measured
