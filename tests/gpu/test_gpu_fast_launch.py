@@ -2,14 +2,15 @@
 
 :mod:`mcore_ppo.backends.triton_launch` launches a call site through Triton's ``kernel[grid]``
 the first time it is seen on a device and through the ``CompiledKernel`` that call returned
-afterwards (``compiled[grid](...)``). These tests check, at a few shapes and with the key
+afterwards (its runner, ``compiled[grid]``). These tests check, at a few shapes and with the key
 changing between calls (token count, a misaligned ``hidden``, the dtype), that the kept-kernel
-path gives the normal path's outputs and gradients bit for bit, with every site launch checked
-against Triton's own dispatch (``checked_sites``: ``kernel.warmup`` must return the kept
-kernel); that the check catches a site key coarser than Triton's; that launch hooks
+path gives the normal path's (a backend with ``kept_kernels=False``) outputs and gradients bit
+for bit, with every site launch checked against Triton's own dispatch
+(:class:`~mcore_ppo_testing.launch_checks.CheckedLauncher`: ``kernel.warmup`` must return the
+kept kernel); that the check catches a site key coarser than Triton's; that launch hooks
 (profilers) see the kept-kernel launches; that the fused forward (``head_forward``) gives the
 generic path's bit for bit, and both the fp64 reference. One test prints the host time per
-launch of both paths (descriptors included: Triton's launcher encodes them per launch).
+launch of both paths (host descriptors included: Triton's launcher encodes them per launch).
 """
 
 from __future__ import annotations
