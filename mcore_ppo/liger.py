@@ -36,11 +36,11 @@ from types import ModuleType
 import torch
 
 from mcore_ppo.backends import import_optional
-from mcore_ppo.shard import autocast_off, refuse_double_backward
 from mcore_ppo.head_call import attempt, check_call
 from mcore_ppo.options import DEFAULT_OPTIONS, call_options, megatron_layout
 from mcore_ppo.parallel.groups import resolve_tp_group
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.shard import autocast_off, refuse_double_backward
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 
 LIGER_MODULE = "liger_kernel.ops.fused_linear_scaled_cross_entropy"

@@ -84,7 +84,9 @@ class SavedLayout(NamedTuple):
 
     @staticmethod
     def of(labels: torch.Tensor, log_normalizer, return_entropy: bool, hidden_grad: HiddenGrad, tp_group: str):
-        gathered = hidden_grad is HiddenGrad.SEQUENCE_PARALLEL and group_size(group_from_key(tp_group)) > 1
+        # The head passes SEQUENCE_PARALLEL only over several ranks (one rank gathers nothing);
+        # the group is not looked up here, which a compiled region cannot trace.
+        gathered = hidden_grad is HiddenGrad.SEQUENCE_PARALLEL and tp_group != ""
         return SavedLayout(gathered, return_entropy and log_normalizer is None, labels.dim() == 2)
 
     def pack(self, token_hidden, saved: SavedTokens) -> list[torch.Tensor]:

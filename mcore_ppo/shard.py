@@ -106,7 +106,7 @@ def forward(
     ``[0, vocab_size)`` or ``ignore_index``; False: a label outside gets a NaN log-prob.
     ``grad_needed``: a backward will follow (the backend may keep a residual for it)."""
     with autocast_off(hidden.device):
-        if hidden_grad is HiddenGrad.SEQUENCE_PARALLEL:
+        if hidden_grad is HiddenGrad.SEQUENCE_PARALLEL:  # all_gather_first_dim is the identity at one rank
             hidden = all_gather_first_dim(hidden, tp_group)
         if labels.dim() == 2:
             result = _ids_forward(

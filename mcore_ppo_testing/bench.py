@@ -107,6 +107,20 @@ class Timer:
         return replace(self, hide_host_latency=not self.hide_host_latency)
 
 
+def fp32_gemm_path(device_type: str = "cuda") -> dict[str, str]:
+    """How the triton backend's ``mm_fp32`` and ``addmm_fp32`` form their fp32 results of
+    16-bit operands on ``device_type`` (for a benchmark's record): the same answer for every call."""
+    from mcore_ppo.backends.triton_host import fp32_output_gemms
+
+    mm, addmm = fp32_output_gemms(device_type)
+    if device_type != "cuda":
+        return {"mm": "fp32 upcast + mm", "addmm": "fp32 upcast + mm + add"}
+    return {
+        "mm": "mm out_dtype=fp32" if mm else "zeros + " + ("addmm out_dtype=fp32" if addmm else "bf16 mm + add"),
+        "addmm": "addmm out_dtype=fp32, beta=1" if addmm else ("mm out_dtype=fp32 + add" if mm else "bf16 mm + add"),
+    }
+
+
 # ----------------------------------------------------------------------------- inputs and errors
 @dataclass(frozen=True)
 class HeadInputs:

@@ -13,9 +13,9 @@ def record_folds(monkeypatch) -> list[tuple[int, int]]:
     calls: list[tuple[int, int]] = []
     add = triton_gradients.add_onehot
 
-    def recorded(config, dz, onehot, v0, vc):
+    def recorded(config, launch, dz, onehot, v0, vc):
         calls.append((v0, vc))
-        add(config, dz, onehot, v0, vc)
+        add(config, launch, dz, onehot, v0, vc)
 
     monkeypatch.setattr(triton_gradients, "add_onehot", recorded)
     return calls

@@ -55,11 +55,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcore_ppo.backends.triton_host import GemmConfig, fp32_gemm_path, mm_fp32
+from mcore_ppo.backends.triton_host import GemmConfig, mm_fp32
 from mcore_ppo.distill import topk_triton
 from mcore_ppo.distill.topk import fused_topk
 from mcore_ppo.distill.topk_config import TopKConfig
-from mcore_ppo_testing.bench import GIB, event_times
+from mcore_ppo_testing.bench import GIB, event_times, fp32_gemm_path
 from mcore_ppo_testing.topk_reference import full_pairs
 
 

@@ -45,6 +45,7 @@ from mcore_ppo_testing.bench import (
     Progress,
     Timer,
     build_impls,
+    fp32_gemm_path,
     fp64_reference,
     make_inputs,
     merge_reports,
@@ -237,7 +238,7 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, config) -> d
 
     reps = timer.reps
     res = {
-        "compact_rows_ms": timer(lambda: triton_host.compact_rows(valid), reps * 4),
+        "compact_rows_ms": timer(lambda: triton_host.compact_rows(valid, backend.launcher.bound()), reps * 4),
         "backend_statistics_ms": timer(
             lambda: backend.shard_statistics(x, w, local, valid, temperature, **flags), reps * 2
         ),
@@ -321,9 +322,7 @@ def measure_config(entry: dict, impls: dict, inputs: HeadInputs, args, timer: Ti
                 res["buffer_gib"] = entry["tokens"] * entry["vocab_local"] * 2 / GIB
                 res["fwd_bwd_ratio_vs_gemm3"] = res["fwd_bwd_ms"] / entry["floor"]["gemm3_ms"]
             if name == "ours_triton":
-                from mcore_ppo.backends import triton_host
-
-                res["addmm_path"] = triton_host.fp32_gemm_path(inputs.x.device.type)
+                res["addmm_path"] = fp32_gemm_path(inputs.x.device.type)
                 res["half_ignored"] = time_half_ignored(fn, inputs, temperature, timer)
             res["fwd_ratio"] = res["fwd_ms"] / entry["floor"]["gemm1_ms"]
             res["fwd_bwd_ratio"] = res["fwd_bwd_ms"] / entry["floor"]["gemm4_ms"]

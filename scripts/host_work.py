@@ -17,11 +17,21 @@ The head runs with ``validate=False`` (``--validate`` turns it on): the value ch
 and temperatures back, one host sync per call, which would wait for the spin.
 
 It also records, per call, the aten ops the host issued (a ``TorchDispatchMode``) and the kernel
-launches of the triton backend (``triton_launch.launch_count``), and which launch level each
-kernel reached (``fast_launch_levels``: ``compiled`` where a site keeps its compiled kernel, ``normal``
-where it takes ``kernel[grid]``; empty under the interpreter and without CUDA).
+launches of the triton backend (counted by its launcher, ``backend.launcher.launches``), and which
+launch level each kernel reached (``fast_launch_levels``: ``compiled`` where a site keeps its
+compiled kernel, ``normal`` where it takes ``kernel[grid]``; empty under the interpreter and
+without CUDA).
 
-Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--graphed] [--out DIR]
+``--tp-combine`` also times the forward's TP branch, which a one-rank call never takes: the
+backend's ``head_forward`` with the combine of ``mcore_ppo.parallel.combine`` over a one-rank
+process group (NCCL on a GPU, gloo on the CPU), its multi-rank code path forced (the collectives
+of one rank return their input), steady calls; the host time is split at the combine's entry
+and exit (before it: the labels, the statistics and the merge launch; the combine itself: its
+torch ops and two all-reduces; after it: the finish launch), and beside it the two all-reduces
+alone and the one-rank ``head_forward`` (``tp_combine`` in the JSON).
+
+Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--graphed] [--tp-combine]
+              [--out DIR]
 Without CUDA it times the torch backend on small CPU tensors (the Python around the kernels only).
 """
 
@@ -44,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_ppo import fused_log_probs_and_entropy
+from mcore_ppo.backends import resolve_backend
 from mcore_ppo_testing.bench import SHAPES
 
 _SPIN_CYCLES = 200_000_000  # ~0.1 s at 1.98 GHz: far longer than any call's host work
@@ -90,17 +101,14 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _counts(fn) -> dict:
-    """Aten ops and kernel launches of one call of ``fn``."""
-    try:
-        from mcore_ppo.backends import triton_launch
-    except ImportError:  # pragma: no cover - no triton
-        triton_launch = None
-    before = triton_launch.launch_count() if triton_launch else 0
+def _counts(fn, launcher) -> dict:
+    """Aten ops and kernel launches (through ``launcher``, a triton backend's; None: not counted)
+    of one call of ``fn``."""
+    before = launcher.launches if launcher is not None else 0
     mode = _CountOps()
     with mode:
         fn()
-    launches = (triton_launch.launch_count() - before) if triton_launch else 0
+    launches = (launcher.launches - before) if launcher is not None else None
     return {"aten_ops": sum(mode.ops.values()), "launches": launches, "ops": dict(sorted(mode.ops.items()))}
 
 
@@ -112,15 +120,14 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
-def _levels() -> dict:
-    try:
-        import mcore_ppo.kernels as kernels
-        from mcore_ppo.backends import triton_launch
-    except ImportError:  # pragma: no cover - no triton
+def _levels(launcher) -> dict:
+    if launcher is None:
         return {}
+    import mcore_ppo.kernels as kernels
+
     out = {}
     for name in kernels.__all__:
-        levels = sorted(set(triton_launch.fast_level(getattr(kernels, name)).values()))
+        levels = sorted(set(launcher.fast_level(getattr(kernels, name)).values()))
         if levels:
             out[name] = levels
     return out
@@ -166,8 +173,71 @@ class _NoOp(torch.autograd.Function):
 def _queue_calls(counts: dict, reps: int) -> int:
     """Back-to-back calls that keep the GPU's launch queue (about a thousand entries) well short
     of full: past it the host would wait for the GPU, and time the GPU's work instead."""
-    per_call = max(1, counts["aten_ops"] + counts["launches"])
+    per_call = max(1, counts["aten_ops"] + (counts["launches"] or 0))
     return max(2, min(reps, _QUEUED_LAUNCHES // per_call))
+
+
+def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -> dict:
+    """Host ms of the forward's TP branch, steady, split at the combine (module doc)."""
+    import torch.distributed as dist
+
+    from mcore_ppo.numerics import max_entropy
+    from mcore_ppo.parallel import combine as combine_module
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    # The multi-rank branch on one rank: each collective of one rank returns its input.
+    combine_module.group_size = lambda group: 2
+    stamps: list[float] = []
+
+    def combine(*stats):
+        stamps.append(time.perf_counter())
+        out = combine_module.combine_shard_statistics(*stats[:4], group, *stats[4:])
+        stamps.append(time.perf_counter())
+        return out
+
+    def forward(grad_needed: bool, tp: bool):
+        return backend.head_forward(
+            x, w, labels, 0.7, ignore_index=-100, vocab_start=0, vocab_size=vocab_size, labels_checked=True,
+            grad_needed=grad_needed, with_entropy=True, max_entropy=max_entropy(vocab_size, torch.float32),
+            combine=combine if tp else None,
+        )  # fmt: skip
+
+    out: dict[str, float] = {}
+    for grad_needed in (False, True):
+        name = "forward" if grad_needed else "nograd_forward"
+        for _ in range(3):
+            forward(grad_needed, True)
+            forward(grad_needed, False)
+        # Fewer calls than the other measurements: each issues ~40 launches and small ops, and
+        # the GPU's launch queue must not fill (the host would wait on the GPU).
+        calls = max(2, min(reps, 10))
+        out[f"{name}_one_rank_ms_steady"] = _steady_host_ms(lambda g=grad_needed: forward(g, False), calls, cuda)
+        phases = []
+
+        def timed(g=grad_needed, phases=phases):
+            start = time.perf_counter()
+            forward(g, True)
+            phases.append((start, *stamps[-2:], time.perf_counter()))
+
+        out[f"{name}_tp_ms_steady"] = _steady_host_ms(timed, calls, cuda)
+        for key, (a, b) in {"before_combine": (0, 1), "combine": (1, 2), "after_combine": (2, 3)}.items():
+            out[f"{name}_tp_{key}_ms_steady"] = statistics.median((p[b] - p[a]) * 1e3 for p in phases)
+    n = x.shape[0]
+    maxima = torch.zeros(n, device=x.device)
+    packed = torch.zeros(3, n, device=x.device)
+
+    def all_reduces():
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+
+    for _ in range(3):
+        all_reduces()
+    out["two_all_reduces_ms_steady"] = _steady_host_ms(all_reduces, max(2, min(reps, 10)), cuda)
+    out["collectives"] = dist.get_backend(group)
+    dist.destroy_process_group()
+    return out
 
 
 def main() -> None:
@@ -189,6 +259,11 @@ def main() -> None:
         help="time the head captured by torch.cuda.make_graphed_callables (static inputs: each call "
         "replays the captured kernels; CUDA only, validate=False); files get a _graphed suffix",
     )
+    parser.add_argument(
+        "--tp-combine",
+        action="store_true",
+        help="also time the forward's TP branch over a one-rank group (merge, combine, all-reduces, finish)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for host_work.json and host_profile.txt")
     args = parser.parse_args()
 
@@ -203,6 +278,11 @@ def main() -> None:
     w = (torch.randn(v, h, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_(True)
     labels = torch.randint(0, v, (n,), device=device, generator=gen)
     grads = [torch.randn(n, device=device, generator=gen) for _ in range(2)]
+
+    # The object a name resolves to (once per device type): the API gets the name, as users pass
+    # it (an object costs a Protocol isinstance check per call); its launcher counts the launches.
+    backend = resolve_backend(args.backend, torch.device(device))
+    launcher = getattr(backend, "launcher", None)
 
     def head(x, w, labels):
         return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=args.backend, validate=args.validate)
@@ -250,8 +330,8 @@ def main() -> None:
         times.append(_host_ms(backward, 1, cuda))
         x.grad = w.grad = None
     result["backward_host_ms"] = statistics.median(times)
-    counts = {"nograd_forward": _counts(nograd), "forward": _counts(forward)}
-    counts["backward"] = _counts(backward)
+    counts = {"nograd_forward": _counts(nograd, launcher), "forward": _counts(forward, launcher)}
+    counts["backward"] = _counts(backward, launcher)
     x.grad = w.grad = None
     result["per_call_counts"] = counts
     # The same calls back to back behind one spin, as a training loop issues them; as many as
@@ -278,12 +358,16 @@ def main() -> None:
         result["backward_host_ms_steady"] - result["autograd_noop_backward_ms_steady"]
     )
     result["steady_calls"] = {"forward": forward_calls, "backward": backward_calls}
-    result["fast_launch_levels"] = _levels()
+    result["fast_launch_levels"] = _levels(launcher)
 
     text = io.StringIO()
     text.write(_profile("no-grad forward", nograd, forward_calls, cuda))
-    pair = {key: counts["forward"][key] + counts["backward"][key] for key in ("aten_ops", "launches")}
+    pair = {key: (counts["forward"][key] or 0) + (counts["backward"][key] or 0) for key in ("aten_ops", "launches")}
     text.write(_profile("forward + backward", lambda: (forward(), backward()), _queue_calls(pair, args.reps), cuda))
+    if args.tp_combine:  # last: its process group would send the API's calls to Megatron's groups
+        if not hasattr(backend, "head_forward"):
+            parser.error("--tp-combine needs a backend with a fused forward (triton)")
+        result["tp_combine"] = _tp_combine(backend, x.detach(), w.detach(), labels, vocab, args.reps, cuda)
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -23,10 +23,10 @@ forward through :meth:`TritonBackend.head_forward`, which prepares the labels
 outputs (``merge_finish_kernel``: ``lse``, entropy, log-prob, clamps and masks) in kernels, so
 the forward issues only allocations and launches; what depends on shapes alone is decided once
 per shape (:class:`~mcore_ppo.backends.triton_plan.LaunchPlan`, cached on the backend), and its
-launches are keyed by the plan (:mod:`mcore_ppo.backends.triton_launch`).
+launches are keyed by the plan through the backend's :class:`~mcore_ppo.backends.triton_launch.Launcher`.
 
-Nothing is kept on the backend between calls but those plans; its settings are its
-:class:`~mcore_ppo.backends.triton_config.TritonConfig`.
+Nothing is kept on the backend between calls but those plans and the launcher's kept compiled
+kernels; its settings are its :class:`~mcore_ppo.backends.triton_config.TritonConfig`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, HeadForward, SavedTokens, ShardStatistics
 from mcore_ppo.backends.torch_backend import TorchBackend
 from mcore_ppo.backends.triton_config import TritonConfig
-from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer
+from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer, vocab_chunk
 from mcore_ppo.backends.triton_host import (
     COMPACT_BLOCK,
     COMPACT_WARPS,
@@ -49,11 +49,10 @@ from mcore_ppo.backends.triton_host import (
     GemmConfig,
     compact_rows,
     gathered_rows,
-    interpreting,
     merge_splits,
 )
 from mcore_ppo.backends.triton_ids import gather_logits
-from mcore_ppo.backends.triton_launch import TmaDesc, launch
+from mcore_ppo.backends.triton_launch import BoundLauncher, Launcher, interpreting
 from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
 from mcore_ppo.logs import log_once
 from mcore_ppo.numerics import cdiv, inverse_temperature, rowmajor
@@ -99,11 +98,17 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, config: TritonConfig | None = None):
-        """``config``: the backend's settings for its whole life (None: the defaults)."""
+    def __init__(self, config: TritonConfig | None = None, *, launcher: Launcher | None = None):
+        """``config``: the backend's settings for its whole life (None: the defaults).
+        ``launcher``: the :class:`~mcore_ppo.backends.triton_launch.Launcher` of its kernel
+        launches (None: one with the config's ``kept_kernels``; tests pass one that checks its
+        launch sites)."""
         if config is not None and not isinstance(config, TritonConfig):
             raise TypeError(f"config must be a TritonConfig or None, got {type(config).__name__}")
+        if launcher is not None and not isinstance(launcher, Launcher):
+            raise TypeError(f"launcher must be a Launcher or None, got {type(launcher).__name__}")
         self.config = config or TritonConfig()
+        self.launcher = launcher if launcher is not None else Launcher(kept=self.config.kept_kernels)
         self.forward_config, self.tiles_by_shard = self.config.resolved_forward()
         self.backward_config = self.config.resolved_backward()
         self.capabilities = Capabilities(
@@ -153,7 +158,7 @@ class TritonBackend:
         if not grad_needed or _takes_reference(hidden, weight):
             return ()
         n, v = hidden.shape[0], weight.shape[0]
-        store, n_tiles_v = buffer_decision(self, n, v, hidden.dtype)
+        store, n_tiles_v = buffer_decision(self.config, self.forward_config_for(v), n, v, hidden.dtype)
         order = (((n,), torch.int32), ((1,), torch.int32))
         if store:
             return (((n, v), hidden.dtype), ((n, n_tiles_v), torch.float32), *order)
@@ -183,10 +188,11 @@ class TritonBackend:
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         row_temp = isinstance(temperature, torch.Tensor)
         plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp, with_q)
-        perm, count = compact_rows(valid)
+        launch = self.launcher.bound()
+        perm, count = compact_rows(valid, launch)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
-        parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature)
-        m, sum_exp, u, *q = merge_splits(parts, perm, count, with_u=with_entropy, with_q=with_q)
+        parts, residual = self._statistics(plan, launch, hidden, weight, local_labels, perm, count, y, temperature)
+        m, sum_exp, u, *q = merge_splits(parts, perm, count, launch, with_u=with_entropy, with_q=with_q)
         return ShardStatistics(m, sum_exp, u, y, residual, q[0] if with_q else None)
 
     def head_forward(
@@ -206,9 +212,10 @@ class TritonBackend:
         combine: Callable | None,
         with_sum_pi_squared: bool = False,
     ) -> HeadForward | None:
-        """The whole forward of the head on this shard in three to six launches (see
-        :class:`~mcore_ppo.backends.base.FusedHeadBackend`): the per-token preparation from the
-        global labels (``tokens_kernel``), the statistics, and, on one shard, the merge with
+        """The whole forward of the head on this shard in three or four launches, five over TP
+        (see :class:`~mcore_ppo.backends.base.Backend`): the per-token preparation from the
+        global labels (``tokens_kernel``), the copy of the rows the forward kernel cannot read in
+        place (TMA operands only), the statistics, and, on one shard, the merge with
         the outputs' epilogue in one kernel (``merge_finish_kernel``); over TP the merge, the
         caller's ``combine`` and the epilogue (``finish_kernel``). None (the caller runs the
         generic path) where :meth:`shard_statistics` would fall back to the reference. With
@@ -220,6 +227,7 @@ class TritonBackend:
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         row_temp, with_q = isinstance(temperature, torch.Tensor), with_sum_pi_squared
         plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp, with_q)
+        launch = self.launcher.bound()
         n, device = plan.n, hidden.device
         local_labels = torch.empty(n, dtype=torch.int64, device=device)
         perm = torch.empty(n, dtype=torch.int32, device=device)
@@ -237,12 +245,14 @@ class TritonBackend:
             # The values themselves stand for their integer classes (finer, and cheaper to key).
             (plan, "tokens", labels.dtype, stride_l, ignore_index, vocab_start),
         )  # fmt: skip
-        parts, residual = self._statistics(plan, hidden, weight, local_labels, perm, count, y, temperature, site=True)
+        parts, residual = self._statistics(
+            plan, launch, hidden, weight, local_labels, perm, count, y, temperature, site=True
+        )
         log_prob = torch.empty(n, dtype=torch.float32, device=device)
         entropy_out = torch.empty(n, dtype=torch.float32, device=device) if with_entropy else None
-        ent_out = log_prob if entropy_out is None else entropy_out  # never written without WITH_U
-        sp_out = torch.empty(n, dtype=torch.float32, device=device) if with_q else None
-        sp_arg = log_prob if sp_out is None else sp_out  # never written without WITH_Q
+        entropy_out_arg = log_prob if entropy_out is None else entropy_out  # never written without WITH_U
+        sum_pi_squared_out = torch.empty(n, dtype=torch.float32, device=device) if with_q else None
+        sum_pi_squared_out_arg = log_prob if sum_pi_squared_out is None else sum_pi_squared_out  # nor without WITH_Q
         merge_grid = (cdiv(n, MERGE_BLOCK_T),)
         if combine is None:
             lse = torch.empty(n, dtype=torch.float32, device=device) if grad_needed else None
@@ -252,9 +262,8 @@ class TritonBackend:
                 kernels.merge_finish_kernel,
                 merge_grid,
                 (
-                    parts[0], parts[1], parts[2 if with_entropy else 1], perm, count, y, labels, lse_arg,
-                    lse_arg if entropy is None else entropy, log_prob, ent_out, n, plan.num_splits, stride_l,
-                    vocab_size, max_entropy, parts[-1] if with_q else parts[1], sp_arg,
+                    parts, perm, count, y, labels, lse_arg, lse_arg if entropy is None else entropy, log_prob,
+                    entropy_out_arg, sum_pi_squared_out_arg, n, plan.num_splits, stride_l, vocab_size, max_entropy,
                 ),
                 plan.finish_options[labels_checked, grad_needed],
                 # The plan fixes every argument's specialisation but the labels' dtype and the
@@ -264,14 +273,15 @@ class TritonBackend:
         else:
             # The plan fixes the partials', the row order's and the merged statistics' (fresh
             # allocations of its n) specialisation.
-            merged = merge_splits(parts, perm, count, with_u=with_entropy, with_q=with_q, site=(plan, "merge"))
+            merged = merge_splits(parts, perm, count, launch, with_u=with_entropy, with_q=with_q, site=(plan, "merge"))
             lse, entropy, label_logit, *square = combine(*merged[:3], y, *merged[3:])
             launch(
                 kernels.finish_kernel,
                 merge_grid,
                 (
-                    lse, lse if entropy is None else entropy, label_logit, labels, log_prob, ent_out, n, stride_l,
-                    ignore_index, vocab_size, max_entropy, square[0] if with_q else lse, sp_arg,
+                    lse, lse if entropy is None else entropy, label_logit, labels, log_prob, entropy_out_arg, n,
+                    stride_l, ignore_index, vocab_size, max_entropy, square[0] if with_q else lse,
+                    sum_pi_squared_out_arg,
                 ),
                 plan.combined_options[labels_checked],
                 # The combine's outputs are fresh tensors of the plan's n; the labels' dtype and
@@ -281,7 +291,7 @@ class TritonBackend:
         if not residual and grad_needed:
             residual = (perm, count)  # the row order, for a backward that recomputes
         saved = SavedTokens(local_labels, valid, lse, entropy, residual, fused_forward=True)
-        return HeadForward(log_prob, entropy_out, saved, sp_out)
+        return HeadForward(log_prob, entropy_out, saved, sum_pi_squared_out)
 
     def _forward_plan(
         self,
@@ -304,13 +314,15 @@ class TritonBackend:
             if len(self._plans) >= self.config.plan_cache_size:
                 self._plans.clear()
             plan = self._plans[key] = LaunchPlan.build(
-                self, hidden, weight, grad_needed, with_entropy, row_temp, with_q
-            )
+                self.config, self.forward_config_for(weight.shape[0]), hidden, weight, grad_needed, with_entropy,
+                row_temp, with_q,
+            )  # fmt: skip
         return plan
 
     def _statistics(
         self,
         plan: LaunchPlan,
+        launch: BoundLauncher,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         local_labels: torch.Tensor,
@@ -320,46 +332,34 @@ class TritonBackend:
         temperature: float | torch.Tensor,
         *,
         site: bool = False,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """The forward kernel's launches: per-split partials ``(m, s[, u][, q])`` (``[splits, n]``
-        each) and the label logits into ``y``; the probability buffer as residual when the
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The forward kernel's launch: the per-split partials ``[planes, splits, n]`` (m, s, then
+        u, then q) and the label logits into ``y``; the probability buffer as residual when the
         plan stores it. ``site``: the caller's ``local_labels``, ``perm``, ``count`` and ``y``
         are the fresh int64 / int32 / int32 / fp32 tensors of :meth:`head_forward`, so the plan
         fixes every argument's specialisation (the launch skips the per-argument key)."""
         from mcore_ppo import kernels
 
         n, v, device = plan.n, plan.v, hidden.device
-        # Separate buffers: views of one (unbind) cost more host time than the allocations.
-        parts = tuple(torch.empty(plan.num_splits, n, dtype=torch.float32, device=device) for _ in range(plan.n_parts))
+        parts = torch.empty(plan.n_parts, plan.num_splits, n, dtype=torch.float32, device=device)
         inv_temp, inv_temp_rows, _ = inverse_temperature(temperature, y)
-        # Never read or written without WITH_U / WITH_Q: the s partials stand in for them.
-        u_part = parts[2] if plan.with_u else parts[1]
-        q_part = parts[-1] if plan.with_q else parts[1]
         if plan.store:
             buf = torch.empty(n, v, dtype=hidden.dtype, device=device)
             tmax = torch.empty(n, plan.n_tiles_v, dtype=torch.float32, device=device)
         else:
             buf = tmax = y  # unused (STORE_P off)
-        cfg = plan.cfg
-        w_desc = TmaDesc(weight, (cfg.block_n, cfg.block_k)) if plan.use_tma else weight
-        buf_desc = TmaDesc(buf, (cfg.block_m, cfg.block_n)) if plan.buf_tma else buf
-
-        def run(x_rows: torch.Tensor, direct_pass: int) -> None:
-            x_desc = TmaDesc(x_rows, (cfg.block_m, cfg.block_k)) if plan.use_tma else x_rows
-            args = (
-                x_rows, weight, x_desc, w_desc, perm, count, local_labels, parts[0], parts[1], u_part, y, buf,
-                buf_desc, tmax, n, v, plan.h, x_rows.stride(0), weight.stride(0), plan.num_splits, inv_temp,
-                plan.n_tiles_v, direct_pass, inv_temp_rows, q_part,
-            )  # fmt: skip
-            key = (plan, "stats", direct_pass) if site else None
-            launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, key)
-
-        gather_site = (plan, "gather") if site else None
-        if plan.direct:
-            run(hidden, 1)
-            run(gathered_rows(hidden, perm, count, skip_direct_blocks=cfg.block_m, site=gather_site), 0)
-        else:
-            run(gathered_rows(hidden, perm, count, site=gather_site) if plan.use_tma else hidden, 0)
+        gathered = hidden  # unused without descriptors: the kernel gathers rows through perm
+        if plan.use_tma:
+            # Only the blocks the kernel cannot read in place are copied (none when nothing is ignored).
+            skip = plan.cfg.block_m if plan.direct else 0
+            gathered = gathered_rows(
+                hidden, perm, count, launch, skip_direct_blocks=skip, site=(plan, "gather") if site else None
+            )
+        args = (
+            hidden, gathered, weight, perm, count, local_labels, parts, y, buf, tmax, n, v, plan.h, hidden.stride(0),
+            weight.stride(0), plan.num_splits, inv_temp, plan.n_tiles_v, inv_temp_rows,
+        )  # fmt: skip
+        launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, (plan, "stats") if site else None)
         return parts, (buf, tmax, perm, count) if plan.store else ()
 
     def forward_config_for(self, v: int) -> GemmConfig:
@@ -375,9 +375,7 @@ class TritonBackend:
 
     def vocab_chunk(self, n: int, v: int, itemsize: int) -> int:
         """Columns per backward chunk: the ``dz`` workspace stays within ``workspace_bytes``."""
-        bn = self.backward_config.block_n
-        cols = max(bn, (self.config.workspace_bytes // max(1, n * itemsize)) // bn * bn)
-        return min(cols, v)
+        return vocab_chunk(self.config, self.backward_config, n, v, itemsize)
 
     def gather_logits(
         self, hidden: torch.Tensor, weight: torch.Tensor, local_ids: torch.Tensor, temperature: float | torch.Tensor
@@ -386,7 +384,7 @@ class TritonBackend:
         fp64 and empty inputs); see the Backend protocol."""
         if self._fallback(hidden, weight):
             return self._reference.gather_logits(hidden, weight, local_ids, temperature)
-        return gather_logits(self.config, hidden, weight, local_ids, temperature)
+        return gather_logits(self.config, self.launcher.bound(), hidden, weight, local_ids, temperature)
 
     def shard_gradients(
         self,
@@ -414,7 +412,12 @@ class TritonBackend:
             plan = self._forward_plan(
                 hidden, weight, True, saved.entropy is not None, isinstance(temperature, torch.Tensor)
             )
+        launch = self.launcher.bound()
         if buffered:
-            return gradients_from_buffer(self, plan, hidden, weight, saved, request, temperature=temperature)
+            return gradients_from_buffer(
+                self.config, launch, plan, hidden, weight, saved, request, temperature=temperature
+            )
         plan = plan if saved.fused_forward else None
-        return gradients_by_recompute(self, plan, hidden, weight, saved, request, temperature=temperature)
+        return gradients_by_recompute(
+            self.config, self.backward_config, launch, plan, hidden, weight, saved, request, temperature=temperature
+        )

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from mcore_ppo.backends.triton_host import ElementwiseConfig, GemmConfig, budget_bytes, interpreting
+from mcore_ppo.backends.triton_host import ElementwiseConfig, GemmConfig, budget_bytes
+from mcore_ppo.backends.triton_launch import interpreting
 from mcore_ppo.validation import check_bool, check_positive_int
 
 #: The forward on a GPU: TMA operands and 3 stages were the fastest at every V/tp measured
@@ -49,6 +50,10 @@ class TritonConfig:
             and outputs finished there); False: the Function's generic forward over
             ``shard_statistics`` (tests compare the two).
         plan_cache_size: per-shape launch plans kept (one per shape and option set a process uses).
+        kept_kernels: launches after a call site's first go through the compiled kernel Triton
+            chose for it (where the Triton version and device allow, docs/kernels.md#launches);
+            False: every launch through Triton's own dispatch, ``kernel[grid](...)`` (tests
+            compare both).
         onehot_block_k, onehot_add_elements: slots per step of the one-hot kernels of ``k``-id
             gradients, and slots per program of their add (rows × slots).
         gather_rows: ``(BLOCK_J, BLOCK_H, num_warps)`` of the ``k``-id logit gather: 16 in-shard
@@ -67,6 +72,7 @@ class TritonConfig:
     buffer_dz_config: ElementwiseConfig = field(default_factory=ElementwiseConfig)
     fused_forward: bool = True
     plan_cache_size: int = 64
+    kept_kernels: bool = True
     onehot_block_k: int = 64
     onehot_add_elements: int = 1024
     gather_rows: tuple[int, int, int] = (16, 256, 4)
@@ -82,7 +88,7 @@ class TritonConfig:
                 f"buffer_dz_config must be an ElementwiseConfig, got {type(self.buffer_dz_config).__name__}"
             )
         object.__setattr__(self, "buffer_budget_bytes", budget_bytes(self.buffer_budget_bytes, "buffer_budget_bytes"))
-        for name in ("buffer_store_tma", "dz_store_tma", "fused_forward"):
+        for name in ("buffer_store_tma", "dz_store_tma", "fused_forward", "kept_kernels"):
             check_bool(name, getattr(self, name))
         for name in ("min_forward_splits", "workspace_bytes", "plan_cache_size", "onehot_block_k"):
             check_positive_int(name, getattr(self, name))

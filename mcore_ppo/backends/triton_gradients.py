@@ -15,12 +15,14 @@ writes it and before the GEMMs (:mod:`mcore_ppo.backends.triton_ids`), so both m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from mcore_ppo.backends.base import GradientRequest, SavedTokens
+from mcore_ppo.backends.triton_config import TritonConfig
 from mcore_ppo.backends.triton_host import (
+    GemmConfig,
     addmm_fp32,
     compact_rows,
     for_dtype,
@@ -34,16 +36,22 @@ from mcore_ppo.backends.triton_host import (
     with_tma_store,
 )
 from mcore_ppo.backends.triton_ids import add_onehot, merged_onehot
-from mcore_ppo.backends.triton_launch import TmaDesc, launch
+from mcore_ppo.backends.triton_launch import host_descriptor
+from mcore_ppo.backends.triton_plan import LaunchPlan
 from mcore_ppo.numerics import cdiv, inverse_temperature
 
-if TYPE_CHECKING:
-    from mcore_ppo.backends.triton_backend import TritonBackend
-    from mcore_ppo.backends.triton_plan import LaunchPlan
+
+def vocab_chunk(config: TritonConfig, backward_config: GemmConfig, n: int, v: int, itemsize: int) -> int:
+    """Columns per backward chunk: the ``dz`` workspace stays within ``config.workspace_bytes``."""
+    bn = backward_config.block_n
+    cols = max(bn, (config.workspace_bytes // max(1, n * itemsize)) // bn * bn)
+    return min(cols, v)
 
 
 def gradients_by_recompute(
-    backend: TritonBackend,
+    config: TritonConfig,
+    backward_config: GemmConfig,
+    launch: Callable,
     plan: LaunchPlan | None,
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -52,21 +60,23 @@ def gradients_by_recompute(
     *,
     temperature: float | torch.Tensor,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Backward without a buffer: ``dz`` recomputed vocab chunk by chunk (module doc). ``plan``:
-    the forward's, keying the launch sites (None: Triton's own dispatch per launch)."""
+    """Backward without a buffer: ``dz`` recomputed vocab chunk by chunk (module doc), with a
+    backend's ``config`` and backward tiles ``backward_config``, through ``launch`` (the call's
+    bound launcher). ``plan``: the forward's, keying the launch sites (None: Triton's own
+    dispatch per launch)."""
     from mcore_ppo.kernels import dz_kernel
 
     local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
     weight_grad = request.weight_grad
 
-    cfg = for_dtype(backend.backward_config, hidden.dtype)
+    cfg = for_dtype(backward_config, hidden.dtype)
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
     if saved.residual:  # the forward's row order, when it kept it
         perm, count = saved.residual
     else:
-        perm, count = compact_rows(valid)
+        perm, count = compact_rows(valid, launch)
     has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
     entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
@@ -75,21 +85,23 @@ def gradients_by_recompute(
     site = None if plan is None else (plan, "recompute")
     x_c = None
     if use_tma or weight_grad is not None:
-        x_c = gathered_rows(hidden, perm, count, site=site and (*site, "gather"))
+        x_c = gathered_rows(hidden, perm, count, launch, site=site and (*site, "gather"))
     hidden_grad_c = None  # fp32 [n, h]: the first chunk's GEMM writes it, the others add
-    chunk = backend.vocab_chunk(n, v, hidden.element_size())
+    chunk = vocab_chunk(config, backward_config, n, v, hidden.element_size())
     workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
     flags = kernel_flags(hidden, cfg)
-    x_desc = TmaDesc(x_c, (cfg.block_m, cfg.block_k)) if use_tma else hidden
-    w_desc = TmaDesc(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
-    dz_tma, cfg = with_tma_store(backend.config.dz_store_tma, workspace, cfg)
+    # Host descriptors, encoded per launch by Triton: one launch per chunk of thousands of
+    # single-tile programs, where a descriptor built in each program would cost more GPU time.
+    x_desc = host_descriptor(x_c, (cfg.block_m, cfg.block_k)) if use_tma else hidden
+    w_desc = host_descriptor(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
+    dz_tma, cfg = with_tma_store(config.dz_store_tma, workspace, cfg)
     options = {
         "HAS_G": has_g, "HAS_E": has_e, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
         "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "USE_TMA": use_tma,
         "DZ_TMA": dz_tma, **flags, **({"ROW_TEMP": True} if row_temp else {}),
     }  # fmt: skip
     x_arg = x_c if use_tma else hidden
-    onehot = merged_onehot(backend.config, request.sparse, perm, count, temperature, lse)
+    onehot = merged_onehot(config, launch, request.sparse, perm, count, temperature, lse)
     # The chunks' rows of W and d_W as views made in one call each (a slice per chunk costs
     # more host time); the same views as weight[v0 : v0 + vc].
     w_chunks = weight.split(chunk) if chunk < v else (weight,)
@@ -97,7 +109,7 @@ def gradients_by_recompute(
     for index, v0 in enumerate(range(0, v, chunk)):
         vc = min(chunk, v - v0)
         dz = workspace[:, :vc] if vc < chunk else workspace
-        dz_desc = TmaDesc(dz, (cfg.block_m, cfg.block_n)) if dz_tma else dz
+        dz_desc = host_descriptor(dz, (cfg.block_m, cfg.block_n)) if dz_tma else dz
         args = (
             x_arg, weight, x_desc, w_desc, perm, count, local_labels, lse, entropy, g, e, dz, dz_desc, n, vc, v0,
             h, hidden.stride(0), weight.stride(0), workspace.stride(0), inv_temp, inv_temp_rows,
@@ -107,7 +119,7 @@ def gradients_by_recompute(
         key = site and (*site, "dz", has_g, has_e, local_labels.dtype)
         launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options, key)
         if onehot is not None:
-            add_onehot(backend.config, dz, onehot, v0, vc)
+            add_onehot(config, launch, dz, onehot, v0, vc)
         w_rows = w_chunks[index]
         if request.need_hidden_grad and hidden_grad_c is None:
             hidden_grad_c = mm_fp32(dz, w_rows)
@@ -119,13 +131,14 @@ def gradients_by_recompute(
     del workspace, x_c, x_arg, dz, dz_desc, x_desc, args, w_chunks, g_chunks
     hidden_grad = None
     if hidden_grad_c is not None:
-        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=site and (*site, "scatter"))
+        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, launch, site=site and (*site, "scatter"))
     return hidden_grad, weight_grad
 
 
 def gradients_from_buffer(
-    backend: TritonBackend,
-    plan: LaunchPlan | None,
+    config: TritonConfig,
+    launch: Callable,
+    plan: LaunchPlan,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     saved: SavedTokens,
@@ -137,7 +150,7 @@ def gradients_from_buffer(
     the two GEMMs over the whole shard at once (K = V/tp for ``d_hidden``: no fp32
     read-modify-write per chunk). Three GEMMs per step instead of four. ``plan``: the
     forward's (its tiles are the buffer's); it keys the launch sites only for
-    ``head_forward``'s buffers."""
+    ``head_forward``'s buffers. ``launch``: the call's bound launcher."""
     from mcore_ppo.kernels import dz_from_buffer_kernel
 
     buf, tmax, perm, count = saved.residual
@@ -149,7 +162,7 @@ def gradients_from_buffer(
     has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
     entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
-    cfg = backend.config.buffer_dz_config
+    cfg = config.buffer_dz_config
     n_tiles_v = tmax.shape[1]
     # The forward's plan (head_forward's buffers) fixes every argument's specialisation but
     # the upstream gradients' presence and the labels' dtype.
@@ -166,18 +179,20 @@ def gradients_from_buffer(
     )  # fmt: skip
     del tmax
     if request.sparse is not None:
-        onehot = merged_onehot(backend.config, request.sparse, perm, count, temperature, lse)
-        add_onehot(backend.config, buf, onehot, 0, v)
+        onehot = merged_onehot(config, launch, request.sparse, perm, count, temperature, lse)
+        add_onehot(config, launch, buf, onehot, 0, v)
     hidden_grad = None
     if request.need_hidden_grad:
         hidden_grad_c = mm_fp32(buf, weight)
     if weight_grad is not None:
-        x_c = gathered_rows(hidden, perm, count, site=None if site is None else (site, "gather_backward"))
+        x_c = gathered_rows(hidden, perm, count, launch, site=None if site is None else (site, "gather_backward"))
         gemm_into(weight_grad, buf.t(), x_c, overwrite=request.weight_grad_unset)
         del x_c
     del buf
     if request.need_hidden_grad:
-        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, site=None if site is None else (site, "scatter"))
+        hidden_grad = scatter_rows(
+            hidden_grad_c, perm, hidden.dtype, launch, site=None if site is None else (site, "scatter")
+        )
     return hidden_grad, weight_grad
 
 

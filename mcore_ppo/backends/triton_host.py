@@ -1,23 +1,25 @@
 """Host side of the Triton kernels: tile configs, row compaction, copy-engine (TMA) decisions,
-descriptors, and the fp32-output cuBLAS products that consume the kernels' ``dz`` tiles.
+and the fp32-output cuBLAS products that consume the kernels' ``dz`` tiles.
 
 Pure functions of their arguments; :mod:`mcore_ppo.backends.triton_backend` decides what to
-launch with them. What cannot change within a process is asked once and cached: the device's
-capability and properties (per device index), whether this torch's cuBLAS products take
-``out_dtype`` (:func:`fp32_output_gemms`, a probe on tiny tensors), and ``TRITON_INTERPRET``.
+launch with them, and the helpers that launch take the call's bound launcher
+(:class:`~mcore_ppo.backends.triton_launch.BoundLauncher`). What cannot change within a process
+is asked once and cached: the device's capability and properties (per device index), whether
+this torch's cuBLAS products take ``out_dtype`` (:func:`fp32_output_gemms`, a probe on tiny
+tensors), and ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from mcore_ppo.backends.triton_launch import launch
+from mcore_ppo.backends.triton_launch import interpreting
 from mcore_ppo.logs import log_once
 from mcore_ppo.numerics import cdiv
 
@@ -50,13 +52,6 @@ def budget_bytes(value: object, name: str) -> int:
     if value < 0:
         raise ValueError(f"{name} must be >= 0 (0 = off), got {value}")
     return value
-
-
-@functools.cache
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``; read once:
-    Triton itself decides when its kernels are first decorated)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache
@@ -100,12 +95,13 @@ class ElementwiseConfig:
     fast_log2: bool = True  # bf16 buffers: log2 from the bits (see kernels.backward._log2_bf16)
 
 
-def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_rows(valid: torch.Tensor, launch: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, count)``: row indices with valid rows first (in order), and their number.
 
-    Both stay on the device: one single-program Triton launch (``compact_kernel``) instead of
-    the five torch ops of a cumulative-sum formulation; ``nonzero`` would sync the host.
-    ``perm`` is int32 ``[n]``; ``count`` is an int32 ``[1]`` tensor.
+    Both stay on the device: one single-program Triton launch (``compact_kernel``) through
+    ``launch`` (the call's bound launcher) instead of the five torch ops of a cumulative-sum
+    formulation; ``nonzero`` would sync the host. ``perm`` is int32 ``[n]``; ``count`` is an int32
+    ``[1]`` tensor.
     """
     from mcore_ppo.kernels import compact_kernel
 
@@ -122,29 +118,29 @@ def compact_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def merge_splits(
-    parts: torch.Tensor | tuple[torch.Tensor, ...],
+    parts: torch.Tensor,
     perm: torch.Tensor,
     count: torch.Tensor,
+    launch: Callable,
     *,
     with_u: bool = True,
     with_q: bool = False,
     site: object = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [3, splits, n]``
-    (or its three ``[splits, n]`` rows; ``with_u`` False: ``(m, s, None)``, the ``u`` partials
-    are neither read nor merged). ``with_q``: the last of ``parts`` holds the ``q`` partials
-    (Σπ²), and ``(m, s, u, q)`` is returned. ``site``: the caller's launch site key, when its
-    plan fixes every argument's specialisation (:func:`~mcore_ppo.backends.triton_launch.launch`)."""
+    """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [planes, splits,
+    n]`` (planes m, s, then u with ``with_u``, then q with ``with_q``; ``with_u`` False: ``(m, s,
+    None)``). ``with_q``: ``(m, s, u, q)``. ``launch``: the call's bound launcher; ``site``: the
+    caller's launch site key, when its plan fixes every argument's specialisation."""
     from mcore_ppo.kernels import merge_splits_kernel
 
-    num_splits, n = parts[0].shape
-    stats = torch.empty(2 + with_u + with_q, n, dtype=torch.float32, device=parts[0].device).unbind(0)
-    u_in, u_out = (parts[2], stats[2]) if with_u else (parts[1], stats[1])  # not read / written without WITH_U
-    q_in, q_out = (parts[-1], stats[-1]) if with_q else (parts[1], stats[1])  # nor without WITH_Q
+    _, num_splits, n = parts.shape
+    stats = torch.empty(2 + with_u + with_q, n, dtype=torch.float32, device=parts.device).unbind(0)
+    u_out = stats[2] if with_u else stats[1]  # not written without WITH_U
+    q_out = stats[-1] if with_q else stats[1]  # nor without WITH_Q
     launch(
         merge_splits_kernel,
         (cdiv(n, MERGE_BLOCK_T),),
-        (parts[0], parts[1], u_in, perm, count, stats[0], stats[1], u_out, n, num_splits, q_in, q_out),
+        (parts, perm, count, stats[0], stats[1], u_out, q_out, n, num_splits),
         {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_u, **({"WITH_Q": True} if with_q else {})},
         site,
     )
@@ -223,7 +219,7 @@ def descriptor_ok(t: torch.Tensor) -> bool:
 
 
 def operands_by_tma(hidden: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> bool:
-    """Operands through the copy engine (host descriptors over gathered rows)?"""
+    """Operands through the copy engine (TMA descriptors over gathered rows or in place)?"""
     aligned = (hidden.shape[1] * hidden.element_size()) % 16 == 0 and descriptor_ok(weight)
     return config.use_tma and aligned and tma_capable(hidden)
 
@@ -232,18 +228,20 @@ def gathered_rows(
     hidden: torch.Tensor,
     perm: torch.Tensor,
     count: torch.Tensor,
+    launch: Callable,
     *,
     skip_direct_blocks: int = 0,
     site: object = None,
 ) -> torch.Tensor:
     """``hidden[perm]`` with the rows past the device-side ``count`` zeroed: valid rows first.
 
-    Contiguous ``n × h`` in the input dtype, one launch (``gather_rows_kernel``). The zeros are
-    stored, not multiplied in, so an inf in an ignored row (padding) never reaches a GEMM that
-    runs over every row (``d_W``) as 0·inf = NaN. ``skip_direct_blocks`` = a kernel's
-    ``BLOCK_M``: blocks of valid rows that are consecutive in ``hidden`` (which that kernel
-    reads in place) are left uncopied; every block when no token is ignored. ``site``: the
-    launch's site key (:func:`triton_launch.launch`) when the caller's plan fixes the arguments.
+    Contiguous ``n × h`` in the input dtype, one launch (``gather_rows_kernel``, through
+    ``launch``, the call's bound launcher). The zeros are stored, not multiplied in, so an inf in
+    an ignored row (padding) never reaches a GEMM that runs over every row (``d_W``) as 0·inf =
+    NaN. ``skip_direct_blocks`` = a kernel's ``BLOCK_M``: blocks of valid rows that are
+    consecutive in ``hidden`` (which that kernel reads in place) are left uncopied; every block
+    when no token is ignored. ``site``: the launch's site key when the caller's plan fixes the
+    arguments.
     """
     from mcore_ppo.kernels import gather_rows_kernel
 
@@ -261,7 +259,7 @@ def gathered_rows(
 
 
 def scatter_rows(
-    compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype, *, site: object = None
+    compacted: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype, launch: Callable, *, site: object = None
 ) -> torch.Tensor:
     """Rows of fp32 ``compacted`` (in ``perm`` order) back to their places, cast to ``dtype``
     in the same pass (the one rounding of ``d_hidden``)."""
@@ -303,18 +301,6 @@ def _takes_out_dtype(probe) -> bool:
     except (RuntimeError, TypeError):  # no out_dtype overload in this torch
         return False
     return True
-
-
-def fp32_gemm_path(device_type: str = "cuda") -> dict[str, str]:
-    """How :func:`mm_fp32` and :func:`addmm_fp32` form their fp32 results of 16-bit operands on
-    ``device_type`` (for the benchmark's record); the same answer for every call."""
-    mm, addmm = fp32_output_gemms(device_type)
-    if device_type != "cuda":
-        return {"mm": "fp32 upcast + mm", "addmm": "fp32 upcast + mm + add"}
-    return {
-        "mm": "mm out_dtype=fp32" if mm else "zeros + " + ("addmm out_dtype=fp32" if addmm else "bf16 mm + add"),
-        "addmm": "addmm out_dtype=fp32, beta=1" if addmm else ("mm out_dtype=fp32 + add" if mm else "bf16 mm + add"),
-    }
 
 
 def addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

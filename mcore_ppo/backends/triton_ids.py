@@ -3,21 +3,25 @@
 Forward: the logits at the ids (:func:`gather_logits`). Backward: the slots' one-hot gradients
 merged once per token (:func:`merged_onehot`, a duplicate id's slots summed, times ``1/T`` as
 ``dz_kernel`` scales its label term) and added to each ``dz`` buffer or vocab chunk after the
-kernel that writes it and before the GEMMs that read it (:func:`add_onehot`).
+kernel that writes it and before the GEMMs that read it (:func:`add_onehot`). Each function that
+launches takes the call's bound launcher (``launch``,
+:class:`~mcore_ppo.backends.triton_launch.BoundLauncher`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from mcore_ppo.backends.base import SparseGradient
 from mcore_ppo.backends.triton_config import TritonConfig
-from mcore_ppo.backends.triton_launch import launch
 from mcore_ppo.numerics import cdiv, inverse_temperature, next_power_of_two, rowmajor
 
 
 def gather_logits(
     config: TritonConfig,
+    launch: Callable,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     local_ids: torch.Tensor,
@@ -50,6 +54,7 @@ def _scan_block(config: TritonConfig, k: int) -> int:
 
 def merged_onehot(
     config: TritonConfig,
+    launch: Callable,
     sparse: SparseGradient | None,
     perm: torch.Tensor,
     count: torch.Tensor,
@@ -84,7 +89,12 @@ def merged_onehot(
 
 
 def add_onehot(
-    config: TritonConfig, dz: torch.Tensor, onehot: tuple[torch.Tensor, torch.Tensor], v0: int, vc: int
+    config: TritonConfig,
+    launch: Callable,
+    dz: torch.Tensor,
+    onehot: tuple[torch.Tensor, torch.Tensor],
+    v0: int,
+    vc: int,
 ) -> None:
     """``dz[r, id - v0] += g`` for the merged ids of :func:`merged_onehot` in ``[v0, v0 + vc)``."""
     from mcore_ppo.kernels.gather import onehot_add_kernel

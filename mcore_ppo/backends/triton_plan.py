@@ -1,19 +1,19 @@
-"""The triton backend's per-shape launch plans, and what its forward leaves its backward.
+"""The triton backend's per-shape launch plans.
 
 A :class:`LaunchPlan` holds what the forward decides from shapes, dtypes, strides, alignment and
 options alone: made once per key and cached on the backend, it is also the *site* key of every
-launch it fixes (:func:`mcore_ppo.backends.triton_launch.launch`), so a steady call does no
-per-argument work on the host.
+launch it fixes (:meth:`mcore_ppo.backends.triton_launch.Launcher.launch`), so a steady call does
+no per-argument work on the host.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from mcore_ppo.backends.triton_config import TritonConfig
 from mcore_ppo.backends.triton_host import (
     MERGE_BLOCK_S,
     MERGE_BLOCK_T,
@@ -27,9 +27,6 @@ from mcore_ppo.backends.triton_host import (
     with_tma_store,
 )
 from mcore_ppo.numerics import cdiv
-
-if TYPE_CHECKING:
-    from mcore_ppo.backends.triton_backend import TritonBackend
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +59,8 @@ class LaunchPlan:
 
     @staticmethod
     def build(
-        backend: TritonBackend,
+        config: TritonConfig,
+        forward_config: GemmConfig,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         grad_needed: bool,
@@ -70,20 +68,23 @@ class LaunchPlan:
         row_temp: bool,
         with_q: bool = False,
     ) -> LaunchPlan:
+        """The plan of a backend with ``config`` whose forward tiles for this shard are
+        ``forward_config`` (:meth:`TritonBackend.forward_config_for`)."""
         n, h = hidden.shape
         v = weight.shape[0]
-        cfg = for_dtype(backend.forward_config_for(v), hidden.dtype)
+        cfg = for_dtype(forward_config, hidden.dtype)
         num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
-        fits, n_tiles_v = buffer_decision(backend, n, v, hidden.dtype)
+        fits, n_tiles_v = buffer_decision(config, forward_config, n, v, hidden.dtype)
         store = grad_needed and fits
         buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
-        log_buffer_decision(grad_needed, store, buffer_bytes, backend.config.buffer_budget_bytes)
+        log_buffer_decision(grad_needed, store, buffer_bytes, config.buffer_budget_bytes)
         use_tma = operands_by_tma(hidden, weight, cfg)
         buf_tma = False
         if store:
-            buf_tma, cfg = with_tma_store(backend.config.buffer_store_tma, hidden, cfg, row_elements=v)
-        # Blocks of consecutive valid rows are read in place (a first launch), the others from
-        # a gathered copy of only their rows (a second): no row copy when nothing is ignored.
+            buf_tma, cfg = with_tma_store(config.buffer_store_tma, hidden, cfg, row_elements=v)
+        # Blocks of consecutive valid rows are read in place, the others from a gathered copy of
+        # only their rows (each program builds the descriptor it needs, in one launch): no row
+        # copy when nothing is ignored.
         direct = use_tma and descriptor_ok(hidden)
         # The default variant is launched without the new flags: its compile is the same as before.
         q_flag = {"WITH_Q": True} if with_q else {}
@@ -112,13 +113,15 @@ class LaunchPlan:
         )  # fmt: skip
 
 
-def buffer_decision(backend: TritonBackend, n: int, v: int, dtype: torch.dtype) -> tuple[bool, int]:
+def buffer_decision(
+    config: TritonConfig, forward_config: GemmConfig, n: int, v: int, dtype: torch.dtype
+) -> tuple[bool, int]:
     """``(fits, n_tiles_v)``: whether the probability buffer of ``n`` rows by ``v`` columns (and
-    its tile maxima) fits the backend's budget, and the number of the forward's vocab tiles;
-    from shapes alone (the op's shape function decides the residual with it too)."""
-    block_n = for_dtype(backend.forward_config_for(v), dtype).block_n
-    n_tiles_v = cdiv(v, block_n)
-    return n * (v * dtype.itemsize + n_tiles_v * 4) <= backend.config.buffer_budget_bytes, n_tiles_v
+    its tile maxima) fits ``config``'s budget, and the number of the forward's vocab tiles
+    (``forward_config``'s, this shard's); from shapes alone (the op's shape function decides the
+    residual with it too)."""
+    n_tiles_v = cdiv(v, for_dtype(forward_config, dtype).block_n)
+    return n * (v * dtype.itemsize + n_tiles_v * 4) <= config.buffer_budget_bytes, n_tiles_v
 
 
 @functools.cache

@@ -37,7 +37,6 @@ from mcore_ppo import validation
 from mcore_ppo.backends.triton_host import fp32_output_gemms
 from mcore_ppo.distill import topk_triton
 from mcore_ppo.distill.topk_config import DEFAULT_CONFIG, TopKConfig
-from mcore_ppo.shard import autocast_off
 from mcore_ppo.head_call import attempt, check_call
 from mcore_ppo.numerics import accumulation_dtype, chunks
 from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
@@ -45,6 +44,7 @@ from mcore_ppo.parallel.groups import resolve_tp_group
 from mcore_ppo.parallel.mappings import all_gather_first_dim
 from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
 from mcore_ppo.parallel.topk import fold_into_statistics, merge_topk_over_ranks, select_topk
+from mcore_ppo.shard import autocast_off
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 
 __all__ = ["IMPLS", "MAX_TOPK", "TopK", "TopKConfig", "check_k", "fused_topk"]

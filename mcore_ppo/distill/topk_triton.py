@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from mcore_ppo.backends.triton_host import GemmConfig, interpreting, kernel_flags, operands_by_tma
-from mcore_ppo.backends.triton_launch import TmaDesc, launch
+from mcore_ppo.backends.triton_launch import Launcher, host_descriptor
 from mcore_ppo.distill.topk_config import TopKConfig
 from mcore_ppo.numerics import cdiv, chunks, inverse_temperature, next_power_of_two, rowmajor
 
@@ -31,6 +31,9 @@ from mcore_ppo.numerics import cdiv, chunks, inverse_temperature, next_power_of_
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 Shard = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+# The top-k's launches carry no site key: each takes Triton's own dispatch (the launcher counts them).
+launch = Launcher().launch
 Inverse = tuple[float, torch.Tensor, bool]
 
 
@@ -122,12 +125,10 @@ def _triton_chunk(
     cols = torch.empty(n, num_tiles * c, dtype=torch.int32, device=device)
     rest = torch.empty(2, n, num_tiles, dtype=torch.float32, device=device)
     use_tma = operands_by_tma(tokens, weight, cfg) and tokens.data_ptr() % 16 == 0
-    x_desc = TmaDesc(tokens, (cfg.block_m, cfg.block_k)) if use_tma else tokens
-    w_desc = TmaDesc(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
+    x_desc = host_descriptor(tokens, (cfg.block_m, cfg.block_k)) if use_tma else tokens
+    w_desc = host_descriptor(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
     # A float temperature's never-read row pointer is the rest buffer itself (a view costs host time).
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, rest)
-    # The head's launcher: Triton's per-call dispatch and descriptor encoding cost ~0.1 ms of
-    # host time per launch, a few percent of a 3 ms call at TP 8.
     launch(
         topk_tiles_kernel,
         (cdiv(n, cfg.block_m) * splits,),

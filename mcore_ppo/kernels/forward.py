@@ -8,19 +8,20 @@ in fp32 and folds it into per-row running statistics in registers, in base-2 uni
     m = max z₂,   s = Σ 2^(z₂-m),   u = Σ 2^(z₂-m)·(z₂-m)
 
 and stores them per (split, row) converted back to natural units (``m·ln2``, ``s``,
-``u·ln2``). The label's logit is stored by the split that holds it. Logits never reach
-memory. Rows are visited through ``perm`` (valid rows first; with ``USE_TMA`` the copy engine
-reads them from the host's gathered copy, or in place where a block's valid rows are
-consecutive in the original, ``DIRECT_ROWS``); a program whose rows all lie
-past the device-side valid count exits before any GEMM work, so ignored tokens cost nothing
-and the host never learns the count.
+``u·ln2``) into the planes of one partials buffer (``parts_ptr``: m, s, then u, then q). The
+label's logit is stored by the split that holds it. Logits never reach memory. Rows are visited
+through ``perm`` (valid rows first; with ``USE_TMA`` the copy engine reads them through a
+descriptor the program builds itself: in place in the original where its block's valid rows
+are consecutive there, ``DIRECT_ROWS``, else from the host's gathered copy, in one launch); a
+program whose rows all lie past the device-side valid count exits before any GEMM work, so
+ignored tokens cost nothing and the host never learns the count.
 
 Three constexpr options leave the default variant's code as it was: ``ROW_TEMP`` reads ``1/T``
 per row from ``inv_temp_ptr`` (a per-token temperature) instead of the scalar ``inv_temp``;
 ``WITH_U`` False (the entropy is off) skips the ``u`` sums and their store; ``WITH_Q`` True
 (Σπ² asked for) adds ``q = Σ 2^(2(z₂-m)) = Σ exp(2(z-m))`` beside ``s``, rescaled by the square of
-``s``'s factor, stored in ``part_q_ptr`` (unit-free like ``s``). Without it ``part_q_ptr`` is
-never read or written.
+``s``'s factor, stored in its own plane (unit-free like ``s``). Without it that plane does not
+exist.
 
 ``merge_splits_kernel``: per token, merges the split partials (online-softmax rescaling, as
 :func:`mcore_ppo.parallel.combine.merge_statistics`) into the shard's ``(m, s, u)`` (and ``q`` with
@@ -39,34 +40,27 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit(
-    do_not_specialize=["N", "direct_pass"],  # 0 / 1: one variant for both launches
+    do_not_specialize=["N"],
     do_not_specialize_on_alignment=[
         "perm_ptr",
         "count_ptr",
         "labels_ptr",
-        "part_m_ptr",
-        "part_s_ptr",
-        "part_u_ptr",
+        "parts_ptr",
         "y_ptr",
         "tmax_ptr",
         "inv_temp_ptr",
-        "part_q_ptr",
     ],
 )
 def stats_kernel(
     x_ptr,
+    xg_ptr,
     w_ptr,
-    x_desc,
-    w_desc,
     perm_ptr,
     count_ptr,
     labels_ptr,
-    part_m_ptr,
-    part_s_ptr,
-    part_u_ptr,
+    parts_ptr,
     y_ptr,
     buf_ptr,
-    buf_desc,
     tmax_ptr,
     N,
     V,
@@ -76,9 +70,7 @@ def stats_kernel(
     num_splits,
     inv_temp,
     n_tiles_v,
-    direct_pass,
     inv_temp_ptr,
-    part_q_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -101,18 +93,29 @@ def stats_kernel(
     count = tl.load(count_ptr)
     if pid_m * BLOCK_M >= count:
         return
-    # DIRECT_ROWS (TMA): the host launches this kernel twice. ``direct_pass`` 1: only the blocks
-    # whose valid rows are consecutive in the original hidden (every block when nothing is
-    # ignored), read in place through ``x_desc`` over it; 0: the other blocks, from the host's
-    # gathered copy. (One launch with both descriptors would compile two pipelined K loops
-    # whose operand stages do not fit shared memory together.)
     row0 = pid_m * BLOCK_M
-    if DIRECT_ROWS:
-        direct, first = contiguous_block(perm_ptr, count, N, row0, BLOCK_M)
-        if direct != (direct_pass != 0):
-            return
-        row0 = tl.where(direct, first, row0)
-    # After the pass check: the programs the other launch owns exit before loading anything more.
+    if USE_TMA:
+        # The descriptors are built here, per program, from plain pointers (a host descriptor
+        # would be encoded again by Triton's launcher on every launch; the scratch they live in
+        # comes from the allocator the launcher installs). The rows' descriptor reads in place
+        # in the original hidden when the block's valid rows are consecutive there (DIRECT_ROWS;
+        # every block when nothing is ignored), else from the host's gathered copy (contiguous,
+        # compacted order): one launch and one pipelined K loop for both kinds of block.
+        w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [stride_w, 1], [BLOCK_N, BLOCK_K])
+        if DIRECT_ROWS:
+            direct, first = contiguous_block(perm_ptr, count, N, row0, BLOCK_M)
+            row0 = tl.where(direct, first, row0)
+            x_base = tl.where(direct, x_ptr, xg_ptr)
+            x_stride = tl.where(direct, stride_x, H)
+        else:
+            x_base = xg_ptr
+            x_stride = H
+        x_desc = tl.make_tensor_descriptor(x_base, [N, H], [x_stride, 1], [BLOCK_M, BLOCK_K])
+    else:
+        x_desc = x_ptr
+        w_desc = w_ptr
+    if BUF_TMA:
+        buf_desc = tl.make_tensor_descriptor(buf_ptr, [N, V], [V, 1], [BLOCK_M, BLOCK_N])
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < count
     rows = tl.load(perm_ptr + offs_m, mask=offs_m < N, other=0)
@@ -205,13 +208,18 @@ def stats_kernel(
             s_i = alpha * s_i + tl.sum(e, 1)
             m_i = m_new
 
-    part = pid_n * N + offs_m
-    tl.store(part_m_ptr + part, m_i * LN2, mask=row_ok)
-    tl.store(part_s_ptr + part, s_i, mask=row_ok)
+    # The partials' planes in one buffer: m, s, then u (WITH_U), then q (WITH_Q), each [splits, N].
+    plane = num_splits.to(tl.int64) * N
+    part = parts_ptr + pid_n * N + offs_m
+    tl.store(part, m_i * LN2, mask=row_ok)
+    tl.store(part + plane, s_i, mask=row_ok)
     if WITH_U:
-        tl.store(part_u_ptr + part, u_i * LN2, mask=row_ok)
+        tl.store(part + 2 * plane, u_i * LN2, mask=row_ok)
     if WITH_Q:
-        tl.store(part_q_ptr + part, q_i, mask=row_ok)
+        if WITH_U:
+            tl.store(part + 3 * plane, q_i, mask=row_ok)
+        else:
+            tl.store(part + 2 * plane, q_i, mask=row_ok)
     split_hi = split_lo + TILES_PER_SPLIT * BLOCK_N
     mine = row_ok & (labels >= split_lo) & (labels < split_hi)
     tl.store(y_ptr + rows, y_i * inv_t, mask=mine)
@@ -219,17 +227,25 @@ def stats_kernel(
 
 @triton.jit
 def _merge_rows(
-    part_m_ptr, part_s_ptr, part_u_ptr, part_q_ptr, offs_t, valid, N, num_splits,
+    parts_ptr, offs_t, valid, N, num_splits,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, WITH_U: tl.constexpr, WITH_Q: tl.constexpr,
 ):  # fmt: skip
     """``(m, s, u, q)`` of the compacted tokens ``offs_t`` merged over the splits (0 where not
-    ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor)."""
+    ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor). ``parts_ptr``: the
+    planes of :func:`stats_kernel` (m, s, then u with ``WITH_U``, then q with ``WITH_Q``)."""
+    plane = num_splits.to(tl.int64) * N
+    part_s_ptr = parts_ptr + plane
+    part_u_ptr = parts_ptr + 2 * plane
+    if WITH_U:
+        part_q_ptr = parts_ptr + 3 * plane
+    else:
+        part_q_ptr = parts_ptr + 2 * plane
     offs_s = tl.arange(0, BLOCK_S)
     m_all = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
         idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
-        m_all = tl.maximum(m_all, tl.max(tl.load(part_m_ptr + idx, mask=mask, other=float("-inf")), 1))
+        m_all = tl.maximum(m_all, tl.max(tl.load(parts_ptr + idx, mask=mask, other=float("-inf")), 1))
     m_safe = tl.where(valid, m_all, 0.0)
 
     s_all = tl.zeros((BLOCK_T,), tl.float32)
@@ -238,7 +254,7 @@ def _merge_rows(
     for s0 in range(0, num_splits, BLOCK_S):
         mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
         idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
-        pm = tl.load(part_m_ptr + idx, mask=mask, other=0.0)
+        pm = tl.load(parts_ptr + idx, mask=mask, other=0.0)
         ps = tl.load(part_s_ptr + idx, mask=mask, other=0.0)
         if WITH_U:
             pu = tl.load(part_u_ptr + idx, mask=mask, other=0.0)
@@ -255,48 +271,31 @@ def _merge_rows(
 
 @triton.jit(
     do_not_specialize=["N"],
-    do_not_specialize_on_alignment=[
-        "part_m_ptr",
-        "part_s_ptr",
-        "part_u_ptr",
-        "perm_ptr",
-        "count_ptr",
-        "m_ptr",
-        "s_ptr",
-        "u_ptr",
-        "part_q_ptr",
-        "q_ptr",
-    ],
+    do_not_specialize_on_alignment=["parts_ptr", "perm_ptr", "count_ptr", "m_ptr", "s_ptr", "u_ptr", "q_ptr"],
 )
 def merge_splits_kernel(
-    part_m_ptr,
-    part_s_ptr,
-    part_u_ptr,
+    parts_ptr,
     perm_ptr,
     count_ptr,
     m_ptr,
     s_ptr,
     u_ptr,
+    q_ptr,
     N,
     num_splits,
-    part_q_ptr,
-    q_ptr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WITH_U: tl.constexpr = True,
     WITH_Q: tl.constexpr = False,
 ):
-    """Shard ``(m, s, u)`` per token from the ``[num_splits, N]`` partials (rows via ``perm``);
+    """Shard ``(m, s, u)`` per token from the partials' ``[splits, N]`` planes (rows via ``perm``);
     without ``WITH_U`` only ``(m, s)``; with ``WITH_Q`` also ``q`` (1 for ignored tokens)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = offs_t < N
     count = tl.load(count_ptr)
     valid = offs_t < count
     rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
-    m_safe, s_all, u_all, q_all = _merge_rows(
-        part_m_ptr, part_s_ptr, part_u_ptr, part_q_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U,
-        WITH_Q,
-    )  # fmt: skip
+    m_safe, s_all, u_all, q_all = _merge_rows(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U, WITH_Q)
     tl.store(m_ptr + rows, m_safe, mask=in_n)
     tl.store(s_ptr + rows, tl.where(valid, s_all, 1.0), mask=in_n)
     if WITH_U:
@@ -329,7 +328,7 @@ def _finish_rows(
     vocab_size,
     max_entropy,
     sum_pi_squared,
-    sp_out_ptr,
+    sum_pi_squared_out_ptr,
     WITH_U: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
     WITH_Q: tl.constexpr,
@@ -354,15 +353,13 @@ def _finish_rows(
         floor = 1.0 / vocab_size.to(tl.float32)
         sp = tl.where(sum_pi_squared < floor, floor, sum_pi_squared)
         sp = tl.where(sp > 1.0, 1.0, sp)
-        tl.store(sp_out_ptr + rows, tl.where(valid, sp, 0.0), mask=in_n)
+        tl.store(sum_pi_squared_out_ptr + rows, tl.where(valid, sp, 0.0), mask=in_n)
 
 
 @triton.jit(
     do_not_specialize=["N", "stride_l", "vocab_size"],
     do_not_specialize_on_alignment=[
-        "part_m_ptr",
-        "part_s_ptr",
-        "part_u_ptr",
+        "parts_ptr",
         "perm_ptr",
         "count_ptr",
         "y_ptr",
@@ -371,14 +368,11 @@ def _finish_rows(
         "ent_ptr",
         "lp_ptr",
         "ent_out_ptr",
-        "part_q_ptr",
-        "sp_out_ptr",
+        "sum_pi_squared_out_ptr",
     ],
 )
 def merge_finish_kernel(
-    part_m_ptr,
-    part_s_ptr,
-    part_u_ptr,
+    parts_ptr,
     perm_ptr,
     count_ptr,
     y_ptr,
@@ -387,13 +381,12 @@ def merge_finish_kernel(
     ent_ptr,
     lp_ptr,
     ent_out_ptr,
+    sum_pi_squared_out_ptr,
     N,
     num_splits,
     stride_l,
     vocab_size,
     max_entropy,
-    part_q_ptr,
-    sp_out_ptr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WITH_U: tl.constexpr,
@@ -412,10 +405,7 @@ def merge_finish_kernel(
     count = tl.load(count_ptr)
     valid = offs_t < count
     rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
-    m_safe, s_all, u_all, q_all = _merge_rows(
-        part_m_ptr, part_s_ptr, part_u_ptr, part_q_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U,
-        WITH_Q,
-    )  # fmt: skip
+    m_safe, s_all, u_all, q_all = _merge_rows(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U, WITH_Q)
     s = tl.where(valid, s_all, 1.0)
     log_s = _log(s, LIBDEVICE)
     lse = m_safe + log_s
@@ -431,14 +421,15 @@ def merge_finish_kernel(
         sum_pi_squared = tl.math.div_rn(tl.where(valid, q_all, 1.0), s * s)
     _finish_rows(
         lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
-        max_entropy, sum_pi_squared, sp_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
+        max_entropy, sum_pi_squared, sum_pi_squared_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
     )  # fmt: skip
 
 
 @triton.jit(
     do_not_specialize=["N", "stride_l", "ignore_index", "vocab_size"],
     do_not_specialize_on_alignment=[
-        "lse_ptr", "ent_ptr", "y_ptr", "labels_ptr", "lp_ptr", "ent_out_ptr", "sp_ptr", "sp_out_ptr",
+        "lse_ptr", "ent_ptr", "y_ptr", "labels_ptr", "lp_ptr", "ent_out_ptr", "sum_pi_squared_ptr",
+        "sum_pi_squared_out_ptr",
     ],
 )  # fmt: skip
 def finish_kernel(
@@ -453,16 +444,16 @@ def finish_kernel(
     ignore_index,
     vocab_size,
     max_entropy,
-    sp_ptr,
-    sp_out_ptr,
+    sum_pi_squared_ptr,
+    sum_pi_squared_out_ptr,
     BLOCK_T: tl.constexpr,
     WITH_U: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
     WITH_Q: tl.constexpr = False,
 ):
     """The head's outputs from the combined (over TP) ``lse``, ``H`` (and with ``WITH_Q`` Σπ²
-    from ``sp_ptr``) and label logit ``y``, per token in place order: :func:`_finish_rows` with
-    ``valid = label != ignore_index``."""
+    from ``sum_pi_squared_ptr``) and label logit ``y``, per token in place order:
+    :func:`_finish_rows` with ``valid = label != ignore_index``."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = rows < N
     label = tl.load(labels_ptr + rows.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
@@ -473,8 +464,8 @@ def finish_kernel(
         entropy = tl.load(ent_ptr + rows, mask=in_n, other=0.0)
     sum_pi_squared = lse
     if WITH_Q:
-        sum_pi_squared = tl.load(sp_ptr + rows, mask=in_n, other=0.0)
+        sum_pi_squared = tl.load(sum_pi_squared_ptr + rows, mask=in_n, other=0.0)
     _finish_rows(
         lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
-        max_entropy, sum_pi_squared, sp_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
+        max_entropy, sum_pi_squared, sum_pi_squared_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
     )  # fmt: skip

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from mcore_ppo import verdict
 from mcore_ppo.backends import TorchBackend, clear_backend_cache, resolve_backend, triton_host
+from mcore_ppo_testing.bench import fp32_gemm_path
 
 
 class _ReportsCuda(torch.Tensor):
@@ -71,7 +72,7 @@ def test_capability_probe(monkeypatch):
     monkeypatch.setattr(triton_host, "fp32_output_gemms", lambda device_type="cuda": (True, False))
     a = _as_cuda(torch.zeros(4, 3, dtype=torch.bfloat16))
     assert triton_host.mm_fp32(a, a.t()).dtype == torch.float32 and calls == [torch.float32]
-    assert triton_host.fp32_gemm_path("cpu")["mm"] == "fp32 upcast + mm"
+    assert fp32_gemm_path("cpu")["mm"] == "fp32 upcast + mm"
 
 
 def test_named_backends_are_built_once():

@@ -5,7 +5,9 @@ microseconds of Python and dispatch, whatever the tensor sizes). Timing them wou
 number does not. At fixed shapes these tests count, for a no-grad forward, a forward that keeps
 a backward, and the backward, every aten op the host issues (a ``TorchDispatchMode``; the ops
 Triton's CPU interpreter runs inside a launch are not the host's and are left out) and every
-launch (:func:`mcore_ppo.backends.triton_launch.launch_count`), and hold them to upper bounds.
+launch (the backend's :class:`~mcore_ppo.backends.triton_launch.Launcher` counts them), and hold
+them to upper bounds. Every backend here checks each launch site's key against Triton's own
+specialisation of the arguments (:class:`mcore_ppo_testing.launch_checks.CheckedLauncher`).
 
 They also check that the fused forward (``head_forward``: labels prepared and outputs finished
 inside the kernels) equals the generic path over ``shard_statistics`` (to the last bit of the
@@ -31,9 +33,10 @@ if _SET_INTERPRET:
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
 from mcore_ppo import fused_log_probs_and_entropy, ops  # noqa: E402
-from mcore_ppo.backends import triton_config, triton_launch  # noqa: E402
+from mcore_ppo.backends import triton_config  # noqa: E402
 from mcore_ppo.backends.base import SavedTokens  # noqa: E402
 from mcore_ppo.parallel.combine import combine_shard_statistics  # noqa: E402
+from mcore_ppo_testing.launch_checks import CheckedLauncher  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 
@@ -47,13 +50,10 @@ pytestmark = pytest.mark.skipif(DEVICE.type == "cuda", reason="counts of the CPU
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """The interpreter on; every launch site's key checked against Triton's own specialisation
-    of the arguments (its binder: :func:`triton_launch.checked_sites`)."""
+    """The interpreter on."""
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("MCORE_PPO_BUFFER_BUDGET_BYTES", raising=False)
-    with triton_launch.checked_sites():
-        yield
 
 
 # The head's own ops, whose implementations (Python) issue the aten ops counted here.
@@ -82,7 +82,8 @@ class _Counting(TorchDispatchMode):
 
 @pytest.fixture
 def counting(monkeypatch):
-    """``measure(fn) -> (aten ops, launches)`` of one call of ``fn``."""
+    """``measure(fn, backend) -> (aten ops, launches)`` of one call of ``fn`` (the launches
+    through ``backend``'s launcher)."""
     mode = _Counting()
     for name in KERNELS:
         kernel = getattr(kernels, name)
@@ -97,12 +98,12 @@ def counting(monkeypatch):
 
         monkeypatch.setattr(kernel, "run", run)
 
-    def measure(fn):
+    def measure(fn, backend):
         mode.ops.clear()
-        before = triton_launch.launch_count()
+        before = backend.launcher.launches
         with mode:
             fn()
-        return dict(mode.ops), triton_launch.launch_count() - before
+        return dict(mode.ops), backend.launcher.launches - before
 
     return measure
 
@@ -120,14 +121,15 @@ def _case(n=37, h=16, v=40, *, dtype=torch.float32, seed=None, ignored=0.3, bad_
 
 
 def _backend(*, tma: bool = False, **settings) -> triton_backend.TritonBackend:
-    """A triton backend with ``settings`` (:class:`TritonConfig` fields); ``tma``: operands and
-    dz through host TMA descriptors (what the H200 runs), in the interpreter's small tiles."""
+    """A triton backend with ``settings`` (:class:`TritonConfig` fields) whose launcher checks
+    every site; ``tma``: operands and dz through TMA descriptors (what the H200 runs), in the
+    interpreter's small tiles."""
     if tma:
         settings |= {
             "forward_config": replace(triton_config.INTERPRETER_FORWARD, use_tma=True),
             "backward_config": replace(triton_config.INTERPRETER_BACKWARD, use_tma=True),
         }
-    return triton_backend.TritonBackend(triton_backend.TritonConfig(**settings))
+    return triton_backend.TritonBackend(triton_backend.TritonConfig(**settings), launcher=CheckedLauncher())
 
 
 # (no-grad forward, forward, backward): most aten ops, launches. The fused forward's ops are its
@@ -135,8 +137,8 @@ def _backend(*, tma: bool = False, **settings) -> triton_backend.TritonBackend:
 # the backward's its buffers and GEMMs (on CPU, fp32 products added separately) and, inside the
 # op, the upstream gradients' conversions to fp32 (no-ops for fp32 gradients, still dispatched).
 BOUNDS = {
-    ("fp32", "recompute"): ((10, 3), (13, 3), (12, 3)),
-    ("bf16-tma", "buffer"): ((11, 5), (16, 5), (14, 3)),
+    ("fp32", "recompute"): ((8, 3), (11, 3), (12, 3)),
+    ("bf16-tma", "buffer"): ((9, 4), (14, 4), (14, 3)),
 }
 
 
@@ -158,8 +160,8 @@ def test_ops_and_launches_per_call(counting, dtype, mode):
     for _ in range(2):  # every plan and compile made
         nograd()
         torch.autograd.backward(list(call()), grads)
-    counts = [counting(nograd), counting(lambda: kept.setdefault("out", call()))]
-    counts.append(counting(lambda: torch.autograd.backward(list(kept.pop("out")), grads)))
+    counts = [counting(nograd, backend), counting(lambda: kept.setdefault("out", call()), backend)]
+    counts.append(counting(lambda: torch.autograd.backward(list(kept.pop("out")), grads), backend))
     for (ops, launches), (max_ops, max_launches), what in zip(
         counts, BOUNDS[(dtype, mode)], ("no-grad forward", "forward", "backward"), strict=True
     ):
@@ -180,9 +182,9 @@ def test_fused_forward_has_fewer_ops_than_the_generic_path(counting):
             fused_log_probs_and_entropy(hidden, weight, labels, backend=backend, validate=False)
 
     nograd(fused)
-    fused_ops, fused_launches = counting(lambda: nograd(fused))
+    fused_ops, fused_launches = counting(lambda: nograd(fused), fused)
     nograd(generic)
-    generic_ops, generic_launches = counting(lambda: nograd(generic))
+    generic_ops, generic_launches = counting(lambda: nograd(generic), generic)
     assert sum(fused_ops.values()) * 2 < sum(generic_ops.values()), (fused_ops, generic_ops)
     assert fused_launches <= generic_launches
 
@@ -261,7 +263,7 @@ def test_combined_epilogue_equals_generic(vocab_start):
     hidden, weight, labels, _ = _case(bad_label=True)
     labels = torch.where(labels == IGNORE_INDEX, labels, labels + vocab_start)
     vocab_size = weight.shape[0] + 24
-    backend = triton_backend.TritonBackend()
+    backend = _backend()
     kw = {"ignore_index": IGNORE_INDEX, "vocab_start": vocab_start, "vocab_size": vocab_size, "grad_needed": True}
     max_entropy = 3.0
 
@@ -302,11 +304,12 @@ def test_combined_epilogue_equals_generic(vocab_start):
 
 def test_no_fast_launch_under_the_interpreter():
     """The interpreter has no compiled kernels: every launch takes ``kernel[grid](...)``."""
-    assert not triton_launch.fast_available()
+    backend = triton_backend.TritonBackend()
+    assert not backend.launcher.fast()
     hidden, weight, labels, _ = _case(seed=3)
     with torch.no_grad():
-        fused_log_probs_and_entropy(hidden, weight, labels, backend=triton_backend.TritonBackend())
-    assert all(not triton_launch.fast_level(getattr(kernels, name)) for name in KERNELS)
+        fused_log_probs_and_entropy(hidden, weight, labels, backend=backend)
+    assert all(not backend.launcher.fast_level(getattr(kernels, name)) for name in KERNELS)
 
 
 def test_rescale_in_fewer_ops_gives_the_same_bits():

@@ -102,14 +102,16 @@ def test_entropy_off_keeps_m_s_y_and_buffer(budget, per_token):
 
 def test_merge_splits_without_u():
     from mcore_ppo.backends.triton_host import compact_rows, merge_splits
+    from mcore_ppo.backends.triton_launch import Launcher
 
     gen = generator(next_seed())
     n, splits = 70, 5
     parts = torch.randn(3, splits, n, generator=gen).to(DEVICE)
     parts[1] = parts[1].abs() + 0.1
     valid = (torch.rand(n, generator=gen) < 0.8).to(DEVICE)
-    perm, count = compact_rows(valid)
-    m, s, u = merge_splits(parts, perm, count)
-    m2, s2, u2 = merge_splits(parts[:2].contiguous(), perm, count, with_u=False)
+    launch = Launcher().bound()
+    perm, count = compact_rows(valid, launch)
+    m, s, u = merge_splits(parts, perm, count, launch)
+    m2, s2, u2 = merge_splits(parts[:2].contiguous(), perm, count, launch, with_u=False)
     assert u2 is None and u is not None
     assert torch.equal(m, m2) and torch.equal(s, s2)

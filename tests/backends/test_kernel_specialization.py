@@ -26,7 +26,6 @@ triton = pytest.importorskip("triton")
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
 from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
-from mcore_ppo.backends import triton_launch  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 
@@ -50,8 +49,8 @@ def _binder(kernel):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every launch of every kernel: ``{name: [specialisation key, ...]}`` (kept compiled
-    kernels off: they skip ``kernel.run`` for sites an earlier test in the process launched)."""
+    """Every launch of every kernel: ``{name: [specialisation key, ...]}`` (the backends here
+    keep no compiled kernels: those skip ``kernel.run``)."""
     if _SET_INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     seen: dict[str, list[str]] = {name: [] for name in KERNELS}
@@ -68,15 +67,14 @@ def launches(monkeypatch):
             return _original(*args, grid=grid, warmup=warmup, **kwargs)
 
         monkeypatch.setattr(kernel, "run", run)
-    with triton_launch.normal_launches():
-        yield seen
+    yield seen
 
 
 def _backend(budget: int, *, tma: bool) -> triton_backend.TritonBackend:
-    """The triton backend with this probability-buffer budget; ``tma``: operands, dz and buffer
-    tiles through the copy engine (the GPU's default configs already do; the interpreter's small
-    tiles are switched to it)."""
-    config = triton_backend.TritonConfig(buffer_budget_bytes=budget)
+    """The triton backend with this probability-buffer budget, every launch through Triton's
+    own dispatch; ``tma``: operands, dz and buffer tiles through the copy engine (the GPU's
+    default configs already do; the interpreter's small tiles are switched to it)."""
+    config = triton_backend.TritonConfig(buffer_budget_bytes=budget, kept_kernels=False)
     forward, _ = config.resolved_forward()
     if tma and not forward.use_tma:
         backward = config.resolved_backward()

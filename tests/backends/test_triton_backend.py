@@ -25,6 +25,7 @@ from mcore_ppo.api import fused_log_probs_and_entropy  # noqa: E402
 from mcore_ppo.backends import resolve_backend, triton_config  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
 from mcore_ppo.backends.triton_host import compact_rows, descriptor_ok  # noqa: E402
+from mcore_ppo.backends.triton_launch import Launcher  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 from mcore_ppo_testing.unset_buffers import nan_filled_unset_buffers  # noqa: E402
@@ -393,7 +394,7 @@ def test_gather_skips_exactly_the_blocks_read_in_place():
     valid = torch.ones(n, dtype=torch.bool)
     valid[[5, 13, 14]] = False  # blocks 1 and 3 mix in a gap; block 5 is past the count
     hidden = torch.randn(n, h, generator=generator(next_seed())).to(DEVICE)
-    perm, count = compact_rows(valid.to(DEVICE))
+    perm, count = compact_rows(valid.to(DEVICE), Launcher().bound())
     dst = torch.full((n, h), -7.0, device=DEVICE)
     gather_rows_kernel[(n,)](hidden, perm, count, dst, n, h, hidden.stride(0), block_m, BLOCK_H=16)
     k = int(valid.sum())
@@ -417,7 +418,7 @@ def test_compact_rows(n):
     """Valid rows first, in order, then the ignored ones; over several of the kernel's steps too."""
     gen = generator(next_seed())
     valid = torch.rand(n, generator=gen) < 0.6
-    perm, count = compact_rows(valid.to(DEVICE))
+    perm, count = compact_rows(valid.to(DEVICE), Launcher().bound())
     k = int(valid.sum())
     assert count.tolist() == [k] and count.dtype == torch.int32
     assert perm[:k].tolist() == torch.nonzero(valid).flatten().tolist()

@@ -1,20 +1,23 @@
 """The launch module's paths, on CPU: stand-in kernels for the kept-kernel path, the interpreter for the rest.
 
 :mod:`mcore_ppo.backends.triton_launch` launches a site's first call through ``kernel[grid]``
-and later ones through the kept ``CompiledKernel``'s ``__getitem__``. Without a GPU there is no
-compiled kernel, so the kept-kernel path runs here on stand-ins: a kernel whose ``params`` are
-a real ``JITFunction``'s (Triton's own parameter objects), a ``CompiledKernel`` subclass that
-records its launches, and a driver that names the device and stream. The normal path and the
-check mode's binder run real kernels in Triton's interpreter. One test reads the module's
-source: it may reach nothing private of Triton's.
+and later ones through the runner of the kept ``CompiledKernel`` (its ``__getitem__``, once per
+grid). Without a GPU there is no compiled kernel, so the kept-kernel path runs here on
+stand-ins: a kernel whose ``params`` are a real ``JITFunction``'s (Triton's own parameter
+objects), a ``CompiledKernel`` subclass that records its launches, and a driver that names the
+device and stream. The normal path and the site checks of
+:class:`mcore_ppo_testing.launch_checks.CheckedLauncher` run real kernels in Triton's
+interpreter. One test reads the module's source: it may reach nothing private of Triton's.
 """
 
 from __future__ import annotations
 
 import ast
+import contextvars
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,8 +34,9 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from mcore_ppo import logs  # noqa: E402
-from mcore_ppo.backends import triton_host, triton_launch  # noqa: E402
-from mcore_ppo.backends.triton_launch import LaunchConfig, Launcher, SiteKeyError, TmaDesc  # noqa: E402
+from mcore_ppo.backends import triton_launch  # noqa: E402
+from mcore_ppo.backends.triton_launch import Launcher, host_descriptor  # noqa: E402
+from mcore_ppo_testing.launch_checks import CheckedLauncher, SiteKeyError  # noqa: E402
 
 
 def scale_fn(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, SQUARE: tl.constexpr = False):
@@ -72,13 +76,17 @@ def interpreter(monkeypatch):
 
 
 class Compiled(CompiledKernel):
-    """A ``CompiledKernel`` (so the launcher keeps it) that records ``self[grid](*args, stream=)``."""
+    """A ``CompiledKernel`` (so the launcher keeps it) that records ``self[grid](*args, stream=)``
+    and each grid it made a runner for."""
 
     def __init__(self, name: str = "compiled"):  # no binary to load: none of the base's state
         self.name = name
         self.calls: list[tuple] = []
+        self.runners: list[tuple] = []
 
     def __getitem__(self, grid):
+        self.runners.append(grid)
+
         def runner(*args, stream=None):
             self.calls.append((grid, args, stream))
 
@@ -122,9 +130,9 @@ class Driver:
         return 1000 + device
 
 
-def _launcher(**config) -> tuple[Launcher, Driver]:
+def _launcher(cls=Launcher, **settings) -> tuple[Launcher, Driver]:
     driver = Driver()
-    return Launcher(LaunchConfig(**config), fast_here=True, driver=driver), driver
+    return cls(fast_here=True, driver=driver, **settings), driver
 
 
 X, OUT = torch.zeros(4), torch.zeros(4)
@@ -146,7 +154,33 @@ def test_first_launch_per_site_is_normal_then_the_kept_kernel_with_the_constexpr
     ]
     assert launcher.launches == 3
     assert launcher.fast_level(kernel) == {(0, site): "compiled"}
-    assert not kernel.warmups  # check mode off: Triton's dispatch is not asked
+    assert compiled.runners == [(3, 2, 1)]  # one runner per grid, kept
+    assert not kernel.warmups  # a plain launcher does not ask Triton's dispatch
+
+
+def test_a_bound_launcher_asks_the_device_and_stream_once_and_installs_the_scratch_allocator():
+    launcher, driver = _launcher()
+    kernel = Kernel()
+    asked = []
+    ask = driver.get_current_stream
+    driver.get_current_stream = lambda device: asked.append(device) or ask(device)
+
+    def call():
+        launch = launcher.bound()
+        for n in (4, 5, 6):
+            launch(kernel, (2,), (X, OUT, n, 1.0), {"BLOCK": 8}, "site")
+        return triton.runtime._allocation._allocator.get()
+
+    # A fresh context, as a thread that did not inherit the caller's (autograd's backward threads).
+    allocator = contextvars.Context().run(call)
+    assert allocator is triton_launch.set_scratch_allocator.__globals__["_scratch"]
+    assert asked == [0] and len(kernel.normal) == 1
+    assert kernel.returns.calls[-1] == ((2, 1, 1), (X, OUT, 6, 1.0, 8, False), 1000)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(triton.runtime._allocation._allocator.get()))
+    thread.start()
+    thread.join()
+    assert seen[0] is not allocator  # a new thread starts without it: each call installs it
 
 
 def test_defaults_fill_the_tail_and_each_device_and_site_has_its_own_first_launch():
@@ -173,12 +207,12 @@ def test_a_launch_without_site_is_always_normal():
     assert launcher.fast_level(kernel) == {}
 
 
-def test_host_descriptors_reach_triton_as_tensor_descriptors_on_both_paths():
+def test_host_descriptors_reach_triton_as_given_on_both_paths():
     launcher, _ = _launcher()
     kernel = Kernel(desc_copy_fn)
     src, out = torch.zeros(8, 16), torch.zeros(8, 16)
     for _ in range(2):
-        launcher.launch(kernel, (2,), (TmaDesc(src, (4, 16)), out, 16), {"BM": 4, "BN": 16}, "copy")
+        launcher.launch(kernel, (2,), (host_descriptor(src, (4, 16)), out, 16), {"BM": 4, "BN": 16}, "copy")
     (_, normal_args, _), (_, kept_args, _) = kernel.normal[0], kernel.returns.calls[0]
     for args in (normal_args, kept_args):
         desc = args[0]
@@ -237,21 +271,17 @@ def test_sites_that_do_not_map_onto_the_compiled_kernel_stay_normal():
     assert triton_launch.constexpr_tail(kernel, 4, {}) is None  # BLOCK has no default
 
 
-def test_normal_launches_config_and_unsupported_triton_take_the_normal_path(monkeypatch, caplog):
-    launcher, _ = _launcher(fast=False)
+def test_a_launcher_without_kept_kernels_and_unsupported_triton_take_the_normal_path(monkeypatch, caplog):
+    launcher, _ = _launcher(kept=False)
     kernel = Kernel()
     for _ in range(2):
         launcher.launch(kernel, (1,), (X, OUT, 4, 1.0), {"BLOCK": 8}, "site")
-    assert len(kernel.normal) == 2 and launcher.fast_level(kernel) == {}
-    with launcher.configured(fast=True):
-        for _ in range(2):
-            launcher.launch(kernel, (1,), (X, OUT, 4, 1.0), {"BLOCK": 8}, "site")
-    assert len(kernel.normal) == 3 and len(kernel.returns.calls) == 1
-    assert launcher.config == LaunchConfig(fast=False)
+        launcher.bound()(kernel, (1,), (X, OUT, 4, 1.0), {"BLOCK": 8}, "site")
+    assert len(kernel.normal) == 4 and launcher.fast_level(kernel) == {} and not launcher.fast()
 
     # The decision itself, as on a GPU machine: only Triton 3.6.x and 3.7.x keep kernels.
-    # (triton_host.interpreting caches its answer for the process: replaced, not re-read.)
-    monkeypatch.setattr(triton_host, "interpreting", lambda: False)
+    # (triton_launch.interpreting caches its answer for the process: replaced, not re-read.)
+    monkeypatch.setattr(triton_launch, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     logs.forget_logged()
     for version, fast in (("3.6.0", True), ("3.7.1", True), ("3.5.1", False), ("3.8.0", False), ("4.0.0", False)):
@@ -271,8 +301,8 @@ def test_normal_launches_config_and_unsupported_triton_take_the_normal_path(monk
     logs.forget_logged()
 
 
-def test_check_mode_asks_tritons_dispatch_and_raises_on_another_compiled_kernel():
-    launcher, _ = _launcher(check_sites=True)
+def test_the_checked_launcher_asks_tritons_dispatch_and_raises_on_another_compiled_kernel():
+    launcher, _ = _launcher(CheckedLauncher)
     kernel = Kernel()
     launcher.launch(kernel, (1,), (X, OUT, 16, 1.0), {"BLOCK": 8}, "site")
     launcher.launch(kernel, (1,), (X, OUT, 32, 1.0), {"BLOCK": 8}, "site")
@@ -301,52 +331,42 @@ class TestInterpreter:
     def test_no_kept_kernels_under_the_interpreter(self, interpreter):
         x = torch.arange(37, dtype=torch.float32)
         out = torch.empty_like(x)
-        before = triton_launch.launch_count()
+        launcher = Launcher()
+        launch = launcher.bound()
         for square in (False, True, True):
-            triton_launch.launch(scale_kernel, (3,), (x, out, 37, 0.5), {"BLOCK": 16, "SQUARE": square}, ("s", square))
+            launch(scale_kernel, (3,), (x, out, 37, 0.5), {"BLOCK": 16, "SQUARE": square}, ("s", square))
             torch.testing.assert_close(out, (x * 0.5) ** 2 if square else x * 0.5)
-        assert triton_launch.launch_count() - before == 3
-        assert not triton_launch.fast_available() and triton_launch.fast_level(scale_kernel) == {}
+        assert launcher.launches == 3
+        assert not launcher.fast() and launcher.fast_level(scale_kernel) == {}
 
-    def test_check_mode_uses_tritons_binder(self, interpreter):
+    def test_the_checked_launcher_uses_tritons_binder(self, interpreter):
         """Triton specialises an integer on divisibility by 16: a site that lets ``n`` change
         class is caught; with ``n`` unspecialised (``do_not_specialize``) it is not."""
         x = torch.arange(64, dtype=torch.float32)
         out = torch.empty_like(x)
-        with triton_launch.checked_sites():
-            for n in (16, 32, 48):
-                triton_launch.launch(scale_kernel, (4,), (x, out, n, 1.0), {"BLOCK": 16}, "coarse")
-            for n in (16, 17, 1):
-                triton_launch.launch(n_free_scale_kernel, (4,), (x, out, n, 1.0), {"BLOCK": 16}, "coarse")
-            with pytest.raises(SiteKeyError, match="two specialisations"):
-                triton_launch.launch(scale_kernel, (4,), (x, out, 17, 1.0), {"BLOCK": 16}, "coarse")
-            with pytest.raises(SiteKeyError):  # a constexpr is part of the key too
-                triton_launch.launch(scale_kernel, (4,), (x, out, 16, 1.0), {"BLOCK": 32}, "coarse")
-            with pytest.raises(SiteKeyError):  # so is a pointer's 16-byte alignment
-                triton_launch.launch(scale_kernel, (4,), (x[1:], out, 16, 1.0), {"BLOCK": 16}, "coarse")
-        # Outside check mode the site key is trusted.
-        triton_launch.launch(scale_kernel, (4,), (x, out, 17, 1.0), {"BLOCK": 16}, "coarse")
+        launch = CheckedLauncher().launch
+        for n in (16, 32, 48):
+            launch(scale_kernel, (4,), (x, out, n, 1.0), {"BLOCK": 16}, "coarse")
+        for n in (16, 17, 1):
+            launch(n_free_scale_kernel, (4,), (x, out, n, 1.0), {"BLOCK": 16}, "coarse")
+        with pytest.raises(SiteKeyError, match="two specialisations"):
+            launch(scale_kernel, (4,), (x, out, 17, 1.0), {"BLOCK": 16}, "coarse")
+        with pytest.raises(SiteKeyError):  # a constexpr is part of the key too
+            launch(scale_kernel, (4,), (x, out, 16, 1.0), {"BLOCK": 32}, "coarse")
+        with pytest.raises(SiteKeyError):  # so is a pointer's 16-byte alignment
+            launch(scale_kernel, (4,), (x[1:], out, 16, 1.0), {"BLOCK": 16}, "coarse")
+        # A plain launcher trusts the site key.
+        Launcher().launch(scale_kernel, (4,), (x, out, 17, 1.0), {"BLOCK": 16}, "coarse")
 
     def test_descriptors_under_the_interpreter_and_their_dtype_in_the_key(self, interpreter):
         src = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)
         out = torch.zeros_like(src)
-        with triton_launch.checked_sites():
-            triton_launch.launch(desc_copy_kernel, (2,), (TmaDesc(src, (4, 16)), out, 16), {"BM": 4, "BN": 16}, "d")
-            assert torch.equal(out, src)
-            with pytest.raises(SiteKeyError):
-                half = src.half()
-                triton_launch.launch(
-                    desc_copy_kernel, (2,), (TmaDesc(half, (4, 16)), out, 16), {"BM": 4, "BN": 16}, "d"
-                )
-
-    def test_normal_launches_and_checked_sites_restore_the_config(self):
-        with triton_launch.normal_launches() as config:
-            assert config == LaunchConfig(fast=False)
-            with triton_launch.checked_sites() as inner:
-                assert inner == LaunchConfig(fast=False, check_sites=True)
-        assert triton_launch.fast_level(scale_kernel) == {}
-        with triton_launch.launch_config() as config:
-            assert config == LaunchConfig()
+        launch = CheckedLauncher().launch
+        launch(desc_copy_kernel, (2,), (host_descriptor(src, (4, 16)), out, 16), {"BM": 4, "BN": 16}, "d")
+        assert torch.equal(out, src)
+        with pytest.raises(SiteKeyError):
+            half = src.half()
+            launch(desc_copy_kernel, (2,), (host_descriptor(half, (4, 16)), out, 16), {"BM": 4, "BN": 16}, "d")
 
 
 # ---------------------------------------------------------------------------------------------

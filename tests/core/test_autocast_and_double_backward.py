@@ -20,8 +20,8 @@ import torch
 from head_checks import TRITON_ON_CPU, entry_point, plain_case
 
 import mcore_ppo
-from mcore_ppo.shard import NO_DOUBLE_BACKWARD
 from mcore_ppo.liger import is_available as liger_available
+from mcore_ppo.shard import NO_DOUBLE_BACKWARD
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 

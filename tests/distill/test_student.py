@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import mcore_ppo
-from mcore_ppo.ops import dummy_weight_grad
 from mcore_ppo.backends import TorchBackend, TorchConfig, import_optional
+from mcore_ppo.ops import dummy_weight_grad
 from mcore_ppo_testing.reference import assert_close
 from mcore_ppo_testing.seeds import generator, next_seed
 from mcore_ppo_testing.student_fold import record_folds
@@ -422,6 +422,7 @@ def test_onehot_kernels():
     from mcore_ppo.backends import TritonConfig, triton_ids
     from mcore_ppo.backends.base import SparseGradient
     from mcore_ppo.backends.triton_host import compact_rows
+    from mcore_ppo.backends.triton_launch import Launcher
 
     config = TritonConfig(**SMALL_KERNELS)
     gen = generator(next_seed())
@@ -437,8 +438,9 @@ def test_onehot_kernels():
     valid[[1, 5]] = False
     ids[[1, 5]] = -1
     temperature = 0.5 + torch.rand(n, generator=gen)
-    perm, count = compact_rows(valid)
-    ids_m, g_m = triton_ids.merged_onehot(config, SparseGradient(ids, g), perm, count, temperature, temperature)
+    launch = Launcher().bound()
+    perm, count = compact_rows(valid, launch)
+    ids_m, g_m = triton_ids.merged_onehot(config, launch, SparseGradient(ids, g), perm, count, temperature, temperature)
     inv_t = (1.0 / temperature.double()).float()
     want_ids = torch.full((n, k), -1, dtype=torch.int64)
     want_g = torch.zeros(n, k)
@@ -455,7 +457,7 @@ def test_onehot_kernels():
     workspace = torch.randn(n, 32, generator=gen).to(torch.bfloat16)
     before = workspace.clone()
     dz = workspace[:, :vc]
-    triton_ids.add_onehot(config, dz, (ids_m, g_m), v0, vc)
+    triton_ids.add_onehot(config, launch, dz, (ids_m, g_m), v0, vc)
     exact = before.float()
     hit = torch.zeros(n, 32, dtype=torch.bool)
     for r in range(n):

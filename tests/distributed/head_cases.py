@@ -168,14 +168,17 @@ def run_head(
     device: torch.device = DEVICE,
     small_chunks: bool = True,
     ignore_index: int = IGNORE,
+    compiled: bool = False,
 ) -> HeadResult:
     """Forward and backward of the public API on copies of the inputs (leaves on ``device``).
 
     An upstream gradient of None leaves that output unused (no gradient flows from it).
+    ``compiled``: the function under ``torch.compile(fullgraph=True)`` (default options).
     """
     h = hidden.detach().clone().to(device).requires_grad_(True)
     w = weight.detach().clone().to(device).requires_grad_(True)
-    log_prob, entropy = fused_log_probs_and_entropy(
+    head = torch.compile(fused_log_probs_and_entropy, fullgraph=True) if compiled else fused_log_probs_and_entropy
+    log_prob, entropy = head(
         h,
         w,
         labels.to(device),

@@ -80,6 +80,29 @@ def test_tp_only_log_prob_used(tp, check):
     check.done()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_compiled_head_matches_single_rank(tp, check):
+    """``torch.compile(fused_log_probs_and_entropy, fullgraph=True)`` with default options (one
+    graph: the TP collectives run inside the head's ops) at TP 1 and TP 2, SP off and on, equals
+    the single-rank result in outputs and gradients."""
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    torch._dynamo.reset()
+    case = make_case(SBH, torch.float32)
+    ref = reference(case)
+    if layout.tp_group is None:  # ranks outside this TP group only drew the data
+        check.done()
+        return
+    weight = case.weight.chunk(tp, dim=0)[layout.tp_rank]
+    for sp in (False, True) if tp > 1 else (False,):
+        check.case(f"tp={tp} sp={sp} layout={SBH} float32 compiled")
+        hidden = case.hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else case.hidden
+        args = (hidden, weight, case.labels, case.grad_log_prob, case.grad_entropy)
+        out = run_head(*args, tp_group=layout.tp_group, sequence_parallel=sp, compiled=True)
+        compare(check, out, tp_part(ref, tp, layout.tp_rank, sp), torch.float32, f"TP{tp} compiled")
+    check.done()
+
+
 def test_tp_deterministic(check):
     """The same call twice gives bitwise equal outputs and gradients (TP 4 with and without SP)."""
     tp = 4

@@ -2,20 +2,22 @@
 
 :mod:`mcore_ppo.backends.triton_launch` launches a call site through Triton's ``kernel[grid]``
 the first time it is seen on a device and through the ``CompiledKernel`` that call returned
-afterwards (``compiled[grid](...)``). These tests check, at a few shapes and with the key
+afterwards (its runner, ``compiled[grid]``). These tests check, at a few shapes and with the key
 changing between calls (token count, a misaligned ``hidden``, the dtype), that the kept-kernel
-path gives the normal path's outputs and gradients bit for bit, with every site launch checked
-against Triton's own dispatch (``checked_sites``: ``kernel.warmup`` must return the kept
-kernel); that the check catches a site key coarser than Triton's; that launch hooks
+path gives the normal path's (a backend with ``kept_kernels=False``) outputs and gradients bit
+for bit, with every site launch checked against Triton's own dispatch
+(:class:`~mcore_ppo_testing.launch_checks.CheckedLauncher`: ``kernel.warmup`` must return the
+kept kernel); that the check catches a site key coarser than Triton's; that launch hooks
 (profilers) see the kept-kernel launches; that the fused forward (``head_forward``) gives the
 generic path's bit for bit, and both the fp64 reference. One test prints the host time per
-launch of both paths (descriptors included: Triton's launcher encodes them per launch).
+launch of both paths (host descriptors included: Triton's launcher encodes them per launch).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -79,33 +81,33 @@ CASES = [
 
 
 def test_fast_path_equals_normal_path_and_fp64():
-    from mcore_ppo.backends import triton_launch
     from mcore_ppo.kernels import stats_kernel, tokens_kernel
+    from mcore_ppo_testing.launch_checks import CheckedLauncher
 
-    assert triton_launch.fast_available()
     # Every site launch is checked against Triton's dispatch as the shapes change.
-    with triton_launch.checked_sites():
-        _fast_path_cases(triton_launch)
-    levels = {**triton_launch.fast_level(stats_kernel), **triton_launch.fast_level(tokens_kernel)}
+    launcher = CheckedLauncher()
+    assert launcher.fast()
+    _fast_path_cases(launcher)
+    levels = {**launcher.fast_level(stats_kernel), **launcher.fast_level(tokens_kernel)}
     print("kept-kernel levels:", sorted(set(levels.values())), "triton", __import__("triton").__version__)
-    assert len(triton_launch.fast_level(stats_kernel)) >= 3  # dtypes, alignment, buffer: several sites
+    assert len(launcher.fast_level(stats_kernel)) >= 3  # dtypes, alignment, buffer: several sites
     assert set(levels.values()) == {"compiled"}
 
 
-def _fast_path_cases(triton_launch):
+def _fast_path_cases(launcher):
     from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 
     for n, h, v, dtype, ignored, offset, budget, workspace in CASES:
         chunks = {} if workspace is None else {"workspace_bytes": workspace}
-        backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget, **chunks))
+        config = TritonConfig(buffer_budget_bytes=budget, **chunks)
+        backend = TritonBackend(config, launcher=launcher)
         x, w, labels, g, e = _make(n, h, v, dtype, ignored, seed=n + offset, offset=offset)
-        with triton_launch.normal_launches():
-            normal = _run(backend, x, w, labels, g, e)
-        before = triton_launch.launch_count()
+        normal = _run(TritonBackend(replace(config, kept_kernels=False)), x, w, labels, g, e)
+        before = launcher.launches
         first = _run(backend, x, w, labels, g, e)  # new sites: kernel[grid] once (compiling new variants)
-        per_call = triton_launch.launch_count() - before
+        per_call = launcher.launches - before
         fast = _run(backend, x, w, labels, g, e)  # every site seen: the kept compiled kernels
-        assert triton_launch.launch_count() - before == 2 * per_call
+        assert launcher.launches - before == 2 * per_call
         case = f"n={n} h={h} v={v} {dtype} ignored={ignored} offset={offset} budget={budget} workspace={workspace}"
         _assert_bitwise(first, normal, f"{case}, first call")
         _assert_bitwise(fast, normal, f"{case}, fast path")
@@ -140,20 +142,20 @@ def _jit(fn, **options):
 
 
 def test_kept_kernel_is_tritons_choice_and_the_check_catches_a_coarse_site():
-    from mcore_ppo.backends import triton_launch
+    from mcore_ppo_testing.launch_checks import CheckedLauncher, SiteKeyError
 
     kernel = _jit(scale_fn)
     x = torch.randn(4096, device="cuda")
     out = torch.empty_like(x)
-    with triton_launch.checked_sites():
-        for n in (1024, 2048, 4096):  # all multiples of 16: one specialisation
-            triton_launch.launch(kernel, (n // 256,), (x, out, n, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
-            torch.testing.assert_close(out[:n], (x[:n] * 0.5) ** 2)
-        assert set(triton_launch.fast_level(kernel).values()) == {"compiled"}
-        with pytest.raises(triton_launch.SiteKeyError):  # 1000 is not: Triton picks another variant
-            triton_launch.launch(kernel, (4,), (x, out, 1000, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
-        with pytest.raises(triton_launch.SiteKeyError):  # nor is a misaligned pointer
-            triton_launch.launch(kernel, (4,), (x[1:], out, 1024, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
+    launcher = CheckedLauncher()
+    for n in (1024, 2048, 4096):  # all multiples of 16: one specialisation
+        launcher.launch(kernel, (n // 256,), (x, out, n, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
+        torch.testing.assert_close(out[:n], (x[:n] * 0.5) ** 2)
+    assert set(launcher.fast_level(kernel).values()) == {"compiled"}
+    with pytest.raises(SiteKeyError):  # 1000 is not: Triton picks another variant
+        launcher.launch(kernel, (4,), (x, out, 1000, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
+    with pytest.raises(SiteKeyError):  # nor is a misaligned pointer
+        launcher.launch(kernel, (4,), (x[1:], out, 1024, 0.5), {"BLOCK": 256, "SQUARE": True}, "site")
     torch.cuda.synchronize()
 
 
@@ -162,8 +164,9 @@ def test_launch_hooks_see_the_kept_kernel_launches():
     path goes through ``CompiledKernel.__getitem__``, which calls them."""
     import triton.knobs
 
-    from mcore_ppo.backends import triton_launch
+    from mcore_ppo.backends.triton_launch import Launcher
 
+    launcher = Launcher()
     kernel = _jit(scale_fn)
     x = torch.randn(1024, device="cuda")
     out = torch.empty_like(x)
@@ -175,11 +178,11 @@ def test_launch_hooks_see_the_kept_kernel_launches():
     triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
         for _ in range(3):
-            triton_launch.launch(kernel, (4,), (x, out, 1024, 2.0), {"BLOCK": 256}, "hooked")
+            launcher.launch(kernel, (4,), (x, out, 1024, 2.0), {"BLOCK": 256}, "hooked")
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     torch.cuda.synchronize()
-    assert triton_launch.fast_level(kernel) == {(torch.cuda.current_device(), "hooked"): "compiled"}
+    assert launcher.fast_level(kernel) == {(torch.cuda.current_device(), "hooked"): "compiled"}
     assert len(seen) == 3 and all("scale_fn" in name for name in seen), seen  # the first launch and two kept
     torch.testing.assert_close(out, x * 2.0)
 
@@ -199,35 +202,46 @@ def _caller(launch, kernel, grid, args, kwargs, site):
     return lambda: launch(kernel, grid, args(), kwargs, site)
 
 
+def device_desc_copy_fn(src_ptr, dst_ptr, n, BM: tl.constexpr, BN: tl.constexpr):
+    src = tl.make_tensor_descriptor(src_ptr, [n, n], [n, 1], [BM, BN])
+    dst = tl.make_tensor_descriptor(dst_ptr, [n, n], [n, 1], [BM, BN])
+    dst.store([tl.program_id(0) * BM, tl.program_id(1) * BN], src.load([tl.program_id(0) * BM, tl.program_id(1) * BN]))
+
+
 def test_host_time_per_launch_kept_kernel_vs_normal():
     """Host microseconds per launch of the normal path and of the kept kernel, for a pointer
-    kernel and a kernel of two host TMA descriptors (encoded per launch by Triton's launcher).
-    Printed for the GPU report; the kept kernel must not be slower than Triton's dispatch."""
-    from mcore_ppo.backends import triton_launch
-    from mcore_ppo.backends.triton_launch import TmaDesc
+    kernel, a kernel of two host TMA descriptors (encoded per launch by Triton's launcher) and
+    one that builds its two descriptors itself (a scratch allocation per launch). Printed for
+    the GPU report; the kept kernel must not be slower than Triton's dispatch."""
+    from mcore_ppo.backends.triton_launch import Launcher, host_descriptor
 
     scale = _jit(scale_fn)
     x = torch.randn(4096, device="cuda")
     out = torch.empty_like(x)
     copy = _jit(desc_copy_fn)
+    device_copy = _jit(device_desc_copy_fn)
     src = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
+    dst2 = torch.empty_like(src)
     cases = {
         "pointers": (scale, (16,), lambda: (x, out, 4096, 0.5), {"BLOCK": 256}),
-        "2 tma descriptors": (
-            copy, (4, 4), lambda: (TmaDesc(src, (64, 64)), TmaDesc(dst, (64, 64))), {"BM": 64, "BN": 64},
+        "2 host tma descriptors": (
+            copy, (4, 4), lambda: (host_descriptor(src, (64, 64)), host_descriptor(dst, (64, 64))),
+            {"BM": 64, "BN": 64},
         ),
+        "2 in-kernel tma descriptors": (device_copy, (4, 4), lambda: (src, dst2, 256), {"BM": 64, "BN": 64}),
     }  # fmt: skip
+    kept_launcher, normal_launcher = Launcher(), Launcher(kept=False)
     for name, (kernel, grid, args, kwargs) in cases.items():
         site = ("host-time", name)
-        triton_launch.launch(kernel, grid, args(), kwargs, site)  # compiled and kept
-        call = _caller(triton_launch.launch, kernel, grid, args, kwargs, site)
-        kept = _host_us(call, 500)
-        with triton_launch.normal_launches():
-            normal = _host_us(call, 500)
+        kept_launch, normal_launch = kept_launcher.bound(), normal_launcher.bound()
+        kept_launch(kernel, grid, args(), kwargs, site)  # compiled and kept
+        kept = _host_us(_caller(kept_launch, kernel, grid, args, kwargs, site), 500)
+        normal = _host_us(_caller(normal_launch, kernel, grid, args, kwargs, site), 500)
         print(f"host us per launch, {name}: kept kernel {kept:.1f}, kernel[grid] {normal:.1f}")
         assert kept < normal
     torch.testing.assert_close(dst, src)
+    torch.testing.assert_close(dst2, src)
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 40], ids=["recompute", "buffer"])

@@ -558,3 +558,42 @@ def test_cpu_shims_refuse_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is available"):
         install_cpu_shims()
+
+
+def test_model_path_compiles_and_the_head_adds_no_graph_break():
+    """``gpt_log_probs_and_entropy`` on a model with the fused head under ``torch.compile``
+    (default options): outputs and gradients equal eager's, and every graph break is Megatron's
+    own (its layers call ``warnings.warn``), as many as the model's logits path has; none is
+    raised in mcore_ppo's code, where the head runs as one op."""
+    batch = _batch("padded", 5)
+    model = _model()
+    g_lp, g_ent = (torch.randn(batch.labels.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                   for s in (6, 7))  # fmt: skip
+
+    def logits_step(labels, inputs):
+        return logits_log_probs_and_entropy(model, labels=labels, temperature=TEMPERATURE, **inputs)
+
+    logits_breaks = torch._dynamo.explain(logits_step)(batch.labels, batch.model_inputs()).graph_break_count
+    install_fused_head(model, temperature=TEMPERATURE, backend="torch")
+
+    def step(labels, inputs):
+        return gpt_log_probs_and_entropy(model, labels=labels, **inputs)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(batch.labels, batch.model_inputs())
+    for reason in explained.break_reasons:
+        innermost = reason.user_stack[-1].filename if reason.user_stack else ""
+        assert "mcore_ppo/" not in innermost.replace("\\", "/"), f"a graph break in mcore_ppo: {reason}"
+    assert explained.graph_break_count <= logits_breaks, (explained.graph_break_count, logits_breaks)
+    torch._dynamo.reset()
+    results = []
+    for run in (step, torch.compile(step)):
+        lp, ent = run(batch.labels, batch.model_inputs())
+        weighted_backward(lp, ent, g_lp, g_ent)
+        results.append((lp.detach(), ent.detach(), pop_parameter_grads(model)))
+    (lp, ent, grads), (c_lp, c_ent, c_grads) = results
+    torch.testing.assert_close(c_lp, lp, **TOL)
+    torch.testing.assert_close(c_ent, ent, **TOL)
+    assert grads.keys() == c_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(c_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
