@@ -35,7 +35,8 @@ required=(tokenizers==0.22.2 huggingface_hub==1.33.0 hf-xet==1.8.0 safetensors==
   shellingham==1.5.4 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 annotated-doc==0.0.7
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pyvers==0.2.3
   cloudpickle==3.1.3 antlr4-python3-runtime==4.13.2 accelerate==1.16.0 psutil==7.2.2 dill==0.4.1
-  multiprocess==0.70.19 xxhash==4.1.0 sortedcontainers==2.4.0)
+  multiprocess==0.70.19 xxhash==4.1.0 sortedcontainers==2.4.0
+  setuptools==84.2.1)  # gpu_suite.sh builds mcore_ppo with it (verl finds the plugin by its entry point)
 download -d .whl "${direct[@]}" "${required[@]}"
 download -d .carry megatron-core==0.19.0
 if [ $# -ge 1 ]; then

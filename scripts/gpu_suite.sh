@@ -7,7 +7,8 @@
 # Wheels (Python 3.12, x86-64), both folders git-ignored, filled by
 # `scripts/fetch_gpu_wheels.sh [MEGATRON_LM_DIR]` (that script lists them and says why):
 #   .whl/   verl 0.9.1 and every other package the suite imports beyond torch, triton, numpy, pandas
-#           and pyarrow (the GPU image's), with what they require: installed in every round
+#           and pyarrow (the GPU image's), with what they require, and setuptools to build mcore_ppo
+#           (for its verl.plugins entry point): installed in every round
 #   .carry/ megatron_core-*.whl: 0.19.0 from PyPI, and 0.20.0 (not on PyPI yet) built from a
 #           Megatron-LM main checkout (d98e8a64 here) as a pure wheel, one round each
 # Before the tests each round imports every module the suite needs and stops, naming the missing
@@ -56,6 +57,14 @@ for wheel in "${mcore_wheels[@]}"; do
   if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" "$wheel" "${other_wheels[@]}"; then
     echo "gpu_suite: installing $wheel failed" >&2
+    status=1
+    continue
+  fi
+  # mcore_ppo itself, built from this tree with the carried setuptools (the same code as on the
+  # path), so that verl finds its verl.plugins entry point (tests/integrations/test_verl_real.py).
+  if ! PYTHONPATH="$site" python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+    --upgrade --target "$site" .; then
+    echo "gpu_suite: installing mcore_ppo from this tree failed" >&2
     status=1
     continue
   fi
