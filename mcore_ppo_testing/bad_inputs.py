@@ -137,22 +137,37 @@ def _nemo_rl(case: Case, **kw):
 _OPTION_KEYWORDS = ("ignore_index", "backend", "return_entropy", "validate", "return_sum_pi_squared")
 
 
+def log_normalizer(case: Case) -> torch.Tensor:
+    """fp32 ``[s·b]`` ``log Σ_v exp(z_v)`` of the case's tokens in the head's row order (sequence
+    major), from the whole weight (the shards all-gathered over the case's TP group) in fp64 by
+    plain torch ops: what verl's route hands ``run_head`` as ``log_normalizer``."""
+    import torch.distributed as dist
+
+    from mcore_ppo.parallel.ranks import group_size
+
+    weight = case.weight
+    if group_size(case.tp_group) > 1:
+        shards = [torch.empty_like(weight) for _ in range(group_size(case.tp_group))]
+        dist.all_gather(shards, weight.contiguous(), group=case.tp_group)
+        weight = torch.cat(shards)
+    rows = case.hidden.reshape(-1, case.hidden.shape[-1]).double()
+    logits = rows @ weight.double().t() / case.temperature.t().reshape(-1, 1).double()
+    return torch.logsumexp(logits, dim=-1).float()
+
+
 def _normalizer(case: Case, **kw):
-    """``run_head`` with ``k`` ids and the top-k pass's ``log_normalizer``, as verl's top-k
-    distillation route calls it (entropy and Σπ² off). A callable ``log_normalizer`` override
-    is applied to the good one."""
-    from mcore_ppo.distill.topk import topk_and_log_normalizer
+    """``run_head`` with ``k`` ids and a ``log_normalizer``, as verl's top-k distillation route
+    calls it (entropy and Σπ² off). A callable ``log_normalizer`` override is applied to the good
+    one."""
     from mcore_ppo.head_call import attempt, run_head
     from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
 
     # Every rank computes the good normaliser in step (a collective), whatever is made bad after.
-    _, log_normalizer = topk_and_log_normalizer(
-        case.hidden, case.weight, 1, temperature=case.temperature, tp_group=case.tp_group, impl="torch"
-    )
+    good = log_normalizer(case)
     args = {"hidden": case.hidden, "weight": case.weight, "labels": case.ids, "temperature": case.temperature}
     args.update(kw)
-    given = args.pop("log_normalizer", log_normalizer)
-    given = given(log_normalizer) if callable(given) else given
+    given = args.pop("log_normalizer", good)
+    given = given(good) if callable(given) else given
     chosen = dict.fromkeys(_OPTION_KEYWORDS)
     chosen.update(backend="torch", return_entropy=False)
     chosen.update({name: args.pop(name) for name in _OPTION_KEYWORDS if name in args})

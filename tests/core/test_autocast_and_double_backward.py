@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from head_checks import TRITON_ON_CPU, entry_point, plain_case
+from head_checks import TRITON_ON_CPU, entry_point, forbid_vocab_passes, plain_case
 from torch.autograd import forward_ad
 
 import mcore_ppo
-from mcore_ppo.backends import import_optional
-from mcore_ppo.distill import topk as topk_module
 from mcore_ppo.function import NO_DOUBLE_BACKWARD, NO_FORWARD_AD
 from mcore_ppo.liger import is_available as liger_available
 
@@ -154,21 +152,7 @@ FORWARD_AD_ENTRIES = ["function", "ids", "head", "topk"]
 @pytest.fixture
 def no_backend_work(monkeypatch):
     """Every pass over the vocab raises: the refusal comes before any of them."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a pass over the vocab ran before the forward-mode refusal")
-
-    from mcore_ppo.backends import torch_backend
-
-    for name in ("shard_statistics", "shard_gradients", "gather_logits"):
-        monkeypatch.setattr(torch_backend.TorchBackend, name, forbidden)
-    if import_optional("triton") is not None:
-        from mcore_ppo.backends import triton_backend
-
-        for name in ("head_forward", "shard_statistics", "shard_gradients", "gather_logits"):
-            monkeypatch.setattr(triton_backend.TritonBackend, name, forbidden)
-    monkeypatch.setattr(topk_module.topk_triton, "shard_topk_triton", forbidden)
-    monkeypatch.setattr(topk_module, "_shard_topk", forbidden)
+    forbid_vocab_passes(monkeypatch, "a pass over the vocab ran before the forward-mode refusal")
 
 
 def _head_call(entry: str, backend: str, labels: torch.Tensor):
@@ -201,34 +185,27 @@ def _refused(fn, *args) -> None:
 
 
 @pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "requires-grad"])
-@pytest.mark.parametrize("dual", ["hidden", "weight"])
+@pytest.mark.parametrize("wrt", ["hidden", "weight"])
+@pytest.mark.parametrize("mode", ["forward_ad", "jvp"])
 @pytest.mark.parametrize("backend", HEAD_BACKENDS)
 @pytest.mark.parametrize("entry", FORWARD_AD_ENTRIES)
-def test_forward_ad_is_refused(entry, backend, dual, requires_grad, no_backend_work):
+def test_forward_mode_ad_is_refused(entry, backend, mode, wrt, requires_grad, no_backend_work):
+    """A dual tensor of ``torch.autograd.forward_ad`` and ``torch.func.jvp``'s, as hidden or weight."""
     hidden, weight, labels, _, _ = make_inputs()
     hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
     fn = _head_call(entry, backend, labels)
+    primal = hidden if wrt == "hidden" else weight
+
+    def with_primal(x):
+        return fn(x, weight) if wrt == "hidden" else fn(hidden, x)
+
+    if mode == "jvp":
+        _refused(torch.func.jvp, with_primal, (primal,), (torch.ones_like(primal),))
+        return
     with forward_ad.dual_level():
-        if dual == "hidden":
-            _refused(fn, forward_ad.make_dual(hidden, torch.ones_like(hidden)), weight)
-        else:
-            _refused(fn, hidden, forward_ad.make_dual(weight, torch.ones_like(weight)))
+        _refused(with_primal, forward_ad.make_dual(primal, torch.ones_like(primal)))
         # Inside a dual level, inputs without a tangent are an ordinary call: nothing to refuse.
         assert forward_ad.unpack_dual(hidden).tangent is None
-
-
-@pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "requires-grad"])
-@pytest.mark.parametrize("wrt", ["hidden", "weight"])
-@pytest.mark.parametrize("backend", HEAD_BACKENDS)
-@pytest.mark.parametrize("entry", FORWARD_AD_ENTRIES)
-def test_torch_func_jvp_is_refused(entry, backend, wrt, requires_grad, no_backend_work):
-    hidden, weight, labels, _, _ = make_inputs()
-    hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
-    fn = _head_call(entry, backend, labels)
-    if wrt == "hidden":
-        _refused(torch.func.jvp, lambda x: fn(x, weight), (hidden,), (torch.ones_like(hidden),))
-    else:
-        _refused(torch.func.jvp, lambda w: fn(hidden, w), (weight,), (torch.ones_like(weight),))
 
 
 @pytest.mark.parametrize("transform", ["jacfwd", "vmap", "grad"])

@@ -17,8 +17,8 @@ import math
 
 import pytest
 import torch
+from head_checks import forbid_vocab_passes
 
-from mcore_ppo.backends import torch_backend
 from mcore_ppo_testing.bad_inputs import BAD_ARGUMENTS, ENTRY_POINTS, IDS, IGNORE, make_case, with_model
 from mcore_ppo_testing.seeds import next_seed
 
@@ -50,12 +50,7 @@ def case_for(request):
 @pytest.fixture
 def no_compute(monkeypatch):
     """The backend must not run: every refusal comes before any compute."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the backend ran before the checks refused the input")
-
-    for name in ("shard_statistics", "shard_gradients", "gather_logits"):
-        monkeypatch.setattr(torch_backend.TorchBackend, name, forbidden)
+    forbid_vocab_passes(monkeypatch, "the backend ran before the checks refused the input")
 
 
 @pytest.mark.parametrize(("entry", "bad"), PAIRS)
