@@ -35,14 +35,14 @@ PAIRS = [
 @pytest.fixture
 def case_for(request):
     """``case_for(entry)``: a fresh case; the model's entry gets its GPT (Megatron's TP 1 state
-    and, on the CPU, the shims: tests/conftest.py's ``megatron_tp1``)."""
+    and, on the CPU, the shims: tests/conftest.py's ``megatron_tp1``), on CUDA where there is
+    one (Megatron's GPTModel does not run on CPU tensors there: the shims refuse CUDA)."""
 
     def build(entry: str):
-        case = make_case(next_seed())
         if entry != "model":
-            return case
+            return make_case(next_seed())
         request.getfixturevalue("megatron_tp1")
-        return with_model(case)
+        return with_model(make_case(next_seed(), device="cuda" if torch.cuda.is_available() else "cpu"))
 
     return build
 
