@@ -95,8 +95,10 @@ missing = [] if importlib.util.find_spec("verl") else ["verl"]
 for module in needed:
     try:
         importlib.import_module(module)
-    except Exception as err:  # an ImportError, or a broken install that raises something else
-        missing.append(f"{module} ({type(err).__name__}: {err})")
+    except ModuleNotFoundError as err:  # a package left behind
+        missing.append(f"{module} (no module {err.name})")
+    except Exception as err:  # not a missing package: the tests that import it say more
+        print(f"gpu_suite: importing {module} raises {type(err).__name__}: {err}", file=sys.stderr)
 if missing:
     print("gpu_suite: not importable here: " + "; ".join(missing) + " (scripts/fetch_gpu_wheels.sh)", file=sys.stderr)
     sys.exit(3)
