@@ -12,7 +12,7 @@
 2. **prepare**: the TP mapping of ``hidden`` that carries the one reduction of ``d_hidden``
    (or none: the caller's, verl's contract), and every per-token value in token order
    (:mod:`mcore_ppo.tokens`).
-3. **execute**: :func:`mcore_ppo.function.shard_head`, then the outputs back in the labels' layout.
+3. **execute**: the head's op (:func:`mcore_ppo.ops.head`), then the outputs back in the labels' layout.
 
 A new framework adapter belongs beside those entry points and calls :func:`run_head` too.
 """
@@ -20,7 +20,7 @@ A new framework adapter belongs beside those entry points and calls :func:`run_h
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -29,8 +29,8 @@ from mcore_ppo import validation
 from mcore_ppo.backends import Backend, backend_key, resolve_backend
 from mcore_ppo.ops import HeadCall, head
 from mcore_ppo.options import HeadOptions, HiddenGrad, Layout, TokenOrder
-from mcore_ppo.parallel.groups import group_key
-from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
+from mcore_ppo.parallel.ranks import ProcessGroup, group_key, group_rank, group_size
+from mcore_ppo.shard import refuse_forward_ad
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 from mcore_ppo.verdict import bad_values, label_error, share_verdict, temperature_error, values_readable
 
@@ -94,7 +94,9 @@ def run_head(
             ``log Σ_v exp(z_v)`` of the same tempered logits, already computed by another pass
             (the student's top-k, :func:`mcore_ppo.distill.topk.topk_and_log_normalizer`), in the
             rows' order, in the accumulation dtype: the head then skips its statistics pass and
-            its backward recomputes the logits. None: the head computes it.
+            its backward recomputes the logits. None: the head computes it. Its values are not
+            read back: a token whose entry is not finite gets NaN log-probs (never the 0 that
+            ``log q ≤ 0``'s clamp would make of ``z − (−inf)``).
 
     Returns:
         fp32 ``(log_probs, entropy)``, identical on every TP rank, shaped like ``labels`` (``[N]``
@@ -105,25 +107,27 @@ def run_head(
         tokens, identical on every TP rank, detached (no gradient); NaN for a token whose
         temperature is bad when ``validate`` is off.
     """
-    call = check_call(hidden, weight, labels, temperature, options, tp_group, layout, ids, prior_error=prior_error)
-    if log_normalizer is not None:
-        _check_log_normalizer(log_normalizer, call, options, hidden)
+    call = check_call(
+        hidden, weight, labels, temperature, options, tp_group, layout, ids, prior_error=prior_error,
+        log_normalizer=log_normalizer,
+    )  # fmt: skip
     return _execute(call, hidden, weight, options, tp_group, layout, log_normalizer)
 
 
 def _check_log_normalizer(log_normalizer: object, call: CheckedCall, options: HeadOptions, hidden: torch.Tensor):
-    """``log_normalizer`` fits the call (:func:`run_head`): every rank's caller passes it alike,
-    so a refusal here is the same on every rank."""
+    """``log_normalizer`` fits the call (:func:`run_head`)."""
     if not call.ids or options.return_entropy or options.return_sum_pi_squared:
         raise ValueError("log_normalizer stands in for the statistics pass only for k ids with entropy and Σπ² off")
     if not isinstance(log_normalizer, torch.Tensor):
         raise TypeError(f"log_normalizer must be a torch.Tensor, got {validation.type_name(log_normalizer)}")
     tokens = call.labels[..., 0].numel()
     expected = torch.promote_types(hidden.dtype, torch.float32)
-    if log_normalizer.shape != (tokens,) or log_normalizer.dtype != expected or log_normalizer.device != hidden.device:
+    if log_normalizer.dtype != expected:
+        raise TypeError(f"log_normalizer must be {expected} (the accumulation dtype), got {log_normalizer.dtype}")
+    if log_normalizer.shape != (tokens,) or log_normalizer.device != hidden.device:
         raise ValueError(
-            f"log_normalizer must be [{tokens}] {expected} on {hidden.device} (one per token, in the rows' order), "
-            f"got {list(log_normalizer.shape)} {log_normalizer.dtype} on {log_normalizer.device}"
+            f"log_normalizer must be [{tokens}] on {hidden.device} (one per token, in the rows' order), "
+            f"got {list(log_normalizer.shape)} on {log_normalizer.device}"
         )
 
 
@@ -138,6 +142,31 @@ def attempt(build: Callable[[], T], fallback: T) -> tuple[T, Exception | None]:
         return fallback, err
 
 
+def share_refusal(
+    tp_group: ProcessGroup | None,
+    error: Exception | None,
+    *,
+    validate: bool,
+    signature: Hashable,
+    weight_rows: int = 0,
+) -> None:
+    """Share an entry point's own refusal (:func:`attempt`'s error) over the TP group on its own,
+    for an entry point whose first collectives come before the head's verdict (the model's
+    forward, :func:`mcore_ppo.gpt_log_probs_and_entropy`): raise on every rank if any rank's
+    arguments failed, else return on every rank. ``validate`` and ``signature`` (what the
+    entry point's checks saw): when the verdict is shared, as for the head's own
+    (:func:`mcore_ppo.verdict.share_verdict`); ``weight_rows``: this rank's weight shard rows,
+    checked equal as in :func:`check_call` (0 without a head)."""
+    share_verdict(
+        tp_group, weight_rows, error, None, _no_value_error, signature=None if error else signature, every_call=validate
+    )
+
+
+def _no_value_error(bad_label: int, bad_temperature: int) -> Exception:
+    # Never called: no value flags travel with a refusal alone.
+    return RuntimeError(f"no values were checked, yet flags {bad_label, bad_temperature} came back")
+
+
 def check_call(
     hidden: object,
     weight: object,
@@ -150,21 +179,26 @@ def check_call(
     *,
     unsupported: Callable[[torch.Tensor], str | None] | None = None,
     prior_error: Exception | None = None,
+    log_normalizer: object = None,
 ) -> CheckedCall:
     """Every check of :func:`run_head`, its verdict shared over the TP group (module doc).
 
     ``unsupported``: for an entry point that runs something else than the head's backends
     (Liger, the teacher's top-k), the message of why it cannot run these inputs, or None; it may
     also raise TypeError or ValueError for its own arguments. It replaces the backend's own
-    check (the call's ``backend`` is then None). ``prior_error``: see :func:`run_head`."""
+    check (the call's ``backend`` is then None). ``prior_error``, ``log_normalizer``: see
+    :func:`run_head`. Dual tensors of forward-mode AD and ``torch.func`` transforms' tensors are
+    refused here too (NotImplementedError, :data:`mcore_ppo.shard.NO_FORWARD_AD`)."""
     validation.check_process_group(tp_group)  # the verdict travels over it: not shareable
     call, local_error, values = None, prior_error, None
     if local_error is None:
         try:
             call = _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported)
+            if log_normalizer is not None:
+                _check_log_normalizer(log_normalizer, call, options, hidden)
             if options.validate and values_readable(call.labels):
                 values = bad_values(call.labels, call.vocab_size, options.ignore_index, call.bad_temperature)
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, NotImplementedError) as err:
             local_error = err
 
     def value_error(bad_label: int, bad_temperature: int) -> Exception:
@@ -191,6 +225,7 @@ def _signature(hidden: torch.Tensor, weight: torch.Tensor, call: CheckedCall, op
 def _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported) -> CheckedCall:
     """This rank's own checks, in the order their errors are most useful."""
     validation.check_tensors(hidden, weight, labels)
+    refuse_forward_ad(hidden, weight)
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a mcore_ppo.options.Layout, got {validation.type_name(layout)}")
     tp_size = group_size(tp_group)

@@ -38,9 +38,11 @@ from typing import Any
 import torch
 
 from mcore_ppo.head import VocabParallelFusedPPOHead
+from mcore_ppo.head_call import attempt, share_refusal
 from mcore_ppo.install import install_fused_head, unwrap_gpt_model
 from mcore_ppo.logs import log_once
-from mcore_ppo.validation import check_temperature
+from mcore_ppo.parallel.groups import ProcessGroup, resolve_tp_group
+from mcore_ppo.validation import VALIDATE_DEFAULT, check_temperature
 
 __all__ = [
     "check_supported_config",
@@ -183,14 +185,22 @@ def gpt_log_probs_and_entropy(
         sum_pi_squared)`` when Σπ² is on for the call. Other stages: the hidden states
         ``GPTModel`` returns there. ``labels=None``: the model's own output (``[b, s, V/tp]``
         logits on the last stage).
+
+    Raises:
+        TypeError, ValueError: a bad ``temperature``, ``return_entropy`` or ``return_sum_pi_squared``,
+            on every rank of the model's TP group before the model runs (the refusing rank its
+            own error, the others a ValueError saying a peer refused, shared as the head's
+            verdict is: ``docs/design.md`` §5); the head's checks of the labels and a
+            temperature tensor after the model, before the head's first collective.
     """
-    if temperature is not None and not isinstance(temperature, torch.Tensor):
-        temperature = check_temperature(temperature)
-    for name, value in (("return_entropy", return_entropy), ("return_sum_pi_squared", return_sum_pi_squared)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+    temperature, error = attempt(
+        lambda: _checked_arguments(temperature, return_entropy, return_sum_pi_squared), temperature
+    )
     switches = {"return_entropy": return_entropy, "return_sum_pi_squared": return_sum_pi_squared}
     gpt = unwrap_gpt_model(model)
+    # The model's forward runs TP collectives before the head's own verdict: a refusal on one
+    # rank reaches the others here, before the model runs.
+    _share_refusal(gpt, error, (type(temperature), return_entropy, return_sum_pi_squared))
     forward_kwargs = dict(model_kwargs)
     forward_kwargs["packed_seq_params"] = packed_seq_params
     if labels is None or not gpt.post_process:
@@ -222,6 +232,39 @@ def gpt_log_probs_and_entropy(
     return _forward_without_hook(
         gpt, head, input_ids, position_ids, attention_mask, labels, temperature, forward_kwargs, switches
     )
+
+
+def _checked_arguments(
+    temperature: object, return_entropy: object, return_sum_pi_squared: object
+) -> float | torch.Tensor | None:
+    """:func:`gpt_log_probs_and_entropy`'s own checks (a tensor temperature is the head's to
+    check); the temperature, a number checked."""
+    if temperature is not None and not isinstance(temperature, torch.Tensor):
+        temperature = check_temperature(temperature)
+    for name, value in (("return_entropy", return_entropy), ("return_sum_pi_squared", return_sum_pi_squared)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+    return temperature
+
+
+def _share_refusal(gpt: torch.nn.Module, error: Exception | None, signature: tuple) -> None:
+    """``error`` (this rank's refusal of its arguments, or None) shared over the model's TP group
+    as the head's own verdict is (every call over a CPU group, once per signature over an
+    accelerator's: no host sync in a steady loop)."""
+    head = getattr(gpt, "output_layer", None) if gpt.post_process else None
+    signature = ("gpt_log_probs_and_entropy", *signature)
+    if isinstance(head, VocabParallelFusedPPOHead):
+        rows = head.output_size_per_partition
+        share_refusal(head.tp_group, error, validate=head.validate, signature=signature, weight_rows=rows)
+    else:
+        share_refusal(_model_tp_group(gpt), error, validate=VALIDATE_DEFAULT, signature=signature)
+
+
+def _model_tp_group(gpt: torch.nn.Module) -> ProcessGroup | None:
+    """The TP group the model's layers run over (megatron-core's ``pg_collection``, else its
+    ``parallel_state``)."""
+    group = getattr(getattr(gpt, "pg_collection", None), "tp", None)
+    return group if group is not None else resolve_tp_group(None)
 
 
 def _mtp_labels_and_mask(

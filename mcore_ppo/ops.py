@@ -35,8 +35,7 @@ from mcore_ppo.backends import backend_from_key
 from mcore_ppo.backends.base import SavedTokens
 from mcore_ppo.numerics import accumulation_dtype
 from mcore_ppo.options import HiddenGrad, WeightGrad
-from mcore_ppo.parallel.groups import group_from_key
-from mcore_ppo.parallel.ranks import group_size
+from mcore_ppo.parallel.ranks import group_from_key, group_size
 
 _LIB = torch.library.Library("mcore_ppo", "DEF")
 _LIB.define(
@@ -187,10 +186,14 @@ def _head_backward(
     # Whether the backend's fused forward made the saved tensors (its backward may key its
     # launches on that): decided from the inputs, as the forward decided it.
     fused = local_ids is None and backend_obj.fused_forward_for(hidden, weight)
-    saved = SavedTokens(local_labels, valid, lse, saved_entropy, tuple(residual), local_ids, slot_ok, fused_forward=fused)
+    saved = SavedTokens(
+        local_labels, valid, lse, saved_entropy, tuple(residual), local_ids, slot_ok, fused_forward=fused
+    )
     weight_grad, unset = None, False
-    if need_weight:
-        weight_grad, unset = (main_grad, False) if main_grad is not None else shard.weight_grad_buffer(weight, backend_obj)
+    if need_weight and main_grad is not None:
+        weight_grad = main_grad
+    elif need_weight:
+        weight_grad, unset = shard.weight_grad_buffer(weight, backend_obj)
     d_hidden, d_weight = shard.backward(
         grad_log_prob, grad_entropy, hidden, weight, saved, _temperature(temperature, temperature_value),
         backend=backend_obj, tp_group=group_from_key(tp_group), hidden_grad=HiddenGrad(hidden_grad),

@@ -25,7 +25,10 @@ reduce-scattered back to the rank's sequence shard (SP), or left to the caller (
 
 Both directions run with autocast off for the inputs' device (:func:`autocast_off`): inside a
 ``torch.autocast`` region the head computes exactly as outside it, in its inputs' dtype with
-fp32 statistics.
+fp32 statistics. The backward is first-order only: with ``create_graph=True`` it raises
+(:data:`NO_DOUBLE_BACKWARD`) rather than return a graph whose second derivatives would be wrong,
+and there is no forward-mode derivative: the call's checks refuse dual tensors and ``torch.func``
+transforms' tensors before any work (:data:`NO_FORWARD_AD`, :func:`refuse_forward_ad`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.autograd import forward_ad
 
 from mcore_ppo.backends.base import Backend, GradientRequest, HeadForward, SavedTokens, SparseGradient
 from mcore_ppo.numerics import accumulation_dtype, max_entropy
@@ -49,6 +54,14 @@ NO_DOUBLE_BACKWARD = (
     "(double backward: Hessian-vector products, gradgradcheck, torch.autograd.functional.hessian) is not "
     "supported, since its backward is not itself differentiable; take higher-order derivatives on a "
     "logits path (log_softmax of the full logits) instead"
+)
+
+NO_FORWARD_AD = (
+    "mcore_ppo's fused PPO head has no forward-mode derivative: dual tensors of "
+    "torch.autograd.forward_ad and the tensors of torch.func transforms (jvp, jacfwd, vmap, grad, ...) "
+    "are not supported as its hidden or weight, since its kernels would drop their tangents; differentiate "
+    "it in reverse mode (backward) or take forward-mode derivatives on a logits path (log_softmax of the "
+    "full logits) instead"
 )
 
 _NOTHING_TO_DISABLE = contextlib.nullcontext()
@@ -67,6 +80,15 @@ def refuse_double_backward() -> None:
     grad mode on exactly then)."""
     if torch.is_grad_enabled():
         raise NotImplementedError(NO_DOUBLE_BACKWARD)
+
+
+def refuse_forward_ad(*tensors: torch.Tensor) -> None:
+    """Raise :data:`NO_FORWARD_AD` for a dual tensor (forward-mode AD) or a ``torch.func``
+    transform's tensor among ``tensors``: no backend forms tangents, and one that skipped them
+    would hand forward AD a zero derivative."""
+    for tensor in tensors:
+        if forward_ad.unpack_dual(tensor).tangent is not None or is_functorch_wrapped_tensor(tensor):
+            raise NotImplementedError(NO_FORWARD_AD)
 
 
 class ShardForward(NamedTuple):
@@ -257,7 +279,9 @@ def _ids_forward(
         lse, entropy, _, *square = combine_shard_statistics(*stats.tensors(), tp_group, stats.q)
         residual = stats.residual
     else:
-        lse, entropy, square, residual = log_normalizer, None, [], ()
+        # z − (−inf) is +inf, which the clamp below would make a plausible 0: NaN instead.
+        lse = torch.where(torch.isfinite(log_normalizer), log_normalizer, torch.nan)
+        entropy, square, residual = None, [], ()
     logits = backend.gather_logits(hidden, weight, local_ids, temperature)
     if group_size(tp_group) > 1:
         # Each id lives on one rank; the others add exact zeros.

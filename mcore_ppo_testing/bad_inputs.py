@@ -1,15 +1,19 @@
 """The head's entry points and the bad arguments each must refuse, for the one-contract tests.
 
 Every entry point (:data:`ENTRY_POINTS`: the function, ``[..., k]`` labels, the head module,
-verl's ``linear_cross_entropy``, the teacher's ``fused_topk`` and NeMo-RL's adapter) is called
-on the same :class:`Case` with keyword overrides; :data:`BAD_ARGUMENTS` lists, per argument, the
-overrides that make it bad, the exception type and a word its message must contain (the
-argument's name). ``tests/core/test_entry_points_contract.py`` runs the table on one rank,
-``tests/distributed/test_entry_points_bad_inputs.py`` with the bad argument on one TP rank only.
+verl's ``linear_cross_entropy``, the teacher's ``fused_topk``, NeMo-RL's adapter, a Megatron
+GPT through ``gpt_log_probs_and_entropy`` and ``run_head`` given a ``log_normalizer``, verl's
+top-k distillation route) is called on the same :class:`Case` with keyword overrides;
+:data:`BAD_ARGUMENTS` lists, per argument, the overrides that make it bad, the exception type
+and a word its message must contain (the argument's name). ``tests/core/test_entry_points_contract.py``
+runs the table on one rank, ``tests/distributed/test_entry_points_bad_inputs.py`` with the bad
+argument on one TP rank only. The model's entry needs a case from :func:`with_model` (Megatron's
+``parallel_state`` initialised, the CPU shims on the CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +37,8 @@ class Case:
     vocab: int
     tp_group: object = None
     tp_rank: int = 0
+    model: torch.nn.Module | None = None  # a GPT whose output layer is the fused head (with_model)
+    input_ids: torch.Tensor | None = None
 
 
 def make_case(seed: int, *, tp: int = 1, tp_rank: int | None = 0, tp_group=None, device="cpu") -> Case:
@@ -128,6 +134,116 @@ def _nemo_rl(case: Case, **kw):
     )  # fmt: skip
 
 
+_OPTION_KEYWORDS = ("ignore_index", "backend", "return_entropy", "validate", "return_sum_pi_squared")
+
+
+def log_normalizer(case: Case) -> torch.Tensor:
+    """fp32 ``[s·b]`` ``log Σ_v exp(z_v)`` of the case's tokens in the head's row order (sequence
+    major), from the whole weight (the shards all-gathered over the case's TP group) in fp64 by
+    plain torch ops: what verl's route hands ``run_head`` as ``log_normalizer``."""
+    import torch.distributed as dist
+
+    from mcore_ppo.parallel.ranks import group_size
+
+    weight = case.weight
+    if group_size(case.tp_group) > 1:
+        shards = [torch.empty_like(weight) for _ in range(group_size(case.tp_group))]
+        dist.all_gather(shards, weight.contiguous(), group=case.tp_group)
+        weight = torch.cat(shards)
+    rows = case.hidden.reshape(-1, case.hidden.shape[-1]).double()
+    logits = rows @ weight.double().t() / case.temperature.t().reshape(-1, 1).double()
+    return torch.logsumexp(logits, dim=-1).float()
+
+
+def _normalizer(case: Case, **kw):
+    """``run_head`` with ``k`` ids and a ``log_normalizer``, as verl's top-k distillation route
+    calls it (entropy and Σπ² off). A callable ``log_normalizer`` override is applied to the good
+    one."""
+    from mcore_ppo.head_call import attempt, run_head
+    from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
+
+    # Every rank computes the good normaliser in step (a collective), whatever is made bad after.
+    good = log_normalizer(case)
+    args = {"hidden": case.hidden, "weight": case.weight, "labels": case.ids, "temperature": case.temperature}
+    args.update(kw)
+    given = args.pop("log_normalizer", good)
+    given = given(good) if callable(given) else given
+    chosen = dict.fromkeys(_OPTION_KEYWORDS)
+    chosen.update(backend="torch", return_entropy=False)
+    chosen.update({name: args.pop(name) for name in _OPTION_KEYWORDS if name in args})
+    (options, layout), error = attempt(
+        lambda: (call_options(None, **chosen), megatron_layout(False)), (DEFAULT_OPTIONS, DEFAULT_LAYOUT)
+    )
+    return run_head(
+        args.pop("hidden"), args.pop("weight"), args.pop("labels"), args.pop("temperature"), options,
+        tp_group=case.tp_group, layout=layout, ids=True, prior_error=error, log_normalizer=given,
+    )  # fmt: skip
+
+
+# The GPT of the model's entry: one layer, the case's vocab and hidden size.
+_GPT = {"num_layers": 1, "num_attention_heads": 4, "ffn_hidden_size": 32}
+
+
+def with_model(case: Case) -> Case:
+    """``case`` with a Megatron GPT (vocab ``case.vocab``, hidden size as ``case.hidden``'s, on
+    its device) whose output layer is the fused head (torch backend), built on the current
+    ``parallel_state`` (its TP group becomes the case's), and input ids for ``case.labels``."""
+    from megatron.core import parallel_state
+
+    from mcore_ppo import install_fused_head
+    from mcore_ppo_testing.gpt_builder import build_gpt_model
+
+    seq = case.labels.shape[1]
+    model = build_gpt_model(
+        **_GPT, hidden_size=case.hidden.shape[-1], vocab_size=case.vocab, max_sequence_length=seq,
+        device=case.hidden.device, seed=case.vocab,
+    )  # fmt: skip
+    install_fused_head(model, backend="torch")
+    input_ids = torch.remainder(case.labels.roll(1, dims=1), case.vocab)
+    return dataclasses.replace(
+        case, model=model, input_ids=input_ids, tp_group=parallel_state.get_tensor_model_parallel_group(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+    )  # fmt: skip
+
+
+def _model(case: Case, **kw):
+    """:func:`mcore_ppo.gpt_log_probs_and_entropy` on ``case.model`` (:func:`with_model`); a
+    ``validate`` keyword sets the head's option for this call."""
+    from mcore_ppo import gpt_log_probs_and_entropy
+
+    if case.model is None:
+        raise RuntimeError("the model's entry needs a case from with_model(case)")
+    head = case.model.output_layer
+    args = {"labels": case.labels, "temperature": case.temperature}
+    args.update(kw)
+    before = head.validate
+    if "validate" in args:
+        head.validate = args.pop("validate")
+    positions = torch.arange(case.labels.shape[1], device=case.labels.device).expand_as(case.labels)
+    try:
+        return gpt_log_probs_and_entropy(case.model, case.input_ids, positions, None, args.pop("labels"), **args)
+    finally:
+        head.validate = before
+
+
+def model_reference(case: Case) -> torch.Tensor:
+    """fp64 ``log p(label)`` ``[b, s]`` of ``case.model`` from its logits (the model's logits path,
+    gathered over TP), at the case's per-token temperature."""
+    from megatron.core import tensor_parallel
+
+    from mcore_ppo.parallel.ranks import group_size
+
+    positions = torch.arange(case.labels.shape[1], device=case.labels.device).expand_as(case.labels)
+    with torch.no_grad():
+        logits = case.model(case.input_ids, positions, None)
+        if group_size(case.tp_group) > 1:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    log_softmax = torch.log_softmax(logits.double() / case.temperature.double()[..., None], dim=-1)
+    valid = case.labels != IGNORE
+    picked = log_softmax.gather(-1, torch.where(valid, case.labels, 0)[..., None])[..., 0]
+    return torch.where(valid, picked, 0.0)
+
+
 #: name -> the entry point called on a case with keyword overrides (``hidden``, ``weight`` and
 #: ``labels`` may be overridden too).
 ENTRY_POINTS: dict[str, Callable] = {
@@ -137,10 +253,16 @@ ENTRY_POINTS: dict[str, Callable] = {
     "verl": _verl,
     "topk": _topk,
     "nemo_rl": _nemo_rl,
+    "model": _model,
+    "normalizer": _normalizer,
 }
 ALL = frozenset(ENTRY_POINTS)
+# The entry points given hidden states and a weight (the model's are its own).
+TENSORS = ALL - {"model"}
 # The entry points that take the head's options per call (the module's are set when it is built).
-OPTIONS = frozenset({"api", "ids", "verl", "topk"})
+OPTIONS = frozenset({"api", "ids", "verl", "topk", "normalizer"})
+# The entry points whose labels are k ids per token.
+IDS = frozenset({"ids", "normalizer"})
 
 
 @dataclass(frozen=True)
@@ -156,13 +278,13 @@ class BadArgument:
 
 
 def _out_of_vocab(case: Case, entry: str) -> dict:
-    labels = (case.ids if entry == "ids" else case.labels).clone()
+    labels = (case.ids if entry in IDS else case.labels).clone()
     labels[1, 3] = case.vocab
     return {"labels": labels.t() if entry == "verl" else labels}
 
 
 def _float_labels(case: Case, entry: str) -> dict:
-    labels = case.ids if entry == "ids" else case.labels
+    labels = case.ids if entry in IDS else case.labels
     return {"labels": (labels.t() if entry == "verl" else labels).float()}
 
 
@@ -172,16 +294,20 @@ def _zero_temperature(case: Case, entry: str) -> dict:
 
 
 BAD_ARGUMENTS = (
-    BadArgument("hidden not floating point", lambda c, e: {"hidden": c.hidden.long()}, TypeError, ("hidden",)),
-    BadArgument("hidden one token short", lambda c, e: {"hidden": c.hidden[:-1]}, ValueError, ("labels", "target")),
-    BadArgument("weight of another dtype", lambda c, e: {"weight": c.weight.double()}, TypeError, ("weight",)),
+    BadArgument("hidden not floating point", lambda c, e: {"hidden": c.hidden.long()}, TypeError, ("hidden",),
+                TENSORS),
+    BadArgument("hidden one token short", lambda c, e: {"hidden": c.hidden[:-1]}, ValueError, ("labels", "target"),
+                TENSORS),
+    BadArgument("weight of another dtype", lambda c, e: {"weight": c.weight.double()}, TypeError, ("weight",),
+                TENSORS),
     BadArgument("weight of another hidden size", lambda c, e: {"weight": c.weight[:, :-1]}, ValueError,
-                ("hidden size",)),
-    BadArgument("weight not a tensor", lambda c, e: {"weight": c.weight.tolist()}, TypeError, ("weight",)),
+                ("hidden size",), TENSORS),
+    BadArgument("weight not a tensor", lambda c, e: {"weight": c.weight.tolist()}, TypeError, ("weight",), TENSORS),
     BadArgument("labels of a float dtype", _float_labels, TypeError, ("labels",), ALL - {"nemo_rl"}),
     BadArgument("labels out of the vocab", _out_of_vocab, ValueError, ("labels",)),
     BadArgument("temperature a string", lambda c, e: {"temperature": "0.7"}, TypeError, ("temperature",)),
     BadArgument("temperature zero", lambda c, e: {"temperature": 0.0}, ValueError, ("temperature",)),
+    BadArgument("temperature NaN", lambda c, e: {"temperature": float("nan")}, ValueError, ("temperature",)),
     BadArgument("temperature tensor of a wrong shape", lambda c, e: {"temperature": torch.ones(5)}, ValueError,
                 ("temperature",), ALL - {"nemo_rl"}),
     BadArgument("temperature tensor with a zero", _zero_temperature, ValueError, ("temperature",),
@@ -191,21 +317,30 @@ BAD_ARGUMENTS = (
                 ALL - {"topk"}),
     BadArgument("validate a string", lambda c, e: {"validate": "yes"}, TypeError, ("validate",), OPTIONS),
     BadArgument("return_sum_pi_squared a string", lambda c, e: {"return_sum_pi_squared": "yes"}, TypeError,
-                ("return_sum_pi_squared",), frozenset({"api", "ids", "head"})),
+                ("return_sum_pi_squared",), frozenset({"api", "ids", "head", "model", "normalizer"})),
     BadArgument("return_sum_pi_squared an int", lambda c, e: {"return_sum_pi_squared": 1}, TypeError,
-                ("return_sum_pi_squared",), frozenset({"api", "ids", "head"})),
+                ("return_sum_pi_squared",), frozenset({"api", "ids", "head", "model", "normalizer"})),
     BadArgument("backend an unknown name", lambda c, e: {"backend": "nope"}, ValueError, ("backend",),
-                frozenset({"api", "ids", "verl", "nemo_rl"})),
+                frozenset({"api", "ids", "verl", "nemo_rl", "normalizer"})),
     BadArgument("backend an int", lambda c, e: {"backend": 3}, TypeError, ("backend",),
-                frozenset({"api", "ids", "verl", "nemo_rl"})),
+                frozenset({"api", "ids", "verl", "nemo_rl", "normalizer"})),
     BadArgument("sequence_parallel an int", lambda c, e: {"sequence_parallel": 1}, TypeError, ("sequence_parallel",),
                 frozenset({"api", "ids", "topk", "nemo_rl"})),
     BadArgument("reduction unknown", lambda c, e: {"reduction": "avg"}, ValueError, ("reduction",),
                 frozenset({"verl"})),
     BadArgument("k zero", lambda c, e: {"k": 0}, ValueError, ("k must",), frozenset({"topk"})),
     BadArgument("k a float", lambda c, e: {"k": 2.0}, TypeError, ("k must",), frozenset({"topk"})),
-    BadArgument("ids with k = 0", lambda c, e: {"labels": c.ids[..., :0]}, ValueError, ("labels",),
-                frozenset({"ids"})),
+    BadArgument("ids with k = 0", lambda c, e: {"labels": c.ids[..., :0]}, ValueError, ("labels",), IDS),
+    BadArgument("log_normalizer of another dtype", lambda c, e: {"log_normalizer": lambda lse: lse.double()},
+                TypeError, ("log_normalizer",), frozenset({"normalizer"})),
+    BadArgument("log_normalizer one token short", lambda c, e: {"log_normalizer": lambda lse: lse[:-1]},
+                ValueError, ("log_normalizer",), frozenset({"normalizer"})),
+    BadArgument("log_normalizer not a tensor", lambda c, e: {"log_normalizer": lambda lse: lse.tolist()},
+                TypeError, ("log_normalizer",), frozenset({"normalizer"})),
+    BadArgument("log_normalizer with the entropy on", lambda c, e: {"return_entropy": True}, ValueError,
+                ("log_normalizer",), frozenset({"normalizer"})),
+    BadArgument("log_normalizer with Σπ² on", lambda c, e: {"return_sum_pi_squared": True}, ValueError,
+                ("log_normalizer",), frozenset({"normalizer"})),
 )  # fmt: skip
 
 

@@ -14,8 +14,12 @@ Command line (``launch.sh`` runs the same check through ``scripts/launch_preflig
 starts torchrun; the module imports without torch, so a refusal costs no torch import)::
 
     python -m mcore_ppo_testing.demo_config CONFIG [ppo_step.py's overrides] --layout
-    # prints "tp cp pp" (the config's, or the sizes given); one line and exit 2 on a bad
-    # config, size or option
+    # prints "tp cp pp" (the config's, or the sizes given), then where each part of the layout
+    # comes from (layout_origin); one line and exit 2 on a bad config, size or option
+
+Sizes on the command line (``--tp``, ``--cp``, ``--pp``) set the whole layout, the ones not given
+being 1: ``--tp 2`` is a TP 2 run on 2 ranks whatever CP or PP the config names; without any,
+the config's layout runs (:func:`apply_overrides`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "ToleranceConfig",
     "add_override_arguments",
     "apply_overrides",
+    "layout_origin",
     "load_demo_config",
 ]
 
@@ -341,26 +346,82 @@ def add_override_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help=f"head backend, one of {', '.join(_BACKENDS)} (default: the config's)")
 
 
+_SIZES = ("tp", "cp", "pp")
+
+
+def _given_sizes(args: argparse.Namespace) -> dict[str, int]:
+    return {name: getattr(args, name) for name in _SIZES if getattr(args, name) is not None}
+
+
 def apply_overrides(config: DemoConfig, args: argparse.Namespace) -> DemoConfig:
     """``config`` with the values of :func:`add_override_arguments` given on the command line.
 
-    Sequence parallelism shards the sequence over the TP ranks, so it needs TP > 1: ``--sp``
-    with a TP of 1 is refused (ValueError) rather than ignored, and ``--tp 1`` turns a config's
-    SP off (the layout it names has none)."""
-    tp = config.layout.tp if args.tp is None else args.tp
+    Sizes given set the whole layout: those not given are 1 (``--tp 2`` alone is TP 2 × CP 1 ×
+    PP 1, not TP 2 with the config's CP); with none given the config's sizes stay. A size below 1,
+    or one the model does not divide by, is refused naming its flag (ValueError). Sequence
+    parallelism shards the sequence over the TP ranks, so it needs TP > 1: ``--sp`` with a TP of
+    1 is refused rather than ignored, and a TP of 1 turns a config's SP off (the layout it names
+    has none)."""
+    given = _given_sizes(args)
+    for name, value in given.items():
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    sizes = {name: given.get(name, 1) for name in _SIZES} if given else {}
+    tp = sizes.get("tp", config.layout.tp)
     sequence_parallel = args.sp
     if tp == 1:
         if args.sp:
             raise ValueError("--sp needs --tp > 1: sequence parallelism shards the sequence over the TP ranks")
         sequence_parallel = False
-    return config.with_overrides(
-        tp=args.tp,
-        cp=args.cp,
-        pp=args.pp,
-        sequence_parallel=sequence_parallel,
-        cp_mode=args.cp_mode,
-        steps=args.steps,
-        backend=args.backend,
+    try:
+        return config.with_overrides(
+            **sizes,
+            sequence_parallel=sequence_parallel,
+            cp_mode=args.cp_mode,
+            steps=args.steps,
+            backend=args.backend,
+        )
+    except ValueError as err:
+        # DemoConfig names a size by its config key; this one came from the command line.
+        message = str(err)
+        for name, value in given.items():
+            message = message.replace(f"by {name} = {value}", f"by --{name} {value}")
+        raise ValueError(message) from err
+
+
+def layout_origin(config: DemoConfig, args: argparse.Namespace, path: str | Path) -> str:
+    """The layout :func:`apply_overrides` makes of ``config`` (read from ``path``) and ``args``, and
+    where each part came from, in one line (``launch.sh``'s first): e.g. ``TP 2 × CP 1 × PP 1,
+    SP on: TP from --tp; CP 1, PP 1 (not given: sizes on the command line set the whole layout,
+    the config's CP 2 is not used); SP from configs/ppo_demo.yaml``."""
+    layout = apply_overrides(config, args).layout
+    given = _given_sizes(args)
+    parts, from_config = [], []
+    if given:
+        parts.append(", ".join(f"{name.upper()} from --{name}" for name in given))
+        rest = [name for name in _SIZES if name not in given]
+        if rest:
+            unused = [f"{name.upper()} {size}" for name in rest if (size := getattr(config.layout, name)) != 1]
+            note = f", the config's {' and '.join(unused)} not used" if unused else ""
+            parts.append(
+                f"{', '.join(name.upper() + ' 1' for name in rest)} (not given: sizes on the command line set the "
+                f"whole layout{note})"
+            )
+    else:
+        from_config += ["TP", "CP", "PP"]
+    if args.sp is not None:
+        parts.append(f"SP from {'--sp' if args.sp else '--no-sp'}")
+    elif layout.tp == 1 and config.layout.sp:
+        parts.append("SP off (TP 1)")
+    else:
+        from_config.append("SP")
+    if from_config:
+        parts.append(f"{', '.join(from_config[:-1])} and {from_config[-1]}" if len(from_config) > 1 else from_config[0])
+        parts[-1] += f" from {path}"
+    cp_mode = f" ({'in the model' if layout.cp_mode == 'model' else 'at the head'})" if layout.cp > 1 else ""
+    return (
+        f"TP {layout.tp} × CP {layout.cp}{cp_mode} × PP {layout.pp}, SP {'on' if layout.sp else 'off'}: "
+        + "; ".join(parts)
     )
 
 
@@ -373,19 +434,22 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mcore_ppo_testing.demo_config CONFIG [overrides] [--layout]``: check CONFIG
-    with the overrides (one line on stderr and exit 2 when bad); ``--layout`` prints ``tp cp pp``."""
+    with the overrides (one line on stderr and exit 2 when bad); ``--layout`` prints ``tp cp pp``,
+    then :func:`layout_origin`'s line."""
     parser = _OneLineParser(prog="demo_config", description=main.__doc__)
     parser.add_argument("config")
     add_override_arguments(parser)
     parser.add_argument("--layout", action="store_true", help="print the layout's tp cp pp")
     args = parser.parse_args(argv)
     try:
-        layout = apply_overrides(load_demo_config(args.config), args).layout
+        config = load_demo_config(args.config)
+        layout = apply_overrides(config, args).layout
     except (OSError, ValueError, TypeError, yaml.YAMLError) as e:
         print(f"demo_config: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if args.layout:
         print(layout.tp, layout.cp, layout.pp)
+        print(layout_origin(config, args, args.config))
     return 0
 
 

@@ -34,9 +34,11 @@ Two modes (``--mode step,longest``, both by default):
   tokens; a length fits when its step raises no CUDA out-of-memory error.
 
 ``--smoke`` runs both modes on the CPU at a tiny shape (gloo, CPU shims, wall-clock times, no
-memory figures) to check the script's logic. Writes ``DIR/bench_verl_distill.json`` (after every
-configuration) and ``.md``. No timing is asserted; the exit status is 1 only if an
-implementation's KL differs from ``verl_logits``'s by more than bf16 rounding allows (2e-2).
+memory figures) to check the script's logic; on a machine with GPUs it restarts itself with them
+hidden (``CUDA_VISIBLE_DEVICES=""``), since the CPU shims refuse a machine where CUDA is
+available. Writes ``DIR/bench_verl_distill.json`` (after every configuration) and ``.md``. No
+timing is asserted; the exit status is 1 only if an implementation's KL differs from
+``verl_logits``'s by more than bf16 rounding allows (2e-2).
 
 Usage (GPU): ``python scripts/bench_verl_distill.py --out DIR [--tp 1,8] [--k 128] [--tokens 8192]``.
 """
@@ -47,6 +49,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -370,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
+    if args.smoke and torch.cuda.is_available():
+        # The smoke run is the CPU's (the shims refuse CUDA); CUDA, once queried, keeps its devices.
+        arguments = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, __file__, *arguments], {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     if args.smoke:
         args.vocab, args.k, args.tokens, args.hidden, args.reps = 512, 8, 64, 32, 1
         args.start_len, args.max_len, args.granularity, args.backend = 16, 64, 16, "torch"

@@ -14,9 +14,10 @@ usage: scripts/launch.sh [--tp N] [--cp N] [--pp N] [--nproc N] [--config FILE] 
 PPO steps of a small Megatron GPT with the fused head under torchrun, and their parity checks.
 With no options: the layout of configs/ppo_demo.yaml (TP 2 with sequence parallelism, CP 2
 inside the model), 4 ranks, gloo on the CPUs (NCCL on GPUs, one per rank; with fewer GPUs
-than ranks, on the CPUs).
+than ranks, on the CPUs). The first line printed says the layout and where each part came from.
 
-  --tp, --cp, --pp N    parallel sizes (default: the config's layout)
+  --tp, --cp, --pp N    parallel sizes; given, they set the whole layout: the ones not given
+                        are 1 (--tp 2 alone: TP 2 x CP 1 x PP 1). Default: the config's layout
   --nproc N             ranks, a multiple of tp*cp*pp (default: tp*cp*pp)
   --config FILE         the demo config (default: configs/ppo_demo.yaml)
   --timeout S           kill every rank after S seconds (default: $MCORE_PPO_LAUNCH_TIMEOUT or 900)
@@ -56,10 +57,12 @@ while [ $# -gt 0 ]; do
     *) die "unknown option '$1' (scripts/launch.sh --help lists the options)" ;;
   esac
 done
-for v in "$tp" "$cp" "$pp" "$nproc" "$limit"; do
-  case "$v" in ''|*[!0-9]*) [ -z "$v" ] || die "sizes and --timeout must be positive integers, got '$v'" ;; esac
+for pair in "--tp=$tp" "--cp=$cp" "--pp=$pp" "--nproc=$nproc" "--timeout=$limit"; do
+  flag=${pair%%=*} v=${pair#*=}
+  case "$v" in ''|*[!0-9]*) [ -z "$v" ] || die "$flag must be a positive integer, got '$v'" ;; esac
 done
 [ "$limit" -gt 0 ] || die "--timeout must be a positive integer, got '$limit'"
+[ -z "$nproc" ] || [ "$nproc" -gt 0 ] || die "--nproc must be a positive integer, got '$nproc'"
 [ -f "$config" ] || die "no config file $config"
 
 # Megatron/TE-absence UserWarnings and torchrun's OMP notice are noise here.
@@ -82,6 +85,7 @@ if ! preflight=$(python scripts/launch_preflight.py "${check[@]}" ${overrides[@]
   die "${message#demo_config: }"
 fi
 read -r tp cp pp nproc gpus <<<"$preflight"
+echo "${preflight#*$'\n'}"
 
 # One GPU per rank on CUDA: with fewer visible GPUs than ranks, run on the CPUs (gloo) instead
 # of failing on a missing device, and say so.

@@ -2,8 +2,10 @@
 
     python scripts/launch_preflight.py [--nproc N] CONFIG [ppo_step.py's overrides: --tp N, ...]
 
-Prints one line, ``tp cp pp nproc gpus``: the layout (the config's, or the sizes given), the
-ranks (``--nproc``, default tp*cp*pp) and the number of GPUs the ranks would see. A bad config,
+Prints two lines: ``tp cp pp nproc gpus``, the layout (the config's, or the sizes given: those
+not given are then 1), the ranks (``--nproc``, default tp*cp*pp) and the number of GPUs the ranks
+would see; then ``launch: ...``, the run's layout and ranks and where each came from (flag or
+config), which ``launch.sh`` prints first. A bad config,
 size or option is one line on stderr and exit 2: the config's and the overrides' from
 :func:`mcore_ppo_testing.demo_config.main` (the demo's own loader, ``demo_config: ...``), a
 ``--nproc`` that is not a multiple of tp*cp*pp from here.
@@ -62,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         status = _demo_config().main([*rest, "--layout"])
     if status != 0:
         return status
-    tp, cp, pp = map(int, layout.getvalue().split())
+    sizes, origin = layout.getvalue().splitlines()
+    tp, cp, pp = map(int, sizes.split())
     nproc = tp * cp * pp if known.nproc is None else known.nproc
     if nproc < 1 or nproc % (tp * cp * pp):
         print(f"--nproc {nproc} is not a multiple of tp*cp*pp = {tp * cp * pp}", file=sys.stderr)
         return 2
-    print(tp, cp, pp, nproc, visible_gpus(), flush=True)
+    replicas = nproc // (tp * cp * pp)
+    ranks = f"{nproc} rank{'s' * (nproc > 1)}"
+    if known.nproc is not None:
+        ranks += f" (--nproc: {replicas} data-parallel replica{'s' * (replicas > 1)})"
+    print(tp, cp, pp, nproc, visible_gpus())
+    print(f"launch: {ranks}, {origin}", flush=True)
     return 0
 
 

@@ -30,7 +30,7 @@ files=(
   tests/actor/test_distill_demo.py             # the 4-rank distillation demo
   tests/integrations/test_verl_real.py         # real verl in fresh processes
   tests/harness/test_multi_gpu_suite.py
-  tests/harness/test_readme.py
+  tests/harness/test_docs_snippets.py          # every Python block of the README and docs/, a process each
 )
 for path in tests/*/test_*.py tests/test_*.py; do
   case "$path" in tests/distributed/* | "tests/test_*.py") continue ;; esac

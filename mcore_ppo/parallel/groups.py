@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
+from mcore_ppo.parallel.ranks import ProcessGroup, group_from_key, group_key, group_rank, group_size
 
 __all__ = [
     "ProcessGroup",
@@ -48,19 +48,3 @@ def resolve_cp_group(cp_group: ProcessGroup | None = None) -> ProcessGroup | Non
         return cp_group
     state = _megatron_parallel_state()
     return state.get_context_parallel_group() if state is not None else None
-
-
-def group_key(group: ProcessGroup | None) -> str:
-    """The string an op names ``group`` by (ops take no Python objects): the group's own
-    ``group_name``, which torch.distributed registers every group under; "" for one rank."""
-    return "" if group is None else group.group_name
-
-
-def group_from_key(key: str) -> ProcessGroup | None:
-    """The group :func:`group_key` named, from torch.distributed's registry of groups by name
-    (the one its functional collectives resolve names in); None for ""."""
-    if not key:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(key)

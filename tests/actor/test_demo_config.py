@@ -160,11 +160,29 @@ def test_tp_1_on_the_command_line_and_sp():
     assert apply_overrides(config, parser.parse_args(["--tp", "4", "--sp"])).layout.sp
 
 
+def test_sizes_on_the_command_line_set_the_whole_layout():
+    """``--tp 2`` alone is TP 2 × CP 1 × PP 1 (not the config's CP 2); no size given keeps the
+    config's; a size below 1, or one the model does not divide by, names its flag."""
+    parser = argparse.ArgumentParser()
+    add_override_arguments(parser)
+    config = load_demo_config(CONFIG)
+    layout = apply_overrides(config, parser.parse_args(["--tp", "2"])).layout
+    assert (layout.tp, layout.cp, layout.pp, layout.sp) == (2, 1, 1, True)
+    layout = apply_overrides(config, parser.parse_args(["--pp", "2"])).layout
+    assert (layout.tp, layout.cp, layout.pp, layout.sp) == (1, 1, 2, False)
+    layout = apply_overrides(config, parser.parse_args([])).layout
+    assert (layout.tp, layout.cp, layout.pp) == (config.layout.tp, config.layout.cp, config.layout.pp)
+    with pytest.raises(ValueError, match=re.escape("--cp must be >= 1, got 0")):
+        apply_overrides(config, parser.parse_args(["--cp", "0"]))
+    with pytest.raises(ValueError, match=re.escape("model.vocab_size = 512 does not divide by --tp 3")):
+        apply_overrides(config, parser.parse_args(["--tp", "3"]))
+
+
 def test_command_line_prints_the_layout_or_exits_2(tmp_path, capsys):
     assert main([str(CONFIG), "--layout"]) == 0
-    assert capsys.readouterr().out.split() == ["2", "2", "1"]
+    assert capsys.readouterr().out.splitlines()[0].split() == ["2", "2", "1"]
     assert main([str(CONFIG), "--layout", "--tp", "4", "--cp", "1"]) == 0
-    assert capsys.readouterr().out.split() == ["4", "1", "1"]
+    assert capsys.readouterr().out.splitlines()[0].split() == ["4", "1", "1"]
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(_with("layout.tp", "two")))
     assert main([str(path), "--layout"]) == 2
@@ -195,7 +213,7 @@ def test_config_check_needs_no_megatron():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["2", "2", "1"]
+    assert proc.stdout.splitlines()[0].split() == ["2", "2", "1"]
 
 
 def test_actor_names_resolve_lazily():

@@ -32,7 +32,8 @@ if _SET_INTERPRET:
 
 triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels as kernels  # noqa: E402  (decorated now, under the interpreter on CPU)
-from mcore_ppo import fused_log_probs_and_entropy, ops  # noqa: E402
+from mcore_ppo import fused_log_probs_and_entropy  # noqa: E402
+from mcore_ppo import ops as head_ops  # noqa: E402
 from mcore_ppo.backends import triton_config  # noqa: E402
 from mcore_ppo.backends.base import SavedTokens  # noqa: E402
 from mcore_ppo.parallel.combine import combine_shard_statistics  # noqa: E402
@@ -57,8 +58,8 @@ def interpreter(monkeypatch):
 
 
 # The head's own ops, whose implementations (Python) issue the aten ops counted here.
-_HEAD_OPS = {torch.ops.mcore_ppo.head_forward.default: ops._head_forward,
-             torch.ops.mcore_ppo.head_backward.default: ops._head_backward}  # fmt: skip
+_HEAD_OPS = {torch.ops.mcore_ppo.head_forward.default: head_ops._head_forward,
+             torch.ops.mcore_ppo.head_backward.default: head_ops._head_backward}  # fmt: skip
 
 
 class _Counting(TorchDispatchMode):

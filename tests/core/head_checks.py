@@ -188,3 +188,23 @@ def entry_point(backend: str):
     if backend == "liger":
         return mcore_ppo.liger_log_probs_and_entropy
     return functools.partial(mcore_ppo.fused_log_probs_and_entropy, backend=backend)
+
+
+def forbid_vocab_passes(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """Every pass over the vocab (the torch and triton backends', the top-k's) raises
+    ``AssertionError(why)``: for tests whose refusal must come before any of them."""
+    from mcore_ppo.backends import torch_backend
+    from mcore_ppo.distill import topk
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError(why)
+
+    for name in ("shard_statistics", "shard_gradients", "gather_logits"):
+        monkeypatch.setattr(torch_backend.TorchBackend, name, forbidden)
+    if import_optional("triton") is not None:
+        from mcore_ppo.backends import triton_backend
+
+        for name in ("head_forward", "shard_statistics", "shard_gradients", "gather_logits"):
+            monkeypatch.setattr(triton_backend.TritonBackend, name, forbidden)
+    monkeypatch.setattr(topk.topk_triton, "shard_topk_triton", forbidden)
+    monkeypatch.setattr(topk, "_shard_topk", forbidden)

@@ -11,17 +11,25 @@ fallback.
 Double backward: the head's backward is not differentiable, so ``create_graph=True`` through it
 raises ``NotImplementedError`` naming the head instead of returning wrong second derivatives
 (a first-order backward differentiated again would give Hessian-vector products off by 8×).
+
+Forward-mode AD: no backend forms tangents (the triton one would drop them, which forward AD reads
+as a zero derivative), so a dual tensor (``torch.autograd.forward_ad``) or a ``torch.func``
+transform's tensor (``jvp``, ``jacfwd``, ``vmap``, ``grad``) as hidden or weight raises
+``NotImplementedError`` naming the head on every entry point that reaches the head's pass (the
+function, ``fused_log_probs_at``, the head module, ``fused_topk``, Liger's entry), on both
+backends, whether the inputs require grad or not, before any backend work.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from head_checks import TRITON_ON_CPU, entry_point, plain_case
+from head_checks import TRITON_ON_CPU, entry_point, forbid_vocab_passes, plain_case
+from torch.autograd import forward_ad
 
 import mcore_ppo
 from mcore_ppo.liger import is_available as liger_available
-from mcore_ppo.shard import NO_DOUBLE_BACKWARD
+from mcore_ppo.shard import NO_DOUBLE_BACKWARD, NO_FORWARD_AD
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: see conftest.one_thread
 
@@ -132,3 +140,89 @@ def test_create_graph_elsewhere_in_the_graph_is_fine():
     (grad,) = torch.autograd.grad(penalty, scale, create_graph=True)
     (second,) = torch.autograd.grad(grad, scale)
     assert torch.allclose(second, 6 * scale.detach() * logp.sum())
+
+
+# --- forward-mode AD ---------------------------------------------------------------------------
+
+FORWARD_AD = r"fused PPO head has no forward-mode derivative"
+HEAD_BACKENDS = ["torch", pytest.param("triton", marks=TRITON_ON_CPU)]
+FORWARD_AD_ENTRIES = ["function", "ids", "head", "topk"]
+
+
+@pytest.fixture
+def no_backend_work(monkeypatch):
+    """Every pass over the vocab raises: the refusal comes before any of them."""
+    forbid_vocab_passes(monkeypatch, "a pass over the vocab ran before the forward-mode refusal")
+
+
+def _head_call(entry: str, backend: str, labels: torch.Tensor):
+    """``fn(hidden, weight)`` -> the entry point's first output."""
+    if entry == "function":
+        return lambda x, w: mcore_ppo.fused_log_probs_and_entropy(x, w, labels, backend=backend)[0]
+    if entry == "ids":
+        ids = torch.stack([labels, labels.flip(0)], dim=-1)
+        return lambda x, w: mcore_ppo.fused_log_probs_at(x, w, ids, backend=backend)[0]
+    if entry == "topk":
+        return lambda x, w: mcore_ppo.fused_topk(x, w, 3, impl=backend).log_probs
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=torch.float32)
+
+    def head(x, w):
+        module = mcore_ppo.VocabParallelFusedPPOHead(
+            x.shape[-1], w.shape[0], config=config, init_method=torch.nn.init.zeros_, backend=backend,
+            skip_weight_param_allocation=True,
+        )  # fmt: skip
+        return module(x, labels, weight=w)[0]
+
+    return head
+
+
+def _refused(fn, *args) -> None:
+    with pytest.raises(NotImplementedError, match=FORWARD_AD) as info:
+        fn(*args)
+    assert str(info.value) == NO_FORWARD_AD
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "requires-grad"])
+@pytest.mark.parametrize("wrt", ["hidden", "weight"])
+@pytest.mark.parametrize("mode", ["forward_ad", "jvp"])
+@pytest.mark.parametrize("backend", HEAD_BACKENDS)
+@pytest.mark.parametrize("entry", FORWARD_AD_ENTRIES)
+def test_forward_mode_ad_is_refused(entry, backend, mode, wrt, requires_grad, no_backend_work):
+    """A dual tensor of ``torch.autograd.forward_ad`` and ``torch.func.jvp``'s, as hidden or weight."""
+    hidden, weight, labels, _, _ = make_inputs()
+    hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
+    fn = _head_call(entry, backend, labels)
+    primal = hidden if wrt == "hidden" else weight
+
+    def with_primal(x):
+        return fn(x, weight) if wrt == "hidden" else fn(hidden, x)
+
+    if mode == "jvp":
+        _refused(torch.func.jvp, with_primal, (primal,), (torch.ones_like(primal),))
+        return
+    with forward_ad.dual_level():
+        _refused(with_primal, forward_ad.make_dual(primal, torch.ones_like(primal)))
+        # Inside a dual level, inputs without a tangent are an ordinary call: nothing to refuse.
+        assert forward_ad.unpack_dual(hidden).tangent is None
+
+
+@pytest.mark.parametrize("transform", ["jacfwd", "vmap", "grad"])
+def test_other_torch_func_transforms_are_refused(transform, no_backend_work):
+    hidden, weight, labels, _, _ = make_inputs()
+    fn = _head_call("function", "torch", labels)
+    if transform == "jacfwd":
+        _refused(torch.func.jacfwd(lambda x: fn(x, weight)), hidden)
+    elif transform == "vmap":
+        _refused(torch.func.vmap(lambda x: fn(x, weight)), hidden[None].expand(2, -1, -1))
+    else:
+        _refused(torch.func.grad(lambda x: fn(x, weight).sum()), hidden)
+
+
+@pytest.mark.skipif(not liger_available(), reason="liger-kernel is not installed")
+def test_forward_ad_is_refused_by_liger_entry():
+    hidden, weight, labels, _, _ = make_inputs()
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(hidden, torch.ones_like(hidden))
+        _refused(mcore_ppo.liger_log_probs_and_entropy, dual, weight, labels)

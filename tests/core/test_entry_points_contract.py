@@ -2,7 +2,8 @@
 ``tests/distributed/test_entry_points_bad_inputs.py``).
 
 The table of ``mcore_ppo_testing.bad_inputs`` on the function, ``[..., k]`` labels, the head
-module, verl's ``linear_cross_entropy``, the teacher's ``fused_topk`` and NeMo-RL's adapter:
+module, verl's ``linear_cross_entropy``, the teacher's ``fused_topk``, NeMo-RL's adapter,
+``run_head`` given a ``log_normalizer`` and a Megatron GPT through ``gpt_log_probs_and_entropy``:
 
 - every bad argument raises ``TypeError`` or ``ValueError`` naming it (never another exception
   from deeper inside), before any backend work;
@@ -16,9 +17,9 @@ import math
 
 import pytest
 import torch
+from head_checks import forbid_vocab_passes
 
-from mcore_ppo.backends import torch_backend
-from mcore_ppo_testing.bad_inputs import BAD_ARGUMENTS, ENTRY_POINTS, IGNORE, make_case
+from mcore_ppo_testing.bad_inputs import BAD_ARGUMENTS, ENTRY_POINTS, IDS, IGNORE, make_case, with_model
 from mcore_ppo_testing.seeds import next_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,19 +33,29 @@ PAIRS = [
 
 
 @pytest.fixture
+def case_for(request):
+    """``case_for(entry)``: a fresh case; the model's entry gets its GPT (Megatron's TP 1 state
+    and, on the CPU, the shims: tests/conftest.py's ``megatron_tp1``), on CUDA where there is
+    one (Megatron's GPTModel does not run on CPU tensors there: the shims refuse CUDA)."""
+
+    def build(entry: str):
+        if entry != "model":
+            return make_case(next_seed())
+        request.getfixturevalue("megatron_tp1")
+        return with_model(make_case(next_seed(), device="cuda" if torch.cuda.is_available() else "cpu"))
+
+    return build
+
+
+@pytest.fixture
 def no_compute(monkeypatch):
     """The backend must not run: every refusal comes before any compute."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the backend ran before the checks refused the input")
-
-    for name in ("shard_statistics", "shard_gradients", "gather_logits"):
-        monkeypatch.setattr(torch_backend.TorchBackend, name, forbidden)
+    forbid_vocab_passes(monkeypatch, "the backend ran before the checks refused the input")
 
 
 @pytest.mark.parametrize(("entry", "bad"), PAIRS)
-def test_bad_argument_is_refused_naming_it(entry, bad, no_compute):
-    case = make_case(next_seed())
+def test_bad_argument_is_refused_naming_it(entry, bad, case_for, no_compute):
+    case = case_for(entry)
     with pytest.raises(bad.error) as info:
         ENTRY_POINTS[entry](case, **bad.overrides(case, entry))
     message = str(info.value)
@@ -80,10 +91,10 @@ def _outputs(entry: str, result) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("entry", sorted(set(ENTRY_POINTS) - {"topk"}))
-def test_unchecked_bad_label_gives_nan(entry):
-    case = make_case(next_seed())
+def test_unchecked_bad_label_gives_nan(entry, case_for):
+    case = case_for(entry)
     good = _outputs(entry, ENTRY_POINTS[entry](case, validate=False))
-    labels = (case.ids if entry == "ids" else case.labels).clone()
+    labels = (case.ids if entry in IDS else case.labels).clone()
     # NeMo-RL's target is rolled by one inside the adapter: its token (ROW, POS) reads POS + 1.
     labels[ROW, POS + (entry == "nemo_rl")] = case.vocab + 5
     overrides = {"labels": labels.t() if entry == "verl" else labels, "validate": False}
@@ -100,14 +111,14 @@ def test_unchecked_bad_label_gives_nan(entry):
 
 @pytest.mark.parametrize("entry", sorted(set(ENTRY_POINTS) - {"nemo_rl"}))
 @pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
-def test_unchecked_bad_temperature_gives_nan(entry, value):
-    case = make_case(next_seed())
+def test_unchecked_bad_temperature_gives_nan(entry, value, case_for):
+    case = case_for(entry)
     temperature = case.temperature.clone()
     good = _outputs(entry, ENTRY_POINTS[entry](case, validate=False))
     temperature[ROW, POS] = value
     overrides = {"temperature": temperature.t() if entry == "verl" else temperature, "validate": False}
     bad = _outputs(entry, ENTRY_POINTS[entry](case, **overrides))
-    ignored = (case.ids if entry == "ids" else case.labels)[ROW, POS]
+    ignored = (case.ids if entry in IDS else case.labels)[ROW, POS]
     assert not (ignored == IGNORE).all()
     for out_bad, out_good in zip(bad, good, strict=True):
         assert torch.isnan(_token(out_bad, entry)).all(), f"{entry}: temperature {value} gave {_token(out_bad, entry)}"

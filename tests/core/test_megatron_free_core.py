@@ -39,14 +39,16 @@ SCRIPT = textwrap.dedent(
 
     import mcore_ppo
     import mcore_ppo.backends
-    import mcore_ppo.function
+    import mcore_ppo.ops
+    import mcore_ppo.shard
     import mcore_ppo.kernels
     import mcore_ppo.head_call
     import mcore_ppo.liger
     import mcore_ppo.parallel.combine
     import mcore_ppo.parallel.groups
     from mcore_ppo.backends.torch_backend import TorchBackend
-    from mcore_ppo.function import ShardPlan, shard_head
+    from mcore_ppo.ops import HeadCall, head
+    from mcore_ppo.options import HiddenGrad, WeightGrad
 
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -57,9 +59,10 @@ SCRIPT = textwrap.dedent(
     (log_probs.sum() + entropy.sum()).backward()
     assert log_probs.shape == (3, 4) and hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
 
-    # The same numbers straight through the Function, and against the full logits.
-    plan = ShardPlan(TorchBackend(), temperature=0.7, ignore_index=-100, vocab_start=0, vocab_size=11)
-    flat_lp, _, _ = shard_head(hidden.detach().reshape(-1, 8), weight.detach(), labels.t().reshape(-1), plan)
+    # The same numbers straight through the head's op, and against the full logits.
+    backend = TorchBackend()  # held: the op finds it by its key while it lives
+    call = HeadCall(backend.op_key, "", HiddenGrad.PARTIAL, WeightGrad.GRAD, -100, 0, 11, 0.7, True, False, False)
+    flat_lp, _, _ = head(hidden.detach().reshape(-1, 8), weight.detach(), labels.t().reshape(-1), None, None, call)
     torch.testing.assert_close(flat_lp.view(4, 3).t(), log_probs.detach())
     full = torch.log_softmax(hidden.detach().transpose(0, 1) @ weight.detach().t() / 0.7, dim=-1)
     expected = full.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(labels == -100, 0.0)

@@ -90,6 +90,7 @@ def test_main_command_passes_with_parity_lines(tmp_path):
     proc = _run("--steps", "2", visible_gpus=1, tmp_path=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, f"launch.sh exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert out.splitlines()[0].startswith("launch: 4 ranks, TP 2 × CP 2 (in the model) × PP 1, SP on: "), out
     assert "4 ranks need 4 GPUs, 1 visible: running on the CPUs with gloo" in out, out
     assert "(CPU, gloo)" in out, out
     assert "layout TP2+SP × CP2" in out, out
@@ -135,7 +136,7 @@ def test_parity_failure_exits_nonzero(tmp_path):
 def _without_torch(tmp_path: Path, **env: str) -> dict[str, str]:
     """This environment with an ``import torch`` that fails: what needs no torch must run with it."""
     blocker = tmp_path / "no_torch" / "torch"
-    blocker.mkdir(parents=True)
+    blocker.mkdir(parents=True, exist_ok=True)
     (blocker / "__init__.py").write_text("raise ImportError('torch imported where no torch is needed')\n")
     path = os.pathsep.join(filter(None, [str(blocker.parent), os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path, **env)
@@ -160,11 +161,12 @@ def _refused(tmp_path: Path, *args: str) -> str:
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--tp", "x"], "positive integers, got 'x'"),
+        (["--tp", "x"], "--tp must be a positive integer, got 'x'"),
+        (["--tp", "0"], "--tp must be >= 1, got 0"),
         (["--config", "/nonexistent.yaml"], "no config file /nonexistent.yaml"),
-        (["--tp", "2", "--nproc", "3"], "--nproc 3 is not a multiple of tp*cp*pp = 4"),
-        (["--tp", "3"], "model.vocab_size = 512 does not divide by tp = 3"),
-        (["--pp", "3"], "model.num_layers = 2 does not divide by pp = 3"),
+        (["--tp", "2", "--cp", "2", "--nproc", "3"], "--nproc 3 is not a multiple of tp*cp*pp = 4"),
+        (["--tp", "3"], "model.vocab_size = 512 does not divide by --tp 3"),
+        (["--pp", "3"], "model.num_layers = 2 does not divide by --pp 3"),
         (["--backend=bogus"], "head.backend must be one of auto, torch, triton, got 'bogus'"),
         (["--steps", "x"], "--steps: invalid int value: 'x'"),
         (["--frobnicate"], "unknown option '--frobnicate'"),
@@ -193,7 +195,7 @@ def test_launch_rejects_a_bad_config_before_torchrun(tmp_path):
 @pytest.mark.parametrize(
     ("args", "config", "says"),
     [
-        (["--tp", "8", "--cp", "1"], None, "model.num_attention_heads = 4 does not divide by tp = 8"),
+        (["--tp", "8", "--cp", "1"], None, "model.num_attention_heads = 4 does not divide by --tp 8"),
         (["--backend", "bogus"], None, "head.backend must be one of auto, torch, triton, got 'bogus'"),
         (["--cp-mode", "both"], None, "--cp-mode: invalid choice: 'both'"),
         ([], ("layout", "tp", "two"), "layout.tp"),
@@ -218,20 +220,49 @@ def test_preflight_refuses_in_one_line(tmp_path, capsys, args, config, says):
     assert says in lines[0].removeprefix("demo_config: ")
 
 
+def _preflight(tmp_path: Path, *args: str) -> list[str]:
+    """launch.sh's pre-flight on the demo config (``--nproc`` first when given, as launch.sh
+    passes it), without torch: its two lines."""
+    nproc = list(args[:2]) if args[:1] == ("--nproc",) else []
+    preflight = str(ROOT / "scripts" / "launch_preflight.py")
+    proc = subprocess.run(
+        [sys.executable, preflight, *nproc, "configs/ppo_demo.yaml", *args[len(nproc) :]],
+        cwd=ROOT,
+        env=_without_torch(tmp_path, CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return proc.stdout.splitlines()
+
+
 def test_preflight_passes_without_torch_when_no_gpu_can_be_visible(tmp_path):
-    """The pre-flight's answer (``tp cp pp nproc gpus``) on a good config: with CUDA_VISIBLE_DEVICES
-    empty it needs no torch for the GPU count either."""
-    for args, line in (([], "2 2 1 4 0"), (["--nproc", "8", "--tp", "1"], "1 2 1 8 0")):
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "launch_preflight.py"), *args[:2], str(CONFIG), *args[2:]],
-            cwd=ROOT,
-            env=_without_torch(tmp_path / str(len(args)), CUDA_VISIBLE_DEVICES=""),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-        assert proc.stdout == line + "\n", proc.stdout
+    """The pre-flight's answer (``tp cp pp nproc gpus``, then launch.sh's first line) on a good
+    config: with CUDA_VISIBLE_DEVICES empty it needs no torch for the GPU count either."""
+    for args, line in (((), "2 2 1 4 0"), (("--nproc", "8", "--tp", "1", "--cp", "2"), "1 2 1 8 0")):
+        lines = _preflight(tmp_path, *args)
+        assert len(lines) == 2 and lines[0] == line and lines[1].startswith("launch: "), lines
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ((), "launch: 4 ranks, TP 2 × CP 2 (in the model) × PP 1, SP on: TP, CP, PP and SP from configs/ppo_demo.yaml"),
+        (("--tp", "2"), "launch: 2 ranks, TP 2 × CP 1 × PP 1, SP on: TP from --tp; CP 1, PP 1 (not given: sizes on "
+         "the command line set the whole layout, the config's CP 2 not used); SP from configs/ppo_demo.yaml"),
+        (("--pp", "2"), "launch: 2 ranks, TP 1 × CP 1 × PP 2, SP off: PP from --pp; TP 1, CP 1 (not given: sizes on "
+         "the command line set the whole layout, the config's TP 2 and CP 2 not used); SP off (TP 1)"),
+        (("--nproc", "8", "--tp", "4", "--cp", "1", "--no-sp"), "launch: 8 ranks (--nproc: 2 data-parallel "
+         "replicas), TP 4 × CP 1 × PP 1, SP off: TP from --tp, CP from --cp; PP 1 (not given: sizes on the command "
+         "line set the whole layout); SP from --no-sp"),
+    ],
+    ids=["config", "tp-alone", "pp-alone", "nproc-and-flags"],
+)  # fmt: skip
+def test_first_line_says_the_layout_and_where_it_came_from(tmp_path, args, says):
+    """Sizes given set the whole layout (the others 1), and launch.sh's first line says so: the
+    ranks, TP × CP × PP, SP, and for each whether a flag or the config set it."""
+    assert _preflight(tmp_path, *args)[1] == says
 
 
 def test_config_check_names_the_backends_of_the_registry():

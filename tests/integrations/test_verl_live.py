@@ -108,6 +108,24 @@ def test_live_fused_path_with_the_plugin_equals_fp64_kernel_and_verls_non_fused_
 
 
 @pytest.mark.usefixtures("verl_modules")
+def test_the_on_line_is_logged_for_the_forward_only_and_the_training_pass(caplog):
+    """The plugin's "on" line says each kind of pass once: verl's forward-only log-prob pass and
+    its training pass decide the TP reduction differently, and both are logged, in their order."""
+    model = _model()
+    sequences = _sequences(next_seed())
+    forget_logged()
+    with caplog.at_level(logging.INFO, logger="mcore_ppo"), verl_engine.plugin_on("torch"):
+        verl_engine.verl_log_probs(model, sequences, 0.7)
+        verl_engine.forward_backward(model, sequences, 0.7)
+        verl_engine.verl_log_probs(model, sequences, 0.7)
+        verl_engine.forward_backward(model, sequences, 0.7)
+    on = [r.getMessage() for r in caplog.records if "verl plugin: on:" in r.getMessage()]
+    assert len(on) == 2, on
+    assert "forward-only pass: no TP reduction needed" in on[0], on[0]
+    assert "training pass: no TP reduction needed" in on[1], on[1]
+
+
+@pytest.mark.usefixtures("verl_modules")
 def test_per_sample_temperatures_through_the_plugin_equal_verls_non_fused_path():
     from verl.workers.engine.megatron.transformer_impl import _resolve_fused_temperature
 

@@ -239,7 +239,9 @@ def test_sum_pi_squared_through_the_model(path: str):
     off) equals the head's own on the model's final hidden states and softmax(logits / T)² summed
     in fp64 from the model's logits; off, the same call returns the pair."""
     batch = _batch("padded", 11)
-    temperature = torch.linspace(0.5, 1.5, batch.labels.numel(), dtype=torch.float64).view_as(batch.labels)
+    temperature = torch.linspace(0.5, 1.5, batch.labels.numel(), dtype=torch.float64, device=DEVICE).view_as(
+        batch.labels
+    )
     model = _model()
     ignored = batch.labels == -100
     with torch.no_grad():

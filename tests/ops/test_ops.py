@@ -53,7 +53,8 @@ def _inputs(dtype, *, ids: bool, row_temperature: bool, seed: int, ignored: bool
         labels[:3] = -100
     temperature = None
     if row_temperature:
-        temperature = (0.5 + torch.rand(N, generator=gen, dtype=torch.float64)).to(torch.promote_types(dtype, torch.float32))
+        rows = 0.5 + torch.rand(N, generator=gen, dtype=torch.float64)
+        temperature = rows.to(torch.promote_types(dtype, torch.float32))
     return hidden, weight, labels, temperature
 
 
@@ -102,7 +103,8 @@ def test_opcheck_forward_and_backward(backend_name, case):
     call = _call(backend, return_entropy=entropy, return_sum_pi_squared=sum_pi)
     if normalized:
         t = 0.7 if temperature is None else temperature[:, None]
-        log_normalizer = torch.logsumexp((hidden @ weight.T).double() / t, dim=1).to(torch.promote_types(dtype, torch.float32))
+        lse = torch.logsumexp((hidden @ weight.T).double() / t, dim=1)
+        log_normalizer = lse.to(torch.promote_types(dtype, torch.float32))
     for grad_needed in (False, True):
         args = _forward_args(
             hidden.requires_grad_(grad_needed), weight.requires_grad_(grad_needed), labels, temperature,

@@ -151,13 +151,16 @@ def linear_cross_entropy(
             reduce_hidden_grad=reduce_here,
             **extra,
         )
+    # Keyed by the pass too: a forward-only pass needs no TP reduction, a training pass's is the
+    # decision worth seeing, and the first pass is often forward-only (verl's old log-probs).
     log_once(
         logging.INFO,
-        ("verl-on", backend, tp, sequence_parallel),
-        "mcore_ppo verl plugin: on: verl's fused log-prob/entropy path ran on the head (backend=%r, TP %d, %s, "
-        "called from %s)",
+        ("verl-on", backend, tp, sequence_parallel, backward),
+        "mcore_ppo verl plugin: on: verl's fused log-prob/entropy path ran on the head (backend=%r, TP %d, %s pass: "
+        "%s, called from %s)",
         backend,
         tp,
+        "training" if backward else "forward-only",
         "no TP reduction needed"
         if tp == 1 or not backward
         else "sequence parallel: d_hidden summed by verl's SP gather"

@@ -168,8 +168,10 @@ def forward_kl_topk(
             not a real number.
         ValueError: teacher tensors not ``[1, t, k]`` for the call's ``t`` tokens, their ``k``
             unequal or outside ``[1, MAX_TOPK]`` / above the vocab size, teacher ids outside
-            ``[0, V)`` (a value check: one host sync, skipped with ``validate=False``, the head's
-            NaN rule then applies), a non-finite clamp.
+            ``[0, V)`` (a value check: one host sync, skipped with ``validate=False``: such an
+            id's slot then gets a NaN ``log q``, and its token NaN outputs, whatever the head's
+            ``ignore_index``), a non-finite clamp, an ``ignore_index`` inside ``[0, V)`` (a
+            teacher id equal to it could not be told from an ignored slot).
     """
     n = student.labels.shape[0]
     vocab = student.weight.shape[0] * group_size(student.tp_group)
@@ -202,7 +204,16 @@ def forward_kl_topk(
     log_probs, entropy, *rest = outputs
     # verl's kernel contract: fp32 log-probs and entropy (the k-ids pass gives fp64 for fp64 inputs).
     student.main = (log_probs[:, 0].float(), None if entropy is None else entropy.float(), rest[0] if rest else None)
-    out = _kl_outputs(log_probs[:, 1:], teacher_logps, teacher_ids, top.ids, clamp)
+    student_logps, bad_ids = log_probs[:, 1:], None
+    if not student.options.validate:
+        # A teacher id is a vocab id or a bad one, never "ignored": one equal to the head's
+        # ignore_index would otherwise come back as log q = 0, a plausible number.
+        bad_ids = (teacher_ids < 0) | (teacher_ids >= vocab)
+        student_logps = student_logps.masked_fill(bad_ids, math.nan)
+    out = _kl_outputs(student_logps, teacher_logps, teacher_ids, top.ids, clamp)
+    if bad_ids is not None:
+        # The advantage sums the overlapping ids only, which a bad id never is.
+        out = (*out[:4], out[4].masked_fill(bad_ids.any(dim=1), math.nan))
     return tuple(x.reshape(1, n) for x in out)  # type: ignore[return-value]
 
 
@@ -227,6 +238,11 @@ def _checked_teacher(
             "(the same k per token)"
         )
     k = ids.shape[-1]
+    if 0 <= student.options.ignore_index < vocab:
+        raise ValueError(
+            f"ignore_index={student.options.ignore_index} is a vocab id: top-k distillation needs one outside "
+            f"[0, {vocab}), so that no teacher id is taken for an ignored slot"
+        )
     if not 1 <= k <= min(MAX_TOPK, vocab):
         raise ValueError(f"teacher_ids: k must be in [1, {min(MAX_TOPK, vocab)}] (MAX_TOPK, vocab size), got {k}")
     if clamp is not None:
