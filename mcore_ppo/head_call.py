@@ -54,7 +54,7 @@ class CheckedCall(NamedTuple):
     backend: Backend | None
     tp_size: int
     vocab_size: int
-    labels_in_range: bool = False  # the values were read and passed (validate on, where reading is free)
+    values_read: bool = False  # labels' and temperatures' values read and passed (validate on, where free)
 
 
 def run_head(
@@ -209,7 +209,7 @@ def check_call(
     rows = weight.shape[0] if local_error is None else 0
     signature = None if local_error is not None else _signature(hidden, weight, call, options, layout)
     share_verdict(tp_group, rows, local_error, values, value_error, signature=signature, every_call=options.validate)
-    return call._replace(labels_in_range=values is not None)
+    return call._replace(values_read=values is not None)
 
 
 def _signature(hidden: torch.Tensor, weight: torch.Tensor, call: CheckedCall, options: HeadOptions, layout: Layout):
@@ -303,11 +303,11 @@ def _execute(
         temperature_value=1.0 if row_temperature is not None else call.temperature,
         return_entropy=options.return_entropy,
         return_sum_pi_squared=options.return_sum_pi_squared,
-        labels_in_range=call.labels_in_range,
+        labels_in_range=call.values_read,
     )
     token_rows = hidden_rows(hidden)
     log_probs, *per_token = head(token_rows, weight, rows, row_temperature, log_normalizer, head_call)
-    if call.bad_temperature is not None and not call.labels_in_range:
+    if call.bad_temperature is not None and not call.values_read:
         # Not read back: a bad temperature poisons its token's outputs (never a plausible number).
         bad = call.bad_temperature
         log_probs = log_probs.masked_fill(bad[:, None] if log_probs.dim() == 2 else bad, math.nan)

@@ -31,14 +31,14 @@ class HeadOptions:
             more register sum in the same pass and one more value in the same TP all-reduce;
             fp32, clamped to ``[1/V, 1]``, 0 for ignored tokens, detached (no gradient). False
             (default): the outputs and the kernels are those without it.
-        validate: True: the values of the inputs are checked on every device, labels in
-            ``[0, V)`` or ``ignore_index`` and a temperature tensor's values in
-            ``[MIN_TEMPERATURE, inf)``, a bad one raising ValueError, and the verdict of every
-            check is shared over the TP group before the first collective (one small all-reduce
-            and one host sync per call). False: nothing is read back (CUDA graphs, host-bound
-            loops); a token with a bad label or temperature then gets NaN outputs, never a
-            plausible number. Default :data:`mcore_ppo.validation.VALIDATE_DEFAULT`
-            (``MCORE_PPO_VALIDATE=0`` at import turns it off).
+        validate: True (default): every argument is checked and the verdict shared over the TP
+            group before the first collective, without making the host wait for the device
+            (docs/design.md §5): labels in ``[0, V)`` or ``ignore_index`` and a temperature
+            tensor's values in ``[MIN_TEMPERATURE, inf)`` raise ValueError where reading them is
+            free (CPU tensors), and elsewhere give their token NaN outputs, never a plausible
+            number; the verdict is shared every call over a CPU (gloo) group, once per call
+            signature over an accelerator's. False: the values are not read anywhere (NaN
+            rule) and the verdict is shared once per signature on every group.
 
     Raises:
         TypeError: a field of the wrong type (bool is not an int here; ``return_entropy``,

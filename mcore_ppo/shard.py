@@ -85,7 +85,10 @@ def refuse_double_backward() -> None:
 def refuse_forward_ad(*tensors: torch.Tensor) -> None:
     """Raise :data:`NO_FORWARD_AD` for a dual tensor (forward-mode AD) or a ``torch.func``
     transform's tensor among ``tensors``: no backend forms tangents, and one that skipped them
-    would hand forward AD a zero derivative."""
+    would hand forward AD a zero derivative. Not while ``torch.compile`` traces: the check is
+    C++ that dynamo cannot trace, and a compiled region's inputs are plain tensors."""
+    if torch.compiler.is_compiling():
+        return
     for tensor in tensors:
         if forward_ad.unpack_dual(tensor).tangent is not None or is_functorch_wrapped_tensor(tensor):
             raise NotImplementedError(NO_FORWARD_AD)
@@ -149,7 +152,7 @@ def forward(
                 ignore_index=ignore_index,
                 vocab_start=vocab_start,
                 vocab_size=vocab_size,
-                labels_checked=labels_in_range,
+                labels_in_range=labels_in_range,
                 grad_needed=grad_needed,
                 with_entropy=return_entropy,
                 max_entropy=max_entropy(vocab_size, torch.float32),

@@ -14,26 +14,14 @@ rank is shared over the TP group by :mod:`mcore_ppo.verdict` before the first co
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from mcore_ppo.parallel.ranks import ProcessGroup
 
-_FALSE = ("0", "false", "False", "off", "no")
-_VALIDATE_ENV = os.environ.get("MCORE_PPO_VALIDATE", "").strip()
-#: Default of the head's ``validate`` option, read once at import: True unless the environment
-#: variable ``MCORE_PPO_VALIDATE`` is ``0`` (or ``false``/``off``/``no``) then (docs/design.md).
-VALIDATE_DEFAULT = _VALIDATE_ENV not in _FALSE
-# The PPO loss's own opt-in for value checks of CUDA tensors (mcore_ppo.actor.ppo_loss): the
-# variable explicitly set to a true value at import.
-_VALIDATE_ON_DEVICE = _VALIDATE_ENV not in ("", *_FALSE)
-
-
-def validate_on_device() -> bool:
-    """Whether the PPO loss's value checks run for CUDA tensors (``MCORE_PPO_VALIDATE=1`` at
-    import; read once). The head has its own switch, ``HeadOptions.validate``."""
-    return _VALIDATE_ON_DEVICE
+#: Default of the head's ``validate`` option: the checks on (they never make the host wait for
+#: the device: docs/design.md §5).
+VALIDATE_DEFAULT = True
 
 
 #: Smallest temperature accepted. The tempered logits ``z = x·w / T`` are fp32, so an absolute

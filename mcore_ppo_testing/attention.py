@@ -40,8 +40,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 
 from mcore_ppo.parallel.context_parallel import cp_token_index
-from mcore_ppo.parallel.groups import group_rank, group_size
-from mcore_ppo.parallel.mappings import gather_sequence_parallel
+from mcore_ppo.parallel.groups import ProcessGroup, group_rank, group_size
+from mcore_ppo.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 
 __all__ = ["SdpaAttention", "ThdDotProductAttention", "packed_causal_mask"]
 
@@ -350,3 +350,23 @@ class SdpaAttention(MegatronModule):
         if packed_seq_params is not None:
             return out.reshape(total, 1, self.hidden_size_per_partition)
         return out.reshape(batch, seq, self.hidden_size_per_partition).transpose(0, 1).contiguous()
+
+
+class _GatherSequenceParallel(torch.autograd.Function):
+    """Forward: all-gather along dim 0. Backward: reduce-scatter along dim 0."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_first_dim(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_first_dim(grad, ctx.group), None
+
+
+def gather_sequence_parallel(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """All-gather sequence-parallel ``tensor`` ([s/tp, ...] → [s, ...]); backward reduce-scatters."""
+    if group_size(group) == 1:
+        return tensor
+    return _GatherSequenceParallel.apply(tensor, group)

@@ -22,6 +22,7 @@ line is ``PASS: ...`` or ``FAIL: ...``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -190,7 +191,7 @@ def run_distill_demo(config: DemoConfig) -> int:
         mask = rollout.response_mask
         if cfg.policy_loss:
             old_lp, _ = student.compute_log_prob(rollout)
-            rollout = rollout.with_fields(old_log_probs=old_lp)
+            rollout = dataclasses.replace(rollout, old_log_probs=old_lp)
         t0 = time.perf_counter()
         top = student.compute_teacher_topk(teacher, rollout)
         topk_s = time.perf_counter() - t0

@@ -107,7 +107,7 @@ class Bench:
         old_lp, _ = actor.compute_log_prob(rollout, calculate_entropy=True)
         _sync()
         t1 = time.perf_counter()
-        rollout = rollout.with_fields(old_log_probs=old_lp)
+        rollout = dataclasses.replace(rollout, old_log_probs=old_lp)
         metrics = [actor.update_policy(rollout) for _ in range(self.ppo_epochs if epochs is None else epochs)]
         _sync()
         t2 = time.perf_counter()

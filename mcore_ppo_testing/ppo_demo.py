@@ -15,6 +15,7 @@ CPU (no CUDA): gloo, with ``mcore_ppo_testing.cpu_shims``. GPU: NCCL, one GPU pe
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -160,7 +161,7 @@ class _Demo:
         t0 = time.perf_counter()
         old_lp, old_ent = actor.compute_log_prob(rollout, calculate_entropy=True)
         logprob_s = time.perf_counter() - t0
-        rollout = rollout.with_fields(old_log_probs=old_lp)
+        rollout = dataclasses.replace(rollout, old_log_probs=old_lp)
         d_lp, d_ent = self._logits_path_parity(rollout, old_lp, old_ent)
         d_cp = None
         if reference is not None:

@@ -199,7 +199,7 @@ def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -
 
     def forward(grad_needed: bool, tp: bool):
         return backend.head_forward(
-            x, w, labels, 0.7, ignore_index=-100, vocab_start=0, vocab_size=vocab_size, labels_checked=True,
+            x, w, labels, 0.7, ignore_index=-100, vocab_start=0, vocab_size=vocab_size, labels_in_range=True,
             grad_needed=grad_needed, with_entropy=True, max_entropy=max_entropy(vocab_size, torch.float32),
             combine=combine if tp else None,
         )  # fmt: skip

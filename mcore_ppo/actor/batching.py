@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -92,10 +92,6 @@ class PackedRollout:
     def bounds(self) -> list[int]:
         """``cu_seqlens`` as host ints."""
         return list(self._bounds)
-
-    def with_fields(self, **fields: torch.Tensor | None) -> PackedRollout:
-        """A copy with some fields replaced (e.g. ``old_log_probs`` from a log-prob pass)."""
-        return replace(self, **fields)
 
 
 def padded_length(length: int, align: int) -> int:

@@ -31,7 +31,8 @@ import torch
 # The modes and their check live with the config (torch-free); named here too, beside the losses.
 from mcore_ppo.actor.config import LOSS_AGG_MODES as LOSS_AGG_MODES
 from mcore_ppo.actor.config import check_loss_agg_mode
-from mcore_ppo.validation import check_tensor, validate_on_device
+from mcore_ppo.validation import check_tensor
+from mcore_ppo.verdict import values_readable
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
@@ -56,15 +57,15 @@ def _same_shape(names: str, *tensors: torch.Tensor) -> None:
 
 
 def _values_checked(tensor: torch.Tensor) -> bool:
-    """Whether values of ``tensor`` are read back to raise: always on CPU, on CUDA only with
-    ``MCORE_PPO_VALIDATE=1`` (a host sync)."""
-    return tensor.device.type == "cpu" or validate_on_device()
+    """Whether values of ``tensor`` are read back to raise: where that costs no host sync (a CPU
+    tensor outside a compiled region), as for the head's own checks (docs/design.md §5)."""
+    return values_readable(tensor)
 
 
 def _sequence_index(seq_index: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index, in_range)``: int64 ids clamped into ``[0, num_seqs)`` and where they were in it.
 
-    Ids out of range are a ValueError for CPU tensors (and on CUDA with ``MCORE_PPO_VALIDATE=1``).
+    Ids out of range are a ValueError for CPU tensors.
     Otherwise, checking would cost a host sync: the callers poison what such a token touches
     with NaN instead (never an indexing assert on the device, never a plausible number)."""
     index = seq_index.reshape(-1).long()
@@ -195,7 +196,7 @@ def sequence_token_counts(mask: torch.Tensor, seq_index: torch.Tensor, num_seqs:
 
     Returns:
         fp64 ``[num_seqs]`` (fp64 so counts add up exactly across ranks). An id outside
-        ``[0, num_seqs)`` is a ValueError on CPU; on CUDA (without ``MCORE_PPO_VALIDATE=1``) it
+        ``[0, num_seqs)`` is a ValueError on CPU; on CUDA it
         makes a count NaN.
     """
     check_tensor("mask", mask, "mask")

@@ -237,7 +237,7 @@ class Backend(Protocol):
         ignore_index: int,
         vocab_start: int,
         vocab_size: int,
-        labels_checked: bool,
+        labels_in_range: bool,
         grad_needed: bool,
         with_entropy: bool,
         max_entropy: float,
@@ -246,7 +246,7 @@ class Backend(Protocol):
     ) -> HeadForward:
         """Called only when :meth:`fused_forward_for` these inputs: the generic forward's results for
         global int64 ``labels [n]``: ``log_prob = min(y - lse, 0)``, NaN for a label outside
-        ``[0, vocab_size)`` unless ``labels_checked``; entropy clamped to ``[0, max_entropy]``;
+        ``[0, vocab_size)`` unless ``labels_in_range``; entropy clamped to ``[0, max_entropy]``;
         both 0 for ignored tokens. ``combine``: None when this shard is the whole vocab, else
         :func:`mcore_ppo.parallel.combine_shard_statistics` over the TP group as ``combine(m, s, u, y) ->
         (lse, entropy, label_logit)`` (with ``with_sum_pi_squared``: ``combine(m, s, u, y, q)

@@ -205,7 +205,7 @@ class TritonBackend:
         ignore_index: int,
         vocab_start: int,
         vocab_size: int,
-        labels_checked: bool,
+        labels_in_range: bool,
         grad_needed: bool,
         with_entropy: bool,
         max_entropy: float,
@@ -265,10 +265,10 @@ class TritonBackend:
                     parts, perm, count, y, labels, lse_arg, lse_arg if entropy is None else entropy, log_prob,
                     entropy_out_arg, sum_pi_squared_out_arg, n, plan.num_splits, stride_l, vocab_size, max_entropy,
                 ),
-                plan.finish_options[labels_checked, grad_needed],
+                plan.finish_options[labels_in_range, grad_needed],
                 # The plan fixes every argument's specialisation but the labels' dtype and the
                 # integer class of their stride and of the vocab size (their values stand for it).
-                (plan, "finish", labels_checked, labels.dtype, stride_l, vocab_size),
+                (plan, "finish", labels_in_range, labels.dtype, stride_l, vocab_size),
             )  # fmt: skip
         else:
             # The plan fixes the partials', the row order's and the merged statistics' (fresh
@@ -283,10 +283,10 @@ class TritonBackend:
                     stride_l, ignore_index, vocab_size, max_entropy, square[0] if with_q else lse,
                     sum_pi_squared_out_arg,
                 ),
-                plan.combined_options[labels_checked],
+                plan.combined_options[labels_in_range],
                 # The combine's outputs are fresh tensors of the plan's n; the labels' dtype and
                 # the integers' values stand for the rest of the specialisation.
-                (plan, "combined", labels_checked, labels.dtype, stride_l, ignore_index, vocab_size),
+                (plan, "combined", labels_in_range, labels.dtype, stride_l, ignore_index, vocab_size),
             )  # fmt: skip
         if not residual and grad_needed:
             residual = (perm, count)  # the row order, for a backward that recomputes

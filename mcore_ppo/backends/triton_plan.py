@@ -49,8 +49,8 @@ class LaunchPlan:
     direct: bool
     stats_grid: tuple[int]
     stats_options: dict
-    finish_options: dict  # by (labels_checked, grad_needed): the launch options of merge_finish_kernel
-    combined_options: dict  # by labels_checked: those of finish_kernel
+    finish_options: dict  # by (labels_in_range, grad_needed): the launch options of merge_finish_kernel
+    combined_options: dict  # by labels_in_range: those of finish_kernel
 
     @property
     def n_parts(self) -> int:

@@ -246,7 +246,7 @@ def _fused_topk(
         top_ids = torch.where(valid[:, None], top_ids, torch.full_like(top_ids, options.ignore_index))
         log_probs = torch.where(valid[:, None], log_probs, torch.zeros_like(log_probs))
         tail_log_mass = torch.where(valid, tail_log_mass, torch.zeros_like(tail_log_mass))
-    if call.bad_temperature is not None and not options.validate:
+    if call.bad_temperature is not None and not call.values_read:
         # Bad values were replaced by 1 for the computation; their tokens' outputs must not pass for numbers.
         log_probs = log_probs.masked_fill(call.bad_temperature[:, None], math.nan)
         tail_log_mass = tail_log_mass.masked_fill(call.bad_temperature, math.nan)

@@ -14,19 +14,15 @@ from mcore_ppo.parallel.context_parallel import (
 from mcore_ppo.parallel.groups import group_rank, group_size, resolve_cp_group, resolve_tp_group
 from mcore_ppo.parallel.mappings import (
     all_gather_first_dim,
-    gather_sequence_parallel,
-    reduce_grad_over_tp,
     reduce_scatter_first_dim,
 )
 
 __all__ = [
     "all_gather_first_dim",
     "combine_shard_statistics",
-    "gather_sequence_parallel",
     "group_rank",
     "group_size",
     "merge_statistics",
-    "reduce_grad_over_tp",
     "reduce_scatter_first_dim",
     "rescale_statistics",
     "resolve_cp_group",

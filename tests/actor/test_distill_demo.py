@@ -7,6 +7,7 @@ ranks, one short step; its parity lines and PASS verdict)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -65,7 +66,7 @@ def _micro_batch_and_teacher(k: int):
     )
     gen = generator(next_seed())
     total = rollout.tokens.shape[0]
-    rollout = rollout.with_fields(old_log_probs=-torch.rand(total, generator=gen))
+    rollout = dataclasses.replace(rollout, old_log_probs=-torch.rand(total, generator=gen))
     log_p = torch.log_softmax(torch.randn(total, 50, generator=gen, dtype=torch.float64), dim=-1)
     values, ids = log_p.topk(k, dim=-1)
     tail = torch.logsumexp(log_p.scatter(-1, ids, -torch.inf), dim=-1)

@@ -144,7 +144,7 @@ def test_counts_of_loss_weights():
 
 
 def test_on_cuda_bad_ids_and_masks_poison_instead_of_syncing(monkeypatch):
-    """Without MCORE_PPO_VALIDATE the CUDA path reads no value back: what a bad id or mask value
+    """The CUDA path reads no value back (a host sync): what a bad id or mask value
     touches becomes NaN (the loss is NaN), never an indexing assert and never a dropped token."""
     monkeypatch.setattr(ppo_loss, "_values_checked", lambda tensor: False)  # as for CUDA tensors
     seq = SEQ.clone()

@@ -273,11 +273,11 @@ def test_combined_epilogue_equals_generic(vocab_start):
 
     with torch.no_grad():
         fused = backend.head_forward(
-            hidden, weight, labels, 0.9, labels_checked=False, with_entropy=True, max_entropy=max_entropy,
+            hidden, weight, labels, 0.9, labels_in_range=False, with_entropy=True, max_entropy=max_entropy,
             combine=combine, **kw,
         )  # fmt: skip
         one_shard = backend.head_forward(
-            hidden, weight, labels, 0.9, labels_checked=False, with_entropy=True, max_entropy=max_entropy,
+            hidden, weight, labels, 0.9, labels_in_range=False, with_entropy=True, max_entropy=max_entropy,
             combine=None, **kw,
         )  # fmt: skip
         valid = labels != IGNORE_INDEX

@@ -22,6 +22,8 @@ Megatron's clipping asserts CUDA gradients.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import ACTOR_GPT as MODEL
@@ -108,7 +110,7 @@ def _run(ddp: bool, *, seed, rollout, old_log_probs, head_fusion: bool = False, 
             )
             actor = MegatronPPOActor(model, plain, config, parallel=parallel)
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
-        metrics = actor.update_policy(rollout.with_fields(old_log_probs=old_log_probs(log_probs)))
+        metrics = actor.update_policy(dataclasses.replace(rollout, old_log_probs=old_log_probs(log_probs)))
         after = full_parameters(model, parallel.tp)
         return log_probs, entropy, metrics, {k: after[k] - before[k] for k in after}
     finally:

@@ -28,6 +28,7 @@ token budget), so the global-count aggregation is exercised too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -129,7 +130,7 @@ def _run_layout(tp, cp, pp, sp, batching, *, seed, rollout, old_log_probs, loss_
         reference = logits_path_outputs(
             model, rollout, parallel, temperature=TEMPERATURE, align=actor.align, packed_attention=packed_attention
         )
-        metrics = actor.update_policy(rollout.with_fields(old_log_probs=old_log_probs(log_probs)))
+        metrics = actor.update_policy(dataclasses.replace(rollout, old_log_probs=old_log_probs(log_probs)))
         after = full_parameters(model, parallel.tp)
         deltas = {k: after[k] - before[k] for k in after}
         return log_probs, entropy, reference, metrics, deltas

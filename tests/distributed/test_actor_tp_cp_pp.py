@@ -146,7 +146,7 @@ def test_actor_tp_cp_pp_matches_single_rank(check, fresh_parallel_state):
             unfused = logits_path_outputs(model, rollout, parallel, temperature=TEMPERATURE, align=actor.align)
             topk = actor.compute_teacher_topk(model, rollout)
             old = torch.where(mask, log_probs.double() + 0.4 * noise, 0.0)
-            metrics = actor.update_policy(rollout.with_fields(old_log_probs=old))
+            metrics = actor.update_policy(dataclasses.replace(rollout, old_log_probs=old))
             after = full_parameters(model, parallel.tp)
         deltas = {k: after[k] - before[k] for k in after}
         if unfused is not None:  # the last pipeline stage

@@ -12,6 +12,8 @@ the entropy's backward is compared too).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE, require_ranks, shared_seed
@@ -67,7 +69,7 @@ def _run(tp, cp, sp, forward_fn, *, seed, rollout, noise):
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
         # The sampling policy is ~0.3 nats per token away, so the clip acts.
         old = torch.where(rollout.response_mask, log_probs + 0.3 * noise, 0.0)
-        metrics = actor.update_policy(rollout.with_fields(old_log_probs=old))
+        metrics = actor.update_policy(dataclasses.replace(rollout, old_log_probs=old))
         after = full_parameters(model, parallel.tp)
         return log_probs, entropy, metrics, {k: after[k] - before[k] for k in after}
     finally:

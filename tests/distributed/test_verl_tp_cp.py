@@ -45,8 +45,8 @@ from head_cases import BACKEND
 from mcore_ppo.integrations import verl as plugin
 from mcore_ppo.integrations.verl.engine import call_site
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
-from mcore_ppo.parallel.mappings import gather_sequence_parallel
 from mcore_ppo_testing import verl_distill, verl_engine
+from mcore_ppo_testing.attention import gather_sequence_parallel
 from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.layer_specs import local_gpt_spec
 from mcore_ppo_testing.real_verl import require_verl

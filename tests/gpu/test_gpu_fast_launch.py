@@ -279,7 +279,7 @@ def test_cuda_graph_capture_of_fused_forward_and_backward(budget):
 
     x, w, labels, g, e = _make(2048, 1024, 20000, ignored=0.3, seed=6)
     backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))
-    kw = {"ignore_index": -100, "vocab_start": 0, "vocab_size": 20000, "labels_checked": False}
+    kw = {"ignore_index": -100, "vocab_start": 0, "vocab_size": 20000, "labels_in_range": False}
 
     def step():
         out = backend.head_forward(

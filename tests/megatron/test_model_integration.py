@@ -9,6 +9,8 @@ stages, hooks carried over, and the CPU shims themselves.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from megatron.core import parallel_state
@@ -296,7 +298,7 @@ def test_actor_gets_its_pair_whatever_the_heads_outputs(head_options):
         install_fused_head(model, backend="torch", **(head_options if on else {}))
         actor = MegatronPPOActor(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
         log_probs, entropy = actor.compute_log_prob(rollout, calculate_entropy=True)
-        metrics = actor.update_policy(rollout.with_fields(old_log_probs=log_probs - 0.01))
+        metrics = actor.update_policy(dataclasses.replace(rollout, old_log_probs=log_probs - 0.01))
         results.append((log_probs, entropy, metrics))
     (lp_on, ent_on, metrics_on), (lp_off, ent_off, metrics_off) = results
     torch.testing.assert_close(lp_on, lp_off, rtol=0, atol=0)
@@ -599,3 +601,26 @@ def test_model_path_compiles_and_the_head_adds_no_graph_break():
     assert grads.keys() == c_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(c_grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are CUDA's (set_sync_debug_mode)")
+def test_model_path_head_call_makes_no_host_sync():
+    """The head's part of a model step on CUDA (the model runs once outside: Megatron's own
+    layers are not the head's to vouch for): forward and backward of the fused head on the
+    model's final hidden states, with the model path's options, under ``set_sync_debug_mode("error")``."""
+    batch = _batch("padded", 8)
+    model = _model()
+    head = install_fused_head(model, temperature=TEMPERATURE)
+    hidden = torch.randn(SEQ, batch.labels.shape[0], HIDDEN, dtype=torch.float64, device=DEVICE, requires_grad=True)
+
+    def head_step():
+        lp, ent = head(hidden, batch.labels)
+        (lp.sum() + ent.sum()).backward()
+
+    head_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        head_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

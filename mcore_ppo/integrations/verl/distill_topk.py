@@ -49,6 +49,7 @@ from mcore_ppo.distill.topk import MAX_TOPK, topk_and_log_normalizer
 from mcore_ppo.head_call import attempt, run_head
 from mcore_ppo.options import HeadOptions, Layout
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.verdict import values_readable
 
 __all__ = ["Student", "StudentLogits", "compute_on_head", "forward_kl_topk", "wrap_kl_divergence"]
 
@@ -168,8 +169,8 @@ def forward_kl_topk(
             not a real number.
         ValueError: teacher tensors not ``[1, t, k]`` for the call's ``t`` tokens, their ``k``
             unequal or outside ``[1, MAX_TOPK]`` / above the vocab size, teacher ids outside
-            ``[0, V)`` (a value check: one host sync, skipped with ``validate=False``: such an
-            id's slot then gets a NaN ``log q``, and its token NaN outputs, whatever the head's
+            ``[0, V)`` (read where that is free, CPU tensors with ``validate`` on; elsewhere such
+            an id's slot gets a NaN ``log q`` and its token NaN outputs, whatever the head's
             ``ignore_index``), a non-finite clamp, an ``ignore_index`` inside ``[0, V)`` (a
             teacher id equal to it could not be told from an ignored slot).
     """
@@ -205,7 +206,7 @@ def forward_kl_topk(
     # verl's kernel contract: fp32 log-probs and entropy (the k-ids pass gives fp64 for fp64 inputs).
     student.main = (log_probs[:, 0].float(), None if entropy is None else entropy.float(), rest[0] if rest else None)
     student_logps, bad_ids = log_probs[:, 1:], None
-    if not student.options.validate:
+    if not _ids_read(student, teacher_ids):
         # A teacher id is a vocab id or a bad one, never "ignored": one equal to the head's
         # ignore_index would otherwise come back as log q = 0, a plausible number.
         bad_ids = (teacher_ids < 0) | (teacher_ids >= vocab)
@@ -254,11 +255,17 @@ def _checked_teacher(
     device = student.hidden.device
     ids = ids.reshape(n, k).to(device=device, dtype=torch.int64)
     logps = logps.reshape(n, k).to(device=device)
-    if student.options.validate and n:
+    if n and _ids_read(student, ids):
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
             raise ValueError(f"teacher_ids must be in [0, {vocab}) (the vocab size), got values in [{low}, {high}]")
     return logps, ids, clamp
+
+
+def _ids_read(student: Student, ids: torch.Tensor) -> bool:
+    """Whether the teacher ids' values are read (and a bad one refused): ``validate`` on, where
+    reading costs no host sync (docs/design.md §5)."""
+    return student.options.validate and values_readable(ids)
 
 
 def _kl_outputs(

@@ -204,11 +204,15 @@ _VERL_MIN_TEMPERATURE = 1e-8
 
 
 def wrap_resolve_fused_temperature(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Uniform temperatures: verl's own answer (a float). Non-uniform: the per-sample tensor."""
+    """Uniform temperatures: verl's own answer (a float). Non-uniform: the per-sample tensor.
+    Temperatures on an accelerator are not read (a host sync): several are passed on as the
+    per-sample tensor, which the head takes as it is (bad values give NaN, docs/design.md §5)."""
 
     @functools.wraps(original)
     def _resolve_fused_temperature(temperature: Any) -> Any:
         values = torch.as_tensor(temperature).detach().flatten()
+        if values.numel() > 1 and values.device.type != "cpu":
+            return values.to(torch.float32).clamp_min(_VERL_MIN_TEMPERATURE)
         if values.numel() > 1 and torch.isfinite(values).all().item() and not torch.all(values == values[0]).item():
             return values.to(torch.float32).clamp_min(_VERL_MIN_TEMPERATURE)
         return original(temperature)
