@@ -209,7 +209,7 @@ def stats_kernel(
             m_i = m_new
 
     # The partials' planes in one buffer: m, s, then u (WITH_U), then q (WITH_Q), each [splits, N].
-    plane = num_splits.to(tl.int64) * N
+    plane = N.to(tl.int64) * num_splits  # N is never specialised (num_splits = 1 is a constant)
     part = parts_ptr + pid_n * N + offs_m
     tl.store(part, m_i * LN2, mask=row_ok)
     tl.store(part + plane, s_i, mask=row_ok)
@@ -233,7 +233,7 @@ def _merge_rows(
     """``(m, s, u, q)`` of the compacted tokens ``offs_t`` merged over the splits (0 where not
     ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor). ``parts_ptr``: the
     planes of :func:`stats_kernel` (m, s, then u with ``WITH_U``, then q with ``WITH_Q``)."""
-    plane = num_splits.to(tl.int64) * N
+    plane = N.to(tl.int64) * num_splits  # N is never specialised (num_splits = 1 is a constant)
     part_s_ptr = parts_ptr + plane
     part_u_ptr = parts_ptr + 2 * plane
     if WITH_U:

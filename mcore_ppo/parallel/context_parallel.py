@@ -151,8 +151,13 @@ def roll_labels(
     # Rolled and filled in int64: index_fill_ has no unsigned 16/32/64-bit kernels.
     labels = torch.roll(input_ids.long(), shifts=-1, dims=seq_dim)
     last_positions = [end - 1 for start, end in itertools.pairwise(bounds) if end > start]
-    if last_positions:
-        index = torch.tensor(last_positions, dtype=torch.long, device=input_ids.device)
+    if len(last_positions) == 1:
+        labels.narrow(seq_dim, last_positions[0], 1).fill_(ignore_index)
+    elif last_positions:
+        # Pinned and copied without blocking: a list copied straight to the GPU is a host sync.
+        index = torch.tensor(last_positions, dtype=torch.long)
+        if labels.device.type == "cuda":
+            index = index.pin_memory().to(labels.device, non_blocking=True)
         labels.index_fill_(seq_dim, index, ignore_index)
     return labels.to(input_ids.dtype)
 

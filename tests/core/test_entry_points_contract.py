@@ -19,10 +19,15 @@ import pytest
 import torch
 from head_checks import forbid_vocab_passes
 
+from mcore_ppo.verdict import values_readable
 from mcore_ppo_testing.bad_inputs import BAD_ARGUMENTS, ENTRY_POINTS, IDS, IGNORE, make_case, with_model
 from mcore_ppo_testing.seeds import next_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+# The table's bad values (as against types, shapes and options): refused where they are read for
+# free (CPU tensors), NaN elsewhere (docs/design.md §5).
+VALUES = {"labels out of the vocab", "temperature tensor with a zero"}
 
 PAIRS = [
     pytest.param(entry, bad, id=f"{entry}-{bad.name.replace(' ', '_')}")
@@ -56,6 +61,8 @@ def no_compute(monkeypatch):
 @pytest.mark.parametrize(("entry", "bad"), PAIRS)
 def test_bad_argument_is_refused_naming_it(entry, bad, case_for, no_compute):
     case = case_for(entry)
+    if bad.name in VALUES and not values_readable(case.hidden):
+        pytest.skip("no value is read back on CUDA (a host sync): the NaN rule, test_unchecked_bad_label_gives_nan")
     with pytest.raises(bad.error) as info:
         ENTRY_POINTS[entry](case, **bad.overrides(case, entry))
     message = str(info.value)

@@ -141,12 +141,17 @@ def _first(values, value):
     return values
 
 
+# Teacher id values are read where that is free (CPU tensors); on CUDA a bad one gives NaN instead
+# of a host sync (tests/distill/test_bad_values.py, docs/design.md §5).
+_READ = pytest.mark.skipif(torch.cuda.is_available(), reason="no value is read back on CUDA: the NaN rule")
+
+
 @pytest.mark.usefixtures("verl_modules")
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (lambda i, p: (_first(i, VOCAB), p), ValueError, r"teacher_ids must be in \[0, 64\)"),
-        (lambda i, p: (_first(i, -1), p), ValueError, r"teacher_ids must be in \[0, 64\)"),
+        pytest.param(lambda i, p: (_first(i, VOCAB), p), ValueError, r"teacher_ids must be in \[0, 64\)", marks=_READ),
+        pytest.param(lambda i, p: (_first(i, -1), p), ValueError, r"teacher_ids must be in \[0, 64\)", marks=_READ),
         (lambda i, p: (i, [x[:, :-1] for x in p]), ValueError, "same shape"),
         (lambda i, p: ([x.float() for x in i], p), TypeError, "teacher_ids must be an integer tensor"),
         (lambda i, p: (i, [x.long() for x in p]), TypeError, "teacher_logprobs must be a floating-point"),
