@@ -7,6 +7,7 @@
   ``config.json`` as Qwen2's BPE): one token per character (``"\\n"`` one token, as verl's
   Qwen continuous-token builder needs), Qwen's chat markers, the rest of the 2048 ids as
   placeholder tokens, so every id the model samples decodes.
+- A teacher for distillation: the same shape, drawn from the next seed.
 - The data: ``n`` prompts of random letters in verl's RL parquet layout (chat ``prompt``,
   ``data_source``, ``reward_model.ground_truth``).
 - The reward (:data:`REWARD_SOURCE`): the share of the response's characters that are digits or
@@ -50,6 +51,7 @@ class RunAssets:
     tokenizer: Path
     train_files: Path
     reward: Path
+    teacher: Path
 
 
 def _tokenizer(folder: Path) -> None:
@@ -107,10 +109,14 @@ def _data(path: Path, prompts: int, seed: int) -> None:
 def make_assets(folder: Path, *, seed: int, prompts: int = 8) -> RunAssets:
     """Write the model, tokenizer, data set and reward function of a run into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    assets = RunAssets(folder / "model", folder / "tokenizer", folder / "train.parquet", folder / "reward.py")
+    assets = RunAssets(
+        folder / "model", folder / "tokenizer", folder / "train.parquet", folder / "reward.py", folder / "teacher"
+    )
     _tokenizer(assets.tokenizer)
     vocab = json.loads((assets.tokenizer / "tokenizer.json").read_text())["model"]["vocab"]
-    _model(assets.model, seed, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
+    special = {"eos_token_id": vocab["<|im_end|>"], "pad_token_id": vocab["<|endoftext|>"]}
+    _model(assets.model, seed, **special)
+    _model(assets.teacher, seed + 1, **special)
     _data(assets.train_files, prompts, seed)
     assets.reward.write_text(REWARD_SOURCE)
     return assets

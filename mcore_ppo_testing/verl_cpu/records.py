@@ -8,8 +8,8 @@ With ``MCORE_PPO_VERL_RECORD_DIR`` set in the run's environment:
   process's ``RANK``. The counter wraps the head's own forward (``mcore_ppo.function._forward``)
   and backward, so it counts what ran on the head whatever verl's route to it was.
 - the trainer saves each step's batch after verl's log-prob pass (:func:`record_old_log_probs`):
-  the responses, their mask, verl's ``old_log_probs`` and entropy, and the rollout's fp32
-  log-probs of the same tokens, to ``old_log_probs.step<N>.pt``.
+  the responses, their mask, verl's ``old_log_probs``, entropy and (when asked) Σπ², and the
+  rollout's fp32 log-probs of the same tokens, to ``old_log_probs.step<N>.pt``.
 """
 
 from __future__ import annotations
@@ -78,9 +78,14 @@ def record_old_log_probs(trainer_module: Any) -> None:
     def recorded(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         result = compute(self, batch, *args, **kwargs)
         old = result[0] if isinstance(result, tuple) else result
-        fields = {key: batch.batch[key] for key in ("responses", "response_mask", "rollout_log_probs") if key in batch.batch}
-        fields.update({key: old.batch[key] for key in ("old_log_probs", "entropys") if key in old.batch})
-        torch.save({k: v.detach().cpu().clone() for k, v in fields.items()}, folder / f"old_log_probs.step{self.global_steps}.pt")
+        fields = {
+            key: batch.batch[key] for key in ("responses", "response_mask", "rollout_log_probs") if key in batch.batch
+        }
+        fields.update({k: old.batch[k] for k in ("old_log_probs", "entropys", "sum_pi_squared") if k in old.batch})
+        torch.save(
+            {k: v.detach().cpu().clone() for k, v in fields.items()},
+            folder / f"old_log_probs.step{self.global_steps}.pt",
+        )
         return result
 
     trainer_class._compute_old_log_prob = recorded

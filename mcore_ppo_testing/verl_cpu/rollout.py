@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ROLLOUT_NAME", "HFReplica", "HFServer", "HFServerAdapter", "server_name"]
+__all__ = ["ROLLOUT_NAME", "HFServer", "adapter_class", "server_name"]  # and, built on use, HFReplica, HFServerAdapter
 
 ROLLOUT_NAME = "hf_cpu"
 
@@ -89,9 +89,7 @@ class HFServer:
             response.append(token)
             if token in self.eos_ids:
                 break
-            out = self.model(
-                input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
-            )
+            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
         # The fp32 reference of the sampled tokens: one teacher-forced pass, as the actor computes them.
         full = torch.tensor([prompt_ids + response], dtype=torch.long)
         logits = self.model(input_ids=full).logits[0, len(prompt_ids) - 1 : -1].float()
@@ -99,10 +97,28 @@ class HFServer:
         log_probs = torch.log_softmax(logits / scale, dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
         return response, log_probs.tolist()
 
+    @torch.no_grad()
+    def _prompt_top_k(self, prompt_ids: list[int], k: int) -> dict[str, list[list[Any]]]:
+        """A teacher's answer to ``prompt_logprobs=k`` in vLLM's layout (verl's distillation reads
+        it): row ``j`` holds the top-``k`` ids and fp32 log-probs predicting token ``j + 1``; the
+        last row is zeros."""
+        logits = self.model(input_ids=torch.tensor([prompt_ids])).logits[0, :-1].float()
+        top = torch.log_softmax(logits, dim=-1).topk(max(k, 1), dim=-1)
+        width = max(k, 1)
+        return {
+            "prompt_ids": [*top.indices.tolist(), [0] * width],
+            "prompt_logprobs": [*top.values.tolist(), [0.0] * width],
+        }
+
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, **_: Any) -> Any:
-        """verl's token-in-token-out call: the sampled ids and their fp32 log-probs."""
+        """verl's token-in-token-out call: the sampled ids and their fp32 log-probs (and, asked
+        ``prompt_logprobs``, the prompt's top-k as a distillation teacher)."""
         from verl.workers.rollout.replica import TokenOutput
 
+        if sampling_params.get("prompt_logprobs") is not None:
+            async with self.lock:
+                extra = self._prompt_top_k(list(prompt_ids), int(sampling_params["prompt_logprobs"]))
+            return TokenOutput(token_ids=[0], log_probs=None, stop_reason="length", extra_fields=extra)
         async with self.lock:  # one request at a time: a request's numbers never depend on another's
             ids, log_probs = self._sample(list(prompt_ids), dict(sampling_params), request_id)
         stop = "completed" if ids and ids[-1] in self.eos_ids else "length"

@@ -48,13 +48,22 @@ CPU_TRANSFORMER_OVERRIDES = {
 }
 
 
+VARIANTS = ("grpo", "sum_pi", "distill")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One ``main_ppo`` run. ``plugin``: ``"on"`` (``MCORE_PPO_VERL=1`` and verl's fused path),
-    ``"off"`` (neither), ``"inert"`` (``MCORE_PPO_VERL=1``, ``use_fused_kernels=False``)."""
+    ``"off"`` (neither), ``"inert"`` (``MCORE_PPO_VERL=1``, ``use_fused_kernels=False``).
+    ``variant``: ``"grpo"``; ``"sum_pi"`` (verl's optimal-token-baseline estimator, which needs
+    ``calculate_sum_pi_squared``); ``"distill"`` (top-k distillation, ``forward_kl_topk`` with
+    ``topk`` teacher ids from an ``hf_cpu`` teacher, beside GRPO's task reward)."""
 
     plugin: str = "on"
     tp: int = 1
+    variant: str = "grpo"
+    topk: int = 8
+    tag: str = ""
     steps: int = 2
     seed: int = 1234
     prompts: int = 8
@@ -76,10 +85,18 @@ class RunConfig:
             raise ValueError(f"plugin must be 'on', 'off' or 'inert', got {self.plugin!r}")
         if self.tp not in (1, 2):
             raise ValueError(f"tp must be 1 or 2 (TP 2 runs sequence parallelism), got {self.tp}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
 
     @property
     def label(self) -> str:
-        return f"tp{self.tp}{'+sp' if self.tp > 1 else ''}-{self.plugin}"
+        variant = "" if self.variant == "grpo" else f"-{self.variant}"
+        return f"tp{self.tp}{'+sp' if self.tp > 1 else ''}{variant}-{self.plugin}{self.tag}"
+
+    @property
+    def gpus(self) -> int:
+        """Ray's logical GPUs: the actor's ranks, and one for a distillation teacher."""
+        return self.tp + (self.variant == "distill")
 
 
 @dataclass
@@ -99,12 +116,34 @@ class RunResult:
         return "\n".join(self.log.splitlines()[-lines:])
 
 
+def _variant_overrides(config: RunConfig, assets: RunAssets) -> list[str]:
+    if config.variant == "sum_pi":
+        return [
+            "algorithm.adv_estimator=optimal_token_baseline",
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+        ]
+    if config.variant == "distill":
+        teacher = "distillation.teacher_models.teacher_model"
+        return [
+            "algorithm.adv_estimator=grpo",
+            "distillation.enabled=True",
+            "distillation.distillation_loss.loss_mode=forward_kl_topk",
+            f"distillation.distillation_loss.topk={config.topk}",
+            "distillation.n_gpus_per_node=1",
+            "distillation.nnodes=1",
+            f"{teacher}.model_path={assets.teacher}",
+            f"{teacher}.num_replicas=1",
+            f"{teacher}.inference.tensor_model_parallel_size=1",
+        ]
+    return ["algorithm.adv_estimator=grpo"]
+
+
 def trainer_command(config: RunConfig, assets: RunAssets, ray_dir: Path) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with the overrides of ``config`` (Hydra syntax)."""
     tp = config.tp
     fused = config.plugin == "on"
     overrides = [
-        "algorithm.adv_estimator=grpo",
+        *_variant_overrides(config, assets),
         "algorithm.use_kl_in_reward=False",
         f"data.train_files={assets.train_files}",
         f"data.val_files={assets.train_files}",
@@ -121,7 +160,10 @@ def trainer_command(config: RunConfig, assets: RunAssets, ray_dir: Path) -> list
         f"actor_rollout_ref.actor.megatron.sequence_parallel={tp > 1}",
         "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
         f"actor_rollout_ref.actor.megatron.seed={config.seed}",
-        *(f"+actor_rollout_ref.actor.megatron.override_transformer_config.{k}={v}" for k, v in CPU_TRANSFORMER_OVERRIDES.items()),
+        *(
+            f"+actor_rollout_ref.actor.megatron.override_transformer_config.{k}={v}"
+            for k, v in CPU_TRANSFORMER_OVERRIDES.items()
+        ),
         f"actor_rollout_ref.actor.ppo_mini_batch_size={config.mini_batch_size}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={config.micro_batch_size}",
         f"actor_rollout_ref.actor.entropy_coeff={config.entropy_coeff}",
@@ -152,7 +194,7 @@ def trainer_command(config: RunConfig, assets: RunAssets, ray_dir: Path) -> list
         "trainer.project_name=mcore_ppo",
         f"trainer.experiment_name={config.label}",
         "ray_kwargs.ray_init.num_cpus=8",
-        f"+ray_kwargs.ray_init.num_gpus={tp}",
+        f"+ray_kwargs.ray_init.num_gpus={config.gpus}",
         "+ray_kwargs.ray_init.include_dashboard=False",
         f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
         *config.extra,
