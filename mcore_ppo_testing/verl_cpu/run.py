@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,7 @@ class RunResult:
     log_probs: dict[int, dict[str, torch.Tensor]]
     head_calls: list[dict[str, int]]
     log: str
+    leftover: list[int] = field(default_factory=list)
 
     def tail(self, lines: int = 80) -> str:
         """The log's last lines (for a failure's message)."""
@@ -255,7 +257,7 @@ def run_main_ppo(config: RunConfig, workdir: Path, assets: RunAssets | None = No
         except subprocess.TimeoutExpired:
             returncode = -signal.SIGKILL
         finally:
-            _end_session(process, ray_dir)
+            leftover = _end_session(process, ray_dir)
         log.seek(0)
         text = log.read().decode(errors="replace")
     log_probs = {
@@ -269,11 +271,13 @@ def run_main_ppo(config: RunConfig, workdir: Path, assets: RunAssets | None = No
         log_probs=log_probs,
         head_calls=read_head_calls(record_dir),
         log=text,
+        leftover=leftover,
     )
 
 
-def _end_session(process: subprocess.Popen, ray_dir: Path) -> None:
-    """Kill what the run left: its process group, and Ray's processes of its session."""
+def _end_session(process: subprocess.Popen, ray_dir: Path) -> list[int]:
+    """Kill what the run left: its process group, and Ray's processes of its session; returns
+    the ids of any process of the session still there a few seconds later (none expected)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(process.pid, sig)
@@ -287,6 +291,13 @@ def _end_session(process: subprocess.Popen, ray_dir: Path) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    for _ in range(50):
+        left = _pids_using(ray_dir)
+        if not left:
+            break
+        time.sleep(0.1)
+    shutil.rmtree(ray_dir, ignore_errors=True)
+    return left
 
 
 def _pids_using(folder: Path) -> list[int]:
@@ -308,14 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--plugin", default="on", choices=("on", "off", "inert"))
+    parser.add_argument("--variant", default="grpo", choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for main_ppo")
     args = parser.parse_args(argv)
-    config = RunConfig(plugin=args.plugin, tp=args.tp, steps=args.steps, seed=args.seed, extra=tuple(args.extra))
+    config = RunConfig(
+        plugin=args.plugin, tp=args.tp, variant=args.variant, steps=args.steps, seed=args.seed, extra=tuple(args.extra)
+    )
     out = args.out or Path(tempfile.mkdtemp(prefix="verl_main_ppo_"))
-    result = run_main_ppo(replace(config), out)
+    result = run_main_ppo(config, out)
     print(result.tail(40))
     print(f"{config.label}: exit {result.returncode}, {result.wall_s:.0f} s, records in {out}")
     for step, metrics in sorted(result.metrics.items()):

@@ -1,0 +1,163 @@
+"""verl's own trainer, ``python -m verl.trainer.main_ppo`` (verl 0.9.1, unmodified), with the plugin on and off.
+
+Each run is a subprocess of ``mcore_ppo_testing.verl_cpu.run``: 2 GRPO steps of a tiny random
+Qwen2 (bf16 Megatron actor, vocab 2048) with verl's hybrid engine, async agent loop, reward loop
+and naive weight sync, a CPU Hugging Face rollout, its own Ray session; plugin on
+(``MCORE_PPO_VERL=1`` + ``use_fused_kernels=True``) and off, at TP 1 and TP 2 + SP (2 gloo ranks),
+and switched on but inert (``use_fused_kernels=False``). Two mini-batches per step and an entropy
+bonus, so the updates reach the head's gradients (one mini-batch of equal-length responses gives
+GRPO a pg_loss of exactly 0).
+
+Asserted: the head ran on every rank, for the log-prob pass and for every update micro-batch
+(forward and backward; the harness counts the head's own passes per process), and never with
+the plugin off or inert; the first step's samples are equal on and off (same seeds, same
+weights); on and off agree within bounds set with margin above what was measured (see below);
+on is no further than off from the rollout's fp32 log-probs of the same tokens; inert equals off
+bit for bit (which also shows the runs repeat bit for bit) and logs the plugin's WARNING.
+
+``MCORE_PPO_VERL_E2E=full`` adds (about 6 more runs): on repeated bit for bit at TP 1 and TP 2 +
+SP, and the two verl features that need logits without the plugin, on against off: Σπ²
+(``calculate_sum_pi_squared``, verl's optimal-token-baseline estimator) and top-k distillation
+(``forward_kl_topk``, an ``hf_cpu`` teacher). The seed is ``MCORE_PPO_TEST_SEED`` (printed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mcore_ppo_testing.real_verl import require_verl
+from mcore_ppo_testing.seeds import next_seed
+from mcore_ppo_testing.verl_cpu.assets import make_assets
+from mcore_ppo_testing.verl_cpu.compare import equal_runs, log_prob_gap, relative_gap
+from mcore_ppo_testing.verl_cpu.run import RunConfig, RunResult, run_main_ppo
+
+require_verl()
+pytest.importorskip("ray", reason="verl's trainer needs Ray: bash scripts/install.sh installs it")
+
+FULL = os.environ.get("MCORE_PPO_VERL_E2E", "").strip() == "full"
+needs_full = pytest.mark.skipif(not FULL, reason="MCORE_PPO_VERL_E2E=full runs it (README, 'verl, end to end')")
+
+# Bounds, each with margin over what the runs measured (docs/benchmarks/verl_main_ppo_cpu/):
+GRAD_NORM_REL = 5e-3  # measured 1e-4 .. 1e-3 relative
+ENTROPY_REL = 2e-5  # measured <= 1e-6 relative
+LOG_PROB_MAX_ABS = 2e-2  # measured 2e-3 .. 8e-3
+LOG_PROB_MEAN_ABS = 3e-3  # measured 2e-4 .. 8e-4
+FP32_MARGIN = 1.05  # on's mean |Δ| from fp32 is at most off's, plus 5 %
+SUM_PI_MAX_ABS = 1e-3  # Σπ² of a near-uniform 2048-way softmax (~5e-4 .. 1e-3): bf16 logits vs fp32
+
+CI_CONFIGS = (
+    RunConfig(tp=1, plugin="on"),
+    RunConfig(tp=1, plugin="off"),
+    RunConfig(tp=1, plugin="inert"),
+    RunConfig(tp=2, plugin="on"),
+    RunConfig(tp=2, plugin="off"),
+)
+FULL_CONFIGS = (
+    RunConfig(tp=1, plugin="on", tag="-repeat"),
+    RunConfig(tp=2, plugin="on", tag="-repeat"),
+    RunConfig(tp=1, variant="sum_pi", plugin="on"),
+    RunConfig(tp=1, variant="sum_pi", plugin="off"),
+    RunConfig(tp=1, variant="distill", plugin="on"),
+    RunConfig(tp=1, variant="distill", plugin="off"),
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
+    """Every configuration run once (one after another), by label."""
+    seed = next_seed()
+    workdir = tmp_path_factory.mktemp("verl_main_ppo")
+    assets = make_assets(workdir / "assets", seed=seed)
+    results = {}
+    for config in CI_CONFIGS + (FULL_CONFIGS if FULL else ()):
+        config = RunConfig(**{**config.__dict__, "seed": seed})
+        result = run_main_ppo(config, workdir, assets)
+        print(f"{config.label}: exit {result.returncode} in {result.wall_s:.0f} s")
+        results[config.label] = result
+    return results
+
+
+def _ok(result: RunResult) -> RunResult:
+    assert result.returncode == 0, f"{result.config.label} exited {result.returncode}:\n{result.tail()}"
+    assert sorted(result.metrics) == [1, 2], f"{result.config.label}: steps {sorted(result.metrics)}\n{result.tail()}"
+    return result
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_head_ran_on_every_rank_for_log_probs_and_updates(runs, tp):
+    on = _ok(runs[f"tp{tp}{'+sp' if tp > 1 else ''}-on"])
+    calls = on.head_calls
+    assert sorted(c["rank"] for c in calls) == list(range(tp)), calls
+    # 2 steps x 16 responses: 4 log-prob micro-batches a step, 2 mini-batches of 8 = 2 micro-batches.
+    for c in calls:
+        assert c["forward_no_grad"] == 8, c
+        assert c["forward_grad"] == c["backward"] == 8, c
+    assert "mcore_ppo verl plugin: on:" in on.log
+    for label in ("off",) if tp > 1 else ("off", "inert"):
+        other = _ok(runs[on.config.label.replace("-on", f"-{label}")])
+        assert other.head_calls == [], f"the head ran with the plugin {label}: {other.head_calls}"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_on_and_off_agree(runs, tp):
+    prefix = f"tp{tp}{'+sp' if tp > 1 else ''}"
+    on, off = _ok(runs[f"{prefix}-on"]), _ok(runs[f"{prefix}-off"])
+    assert log_prob_gap(on.log_probs[1], off.log_probs[1]).rows_equal == 1.0, "step 1 samples differ"
+    for step in (1, 2):
+        m_on, m_off = on.metrics[step], off.metrics[step]
+        grad = relative_gap(m_on["actor/grad_norm"], m_off["actor/grad_norm"])
+        entropy = relative_gap(m_on["actor/entropy"], m_off["actor/entropy"])
+        gap = log_prob_gap(on.log_probs[step], off.log_probs[step])
+        print(f"{prefix} step {step}: grad_norm rel {grad:.2e}, entropy rel {entropy:.2e}, {gap}")
+        assert grad <= GRAD_NORM_REL
+        assert entropy <= ENTROPY_REL
+        assert gap.rows_equal >= 0.75
+        assert gap.max_abs <= LOG_PROB_MAX_ABS
+        assert gap.mean_abs <= LOG_PROB_MEAN_ABS
+        # The head (fp32 logits) is no further than verl's bf16-logits path from fp32.
+        assert gap.a_vs_fp32_mean <= FP32_MARGIN * gap.b_vs_fp32_mean
+
+
+def test_inert_equals_off_bit_for_bit_and_warns(runs):
+    inert, off = _ok(runs["tp1-inert"]), _ok(runs["tp1-off"])
+    assert equal_runs(inert, off) == []
+    assert "mcore_ppo verl plugin is switched on but does nothing" in inert.log
+    assert "actor_rollout_ref.model.use_fused_kernels=True" in inert.log
+    assert "switched on but does nothing" not in off.log
+
+
+@needs_full
+@pytest.mark.parametrize("label", ["tp1-on", "tp2+sp-on"])
+def test_on_repeats_bit_for_bit(runs, label):
+    assert equal_runs(_ok(runs[label]), _ok(runs[f"{label}-repeat"])) == []
+
+
+@needs_full
+def test_sum_pi_squared_on_and_off(runs):
+    on, off = _ok(runs["tp1-sum_pi-on"]), _ok(runs["tp1-sum_pi-off"])
+    assert "sum_pi_squared is computed by the head" in on.log
+    assert all(c["forward_no_grad"] == 8 for c in on.head_calls) and on.head_calls
+    for step in (1, 2):
+        gap = log_prob_gap(on.log_probs[step], off.log_probs[step], key="sum_pi_squared")
+        assert gap.rows_equal >= 0.75 and gap.max_abs <= SUM_PI_MAX_ABS, gap
+        assert relative_gap(on.metrics[step]["actor/grad_norm"], off.metrics[step]["actor/grad_norm"]) <= GRAD_NORM_REL
+
+
+@needs_full
+def test_topk_distillation_on_and_off(runs):
+    on, off = _ok(runs["tp1-distill-on"]), _ok(runs["tp1-distill-off"])
+    assert "top-k distillation (distillation_use_topk) on verl's fused path" in on.log
+    assert on.head_calls and all(c["forward_grad"] == c["backward"] == 8 for c in on.head_calls), on.head_calls
+    for step in (1, 2):
+        m_on, m_off = on.metrics[step], off.metrics[step]
+        keys = [key for key in m_off if key.startswith("actor/distillation")]
+        assert keys, sorted(m_off)
+        for key in keys:
+            assert relative_gap(m_on[key], m_off[key]) <= 1e-2, (key, m_on[key], m_off[key])
+        assert relative_gap(m_on["actor/grad_norm"], m_off["actor/grad_norm"]) <= GRAD_NORM_REL
+
+
+def test_runs_leave_no_process(runs):
+    assert {label: r.leftover for label, r in runs.items() if r.leftover} == {}
