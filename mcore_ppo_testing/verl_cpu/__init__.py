@@ -7,7 +7,8 @@ the external module that supplies both, loaded by verl itself in every process i
 
 - registers the CPU platform (:mod:`.platform`; selected with ``VERL_PLATFORM=cpu``);
 - adds the ``hf_cpu`` rollout (:mod:`.rollout`) to verl's two rollout registries when verl
-  imports them;
+  imports them, and, where SGLang is not installed, serves verl's ``sglang`` replicas with it
+  (verl's distillation accepts only vLLM and SGLang teachers);
 - when verl's Megatron engine is imported (the actor workers), installs the CPU shims for
   Megatron, mbridge and the optimizer (:mod:`.megatron`);
 - with ``MCORE_PPO_VERL_RECORD_DIR`` set, counts the head's passes per process and saves each
@@ -19,6 +20,7 @@ subprocess with the settings a CPU needs and reads back its metrics and records.
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 
 from mcore_ppo.integrations.import_hook import AfterImportHook
@@ -42,6 +44,10 @@ def _on_import(module: ModuleType) -> None:
         module._ROLLOUT_REGISTRY[(rollout.ROLLOUT_NAME, "async")] = f"{rollout.__name__}.HFServerAdapter"
     elif name == _ROLLOUT_REPLICA:
         module.RolloutReplicaRegistry.register(rollout.ROLLOUT_NAME, lambda: rollout.HFReplica)
+        if importlib.util.find_spec("sglang") is None:
+            # verl's distillation config takes vLLM and SGLang teachers only (its top-k check);
+            # where SGLang is not installed, an "sglang" teacher is served by hf_cpu.
+            module.RolloutReplicaRegistry.register("sglang", lambda: rollout.HFReplica)
     elif name == _ENGINE:
         from mcore_ppo_testing.verl_cpu.megatron import install_engine_shims
 

@@ -34,9 +34,10 @@ __all__ = ["ROLLOUT_NAME", "HFServer", "adapter_class", "server_name"]  # and, b
 ROLLOUT_NAME = "hf_cpu"
 
 
-def server_name(replica_rank: int) -> str:
-    """The Ray actor name of replica ``replica_rank``'s server (how the adapter finds it)."""
-    return f"{ROLLOUT_NAME}_server_{replica_rank}"
+def server_name(replica_rank: int, role: str = "") -> str:
+    """The Ray actor name of replica ``replica_rank``'s server (how the adapter finds it);
+    ``role`` tells a teacher's apart."""
+    return f"{ROLLOUT_NAME}_server_{role}{replica_rank}"
 
 
 def _replica_world_size(config: Any) -> int:
@@ -182,12 +183,29 @@ def _replica_class() -> type:
     from verl.workers.rollout.replica import RolloutReplica
 
     class HFReplica(RolloutReplica):
-        """A replica of one :class:`HFServer` actor (hybrid mode: weights come from the actor)."""
+        """A replica of one :class:`HFServer` actor: hybrid (the actor's rollout, weights synced
+        from it) or standalone (a distillation teacher, its own weights, no worker group)."""
+
+        async def init_standalone(self) -> None:
+            from verl.workers.rollout.replica import RolloutMode
+
+            self.rollout_mode = RolloutMode.STANDALONE
+            await self.launch_servers()
+
+        async def init_colocated(self, resource_pool: Any) -> None:
+            # verl's own colocated replicas start a worker group of its rollout adapters for
+            # checkpoint-engine syncs; a teacher here keeps its weights and needs none.
+            from verl.workers.rollout.replica import RolloutMode
+
+            self.rollout_mode, self.resource_pool = RolloutMode.COLOCATED, resource_pool
+            await self.launch_servers()
 
         async def launch_servers(self) -> None:
+            role = "teacher_" if self.is_teacher_model else "reward_" if self.is_reward_model else ""
+            name = server_name(self.replica_rank, role) + self.name_suffix
             server = (
                 ray.remote(HFServer)
-                .options(name=server_name(self.replica_rank), max_concurrency=self.max_concurrency)
+                .options(name=name, max_concurrency=self.max_concurrency)
                 .remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
             )
             self.servers = [server]

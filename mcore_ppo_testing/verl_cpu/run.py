@@ -75,7 +75,7 @@ class RunConfig:
     max_prompt_length: int = 40
     max_response_length: int = 16
     temperature: float = 1.0
-    lr: float = 1e-3
+    lr: float = 1e-4
     entropy_coeff: float = 0.01
     extra: tuple[str, ...] = ()
     timeout_s: float = 600.0
@@ -136,6 +136,9 @@ def _variant_overrides(config: RunConfig, assets: RunAssets) -> list[str]:
             f"{teacher}.model_path={assets.teacher}",
             f"{teacher}.num_replicas=1",
             f"{teacher}.inference.tensor_model_parallel_size=1",
+            # verl's distillation takes vLLM and SGLang teachers only; the harness serves
+            # "sglang" with hf_cpu where SGLang is not installed.
+            f"{teacher}.inference.name=sglang",
         ]
     return ["algorithm.adv_estimator=grpo"]
 
