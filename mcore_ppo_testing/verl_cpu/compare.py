@@ -94,5 +94,11 @@ def metrics_rows(on: RunResult, off: RunResult) -> list[dict[str, Any]]:
                 "rows with equal samples": gap.rows_equal,
             }
         )
+        if "sum_pi_squared" in on.log_probs[step]:
+            row["sum_pi_squared max |on-off|"] = log_prob_gap(
+                on.log_probs[step], off.log_probs[step], "sum_pi_squared"
+            ).max_abs
+        for key in sorted(k for k in off.metrics[step] if k.startswith("actor/distillation/")):
+            row[f"{key} on"], row[f"{key} off"] = on.metrics[step].get(key), off.metrics[step][key]
         rows.append(row)
     return rows

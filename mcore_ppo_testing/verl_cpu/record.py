@@ -17,7 +17,7 @@ from typing import Any
 
 from mcore_ppo_testing.verl_cpu.assets import make_assets
 from mcore_ppo_testing.verl_cpu.compare import STEP_METRICS, equal_runs, metrics_rows
-from mcore_ppo_testing.verl_cpu.run import RunConfig, RunResult, run_main_ppo
+from mcore_ppo_testing.verl_cpu.run import RunConfig, RunResult, load_result, run_main_ppo
 
 __all__ = ["MATRIX", "main", "markdown_table"]
 
@@ -54,13 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--reuse", action="store_true", help="read the runs already under --out, run none")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    assets = make_assets(args.out / "assets", seed=args.seed)
+    assets = None if args.reuse else make_assets(args.out / "assets", seed=args.seed)
     results: dict[str, RunResult] = {}
+    walls = json.loads((args.out / "metrics.json").read_text())["runs"] if args.reuse else {}
     for config in MATRIX:
         config = RunConfig(**{**config.__dict__, "seed": args.seed})
-        result = run_main_ppo(config, args.out, assets)
+        if args.reuse:
+            result = load_result(config, args.out, wall_s=walls.get(config.label, {}).get("wall_s", 0.0))
+        else:
+            result = run_main_ppo(config, args.out, assets)
         results[config.label] = result
         print(f"{config.label}: exit {result.returncode}, {result.wall_s:.0f} s", flush=True)
         if result.returncode != 0:

@@ -34,7 +34,7 @@ from mcore_ppo_testing.verl_cpu.assets import RunAssets, make_assets
 from mcore_ppo_testing.verl_cpu.records import RECORD_DIR, read_head_calls
 from mcore_ppo_testing.verl_cpu.rollout import ROLLOUT_NAME
 
-__all__ = ["RunConfig", "RunResult", "run_main_ppo", "trainer_command", "trainer_environment"]
+__all__ = ["RunConfig", "RunResult", "load_result", "run_main_ppo", "trainer_command", "trainer_environment"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Megatron's fusions need CUDA kernels; with TransformerEngine absent the local spec is built.
@@ -250,7 +250,7 @@ def run_main_ppo(config: RunConfig, workdir: Path, assets: RunAssets | None = No
     ray_dir = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
     command = trainer_command(config, assets, ray_dir)
     start = time.monotonic()
-    with open(record_dir / "main_ppo.log", "w+b") as log:
+    with open(record_dir / "main_ppo.log", "wb") as log:
         process = subprocess.Popen(
             command, cwd=record_dir, env=trainer_environment(config, record_dir), stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True,
@@ -261,20 +261,26 @@ def run_main_ppo(config: RunConfig, workdir: Path, assets: RunAssets | None = No
             returncode = -signal.SIGKILL
         finally:
             leftover = _end_session(process, ray_dir)
-        log.seek(0)
-        text = log.read().decode(errors="replace")
+    return load_result(config, workdir, returncode=returncode, wall_s=time.monotonic() - start, leftover=leftover)
+
+
+def load_result(
+    config: RunConfig, workdir: Path, *, returncode: int = 0, wall_s: float = 0.0, leftover: list[int] | None = None
+) -> RunResult:
+    """The :class:`RunResult` of ``config``'s run from what it left under ``workdir``."""
+    record_dir = workdir / config.label
     log_probs = {
         int(path.stem.split("step")[-1]): torch.load(path) for path in sorted(record_dir.glob("old_log_probs.step*.pt"))
     }
     return RunResult(
         config=config,
         returncode=returncode,
-        wall_s=time.monotonic() - start,
+        wall_s=wall_s,
         metrics=_read_metrics(record_dir / "metrics.jsonl"),
         log_probs=log_probs,
         head_calls=read_head_calls(record_dir),
-        log=text,
-        leftover=leftover,
+        log=(record_dir / "main_ppo.log").read_text(errors="replace"),
+        leftover=leftover or [],
     )
 
 

@@ -39,13 +39,25 @@ pytest.importorskip("ray", reason="verl's trainer needs Ray: bash scripts/instal
 FULL = os.environ.get("MCORE_PPO_VERL_E2E", "").strip() == "full"
 needs_full = pytest.mark.skipif(not FULL, reason="MCORE_PPO_VERL_E2E=full runs it (README, 'verl, end to end')")
 
-# Bounds, each with margin over what the runs measured (docs/benchmarks/verl_main_ppo_cpu/):
-GRAD_NORM_REL = 5e-3  # measured 1e-4 .. 1e-3 relative
-ENTROPY_REL = 2e-5  # measured <= 1e-6 relative
-LOG_PROB_MAX_ABS = 2e-2  # measured 2e-3 .. 8e-3
-LOG_PROB_MEAN_ABS = 3e-3  # measured 2e-4 .. 8e-4
-FP32_MARGIN = 1.05  # on's mean |Δ| from fp32 is at most off's, plus 5 %
-SUM_PI_MAX_ABS = 1e-3  # Σπ² of a near-uniform 2048-way softmax (~5e-4 .. 1e-3): bf16 logits vs fp32
+# Bounds, each with margin over what the record measured (docs/benchmarks/verl_main_ppo_cpu/).
+# Step 1: both runs hold the same weights, so on and off differ only by the head's numerics
+# (fp32 logits against verl's bf16 logits).
+# Measured at TP 1 / TP 2 + SP: grad_norm 1.5e-3 / 4.3e-4 relative, entropy 5.8e-6 / 3.5e-6,
+# old log-probs max |Δ| 7.6e-3 / 7.7e-3, mean 1.7e-3 / 1.7e-3; mean |Δ| from the fp32 rollout
+# 1.4 % / 1.7 % below off's (a near tie: the bf16 trunk's error, ~1e-2 a token, dominates).
+STEP1 = {"grad_norm_rel": 5e-3, "entropy_rel": 2e-5, "log_prob_max": 2e-2, "log_prob_mean": 4e-3, "fp32": 1.05}
+# Step 2: after one Adam update from gradients that differ by rounding (Adam's first step moves
+# every weight by about lr, whatever the gradient's size, so small components whose sign differs
+# move apart by 2 lr), the two actors differ by more than rounding.
+# Measured: grad_norm 1.1e-4 / 3.7e-4, entropy 3.6e-5 / 2.2e-6, log-probs max 3.0e-2 / 4.1e-2,
+# mean 8.4e-3 / 9.5e-3; from fp32 1.1 % / 2.8 % above off's (each run against its own weights).
+STEP2 = {"grad_norm_rel": 2e-2, "entropy_rel": 2e-4, "log_prob_max": 1e-1, "log_prob_mean": 2.5e-2, "fp32": 1.10}
+# Σπ² (about 1.4e-3 here: a 2048-way softmax near uniform), head against verl's bf16 logits:
+# measured max |Δ| 2.4e-5 (step 1) and 3.9e-5 (step 2).
+SUM_PI_MAX_ABS = 2e-4
+# verl's distillation metrics (loss, student and teacher top-k mass), relative, steps 1 and 2:
+# measured at most 3.5e-4 and 8.9e-4 (student_mass), teacher_mass equal.
+DISTILL_REL = (2e-3, 1e-2)
 
 CI_CONFIGS = (
     RunConfig(tp=1, plugin="on"),
@@ -105,19 +117,19 @@ def test_on_and_off_agree(runs, tp):
     prefix = f"tp{tp}{'+sp' if tp > 1 else ''}"
     on, off = _ok(runs[f"{prefix}-on"]), _ok(runs[f"{prefix}-off"])
     assert log_prob_gap(on.log_probs[1], off.log_probs[1]).rows_equal == 1.0, "step 1 samples differ"
-    for step in (1, 2):
+    for step, bound in ((1, STEP1), (2, STEP2)):
         m_on, m_off = on.metrics[step], off.metrics[step]
         grad = relative_gap(m_on["actor/grad_norm"], m_off["actor/grad_norm"])
         entropy = relative_gap(m_on["actor/entropy"], m_off["actor/entropy"])
         gap = log_prob_gap(on.log_probs[step], off.log_probs[step])
         print(f"{prefix} step {step}: grad_norm rel {grad:.2e}, entropy rel {entropy:.2e}, {gap}")
-        assert grad <= GRAD_NORM_REL
-        assert entropy <= ENTROPY_REL
+        assert grad <= bound["grad_norm_rel"]
+        assert entropy <= bound["entropy_rel"]
         assert gap.rows_equal >= 0.75
-        assert gap.max_abs <= LOG_PROB_MAX_ABS
-        assert gap.mean_abs <= LOG_PROB_MEAN_ABS
-        # The head (fp32 logits) is no further than verl's bf16-logits path from fp32.
-        assert gap.a_vs_fp32_mean <= FP32_MARGIN * gap.b_vs_fp32_mean
+        assert gap.max_abs <= bound["log_prob_max"]
+        assert gap.mean_abs <= bound["log_prob_mean"]
+        # The head (fp32 logits) is no further than verl's bf16-logits path from fp32 (with margin).
+        assert gap.a_vs_fp32_mean <= bound["fp32"] * gap.b_vs_fp32_mean
 
 
 def test_inert_equals_off_bit_for_bit_and_warns(runs):
@@ -142,7 +154,9 @@ def test_sum_pi_squared_on_and_off(runs):
     for step in (1, 2):
         gap = log_prob_gap(on.log_probs[step], off.log_probs[step], key="sum_pi_squared")
         assert gap.rows_equal >= 0.75 and gap.max_abs <= SUM_PI_MAX_ABS, gap
-        assert relative_gap(on.metrics[step]["actor/grad_norm"], off.metrics[step]["actor/grad_norm"]) <= GRAD_NORM_REL
+        bound = STEP1 if step == 1 else STEP2
+        grad = relative_gap(on.metrics[step]["actor/grad_norm"], off.metrics[step]["actor/grad_norm"])
+        assert grad <= bound["grad_norm_rel"]
 
 
 @needs_full
@@ -150,13 +164,12 @@ def test_topk_distillation_on_and_off(runs):
     on, off = _ok(runs["tp1-distill-on"]), _ok(runs["tp1-distill-off"])
     assert "top-k distillation (distillation_use_topk) on verl's fused path" in on.log
     assert on.head_calls and all(c["forward_grad"] == c["backward"] == 8 for c in on.head_calls), on.head_calls
-    for step in (1, 2):
+    for step, bound in ((1, STEP1), (2, STEP2)):
         m_on, m_off = on.metrics[step], off.metrics[step]
-        keys = [key for key in m_off if key.startswith("actor/distillation")]
-        assert keys, sorted(m_off)
-        for key in keys:
-            assert relative_gap(m_on[key], m_off[key]) <= 1e-2, (key, m_on[key], m_off[key])
-        assert relative_gap(m_on["actor/grad_norm"], m_off["actor/grad_norm"]) <= GRAD_NORM_REL
+        for key in ("actor/distillation/loss", "actor/distillation/student_mass", "actor/distillation/teacher_mass"):
+            print(f"step {step} {key}: on {m_on[key]}, off {m_off[key]}")
+            assert relative_gap(m_on[key], m_off[key]) <= DISTILL_REL[step - 1], key
+        assert relative_gap(m_on["actor/grad_norm"], m_off["actor/grad_norm"]) <= bound["grad_norm_rel"]
 
 
 def test_runs_leave_no_process(runs):
