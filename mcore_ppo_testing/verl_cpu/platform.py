@@ -204,10 +204,10 @@ def single_gloo_backend() -> None:
     if getattr(init, "_mcore_ppo_single_gloo", False):
         return
 
-    def init_process_group(*args: Any, backend: str | None = None, **kwargs: Any) -> Any:
+    def init_process_group(backend: str | None = None, *args: Any, **kwargs: Any) -> Any:
         if isinstance(backend, str) and "," in backend:
             backend = ",".join(dict.fromkeys(part.strip() for part in backend.split(",")))
-        return init(*args, backend=backend, **kwargs)
+        return init(backend, *args, **kwargs)
 
     init_process_group._mcore_ppo_single_gloo = True
     dist.init_process_group = init_process_group

@@ -213,7 +213,7 @@ def trainer_environment(config: RunConfig, record_dir: Path) -> dict[str, str]:
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
-        VERL_USE_EXTERNAL_MODULES="mcore_ppo_testing.verl_cpu",
+        VERL_USE_EXTERNAL_MODULES="mcore_ppo_testing.verl_cpu.external",
         VERL_PLATFORM="cpu",
         # verl registers its Megatron engine for CUDA devices; the CPU platform runs that one.
         VERL_ENGINE_DEVICE="cuda",

@@ -24,6 +24,7 @@ SP, and the two verl features that need logits without the plugin, on against of
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -170,6 +171,15 @@ def test_topk_distillation_on_and_off(runs):
             print(f"step {step} {key}: on {m_on[key]}, off {m_off[key]}")
             assert relative_gap(m_on[key], m_off[key]) <= DISTILL_REL[step - 1], key
         assert relative_gap(m_on["actor/grad_norm"], m_off["actor/grad_norm"]) <= bound["grad_norm_rel"]
+
+
+def test_importing_the_runner_changes_nothing_here():
+    """Only verl's processes load ``verl_cpu.external`` (its effects are process-wide); this module
+    imports the runner, the assets and the comparisons, which must leave torch as it is."""
+    import torch.distributed as dist
+
+    assert dist.init_process_group.__module__ == "torch.distributed.distributed_c10d"
+    assert "mcore_ppo_testing.verl_cpu.external" not in sys.modules
 
 
 def test_runs_leave_no_process(runs):
