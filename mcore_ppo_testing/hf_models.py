@@ -384,7 +384,7 @@ def mbridge_gpt_model(hf_model: Any, weights_dir: str, *, layer_spec: str = "tra
         block_spec = local_gpt_spec()
         bridge._get_transformer_layer_spec = lambda vp_stage=None: block_spec(bridge.config)
         te_mapping = bridge._weight_name_mapping_mcore_to_hf
-        bridge._weight_name_mapping_mcore_to_hf = lambda name: te_mapping(_te_norm_name(name))
+        bridge._weight_name_mapping_mcore_to_hf = lambda name: te_mapping(te_norm_name(name))
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         models = [bridge._model_provider([])(pre_process=True, post_process=True).to(device)]
     bridge.load_weights(models, weights_dir)
@@ -393,7 +393,9 @@ def mbridge_gpt_model(hf_model: Any, weights_dir: str, *, layer_spec: str = "tra
     return models[0].eval()
 
 
-def _te_norm_name(name: str) -> str:
+def te_norm_name(name: str) -> str:
+    """A local-spec parameter name with its norm named as TransformerEngine's spec names it
+    (mbridge's mappings know only those); every other name as it is."""
     for local, te in _TE_NORM_NAMES.items():
         if name.endswith(local):
             return name[: -len(local)] + te
@@ -414,7 +416,7 @@ def mbridge_state_dict(
     bridge = _mbridge(config, next(iter(hf_state_dict.values())).dtype)
     out = {}
     for name in names:
-        lookup = _te_norm_name(name)
+        lookup = te_norm_name(name)
         hf_names = bridge._weight_name_mapping_mcore_to_hf(lookup)
         out[name] = bridge._weight_to_mcore_format(lookup, [hf_state_dict[n] for n in hf_names])
     return out

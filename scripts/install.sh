@@ -45,8 +45,8 @@ python -m pip install -q "${stack[@]}" liger-kernel==0.8.5 pytest pytest-xdist h
 
 # verl 0.9.1's own source, for the integration tests against verl's real code (its fused path,
 # its Megatron engine's forward_step, MTP). verl goes in with --no-deps: its full requirements
-# pull Ray, vLLM-era pins and wandb that the fused forward under test never uses (where Ray is
-# absent the tests put a stand-in on the path: mcore_ppo_testing.real_verl). Beside it, what
+# pull vLLM-era pins and wandb that nothing here uses (where Ray is absent, as on the GPU box,
+# the tests that import verl put a stand-in on the path: mcore_ppo_testing.real_verl). Beside it, what
 # `import verl` and verl.workers.engine.megatron.transformer_impl import: transformers (>= 5.5.3,
 # < 5.11, verl 0.9.1's range), tensordict, omegaconf, codetiming, orjson, and for the engine
 # package peft, datasets and pillow (verl.workers.engine imports its FSDP engines first).
@@ -57,4 +57,9 @@ python -m pip install -q "${stack[@]}" liger-kernel==0.8.5 pytest pytest-xdist h
 python -m pip install -q "transformers>=5.5.3,<5.11" "tensordict==0.15.3" "omegaconf==2.4.0" "codetiming==1.4.0" \
   orjson "peft==0.21.2" "datasets==5.2.0" pillow "einops==0.8.2"
 python -m pip install -q --no-deps "verl==0.9.1" "mbridge==0.15.1"
+# verl's own trainer end to end (tests/integrations/test_verl_main_ppo.py: python -m
+# verl.trainer.main_ppo on the CPU, mcore_ppo_testing.verl_cpu): Ray, and what main_ppo, its agent
+# and reward loops and its data loader import beyond the above.
+python -m pip install -q "ray==2.60.0" "hydra-core==1.3.8" "torchdata==0.11.0" "cachetools==8.0.2" \
+  "uvicorn==0.55.0" "fastapi==0.165.0" "aiohttp==3.14.5" "pylatexenc==2.11" "pybind11==3.1.0"
 python -m pip install -q --no-deps -e .

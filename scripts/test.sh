@@ -25,6 +25,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # so that the many short files fill the end instead of one long file running alone on one
 # worker. Then every other test file of tests/ but tests/distributed, each once.
 files=(
+  tests/integrations/test_verl_main_ppo.py     # verl's own trainer: 5 main_ppo runs, Ray and a rollout each
   tests/harness/test_run_distributed_tests.py  # runner self-tests: 6 torchruns, deadlocks, a late start
   tests/harness/test_launch.py                 # launch.sh: the 4-rank demo, the parity failure, refusals
   tests/actor/test_distill_demo.py             # the 4-rank distillation demo

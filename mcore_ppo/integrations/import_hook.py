@@ -13,6 +13,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import threading
 from collections.abc import Callable, Collection
 from types import ModuleType
 from typing import Any
@@ -64,6 +65,7 @@ class AfterImportHook(importlib.abc.MetaPathFinder):
         self.names = frozenset(names)
         self.on_import = on_import
         self._installed = False
+        self._searching = threading.local()  # names this hook is finding now, per thread
 
     @property
     def installed(self) -> bool:
@@ -90,13 +92,23 @@ class AfterImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
         if fullname not in self.names:
             return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader, self)
-                return spec
-        return None
+        # Another finder asked below may be a hook watching the same module (the verl plugin and
+        # a harness, two integrations): it asks the other finders too, this one included. Asked
+        # again while asking, this hook answers None; the outer call still wraps the loader.
+        searching = self._searching.__dict__.setdefault("names", set())
+        if fullname in searching:
+            return None
+        searching.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _PatchingLoader(spec.loader, self)
+                    return spec
+            return None
+        finally:
+            searching.discard(fullname)

@@ -891,3 +891,16 @@ def test_benchmark_folder_holds_results_only():
     files = (p for p in BENCH.rglob("*") if p.is_file())
     others = sorted(str(p.relative_to(BENCH)) for p in files if p.suffix not in RESULT_SUFFIXES)
     assert not others, f"docs/benchmarks/ holds non-result files: {others}"
+
+
+def test_verl_main_ppo_table_is_its_json():
+    """The on/off table of verl's trainer on the CPU, in its record and in docs/integrations.md,
+    is the one its metrics.json makes (``mcore_ppo_testing.verl_cpu.record.markdown_table``)."""
+    from mcore_ppo_testing.verl_cpu.record import markdown_table
+
+    folder = BENCH / "verl_main_ppo_cpu"
+    record = json.loads(text(folder / "metrics.json"))
+    table = markdown_table(record["on_vs_off"])
+    for page in (folder / "README.md", REPO / "docs" / "integrations.md"):
+        assert table in text(page), f"{page.relative_to(REPO)}: not the table of {folder.name}/metrics.json"
+    assert all(record["bit_identical"].values()), record["bit_identical"]

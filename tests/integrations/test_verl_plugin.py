@@ -190,3 +190,26 @@ def test_bad_switch_and_backend_values(fake_verl, monkeypatch, caplog):
     with pytest.raises(ValueError, match="MCORE_PPO_VERL_BACKEND must be one of"):
         plugin.activate_from_environment()
     assert not plugin.is_installed()
+
+
+def test_two_import_hooks_on_one_module_both_run(tmp_path, monkeypatch):
+    """The plugin's hook beside another watching the same verl module (a harness, a second
+    integration): each asks the other finders, so before the guard each asked the other again
+    without end (RecursionError in ``import verl.workers.engine.megatron...`` in verl's trainer)."""
+    from mcore_ppo.integrations.import_hook import AfterImportHook
+
+    (tmp_path / "hooked_twice.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[str] = []
+    first = AfterImportHook({"hooked_twice"}, lambda module: seen.append("first"))
+    second = AfterImportHook({"hooked_twice"}, lambda module: seen.append("second"))
+    first.install()
+    second.install()
+    try:
+        import hooked_twice  # noqa: F401
+
+        assert sorted(seen) == ["first", "second"]
+    finally:
+        second.remove()
+        first.remove()
+        sys.modules.pop("hooked_twice", None)
