@@ -97,6 +97,12 @@ class SparseOnTorch:
     def unsupported(self, hidden: torch.Tensor) -> str | None:
         return self.dense.unsupported(hidden)
 
+    def fused_forward_for(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.dense.fused_forward_for(hidden, weight)
+
+    def residual_spec(self, hidden: torch.Tensor, weight: torch.Tensor, **kwargs):
+        return self.dense.residual_spec(hidden, weight, **kwargs)
+
     def shard_statistics(self, *args, **kwargs):
         return self.dense.shard_statistics(*args, **kwargs)
 

@@ -543,3 +543,14 @@ def test_log_normalizer_of_the_topk_pass_stands_in_for_the_statistics(backend, d
             with pytest.raises(error, match="log_normalizer must be"):
                 run_head(hidden, weight, case["ids"], temperature, options, tp_group=None, layout=layout,
                          ids=True, log_normalizer=value)  # fmt: skip
+
+
+def test_sparse_on_torch_is_a_backend_object_that_matches_fp64():
+    """The benchmark's ``SparseOnTorch`` (the ids' part on a torch path around another backend)
+    passes the head's backend check, so it stays a valid backend object as the protocol grows,
+    and its outputs and gradients match the fp64 reference around the torch backend."""
+    from mcore_ppo_testing.bench_student import SparseOnTorch
+
+    case = make_case("nh", 100, 8, torch.float32, generator(next_seed()))
+    out = run(case, backend=SparseOnTorch(small_torch(), gather_elements=3 * 8 * HIDDEN))
+    compare(out, reference_of(case), torch.float32, grad_rtol=OUT_RTOL, cast=None)
