@@ -586,7 +586,7 @@ def test_model_path_compiles_and_the_head_adds_no_graph_break(monkeypatch):
     batch = _batch("padded", 5)
     model = _model()
     g_lp, g_ent = (torch.randn(batch.labels.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                   for s in (6, 7))  # fmt: skip
+                   .to(DEVICE) for s in (6, 7))  # fmt: skip
 
     def logits_step(labels, inputs):
         return logits_log_probs_and_entropy(model, labels=labels, temperature=TEMPERATURE, **inputs)
