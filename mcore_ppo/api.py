@@ -25,6 +25,7 @@ def fused_log_probs_and_entropy(
     validate: bool | None = None,
     accumulate_into_main_grad: bool = False,
     return_sum_pi_squared: bool | None = None,
+    precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-token ``log p(label)`` and entropy of ``softmax(hidden @ W.T / temperature)``.
 
@@ -52,22 +53,27 @@ def fused_log_probs_and_entropy(
         sequence_parallel: hidden arrives sequence-sharded over TP; the head all-gathers it
             and reduce-scatters ``d_hidden`` back to this rank's shard.
         options: a :class:`~mcore_ppo.options.HeadOptions` (built and validated once, reused
-            across calls); the four keywords below and ``return_sum_pi_squared``, when given,
-            replace its fields.
+            across calls); the four keywords below, ``return_sum_pi_squared`` and ``precision``,
+            when given, replace its fields.
         ignore_index: label value of tokens whose outputs and gradients are zero (default -100).
         backend: ``"auto"`` (default), ``"torch"``, ``"triton"`` or a backend object, e.g.
             ``TritonBackend(TritonConfig(buffer_budget_bytes=...))`` (docs/kernels.md).
         return_entropy: False skips every bit of entropy work and returns ``(log_probs, None)``.
-        validate: check the labels' range and a temperature tensor's values (ValueError), and
-            share every check's verdict over the TP group, on every device; one host sync per
-            call. False for CUDA graphs and host-bound loops: then bad labels / temperatures give
-            NaN outputs for their tokens. Default :data:`mcore_ppo.validation.VALIDATE_DEFAULT`.
+        validate: read the labels and a temperature tensor where that is free (CPU tensors:
+            ValueError) and share the verdict over the TP group without a host sync
+            (:class:`~mcore_ppo.options.HeadOptions` says when); elsewhere and with False, bad
+            labels / temperatures give NaN outputs for their tokens. Default
+            :data:`mcore_ppo.validation.VALIDATE_DEFAULT`.
         accumulate_into_main_grad: the weight gradient goes into ``weight.main_grad`` (fp32), as
             Megatron's gradient-accumulation fusion does; autograd then gets zeros.
         return_sum_pi_squared: True returns a third output, ``Σ_v softmax(z/T)_v²`` per token
             (verl's optimal token baseline ``w_t = 1 − 2π_t + Σπ²``), from the same pass and the
             same TP all-reduce; fp32, in ``[1/V, 1]``, 0 for ignored tokens, detached (no
             gradient flows from it). Works with ``return_entropy=False``.
+        precision: how fp32 ``hidden`` and ``weight`` are multiplied: ``"auto"`` (default) and
+            ``"ieee"`` IEEE fp32; ``"fp32_faithful"`` three TF32 products per dot on the triton
+            backend, fp32 accuracy at tensor-core speed (docs/kernels.md, "Numerics"). 16-bit
+            inputs are unaffected.
 
     Returns:
         ``(log_probs, entropy)``, fp32 (fp64 with ``k`` ids and fp64 inputs), shaped like
@@ -83,7 +89,7 @@ def fused_log_probs_and_entropy(
     """
     return _call(
         hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend,
-        return_entropy, validate, accumulate_into_main_grad, return_sum_pi_squared, ids=None,
+        return_entropy, validate, accumulate_into_main_grad, return_sum_pi_squared, precision, ids=None,
     )  # fmt: skip
 
 
@@ -102,6 +108,7 @@ def fused_log_probs_at(
     validate: bool | None = None,
     accumulate_into_main_grad: bool = False,
     return_sum_pi_squared: bool | None = None,
+    precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A student's ``log q`` at ``k`` ids per token (e.g. a teacher's top-k from
     :func:`mcore_ppo.fused_topk`), and its entropy: :func:`fused_log_probs_and_entropy` with
@@ -111,13 +118,13 @@ def fused_log_probs_at(
     ``return_sum_pi_squared`` ``sum_pi_squared``) per token."""
     return _call(
         hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend,
-        return_entropy, validate, accumulate_into_main_grad, return_sum_pi_squared, ids=True,
+        return_entropy, validate, accumulate_into_main_grad, return_sum_pi_squared, precision, ids=True,
     )  # fmt: skip
 
 
 def _call(
     hidden, weight, labels, temperature, tp_group, sequence_parallel, options, ignore_index, backend, return_entropy,
-    validate, accumulate_into_main_grad, return_sum_pi_squared, *, ids: bool | None,
+    validate, accumulate_into_main_grad, return_sum_pi_squared, precision, *, ids: bool | None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Both functions' call: their own argument checks (shared as ``prior_error``), then the head."""
     (options, layout), error = attempt(
@@ -129,6 +136,7 @@ def _call(
                 return_entropy=return_entropy,
                 validate=validate,
                 return_sum_pi_squared=return_sum_pi_squared,
+                precision=precision,
             ),
             megatron_layout(sequence_parallel, accumulate_into_main_grad),
         ),

@@ -41,7 +41,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         init_method: weight initialiser, as for ``ColumnParallelLinear``.
         temperature: the default temperature of the fused path, a number (a call may
             override it, also with a per-token tensor); checked when set.
-        ignore_index, backend, return_entropy, validate, return_sum_pi_squared: the fused path's
+        ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision: the fused path's
             options (:class:`mcore_ppo.options.HeadOptions`; ``return_entropy=False`` makes the
             fused path return ``(log_probs, None)``, ``return_sum_pi_squared=True`` makes it
             return ``(log_probs, entropy, sum_pi_squared)``; ``validate`` None takes the default; a backend
@@ -82,13 +82,14 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         return_entropy: bool | None = None,
         validate: bool | None = None,
         return_sum_pi_squared: bool | None = None,
+        precision: str | None = None,
         **kwargs,
     ) -> None:
         if bias:
             raise ValueError("VocabParallelFusedPPOHead has no bias (bias must be False): output layers have none")
         options = call_options(
             options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate,
-            return_sum_pi_squared=return_sum_pi_squared,
+            return_sum_pi_squared=return_sum_pi_squared, precision=precision,
         )  # fmt: skip
         temperature = validation.check_temperature(temperature)
         if output_dtype is not None and not isinstance(output_dtype, torch.dtype):

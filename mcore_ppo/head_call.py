@@ -262,7 +262,7 @@ def _checked_locally(hidden, weight, labels, temperature, options, tp_group, lay
             # the trace, whose later calls the trace's guards would then see change.
             backend = None
         else:
-            backend = resolve_backend(options.backend, hidden.device)
+            backend = resolve_backend(options.backend, hidden.device, options.named_precision)
             reason = backend.unsupported(hidden)
             if reason is not None:
                 raise ValueError(f"backend={backend.name!r} cannot run these inputs: {reason}")
@@ -292,7 +292,7 @@ def _execute(
         rows = rows[:, 0]
     row_temperature = call.temperature if isinstance(call.temperature, torch.Tensor) else None
     head_call = HeadCall(
-        backend=backend_key(options.backend, hidden.device),
+        backend=backend_key(options.backend, hidden.device, options.named_precision),
         tp_group=group_key(tp_group),
         # At one rank nothing is reduced or gathered, whatever the layout.
         hidden_grad=layout.hidden_grad if call.tp_size > 1 else HiddenGrad.PARTIAL,

@@ -90,6 +90,7 @@ def install_fused_head(
     return_entropy: bool | None = None,
     validate: bool | None = None,
     return_sum_pi_squared: bool | None = None,
+    precision: str | None = None,
 ) -> VocabParallelFusedPPOHead | None:
     """Make ``model``'s output layer a :class:`VocabParallelFusedPPOHead` (idempotent).
 
@@ -102,8 +103,8 @@ def install_fused_head(
 
     ``temperature`` is the head's default temperature; ``options`` (a
     :class:`mcore_ppo.options.HeadOptions`) and ``backend``, ``ignore_index``,
-    ``return_entropy``, ``validate`` and ``return_sum_pi_squared`` (given: they replace its
-    fields) are the head's options, checked before the model is looked at. With
+    ``return_entropy``, ``validate``, ``return_sum_pi_squared`` and ``precision`` (given: they
+    replace its fields) are the head's options, checked before the model is looked at. With
     ``return_sum_pi_squared=True`` :func:`mcore_ppo.model.gpt_log_probs_and_entropy` returns
     ``(log_probs, entropy, sum_pi_squared)`` unless a call turns it off. Backend settings
     travel with a backend object: ``backend=TritonBackend(TritonConfig(buffer_budget_bytes=...))``.
@@ -122,7 +123,7 @@ def install_fused_head(
     """
     options = call_options(
         options, ignore_index=ignore_index, backend=backend, return_entropy=return_entropy, validate=validate,
-        return_sum_pi_squared=return_sum_pi_squared,
+        return_sum_pi_squared=return_sum_pi_squared, precision=precision,
     )  # fmt: skip
     temperature = check_temperature(temperature)
     gpt = unwrap_gpt_model(model)

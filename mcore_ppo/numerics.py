@@ -5,8 +5,51 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+
+#: How fp32 operands of the head's GEMMs are multiplied (``precision=``). ``"auto"`` (default):
+#: IEEE fp32 dots, exact and slow on tensor-core GPUs. ``"fp32_faithful"``: three TF32 products
+#: per dot (Triton's ``tf32x3``: fp32 accuracy at tensor-core speed on the triton backend).
+#: ``"ieee"``: IEEE fp32 dots, said explicitly (the reference). 16-bit operands' products are
+#: exact in the fp32 accumulator whatever is chosen, so the choice changes only fp32 operands.
+PRECISIONS = ("auto", "fp32_faithful", "ieee")
+
+
+def check_precision(precision: object, name: str = "precision") -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`; TypeError / ValueError naming ``name`` otherwise."""
+    if not isinstance(precision, str):
+        raise TypeError(f"{name} must be a str, one of {PRECISIONS}, got {type(precision).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{name} must be one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """The numerics of one shard's GEMMs: decided once per call signature from the operands'
+    dtype and the backend's ``precision``, and part of the triton backend's launch plan.
+
+    Attributes:
+        operand_dtype: the dtype both operands enter the dot in (the inputs' own).
+        dot: ``"native"`` (tensor cores in ``operand_dtype``: exact products of 16-bit values,
+            fp64 on the torch path), ``"tf32x3"`` or ``"ieee"`` (fp32 operands).
+        residual_dtype: the dtype of the probability buffer and the backward's ``dz`` (the
+            operands': a 16-bit ``dz`` rounds once, as the 16-bit gradients do anyway).
+    """
+
+    operand_dtype: torch.dtype
+    dot: str
+    residual_dtype: torch.dtype
+
+    @staticmethod
+    @functools.cache
+    def of(dtype: torch.dtype, precision: str) -> Numerics:
+        """The numerics of operands of ``dtype`` under ``precision`` (:data:`PRECISIONS`)."""
+        if dtype != torch.float32:
+            return Numerics(dtype, "native", dtype)
+        return Numerics(dtype, "tf32x3" if precision == "fp32_faithful" else "ieee", dtype)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

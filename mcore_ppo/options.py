@@ -11,7 +11,8 @@ import enum
 from dataclasses import dataclass
 
 from mcore_ppo import validation
-from mcore_ppo.backends import Backend, check_backend
+from mcore_ppo.backends import Backend, backend_precision, check_backend
+from mcore_ppo.numerics import check_precision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,11 +40,17 @@ class HeadOptions:
             number; the verdict is shared every call over a CPU (gloo) group, once per call
             signature over an accelerator's. False: the values are not read anywhere (NaN
             rule) and the verdict is shared once per signature on every group.
+        precision: how fp32 operands are multiplied (:data:`mcore_ppo.numerics.PRECISIONS`):
+            ``"auto"`` IEEE fp32 dots; ``"fp32_faithful"`` three TF32 products per dot on the
+            triton backend (fp32 accuracy at tensor-core speed); ``"ieee"`` IEEE, said
+            explicitly. 16-bit operands are unaffected (their products are exact). None
+            (default): a named backend's ``"auto"``, a backend object's own config.
 
     Raises:
         TypeError: a field of the wrong type (bool is not an int here; ``return_entropy``,
             ``return_sum_pi_squared`` and ``validate`` must be bools).
-        ValueError: an ``ignore_index`` beyond int64, or an unknown backend name.
+        ValueError: an ``ignore_index`` beyond int64, an unknown backend name or precision, or
+            a precision other than a backend object's own.
     """
 
     ignore_index: int = -100
@@ -51,6 +58,7 @@ class HeadOptions:
     return_entropy: bool = True
     validate: bool = validation.VALIDATE_DEFAULT
     return_sum_pi_squared: bool = False
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         validation.check_ignore_index(self.ignore_index)
@@ -59,6 +67,18 @@ class HeadOptions:
         validation.check_bool("return_sum_pi_squared", self.return_sum_pi_squared)
         # None is the entry points' "not given": the documented default.
         object.__setattr__(self, "validate", validation.resolve_validate(self.validate))
+        if self.precision is not None:
+            check_precision(self.precision)
+            if not isinstance(self.backend, str) and self.precision != backend_precision(self.backend):
+                raise ValueError(
+                    f"precision={self.precision!r} differs from the backend object's own "
+                    f"({backend_precision(self.backend)!r}): set it in the object's config"
+                )
+
+    @property
+    def named_precision(self) -> str:
+        """The precision a named backend is resolved with (``"auto"`` when none was given)."""
+        return "auto" if self.precision is None else self.precision
 
 
 def call_options(
@@ -69,6 +89,7 @@ def call_options(
     return_entropy: bool | None,
     validate: bool | None,
     return_sum_pi_squared: bool | None = None,
+    precision: str | None = None,
 ) -> HeadOptions:
     """An entry point's :class:`HeadOptions`: ``options`` (default: the defaults) with every
     keyword that is not None put in its place.
@@ -79,14 +100,16 @@ def call_options(
         # The types are part of the key: True == 1, but ignore_index=True is refused.
         key = (
             type(ignore_index), ignore_index, type(backend), backend, type(return_entropy), return_entropy,
-            type(validate), validate, type(return_sum_pi_squared), return_sum_pi_squared,
+            type(validate), validate, type(return_sum_pi_squared), return_sum_pi_squared, type(precision), precision,
         )  # fmt: skip
         try:
             found = _PLAIN.get(key)
         except TypeError:  # an unhashable argument: no cache, the checks name it
             found, key = None, None
         if found is None:
-            found = _from_keywords(None, ignore_index, backend, return_entropy, validate, return_sum_pi_squared)
+            found = _from_keywords(
+                None, ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision
+            )
             if key is not None:
                 if len(_PLAIN) >= 64:
                     _PLAIN.clear()
@@ -94,7 +117,7 @@ def call_options(
         return found
     if not isinstance(options, HeadOptions):
         raise TypeError(f"options must be a HeadOptions or None, got {validation.type_name(options)}")
-    given = (ignore_index, backend, return_entropy, validate, return_sum_pi_squared)
+    given = (ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision)
     if all(value is None for value in given):
         return options
     return _from_keywords(options, *given)
@@ -105,11 +128,13 @@ def call_options(
 _PLAIN: dict[tuple, HeadOptions] = {}
 
 
-def _from_keywords(options, ignore_index, backend, return_entropy, validate, return_sum_pi_squared) -> HeadOptions:
+def _from_keywords(
+    options, ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision
+) -> HeadOptions:
     fields = {} if options is None else _fields(options)
     for name, value in (
         ("ignore_index", ignore_index), ("backend", backend), ("return_entropy", return_entropy),
-        ("validate", validate), ("return_sum_pi_squared", return_sum_pi_squared),
+        ("validate", validate), ("return_sum_pi_squared", return_sum_pi_squared), ("precision", precision),
     ):  # fmt: skip
         if value is not None:
             fields[name] = value
@@ -123,6 +148,7 @@ def _fields(options: HeadOptions) -> dict:
         "return_entropy": options.return_entropy,
         "validate": options.validate,
         "return_sum_pi_squared": options.return_sum_pi_squared,
+        "precision": options.precision,
     }
 
 

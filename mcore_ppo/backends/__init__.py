@@ -21,6 +21,7 @@ from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Backend, Capabilities
 from mcore_ppo.backends.torch_backend import TorchBackend, TorchConfig
 from mcore_ppo.logs import log_once
+from mcore_ppo.numerics import check_precision
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -42,16 +43,17 @@ def import_optional(package: str) -> ModuleType | None:
         raise
 
 
-def _triton_backend() -> Backend | None:
+def _triton_backend(precision: str) -> Backend | None:
     module = import_optional("mcore_ppo.backends.triton_backend")
     if module is None or not module.is_available():
         return None
     # The process's default budget: MCORE_PPO_BUFFER_BUDGET_BYTES, read here, once per cached backend.
-    return module.TritonBackend(module.TritonConfig.from_environment())
+    return module.TritonBackend(module.TritonConfig.from_environment(precision=precision))
 
 
-def _torch_backend() -> Backend:
-    return TorchBackend()  # recomputes in chunks; keeps no buffer between forward and backward
+def _torch_backend(precision: str) -> Backend:
+    # Recomputes in chunks; keeps no buffer between forward and backward.
+    return TorchBackend(TorchConfig(precision=precision))
 
 
 _FACTORIES = {"torch": _torch_backend, "triton": _triton_backend}
@@ -75,12 +77,18 @@ def check_backend(backend: object) -> None:
     registry.register(backend)
 
 
-def backend_key(backend: str | Backend, device: torch.device) -> str:
+def backend_precision(backend: Backend) -> str:
+    """The ``precision`` a backend object runs with (its config's; ``"auto"`` for one without)."""
+    return getattr(getattr(backend, "config", None), "precision", "auto")
+
+
+def backend_key(backend: str | Backend, device: torch.device, precision: str = "auto") -> str:
     """The string the head's ops name ``backend`` by: ``"<name>:<device type>"`` for a name
-    (:func:`backend_from_key` resolves it, once per device type, as :func:`resolve_backend`
-    does), else the key a backend object was registered under when its options were checked."""
+    (``":<precision>"`` appended unless it is ``"auto"``; :func:`backend_from_key` resolves it,
+    once per device type and precision, as :func:`resolve_backend` does), else the key a backend
+    object was registered under when its options were checked."""
     if isinstance(backend, str):
-        return f"{backend}:{device.type}"
+        return f"{backend}:{device.type}" + ("" if precision == "auto" else f":{precision}")
     key = getattr(backend, "op_key", None)
     return key if key is not None else registry.register(backend)
 
@@ -90,16 +98,17 @@ def backend_from_key(key: str) -> Backend:
     backend = registry.registered(key)
     if backend is not None:
         return backend
-    name, _, device_type = key.partition(":")
+    name, _, rest = key.partition(":")
+    device_type, _, precision = rest.partition(":")
     if device_type and "@" not in key:
-        return resolve_backend(name, torch.device(device_type))
+        return resolve_backend(name, torch.device(device_type), precision or "auto")
     raise ValueError(
         f"backend {key!r} is not registered: build a backend object outside a compiled region and pass it "
         "through HeadOptions or the backend= argument"
     )
 
 
-# (name, device type) -> the backend object that name resolves to there. Backends are stateless
+# (name, device type, precision) -> the backend object that name resolves to there. Backends are stateless
 # between calls, so one object serves every call; building one per call costs host time
 # (the triton backend reads its settings and the environment when built).
 _RESOLVED: dict[tuple[str, str], Backend] = {}
@@ -111,8 +120,9 @@ def clear_backend_cache() -> None:
     _RESOLVED.clear()
 
 
-def resolve_backend(name: str | Backend, device: torch.device) -> Backend:
-    """The backend object for ``name`` on ``device`` (a backend object is returned as it is).
+def resolve_backend(name: str | Backend, device: torch.device, precision: str = "auto") -> Backend:
+    """The backend object for ``name`` on ``device``, its fp32 dots as ``precision`` says
+    (:data:`mcore_ppo.numerics.PRECISIONS`); a backend object is returned as it is.
 
     ``auto`` picks the fused Triton kernels on CUDA when they are available and the chunked
     torch reference elsewhere: in the benchmark (docs/benchmarks) ``triton`` is the fastest
@@ -121,7 +131,7 @@ def resolve_backend(name: str | Backend, device: torch.device) -> Backend:
     computed in bf16 (docs/benchmarks); it is its own entry point. An explicitly named backend
     that is not available raises ValueError.
 
-    A name resolves once per device type and the object is reused for every later call
+    A name resolves once per device type and precision and the object is reused for every later call
     (:func:`clear_backend_cache` forgets them). The ``triton`` backend built for a name takes
     the default :class:`~mcore_ppo.backends.triton_backend.TritonConfig`, with the
     probability-buffer budget from ``MCORE_PPO_BUFFER_BUDGET_BYTES`` when set (read then,
@@ -131,17 +141,18 @@ def resolve_backend(name: str | Backend, device: torch.device) -> Backend:
     if not isinstance(name, str):
         check_backend(name)
         return name
-    key = (name, device.type)
+    key = (name, device.type, precision)
     backend = _RESOLVED.get(key)
     if backend is None:
         check_backend(name)
-        backend = _RESOLVED[key] = _build(name, device)
+        check_precision(precision)
+        backend = _RESOLVED[key] = _build(name, device, precision)
     return backend
 
 
-def _build(name: str, device: torch.device) -> Backend:
+def _build(name: str, device: torch.device, precision: str) -> Backend:
     if name == "auto":
-        backend = _triton_backend() if device.type == "cuda" else None
+        backend = _triton_backend(precision) if device.type == "cuda" else None
         if backend is None:
             why = "not a CUDA device" if device.type != "cuda" else "triton is not installed or cannot run"
             log_once(
@@ -151,10 +162,10 @@ def _build(name: str, device: torch.device) -> Backend:
                 device.type,
                 why,
             )
-            return TorchBackend()
+            return _torch_backend(precision)
         _log_resolved(name, device, backend)
         return backend
-    backend = _FACTORIES[name]()
+    backend = _FACTORIES[name](precision)
     if backend is None:
         raise ValueError(
             f"backend={name!r} is not available here (its package is not installed or it needs "
@@ -198,6 +209,7 @@ __all__ = [
     "TritonConfig",
     "backend_from_key",
     "backend_key",
+    "backend_precision",
     "check_backend",
     "clear_backend_cache",
     "import_optional",

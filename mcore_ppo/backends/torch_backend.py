@@ -24,7 +24,7 @@ import torch
 
 from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, SavedTokens, ShardStatistics
-from mcore_ppo.numerics import accumulation_dtype, chunks
+from mcore_ppo.numerics import accumulation_dtype, check_precision, chunks
 from mcore_ppo.parallel.combine import merge_statistics
 from mcore_ppo.validation import check_positive_int
 
@@ -39,15 +39,21 @@ class TorchConfig:
         gather_elements: weight rows gathered at once by :meth:`TorchBackend.gather_logits`, in
             elements (``tokens × k × h``; 128 MiB of fp32): few enough launches per call to stay
             off the host's critical path.
+        precision: :data:`mcore_ppo.numerics.PRECISIONS`, accepted for every backend alike:
+            here every choice is torch's own fp32 matmul, IEEE under torch's defaults (TF32
+            only if the caller allows it process-wide, ``torch.backends.cuda.matmul``), at
+            least as accurate as ``"fp32_faithful"`` asks.
     """
 
     token_chunk: int = 2048
     vocab_chunk: int = 4096
     gather_elements: int = 1 << 25
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("token_chunk", "vocab_chunk", "gather_elements"):
             check_positive_int(name, getattr(self, name))
+        check_precision(self.precision)
 
 
 def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from mcore_ppo.backends.triton_host import ElementwiseConfig, GemmConfig, budget_bytes
 from mcore_ppo.backends.triton_launch import interpreting
+from mcore_ppo.numerics import check_precision
 from mcore_ppo.validation import check_bool, check_positive_int
 
 #: The forward on a GPU: TMA operands and 3 stages were the fastest at every V/tp measured
@@ -59,6 +60,10 @@ class TritonConfig:
         gather_rows: ``(BLOCK_J, BLOCK_H, num_warps)`` of the ``k``-id logit gather: 16 in-shard
             slots × 256 columns per step compile to ~120 registers on sm_90 without spills.
         gather_scan_slots: slots per step of the gather's scan over a token's ids (a power of two).
+        precision: how fp32 operands are multiplied (:data:`mcore_ppo.numerics.PRECISIONS`):
+            ``"auto"`` and ``"ieee"`` IEEE fp32 dots, ``"fp32_faithful"`` three TF32 products
+            per dot (``tf32x3``), in the forward and in the backward's recompute; 16-bit
+            operands are unaffected (their products are exact).
     """
 
     forward_config: GemmConfig | None = None
@@ -77,6 +82,7 @@ class TritonConfig:
     onehot_add_elements: int = 1024
     gather_rows: tuple[int, int, int] = (16, 256, 4)
     gather_scan_slots: int = 64
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward_config", "backward_config"):
@@ -94,15 +100,18 @@ class TritonConfig:
             check_positive_int(name, getattr(self, name))
         check_positive_int("onehot_add_elements", self.onehot_add_elements)
         check_positive_int("gather_scan_slots", self.gather_scan_slots)
+        check_precision(self.precision)
         if not self.forward_tiles_per_split or any(t < 1 for t in self.forward_tiles_per_split):
             raise ValueError(f"forward_tiles_per_split must be ints >= 1, got {self.forward_tiles_per_split}")
 
     @classmethod
-    def from_environment(cls) -> TritonConfig:
-        """The defaults, with ``buffer_budget_bytes`` from ``MCORE_PPO_BUFFER_BUDGET_BYTES``
-        when it is set (a unit allowed: ``1GiB``)."""
+    def from_environment(cls, **fields) -> TritonConfig:
+        """The defaults with ``fields``, and ``buffer_budget_bytes`` from
+        ``MCORE_PPO_BUFFER_BUDGET_BYTES`` when it is set (a unit allowed: ``1GiB``)."""
         env = os.environ.get(BUFFER_BUDGET_ENV, "").strip()
-        return cls(buffer_budget_bytes=budget_bytes(env, BUFFER_BUDGET_ENV)) if env else cls()
+        if env:
+            fields["buffer_budget_bytes"] = budget_bytes(env, BUFFER_BUDGET_ENV)
+        return cls(**fields)
 
     def resolved_forward(self) -> tuple[GemmConfig, bool]:
         """``(forward config, tiles by shard)``: the given config as it is, else the device's

@@ -38,7 +38,7 @@ from mcore_ppo.backends.triton_host import (
 from mcore_ppo.backends.triton_ids import add_onehot, merged_onehot
 from mcore_ppo.backends.triton_launch import host_descriptor
 from mcore_ppo.backends.triton_plan import LaunchPlan
-from mcore_ppo.numerics import cdiv, inverse_temperature
+from mcore_ppo.numerics import Numerics, cdiv, inverse_temperature
 
 
 def vocab_chunk(config: TritonConfig, backward_config: GemmConfig, n: int, v: int, itemsize: int) -> int:
@@ -69,7 +69,8 @@ def gradients_by_recompute(
     local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
     weight_grad = request.weight_grad
 
-    cfg = for_dtype(backward_config, hidden.dtype)
+    numerics = Numerics.of(hidden.dtype, config.precision)
+    cfg = for_dtype(backward_config, numerics.operand_dtype)
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
@@ -89,7 +90,7 @@ def gradients_by_recompute(
     hidden_grad_c = None  # fp32 [n, h]: the first chunk's GEMM writes it, the others add
     chunk = vocab_chunk(config, backward_config, n, v, hidden.element_size())
     workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
-    flags = kernel_flags(hidden, cfg)
+    flags = kernel_flags(hidden, cfg, numerics)
     # Host descriptors, encoded per launch by Triton: one launch per chunk of thousands of
     # single-tile programs, where a descriptor built in each program would cost more GPU time.
     x_desc = host_descriptor(x_c, (cfg.block_m, cfg.block_k)) if use_tma else hidden

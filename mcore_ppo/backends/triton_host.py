@@ -21,7 +21,7 @@ import torch
 
 from mcore_ppo.backends.triton_launch import interpreting
 from mcore_ppo.logs import log_once
-from mcore_ppo.numerics import cdiv
+from mcore_ppo.numerics import Numerics, cdiv
 
 COMPACT_BLOCK = 4096  # rows per step of the one-program compaction: 4 dependent steps at n = 16384
 COMPACT_WARPS = 8
@@ -155,11 +155,13 @@ def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
     return config
 
 
-def kernel_flags(hidden: torch.Tensor, config: GemmConfig) -> dict[str, bool]:
+def kernel_flags(hidden: torch.Tensor, config: GemmConfig, numerics: Numerics) -> dict[str, bool | str]:
+    """The GEMM kernels' operand flags: a ragged hidden size, the interpreter's fp32 upcast of
+    16-bit tiles (its bf16 arithmetic is wrong), and the dot ``numerics`` asks for."""
     return {
         "EVEN_K": hidden.shape[1] % config.block_k == 0,
-        "UPCAST": interpreting() and hidden.dtype != torch.float32,
-        "DOT_IEEE": hidden.dtype == torch.float32,
+        "UPCAST": interpreting() and numerics.operand_dtype != torch.float32,
+        "DOT": numerics.dot,
     }
 
 

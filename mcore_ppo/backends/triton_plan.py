@@ -26,7 +26,7 @@ from mcore_ppo.backends.triton_host import (
     operands_by_tma,
     with_tma_store,
 )
-from mcore_ppo.numerics import cdiv
+from mcore_ppo.numerics import Numerics, cdiv
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +38,7 @@ class LaunchPlan:
     n: int
     h: int
     v: int
+    numerics: Numerics
     cfg: GemmConfig
     num_splits: int
     n_tiles_v: int
@@ -72,7 +73,8 @@ class LaunchPlan:
         ``forward_config`` (:meth:`TritonBackend.forward_config_for`)."""
         n, h = hidden.shape
         v = weight.shape[0]
-        cfg = for_dtype(forward_config, hidden.dtype)
+        numerics = Numerics.of(hidden.dtype, config.precision)
+        cfg = for_dtype(forward_config, numerics.operand_dtype)
         num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
         fits, n_tiles_v = buffer_decision(config, forward_config, n, v, hidden.dtype)
         store = grad_needed and fits
@@ -93,7 +95,7 @@ class LaunchPlan:
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "TILES_PER_SPLIT": cfg.tiles_per_split, "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages, "USE_TMA": use_tma, "STORE_P": store, "BUF_TMA": buf_tma,
-            "DIRECT_ROWS": direct, **kernel_flags(hidden, cfg), **variant,
+            "DIRECT_ROWS": direct, **kernel_flags(hidden, cfg, numerics), **variant,
         }  # fmt: skip
         libdevice = not interpreting()
         finish_options = {
@@ -108,7 +110,7 @@ class LaunchPlan:
             for checked in (False, True)
         }
         return LaunchPlan(
-            n, h, v, cfg, num_splits, n_tiles_v, with_entropy, with_q, store, use_tma, buf_tma, direct,
+            n, h, v, numerics, cfg, num_splits, n_tiles_v, with_entropy, with_q, store, use_tma, buf_tma, direct,
             (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
         )  # fmt: skip
 

@@ -25,7 +25,7 @@ import torch
 from mcore_ppo.backends.triton_host import GemmConfig, interpreting, kernel_flags, operands_by_tma
 from mcore_ppo.backends.triton_launch import Launcher, host_descriptor
 from mcore_ppo.distill.topk_config import TopKConfig
-from mcore_ppo.numerics import cdiv, chunks, inverse_temperature, next_power_of_two, rowmajor
+from mcore_ppo.numerics import Numerics, cdiv, chunks, inverse_temperature, next_power_of_two, rowmajor
 
 #: Dtypes the kernels take (fp64 stays on the torch path).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -35,6 +35,11 @@ Shard = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # The top-k's launches carry no site key: each takes Triton's own dispatch (the launcher counts them).
 launch = Launcher().launch
 Inverse = tuple[float, torch.Tensor, bool]
+
+
+def _flags(tokens: torch.Tensor, cfg: GemmConfig) -> dict:
+    """The GEMM flags of the teacher's top-k: its operands' own numerics (``precision="auto"``)."""
+    return kernel_flags(tokens, cfg, Numerics.of(tokens.dtype, "auto"))
 
 
 def runnable(hidden: torch.Tensor) -> bool:
@@ -138,7 +143,7 @@ def _triton_chunk(
         ),
         dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, C=c,
-            USE_TMA=use_tma, **kernel_flags(tokens, cfg), ROW_TEMP=row_temp, num_warps=cfg.num_warps,
+            USE_TMA=use_tma, **_flags(tokens, cfg), ROW_TEMP=row_temp, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **config.register_cap(),
         ),
     )  # fmt: skip
@@ -291,7 +296,7 @@ def _recompute_full_tiles(
          inv_temp, inv_temp_rows),
         dict(
             BLOCK_M=block, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_T=next_power_of_two(num_tiles),
-            num_warps=min(4, cfg.num_warps), num_stages=cfg.num_stages, **kernel_flags(tokens, cfg),
+            num_warps=min(4, cfg.num_warps), num_stages=cfg.num_stages, **_flags(tokens, cfg),
             **({"ROW_TEMP": True} if row_temp else {}),
         ),
     )  # fmt: skip

@@ -35,6 +35,36 @@ def backend_from_environment(variable: str) -> str:
     return backend
 
 
+def precision_from_environment(variable: str) -> str:
+    """The head precision an integration's environment variable names (unset or empty: ``auto``).
+
+    Raises:
+        ValueError: the value is not one of :data:`mcore_ppo.numerics.PRECISIONS` (the message
+            names ``variable``).
+    """
+    from mcore_ppo.numerics import PRECISIONS
+
+    precision = os.environ.get(variable, "auto").strip() or "auto"
+    if precision not in PRECISIONS:
+        raise ValueError(f"{variable} must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def head_backend_from_environment(backend_variable: str, precision_variable: str, device: Any) -> Any:
+    """What an integration passes as the head's ``backend``: the name ``backend_variable``
+    names, or, where ``precision_variable`` names a precision other than ``auto``, the backend
+    of that name built with it on ``device``'s type (one object per process, cached).
+
+    Raises:
+        ValueError: either variable holds something else than a name it may hold.
+    """
+    from mcore_ppo.backends import resolve_backend
+
+    backend = backend_from_environment(backend_variable)
+    precision = precision_from_environment(precision_variable)
+    return backend if precision == "auto" else resolve_backend(backend, device, precision)
+
+
 class _PatchingLoader(importlib.abc.Loader):
     """Runs the real loader, then the hook's callback on the freshly executed module."""
 

@@ -70,7 +70,7 @@ def dz_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
+    DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
     DZ_TMA: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
@@ -112,7 +112,7 @@ def dz_kernel(
         BLOCK_K,
         EVEN_K,
         UPCAST,
-        DOT_IEEE,
+        DOT,
         USE_TMA,
     )
     lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * LOG2E

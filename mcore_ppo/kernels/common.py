@@ -32,6 +32,18 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, DOT: tl.constexpr):
+    """``acc + a @ b.T`` with the dot ``DOT`` names (the native one compiles as it always did)."""
+    if DOT == "ieee":
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    elif DOT == "tf32x3":
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32x3")
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
 def tile_dot(
     x_ptr,
     w_ptr,
@@ -49,7 +61,7 @@ def tile_dot(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
+    DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
     """fp32 ``x[rows] @ w[cols].T`` for one ``[BLOCK_M, BLOCK_N]`` tile.
@@ -59,6 +71,9 @@ def tile_dot(
     size masks ``k``. TMA path (``USE_TMA``): the tile is the contiguous block at
     ``(row0, col0)`` of the descriptors (rows already compacted by the host); the copy engine
     zero-fills out-of-bounds rows, columns and ``k``.
+
+    ``DOT``: ``"native"`` (the operands' own tensor-core dot), ``"tf32x3"`` or ``"ieee"`` (fp32
+    operands: :class:`mcore_ppo.numerics.Numerics`).
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
@@ -68,10 +83,7 @@ def tile_dot(
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            if DOT_IEEE:
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot(a, b, acc, DOT)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
@@ -87,10 +99,7 @@ def tile_dot(
             if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            if DOT_IEEE:  # fp32 inputs: true fp32 products, not tf32
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot(a, b, acc, DOT)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
     return acc

@@ -78,7 +78,7 @@ def stats_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
+    DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
     STORE_P: tl.constexpr,
     BUF_TMA: tl.constexpr,
@@ -156,7 +156,7 @@ def stats_kernel(
             BLOCK_K,
             EVEN_K,
             UPCAST,
-            DOT_IEEE,
+            DOT,
             USE_TMA,
         )
         # The label first, so that acc is dead (overwritten by z2) before the statistics.

@@ -65,7 +65,7 @@ def topk_tiles_kernel(
     C: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
+    DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
 ):
@@ -92,7 +92,7 @@ def topk_tiles_kernel(
         col_ok = offs_n < V
         acc = tile_dot(
             x_ptr, w_ptr, x_desc, w_desc, rows, tl.minimum(offs_n, V - 1), row0, n0, H, stride_x, stride_w,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, USE_TMA,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT, USE_TMA,
         )  # fmt: skip
         z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
         out = rows.to(tl.int64) * num_tiles + tile
@@ -152,7 +152,7 @@ def tile_rows_kernel(
     BLOCK_T: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
+    DOT: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
 ):
     """Whole tiles for listed rows (:func:`full_pairs_kernel`'s lists): work items run tile by
@@ -180,7 +180,7 @@ def tile_rows_kernel(
         col_ok = offs_n < V
         acc = tile_dot(
             x_ptr, w_ptr, x_ptr, w_ptr, rows, tl.minimum(offs_n, V - 1), 0, n0, H, stride_x, stride_w,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_IEEE, False,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT, False,
         )  # fmt: skip
         if ROW_TEMP:
             inv_t = tl.load(inv_temp_ptr + rows)[:, None]

@@ -118,9 +118,12 @@ def fake_triton_module(available: bool) -> types.ModuleType:
     module.is_available = lambda: available
 
     class TritonConfig:
+        def __init__(self, precision: str = "auto"):
+            self.precision = precision
+
         @classmethod
-        def from_environment(cls):
-            return cls()
+        def from_environment(cls, **fields):
+            return cls(**fields)
 
     class TritonBackend:
         name = "triton"

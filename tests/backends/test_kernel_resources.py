@@ -72,7 +72,7 @@ COMPILE = textwrap.dedent(
                 BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k, TILES_PER_SPLIT=f.tiles_per_split,
                 GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=min(f.num_stages, 3) if store else f.num_stages,
                 USE_TMA=True, STORE_P=store, BUF_TMA=store, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False,
-                DOT_IEEE=False, grid=(1,), **flags,
+                DOT="native", grid=(1,), **flags,
             )
             shared[("stats_kernel buffer" if store else "stats_kernel") + suffix] = kernel.metadata.shared
     b = backend.backward_config
@@ -85,7 +85,7 @@ COMPILE = textwrap.dedent(
             dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0, vec,
             **{"HAS_G": True, "HAS_E": True, **flags}, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
             GROUP_M=b.group_m, num_warps=b.num_warps, num_stages=min(b.num_stages, 3), USE_TMA=True, DZ_TMA=True,
-            EVEN_K=True, UPCAST=False, DOT_IEEE=False, grid=(1,),
+            EVEN_K=True, UPCAST=False, DOT="native", grid=(1,),
         )
         shared["dz_kernel" + suffix] = kernel.metadata.shared
     print(json.dumps(shared))

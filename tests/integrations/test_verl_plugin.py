@@ -102,7 +102,7 @@ def fake_verl(tmp_path, monkeypatch):
     """The stand-in tree importable in this process; verl's modules and the plugin reset after."""
     root = write_fake_verl(tmp_path / "site", {})
     monkeypatch.syspath_prepend(str(root))
-    for name in ("MCORE_PPO_VERL", "MCORE_PPO_VERL_BACKEND", "VERL_USE_EXTERNAL_MODULES"):
+    for name in ("MCORE_PPO_VERL", "MCORE_PPO_VERL_BACKEND", "MCORE_PPO_VERL_PRECISION", "VERL_USE_EXTERNAL_MODULES"):
         monkeypatch.delenv(name, raising=False)
     # Where the real verl is installed, other tests may have imported parts of it: set them aside.
     real = {name: sys.modules.pop(name) for name in loaded_modules("verl")}
@@ -190,6 +190,53 @@ def test_bad_switch_and_backend_values(fake_verl, monkeypatch, caplog):
     with pytest.raises(ValueError, match="MCORE_PPO_VERL_BACKEND must be one of"):
         plugin.activate_from_environment()
     assert not plugin.is_installed()
+
+
+def test_bad_precision_value_is_refused_naming_the_variable(fake_verl, monkeypatch):
+    monkeypatch.setenv("MCORE_PPO_VERL", "1")
+    monkeypatch.setenv("MCORE_PPO_VERL_PRECISION", "tf32")
+    with pytest.raises(ValueError, match="MCORE_PPO_VERL_PRECISION must be one of auto, fp32_faithful, ieee"):
+        plugin.activate_from_environment()
+    assert not plugin.is_installed()
+
+
+@pytest.mark.usefixtures("megatron_tp1")
+@pytest.mark.parametrize("precision", ["auto", "fp32_faithful", "ieee"])
+def test_the_precision_variable_reaches_the_head(fake_verl, monkeypatch, precision):
+    """``MCORE_PPO_VERL_PRECISION`` picks the precision of the backend verl's fused path runs
+    on (a backend built with it; ``auto``: the plain name), and the values stay verl's."""
+    import verl.models.mcore.model_forward_fused as fused
+
+    from mcore_ppo.backends import backend_precision
+    from mcore_ppo.integrations.verl import kernel as plugin_kernel
+
+    seen = []
+    real = plugin_kernel.linear_cross_entropy
+
+    def spy(*args, backend, **kwargs):
+        seen.append(backend)
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(plugin_kernel, "linear_cross_entropy", spy)
+    monkeypatch.setenv("MCORE_PPO_VERL_BACKEND", "torch")
+    monkeypatch.setenv("MCORE_PPO_VERL_PRECISION", precision)
+    plugin.install()
+    gen = torch.Generator().manual_seed(12)
+    hidden = torch.randn(10, 1, 16, generator=gen)
+    weight = torch.randn(30, 16, generator=gen)
+    labels = torch.randint(0, 30, (1, 10), generator=gen)
+    out = fused.fused_output_processor(
+        hidden_states=hidden, output_layer=type("Layer", (), {"weight": weight})(), output_weight=None,
+        labels=labels, context=fused.FusedOutputProcessorContext(temperature=1.0),
+        config=type("Config", (), {"sequence_parallel": False})(),
+    )  # fmt: skip
+    assert len(seen) == 1
+    if precision == "auto":
+        assert seen[0] == "torch"
+    else:
+        assert backend_precision(seen[0]) == precision and seen[0].name == "torch"
+    expected = torch.log_softmax(hidden[:, 0].double() @ weight.double().t(), -1).gather(1, labels[0, :, None])[:, 0]
+    torch.testing.assert_close(out.log_probs.double().reshape(-1), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_two_import_hooks_on_one_module_both_run(tmp_path, monkeypatch):

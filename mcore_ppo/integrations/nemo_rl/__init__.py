@@ -41,13 +41,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from mcore_ppo.integrations.import_hook import AfterImportHook, backend_from_environment
+from mcore_ppo.integrations.import_hook import AfterImportHook, backend_from_environment, precision_from_environment
 
 if TYPE_CHECKING:
     from mcore_ppo.integrations.nemo_rl.adapter import from_parallel_hidden_states_to_logprobs
 
 __all__ = [
     "ENV_BACKEND",
+    "ENV_PRECISION",
     "ENV_SWITCH",
     "PTH_NAME",
     "TARGETS",
@@ -62,6 +63,7 @@ __all__ = [
 
 ENV_SWITCH = "MCORE_PPO_NEMO_RL"
 ENV_BACKEND = "MCORE_PPO_NEMO_RL_BACKEND"
+ENV_PRECISION = "MCORE_PPO_NEMO_RL_PRECISION"
 PTH_NAME = "mcore_ppo_nemo_rl.pth"
 # NeMo-RL module -> the module-level name this rebinds there (both looked up at call time).
 TARGETS = {
@@ -126,9 +128,12 @@ def enable() -> None:
     NeMo-RL's modules already imported are rebound now, the others when they are imported.
 
     Raises:
-        ValueError: ``MCORE_PPO_NEMO_RL_BACKEND`` is not a backend name.
+        ValueError: ``MCORE_PPO_NEMO_RL_BACKEND`` is not a backend name, or
+            ``MCORE_PPO_NEMO_RL_PRECISION`` not a precision (:data:`mcore_ppo.numerics.PRECISIONS`:
+            ``fp32_faithful`` is the head's counterpart of NeMo-RL's fp32 LM head for an fp32 model).
     """
     backend = backend_from_environment(ENV_BACKEND)
+    precision_from_environment(ENV_PRECISION)
     with _LOCK:
         loaded = _HOOK.install()
     _logger.info(

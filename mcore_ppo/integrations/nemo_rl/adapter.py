@@ -63,6 +63,7 @@ def from_parallel_hidden_states_to_logprobs(
     return_entropy: bool = False,
     backend: str | Backend = "auto",
     validate: bool | None = None,
+    precision: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs ``[b, s - 1]`` of ``softmax(hidden @ W.T / T)`` (and entropy) from hidden states.
 
@@ -91,7 +92,7 @@ def from_parallel_hidden_states_to_logprobs(
         sequence_parallel: the hidden states are sequence-sharded over TP; None means TP > 1,
             as NeMo-RL's fused path assumes.
         return_entropy: also return the entropy, shaped like the log-probs.
-        backend, validate: the head's options (:class:`mcore_ppo.options.HeadOptions`; a backend
+        backend, validate, precision: the head's options (:class:`mcore_ppo.options.HeadOptions`; a backend
             object carries its settings; ``validate`` None: the default), not in NeMo-RL's signature.
 
     Returns:
@@ -151,8 +152,9 @@ def from_parallel_hidden_states_to_logprobs(
     def checked() -> tuple:
         # Without return_entropy the head skips the entropy's sums, its TP combine and backward term.
         options = call_options(
-            None, ignore_index=_IGNORE, backend=backend, return_entropy=return_entropy, validate=validate
-        )
+            None, ignore_index=_IGNORE, backend=backend, return_entropy=return_entropy, validate=validate,
+            precision=precision,
+        )  # fmt: skip
         return options, prepared()
 
     (options, (call_temperature, layout, labels, bounds, seq)), error = attempt(

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from mcore_ppo.integrations.import_hook import backend_from_environment
-from mcore_ppo.integrations.nemo_rl import ENV_BACKEND
+from mcore_ppo.integrations.import_hook import head_backend_from_environment
+from mcore_ppo.integrations.nemo_rl import ENV_BACKEND, ENV_PRECISION
 from mcore_ppo.integrations.nemo_rl.adapter import from_parallel_hidden_states_to_logprobs
 from mcore_ppo.logs import log_once
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
@@ -123,7 +123,7 @@ def fused_hidden_states_to_logprobs(
             f"or {total} / tp={tp} (sequence parallelism)"
         )
     temperature = step_temperature()
-    backend = backend_from_environment(ENV_BACKEND)
+    backend = head_backend_from_environment(ENV_BACKEND, ENV_PRECISION, tensor_parallel_hidden_states.device)
     log_once(
         logging.INFO,
         ("nemo-rl-fused", tp, sequence_parallel, temperature),

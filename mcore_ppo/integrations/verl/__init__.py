@@ -37,7 +37,9 @@ Switching it on (off unless asked):
   code, and still honoured) names this module, which is asking: it switches on unless
   ``MCORE_PPO_VERL=0``.
 - ``MCORE_PPO_VERL=0`` keeps it off in both cases; :func:`install` / :func:`uninstall` do it
-  from code. ``MCORE_PPO_VERL_BACKEND`` picks the head's backend (default ``auto``).
+  from code. ``MCORE_PPO_VERL_BACKEND`` picks the head's backend (default ``auto``), and
+  ``MCORE_PPO_VERL_PRECISION`` how it multiplies an fp32 model's hidden states and weight
+  (default ``auto``, IEEE; ``fp32_faithful``: 3×TF32 on the triton backend; docs/kernels.md).
 - ``MCORE_PPO_VERL_MTP=1`` (off by default) keeps verl's fused path on with multi-token
   prediction, which verl turns off: :mod:`mcore_ppo.integrations.verl.mtp`.
 
@@ -57,13 +59,19 @@ from typing import Any
 
 import torch
 
-from mcore_ppo.integrations.import_hook import AfterImportHook, backend_from_environment
+from mcore_ppo.integrations.import_hook import (
+    AfterImportHook,
+    backend_from_environment,
+    head_backend_from_environment,
+    precision_from_environment,
+)
 from mcore_ppo.integrations.verl.engine import WRAPPERS, current_call_site
 from mcore_ppo.integrations.verl.step_outputs import current_collector
 from mcore_ppo.logs import log_once, logger
 
 __all__ = [
     "ENV_BACKEND",
+    "ENV_PRECISION",
     "ENV_SWITCH",
     "TARGET_MODULES",
     "install",
@@ -74,6 +82,7 @@ __all__ = [
 
 ENV_SWITCH = "MCORE_PPO_VERL"
 ENV_BACKEND = "MCORE_PPO_VERL_BACKEND"
+ENV_PRECISION = "MCORE_PPO_VERL_PRECISION"
 # verl's module that binds its kernel at import time, and the name it binds it to.
 KERNEL_MODULE = "verl.models.mcore.model_forward_fused"
 BOUND_NAME = "linear_cross_entropy"
@@ -131,7 +140,7 @@ def linear_cross_entropy(
         temperature = site.temperature  # per token; verl's call passed a placeholder float
     if site is not None and not site.return_entropy:
         extra["return_entropy"] = False
-    backend = backend_from_environment(ENV_BACKEND)
+    backend = head_backend_from_environment(ENV_BACKEND, ENV_PRECISION, hidden.device)
     collector = current_collector()
     if collector is not None and collector.wants_head_outputs and reduction in (None, "none"):
         # verl's micro-batch asked for Σπ² or top-k distillation: the same call, more outputs.
@@ -251,9 +260,11 @@ def install() -> None:
     Modules already imported are patched now; the others when verl imports them.
 
     Raises:
-        ValueError: ``MCORE_PPO_VERL_BACKEND`` is not a backend name.
+        ValueError: ``MCORE_PPO_VERL_BACKEND`` is not a backend name, or
+            ``MCORE_PPO_VERL_PRECISION`` not a precision.
     """
     backend = backend_from_environment(ENV_BACKEND)
+    precision_from_environment(ENV_PRECISION)
     with _LOCK:
         loaded = _HOOK.install()
     log_once(

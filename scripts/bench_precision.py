@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""fp32 inputs through the head under each ``precision``: error against fp64 and GPU time,
+beside the bf16 one-GEMM floor and cuBLAS's IEEE fp32 GEMM of the same shape, in one run.
+
+One rank's shard (``--shape``, ``--tp``: the vocab is ``V / tp``), ``--tokens`` tokens of fp32
+hidden states and an fp32 weight drawn in fp32 (not bf16 values upcast, whose products 3×TF32
+would form exactly). Timed, in the order A B C D D C B A (medians of each visit's calls,
+pooled; CUDA-event GPU time, host latency hidden behind a spin):
+
+- ``bf16_gemm``: ``x @ w.T`` of the bf16-rounded operands (cuBLAS, bf16 logits): the one-GEMM
+  floor the head's bf16 forward is measured against (``scripts/bench_head.py``'s);
+- ``fp32_ieee_gemm``: cuBLAS's IEEE fp32 GEMM of the fp32 operands (TF32 off);
+- ``faithful``: the head's forward (a training call: inputs require grad) with
+  ``precision="fp32_faithful"``;
+- ``ieee``: the same with ``precision="ieee"`` (fewer calls: it is slow).
+
+Printed and written (``--out DIR``: ``bench_precision.json``): the times, and
+``faithful_rel_err`` / ``ieee_rel_err`` (the log-probs' and the entropy's largest error over
+the tensor's largest fp64 value), ``faithful_over_bf16_gemm`` and ``ieee_over_fp32_ieee_gemm``.
+
+Usage (GPU):  python scripts/bench_precision.py [--shape qwen7b] [--tp 8] [--tokens 4096] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mcore_ppo
+from mcore_ppo.backends import TritonBackend, TritonConfig
+from mcore_ppo_testing.bench import SHAPES, event_times
+
+
+def fp64_forward(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, rows: int = 1024):
+    """float64 log-probs and entropy of ``softmax(x @ w.T)``, ``rows`` tokens at a time."""
+    log_probs, entropies = [], []
+    w64 = w.double()
+    for t0 in range(0, x.shape[0], rows):
+        z = x[t0 : t0 + rows].double() @ w64.t()
+        logp = torch.log_softmax(z, dim=-1)
+        log_probs.append(logp.gather(1, labels[t0 : t0 + rows, None])[:, 0])
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(log_probs), torch.cat(entropies)
+
+
+def relative(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen7b", choices=sorted(SHAPES))
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=10, help="calls per visit (the IEEE head: a third)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_precision: needs a CUDA device", file=sys.stderr)
+        return 2
+    h, vocab = SHAPES[args.shape]
+    v = vocab // args.tp
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    x = torch.randn(args.tokens, h, device="cuda", generator=gen)
+    w = torch.randn(v, h, device="cuda", generator=gen) * (2.0 / h**0.5)
+    labels = torch.randint(0, v, (args.tokens,), device="cuda", generator=gen)
+    x16, w16 = x.bfloat16(), w.bfloat16()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    heads = {name: TritonBackend(TritonConfig(precision=name)) for name in ("fp32_faithful", "ieee")}
+
+    def head(precision: str):
+        xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        return lambda: mcore_ppo.fused_log_probs_and_entropy(xg, wg, labels, backend=heads[precision])
+
+    calls = {
+        "bf16_gemm": (lambda: torch.mm(x16, w16.t()), args.reps),
+        "fp32_ieee_gemm": (lambda: torch.mm(x, w.t()), args.reps),
+        "faithful": (head("fp32_faithful"), args.reps),
+        "ieee": (head("ieee"), max(1, args.reps // 3)),
+    }
+    ref_lp, ref_ent = fp64_forward(x, w, labels)
+    errors = {}
+    for name in ("faithful", "ieee"):
+        lp, ent = calls[name][0]()
+        errors[name] = {"log_prob": relative(lp, ref_lp), "entropy": relative(ent, ref_ent)}
+    for fn, _ in calls.values():  # warm every variant equally before any is timed
+        fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for name in order + order[::-1]:
+        fn, reps = calls[name]
+        times[name].append(statistics.median(event_times(fn, reps)))
+    ms = {name: statistics.median(visits) for name, visits in times.items()}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+        "shape": {"model": args.shape, "tp": args.tp, "n": args.tokens, "h": h, "v": v, "seed": args.seed},
+        "ms": ms,
+        "visits_ms": times,
+        "faithful_rel_err": max(errors["faithful"].values()),
+        "ieee_rel_err": max(errors["ieee"].values()),
+        "errors": errors,
+        "faithful_over_bf16_gemm": ms["faithful"] / ms["bf16_gemm"],
+        "ieee_over_fp32_ieee_gemm": ms["ieee"] / ms["fp32_ieee_gemm"],
+        "fp32_ieee_gemm_over_bf16_gemm": ms["fp32_ieee_gemm"] / ms["bf16_gemm"],
+    }
+    print(json.dumps(report, indent=1))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_precision.json").write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
