@@ -62,6 +62,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10, help="calls per visit (the IEEE head: a third)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time fp32_faithful's forward with a few other forward tiles"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_precision: needs a CUDA device", file=sys.stderr)
@@ -100,6 +103,22 @@ def main() -> int:
         fn, reps = calls[name]
         times[name].append(statistics.median(event_times(fn, reps)))
     ms = {name: statistics.median(visits) for name, visits in times.items()}
+    sweep = {}
+    if args.sweep:
+        from mcore_ppo.backends.triton_host import GemmConfig
+
+        for bm, bn, bk, stages, warps in ((128, 128, 32, 3, 8), (128, 256, 32, 2, 8), (64, 256, 32, 3, 4),
+                                          (128, 128, 64, 2, 8), (64, 128, 32, 4, 4)):  # fmt: skip
+            cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+                             tiles_per_split=2, use_tma=True)  # fmt: skip
+            heads["sweep"] = TritonBackend(TritonConfig(precision="fp32_faithful", forward_config=cfg))
+            name = f"{bm}x{bn}x{bk}/s{stages}/w{warps}"
+            try:
+                fn = head("sweep")
+                fn()
+                sweep[name] = statistics.median(event_times(fn, args.reps))
+            except Exception as err:  # a tile that does not fit this GPU: say so, go on
+                sweep[name] = f"{type(err).__name__}: {str(err)[:200]}"
     report = {
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
@@ -112,6 +131,7 @@ def main() -> int:
         "faithful_over_bf16_gemm": ms["faithful"] / ms["bf16_gemm"],
         "ieee_over_fp32_ieee_gemm": ms["ieee"] / ms["fp32_ieee_gemm"],
         "fp32_ieee_gemm_over_bf16_gemm": ms["fp32_ieee_gemm"] / ms["bf16_gemm"],
+        "faithful_forward_tiles_sweep_ms": sweep,
     }
     print(json.dumps(report, indent=1))
     if args.out is not None:
