@@ -224,7 +224,7 @@ def _signature(hidden: torch.Tensor, weight: torch.Tensor, call: CheckedCall, op
 
 def _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported) -> CheckedCall:
     """This rank's own checks, in the order their errors are most useful."""
-    validation.check_tensors(hidden, weight, labels)
+    validation.check_tensors(hidden, weight, labels, options.effective_precision)
     refuse_forward_ad(hidden, weight)
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a mcore_ppo.options.Layout, got {validation.type_name(layout)}")
@@ -306,6 +306,11 @@ def _execute(
         labels_in_range=call.values_read,
     )
     token_rows = hidden_rows(hidden)
+    if token_rows.dtype != weight.dtype:
+        # A 16-bit hidden with an fp32 weight (a precision other than "auto"): its values are
+        # exact in fp32, so one differentiable upcast before the op gives the kernels one dtype
+        # and autograd rounds d_hidden back to the input's dtype once.
+        token_rows = token_rows.to(weight.dtype)
     log_probs, *per_token = head(token_rows, weight, rows, row_temperature, log_normalizer, head_call)
     if call.bad_temperature is not None and not call.values_read:
         # Not read back: a bad temperature poisons its token's outputs (never a plausible number).

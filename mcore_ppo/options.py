@@ -80,6 +80,13 @@ class HeadOptions:
         """The precision a named backend is resolved with (``"auto"`` when none was given)."""
         return "auto" if self.precision is None else self.precision
 
+    @property
+    def effective_precision(self) -> str:
+        """The precision the call runs with: the given one, else a backend object's own."""
+        if self.precision is None and not isinstance(self.backend, str):
+            return backend_precision(self.backend)
+        return self.named_precision
+
 
 def call_options(
     options: HeadOptions | None,

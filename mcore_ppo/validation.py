@@ -177,18 +177,23 @@ def check_process_group(group: object, name: str = "tp_group") -> None:
         raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {type_name(group)}")
 
 
-def check_tensors(hidden: object, weight: object, labels: object) -> None:
-    """Tensors, floating ``hidden`` and ``weight`` of one dtype, ``labels`` of a :data:`LABEL_DTYPES`
-    dtype, one device."""
+def check_tensors(hidden: object, weight: object, labels: object, precision: str = "auto") -> None:
+    """Tensors, floating ``hidden`` and ``weight`` of one dtype (or, with a ``precision`` other
+    than ``"auto"``, 16-bit ``hidden`` with an fp32 ``weight``), ``labels`` of a
+    :data:`LABEL_DTYPES` dtype, one device."""
     for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type_name(value)}")
     if not hidden.dtype.is_floating_point:
         raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
-    if weight.dtype != hidden.dtype:
-        # The head computes in its inputs' dtype inside autocast regions too (function.py).
+    upcast = precision != "auto" and weight.dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16)
+    if weight.dtype != hidden.dtype and not upcast:
+        # The head computes in its inputs' dtype inside autocast regions too.
         hint = " (the head does not follow torch.autocast: cast one of them)" if _autocast_on(hidden.device) else ""
-        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}{hint}")
+        raise TypeError(
+            f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}{hint}; a 16-bit hidden with an "
+            "fp32 weight takes precision='fp32_faithful' or 'ieee'"
+        )
     if labels.dtype not in LABEL_DTYPES:
         accepted = ", ".join(str(dtype).removeprefix("torch.") for dtype in LABEL_DTYPES)
         raise TypeError(f"labels must be an integer tensor ({accepted}), got dtype {labels.dtype}")

@@ -155,3 +155,35 @@ def test_the_precision_reaches_every_gemm_kernel(precision, dot, monkeypatch):
         _run(*_case(dtype, generator(next_seed())), backend=backend)
         assert len(seen) >= 2, seen  # the statistics pass and at least one recompute chunk
         assert {d for _, d in seen} == {expected}, seen
+
+
+@pytest.mark.parametrize("precision", ["fp32_faithful", "ieee"])
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON_ON_CPU)])
+def test_a_16_bit_hidden_with_an_fp32_weight(backend, hidden_dtype, precision):
+    """Under a precision other than ``auto`` a 16-bit hidden meets an fp32 weight (an fp32 LM
+    head on a bf16 trunk): the outputs are those of the fp64 head of the same values, the weight's
+    gradient is fp32 and the hidden's is in its own dtype, rounded once."""
+    seed = next_seed()
+    hidden, weight, labels, g, e = _case(torch.float32, generator(seed))
+    hidden = hidden.to(hidden_dtype)
+    out = _run(hidden, weight, labels, g, e, backend=backend, precision=precision)
+    ref = _reference(hidden, weight, labels, g, e)
+    assert out["d_hidden"].dtype == hidden_dtype and out["d_weight"].dtype == torch.float32
+    for name in ("log_prob", "entropy", "d_weight"):
+        assert_close(out[name].double(), ref[name], name=f"{name} (seed {seed})", dtype=torch.float32, rtol=1e-5)
+    assert_close(
+        out["d_hidden"].double(), ref["d_hidden"], name=f"d_hidden (seed {seed})", dtype=hidden_dtype, rtol=1e-5,
+        elementwise_rtol=2.0**-7,
+    )  # fmt: skip
+
+
+def test_mixed_dtypes_are_refused_where_no_precision_allows_them():
+    """``auto`` keeps one dtype for both operands; an fp32 hidden with a 16-bit weight is refused
+    under every precision (the weight's values would be the ones rounded)."""
+    x, y = torch.randn(4, 8), torch.tensor([1, 2, 3, -100])
+    with pytest.raises(TypeError, match=r"must match hidden dtype torch\.bfloat16.*precision='fp32_faithful'"):
+        mcore_ppo.fused_log_probs_and_entropy(x.bfloat16(), torch.randn(10, 8), y)
+    for precision in PRECISIONS:
+        with pytest.raises(TypeError, match=r"weight dtype torch\.bfloat16 must match hidden dtype torch\.float32"):
+            mcore_ppo.fused_log_probs_and_entropy(x, torch.randn(10, 8).bfloat16(), y, precision=precision)
