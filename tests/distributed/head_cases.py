@@ -148,11 +148,13 @@ class HeadResult:
         }
 
 
-def small_chunks_backend(backend: str):
-    """``backend``; the torch backend with chunks of SMALL_* (several chunks, ragged tails)."""
+def small_chunks_backend(backend: str, precision: str | None = None):
+    """``backend``; the torch backend with chunks of SMALL_* (several chunks, ragged tails),
+    built with ``precision`` when one is given."""
     if backend != "torch":
         return backend
-    return TorchBackend(TorchConfig(token_chunk=SMALL_TOKEN_CHUNK, vocab_chunk=SMALL_VOCAB_CHUNK))
+    extra = {} if precision is None else {"precision": precision}
+    return TorchBackend(TorchConfig(token_chunk=SMALL_TOKEN_CHUNK, vocab_chunk=SMALL_VOCAB_CHUNK, **extra))
 
 
 def run_head(
@@ -169,6 +171,7 @@ def run_head(
     small_chunks: bool = True,
     ignore_index: int = IGNORE,
     compiled: bool = False,
+    precision: str | None = None,
 ) -> HeadResult:
     """Forward and backward of the public API on copies of the inputs (leaves on ``device``).
 
@@ -186,7 +189,8 @@ def run_head(
         tp_group=tp_group,
         sequence_parallel=sequence_parallel,
         ignore_index=ignore_index,
-        backend=small_chunks_backend(backend) if small_chunks else backend,
+        backend=small_chunks_backend(backend, precision) if small_chunks else backend,
+        precision=precision,
     )
     outputs, grads = [], []
     for out, grad in ((log_prob, grad_log_prob), (entropy, grad_entropy)):
@@ -197,7 +201,9 @@ def run_head(
     return HeadResult(log_prob.detach(), entropy.detach(), h.grad, w.grad)
 
 
-def reference(case: GlobalCase, labels: torch.Tensor | None = None, *, use_entropy: bool = True) -> HeadResult:
+def reference(
+    case: GlobalCase, labels: torch.Tensor | None = None, *, use_entropy: bool = True, precision: str | None = None
+) -> HeadResult:
     """Single-rank result on the global data: full weight, ``tp_group=None``, torch backend, CPU."""
     return run_head(
         case.hidden,
@@ -208,6 +214,7 @@ def reference(case: GlobalCase, labels: torch.Tensor | None = None, *, use_entro
         backend="torch",
         device=torch.device("cpu"),
         small_chunks=False,
+        precision=precision,
     )
 
 

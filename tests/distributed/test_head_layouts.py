@@ -1,5 +1,6 @@
 """The head under TP 2, 4 and 8 (8 where the world has 8 ranks), SP off and on, in every layout,
-against the single-rank result.
+against the single-rank result; and under ``precision="fp32_faithful"`` / ``"ieee"`` with an fp32
+weight and an fp32 or bf16 hidden (the triton backend's 3×TF32 dots on NCCL runs).
 
 For each TP size, dtype (fp64, fp32) and layout ([s,b,h]+[b,s] with b=3, packed [t,1,h]+[1,t],
 [n,h]+[n]), every rank computes the single-rank result on the global data, then runs the head
@@ -8,6 +9,8 @@ d_hidden (the SP shard under SP) and its weight shard's gradient. Labels cover t
 last id of every shard, ignored labels are sprinkled, upstream gradients are per token and of
 both signs, T = 0.7. fp32 results are also compared with the fp64 result on the same data.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -121,4 +124,39 @@ def test_tp_deterministic(check):
             second = run_head(*args, tp_group=layout.tp_group, sequence_parallel=sp)
             for output, value in first.as_dict().items():
                 check.equal(output, second.as_dict()[output], value)
+    check.done()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_sp_precisions_match_single_rank(tp, check):
+    """fp32 weight with an fp32 or a bf16 hidden (upcast once before the op) under
+    ``fp32_faithful`` and ``ieee``, SP off and on, every layout: against the single-rank result
+    of the same inputs and precision, and against the fp64 result of the same values."""
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    suite = f"TP{tp} precision"
+    for precision in ("fp32_faithful", "ieee"):
+        for hidden_dtype in (torch.float32, torch.bfloat16):
+            for name in LAYOUT_SHAPES:
+                case = make_case(name, torch.float32)
+                case = dataclasses.replace(case, hidden=case.hidden.to(hidden_dtype))
+                ref = reference(case, precision=precision)
+                ref64 = reference(upcast(case))
+                if layout.tp_group is None:
+                    continue
+                weight = case.weight.chunk(tp, dim=0)[layout.tp_rank]
+                for sp in (False, True):
+                    check.case(f"tp={tp} sp={sp} layout={name} hidden {hidden_dtype} precision={precision}")
+                    hidden = case.hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else case.hidden
+                    out = run_head(
+                        hidden, weight, case.labels, case.grad_log_prob, case.grad_entropy,
+                        tp_group=layout.tp_group, sequence_parallel=sp, precision=precision,
+                    )  # fmt: skip
+                    assert out.d_hidden.dtype == hidden_dtype and out.d_weight.dtype == torch.float32
+                    want, want64 = tp_part(ref, tp, layout.tp_rank, sp), tp_part(ref64, tp, layout.tp_rank, sp)
+                    for key, value in out.as_dict().items():
+                        # A bf16 d_hidden is the fp32 sum rounded once: one bf16 ulp where sums differ.
+                        tol = 1e-2 if key == "d_hidden" and hidden_dtype == torch.bfloat16 else 1e-5
+                        check.close(key, value, want.as_dict()[key], tol=tol, kind=f"{suite}: vs single-rank")
+                        check.close(key, value, want64.as_dict()[key], tol=tol, kind=f"{suite}: vs fp64")
     check.done()
