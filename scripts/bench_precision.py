@@ -63,7 +63,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--sweep", action="store_true", help="also time fp32_faithful's forward with a few other forward tiles"
+        "--sweep", action="store_true", help="also time both precisions' forward with a few other forward tiles"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -107,18 +107,25 @@ def main() -> int:
     if args.sweep:
         from mcore_ppo.backends.triton_host import GemmConfig
 
-        for bm, bn, bk, stages, warps in ((128, 128, 32, 3, 8), (128, 256, 32, 2, 8), (64, 256, 32, 3, 4),
-                                          (128, 128, 64, 2, 8), (64, 128, 32, 4, 4)):  # fmt: skip
-            cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
-                             tiles_per_split=2, use_tma=True)  # fmt: skip
-            heads["sweep"] = TritonBackend(TritonConfig(precision="fp32_faithful", forward_config=cfg))
-            name = f"{bm}x{bn}x{bk}/s{stages}/w{warps}"
-            try:
-                fn = head("sweep")
-                fn()
-                sweep[name] = statistics.median(event_times(fn, args.reps))
-            except Exception as err:  # a tile that does not fit this GPU: say so, go on
-                sweep[name] = f"{type(err).__name__}: {str(err)[:200]}"
+        tiles = {
+            "fp32_faithful": ((128, 128, 32, 3, 8), (128, 256, 32, 2, 8), (64, 256, 32, 3, 4), (128, 128, 64, 2, 8),
+                              (64, 128, 32, 4, 4)),
+            "ieee": ((64, 64, 32, 2, 4), (64, 64, 16, 3, 4), (128, 64, 32, 2, 8), (128, 128, 16, 2, 8),
+                     (32, 64, 32, 2, 4)),
+        }  # fmt: skip
+        for precision, shapes in tiles.items():
+            for bm, bn, bk, stages, warps in shapes:
+                cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+                                 tiles_per_split=2, use_tma=True)  # fmt: skip
+                heads["sweep"] = TritonBackend(TritonConfig(precision=precision, forward_config=cfg))
+                name = f"{precision} {bm}x{bn}x{bk}/s{stages}/w{warps}"
+                try:
+                    fn = head("sweep")
+                    fn()
+                    reps = args.reps if precision == "fp32_faithful" else 2
+                    sweep[name] = statistics.median(event_times(fn, reps))
+                except Exception as err:  # a tile that does not fit this GPU: say so, go on
+                    sweep[name] = f"{type(err).__name__}: {str(err)[:200]}"
     report = {
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
@@ -131,7 +138,7 @@ def main() -> int:
         "faithful_over_bf16_gemm": ms["faithful"] / ms["bf16_gemm"],
         "ieee_over_fp32_ieee_gemm": ms["ieee"] / ms["fp32_ieee_gemm"],
         "fp32_ieee_gemm_over_bf16_gemm": ms["fp32_ieee_gemm"] / ms["bf16_gemm"],
-        "faithful_forward_tiles_sweep_ms": sweep,
+        "forward_tiles_sweep_ms": sweep,
     }
     print(json.dumps(report, indent=1))
     if args.out is not None:
