@@ -85,7 +85,7 @@ def test_mixed_dtypes_inside_autocast_are_still_refused():
     """Outside autocast bf16 hidden with an fp32 weight is a TypeError; inside it is the same
     error (the head does not cast for autocast), with a hint that autocast does not apply."""
     hidden, weight, labels, _, _ = make_inputs()
-    with pytest.raises(TypeError, match=r"weight dtype torch.float32 must match hidden dtype torch.bfloat16$"):
+    with pytest.raises(TypeError, match=r"weight dtype torch.float32 must match hidden dtype torch.bfloat16; a 16-bit"):
         mcore_ppo.fused_log_probs_and_entropy(hidden.bfloat16(), weight, labels)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(TypeError, match=r"must match hidden dtype torch.bfloat16 \(the head does not follow"):
