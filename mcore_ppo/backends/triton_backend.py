@@ -40,7 +40,7 @@ import torch
 from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, HeadForward, SavedTokens, ShardStatistics
 from mcore_ppo.backends.torch_backend import TorchBackend
-from mcore_ppo.backends.triton_config import GPU_FP32_FORWARD, TritonConfig
+from mcore_ppo.backends.triton_config import TritonConfig
 from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer, vocab_chunk
 from mcore_ppo.backends.triton_host import (
     COMPACT_BLOCK,
@@ -55,7 +55,7 @@ from mcore_ppo.backends.triton_ids import gather_logits
 from mcore_ppo.backends.triton_launch import BoundLauncher, Launcher, interpreting
 from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
 from mcore_ppo.logs import log_once
-from mcore_ppo.numerics import Numerics, cdiv, inverse_temperature, rowmajor
+from mcore_ppo.numerics import cdiv, inverse_temperature, rowmajor
 
 try:  # the package itself is optional; anything else broken in it should raise
     import triton
@@ -158,7 +158,7 @@ class TritonBackend:
         if not grad_needed or _takes_reference(hidden, weight):
             return ()
         n, v = hidden.shape[0], weight.shape[0]
-        store, n_tiles_v = buffer_decision(self.config, self.forward_config_for(v, hidden.dtype), n, v, hidden.dtype)
+        store, n_tiles_v = buffer_decision(self.config, self.forward_config_for(v), n, v, hidden.dtype)
         order = (((n,), torch.int32), ((1,), torch.int32))
         if store:
             return (((n, v), hidden.dtype), ((n, n_tiles_v), torch.float32), *order)
@@ -314,8 +314,7 @@ class TritonBackend:
             if len(self._plans) >= self.config.plan_cache_size:
                 self._plans.clear()
             plan = self._plans[key] = LaunchPlan.build(
-                self.config, self.forward_config_for(weight.shape[0], hidden.dtype), hidden, weight, grad_needed,
-                with_entropy,
+                self.config, self.forward_config_for(weight.shape[0]), hidden, weight, grad_needed, with_entropy,
                 row_temp, with_q,
             )  # fmt: skip
         return plan
@@ -363,15 +362,12 @@ class TritonBackend:
         launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, (plan, "stats") if site else None)
         return parts, (buf, tmax, perm, count) if plan.store else ()
 
-    def forward_config_for(self, v: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
-        """The forward's tile config for a shard of ``v`` vocab rows of operands of ``dtype``
-        (one per shard size, so one compile per model): the default's tiles (fp32 operands:
-        those of their dot, :data:`~mcore_ppo.backends.triton_config.GPU_FP32_FORWARD`) with
-        ``tiles_per_split`` by the config's rule."""
+    def forward_config_for(self, v: int) -> GemmConfig:
+        """The forward's tile config for a shard of ``v`` vocab rows (one per shard size, so
+        one compile per model): the default's ``tiles_per_split`` by the config's rule."""
         cfg = self.forward_config
         if not self.tiles_by_shard:
             return cfg
-        cfg = GPU_FP32_FORWARD.get(Numerics.of(dtype, self.config.precision).dot, cfg)
         for tiles in self.config.forward_tiles_per_split:
             if cdiv(v, tiles * cfg.block_n) >= self.config.min_forward_splits:
                 return replace(cfg, tiles_per_split=tiles)

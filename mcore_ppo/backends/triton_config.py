@@ -18,15 +18,6 @@ from mcore_ppo.validation import check_bool, check_positive_int
 #: (profile_head --sweep-forward); tiles per split follow the shard (``forward_tiles_per_split``).
 GPU_FORWARD = GemmConfig(num_stages=3, tiles_per_split=2, use_tma=True)
 GPU_BACKWARD = GemmConfig(tiles_per_split=1, use_tma=True)
-#: The forward's default tiles for fp32 operands, by dot (their K tile halved by ``for_dtype``):
-#: qwen7b's TP 8 shard, 4,096 tokens, one H200 (``scripts/bench_precision.py --sweep``, record
-#: gpu_runs/h200_2026-12-03f): 3xTF32 at 128 x 128, 2 stages, 8 % faster than the 16-bit tiles;
-#: IEEE at 64 x 64 x 32, 2 stages, 4 warps, 22x faster (the 16-bit tiles' fp32 FMA
-#: accumulators spill).
-GPU_FP32_FORWARD = {
-    "tf32x3": GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2, use_tma=True),
-    "ieee": GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, use_tma=True),
-}
 #: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
 INTERPRETER_FORWARD = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 INTERPRETER_BACKWARD = replace(INTERPRETER_FORWARD, tiles_per_split=1)

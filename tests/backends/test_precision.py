@@ -187,30 +187,3 @@ def test_mixed_dtypes_are_refused_where_no_precision_allows_them():
     for precision in PRECISIONS:
         with pytest.raises(TypeError, match=r"weight dtype torch\.bfloat16 must match hidden dtype torch\.float32"):
             mcore_ppo.fused_log_probs_and_entropy(x, torch.randn(10, 8).bfloat16(), y, precision=precision)
-
-
-@pytest.mark.parametrize("precision,tiles", [("auto", (64, 64)), ("ieee", (64, 64)), ("fp32_faithful", (128, 128))])
-def test_fp32_forward_tiles_follow_the_dot_and_the_residual_agrees(precision, tiles, monkeypatch):
-    """With the GPU defaults, fp32 operands take their dot's forward tiles (16-bit ones keep the
-    default), and the residual the op's shape function declares has the plan's tile count."""
-    pytest.importorskip("triton")
-    from mcore_ppo.backends import triton_backend, triton_config, triton_plan
-    from mcore_ppo.backends.triton_config import GPU_FORWARD
-
-    monkeypatch.setattr(triton_config, "interpreting", lambda: False)  # the GPU defaults, built here
-    backend = triton_backend.TritonBackend(triton_config.TritonConfig(precision=precision))
-    assert backend.tiles_by_shard
-    v = 18992
-    fp32 = backend.forward_config_for(v, torch.float32)
-    assert (fp32.block_m, fp32.block_n) == tiles
-    bf16 = backend.forward_config_for(v, torch.bfloat16)
-    assert (bf16.block_m, bf16.block_n, bf16.block_k) == (GPU_FORWARD.block_m, GPU_FORWARD.block_n, GPU_FORWARD.block_k)
-    hidden, weight = torch.empty(300, 64), torch.empty(v, 64)
-    spec = backend.residual_spec(
-        hidden, weight, fused=True, grad_needed=True, with_entropy=True, row_temperature=False,
-        with_sum_pi_squared=False,
-    )  # fmt: skip
-    plan = triton_plan.LaunchPlan.build(backend.config, fp32, hidden, weight, True, True, False)
-    assert plan.store and spec[1][0] == (300, plan.n_tiles_v)
-    assert plan.numerics == Numerics.of(torch.float32, precision)
-    assert plan.stats_options["DOT"] == Numerics.of(torch.float32, precision).dot
