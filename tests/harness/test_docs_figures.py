@@ -904,3 +904,15 @@ def test_verl_main_ppo_table_is_its_json():
     for page in (folder / "README.md", REPO / "docs" / "integrations.md"):
         assert table in text(page), f"{page.relative_to(REPO)}: not the table of {folder.name}/metrics.json"
     assert all(record["bit_identical"].values()), record["bit_identical"]
+
+
+def test_precision_tables_are_their_json():
+    """The numerics tables, in their record and on the summary page, are the ones their JSON
+    makes (``mcore_ppo_testing.precision_tables``)."""
+    from mcore_ppo_testing.precision_tables import mismatch_table, precision_table, sweep_table
+
+    record = "gpu_runs/h200_2026-12-03f"
+    precision, mismatch = load(f"{record}/bench_precision.json"), load(f"{record}/bench_mismatch.json")
+    for page in (BENCH / record / "README.md", BENCH / "precision_h200.md"):
+        for made in (precision_table(precision), sweep_table(precision), mismatch_table(mismatch)):
+            assert made in text(page), f"{page.relative_to(REPO)}: not the table its JSON makes:\n{made}"
