@@ -114,3 +114,26 @@ def test_refusals(params, match):
         _nemo_rl_call(hidden, weight, torch.zeros(1, 5, dtype=torch.long))
     # No filtering asked (top_k None or <= 0, top_p 1): accepted.
     _nemo_rl_call(hidden, weight, target, sampling_params=TrainingSamplingParams(top_k=-1, temperature=0.9))
+
+
+@pytest.mark.parametrize("precision", ["fp32_faithful", "ieee"])
+def test_precision_with_a_bf16_trunk_and_an_fp32_head(test_seed, precision):
+    """NeMo-RL's fp32 LM head on a bf16 trunk: bf16 hidden states with an fp32 weight under a
+    precision that allows it; the log-probs are those of the fp64 logits path of the same values."""
+    hidden, weight, gen = _tensors(test_seed, 10, 2)
+    target = torch.randint(0, VOCAB, (2, 10), generator=gen)
+    x16, w32 = hidden.bfloat16(), weight.float()
+    lp = _nemo_rl_call(x16, w32, target, temperature=0.9, backend="torch", precision=precision)
+    ref, _ = logits_path_logprobs(x16.double(), w32.double(), target, 0.9)
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="must match hidden dtype"):  # the default keeps one dtype
+        _nemo_rl_call(x16, w32, target, backend="torch")
+
+
+def test_bad_precision_variable_is_refused_naming_it(monkeypatch):
+    from mcore_ppo.integrations import nemo_rl as nemo_rl_switch
+
+    monkeypatch.setenv("MCORE_PPO_NEMO_RL_PRECISION", "double")
+    with pytest.raises(ValueError, match="MCORE_PPO_NEMO_RL_PRECISION must be one of auto, fp32_faithful, ieee"):
+        nemo_rl_switch.enable()
+    assert not nemo_rl_switch.is_enabled()
