@@ -187,3 +187,22 @@ def test_mixed_dtypes_are_refused_where_no_precision_allows_them():
     for precision in PRECISIONS:
         with pytest.raises(TypeError, match=r"weight dtype torch\.bfloat16 must match hidden dtype torch\.float32"):
             mcore_ppo.fused_log_probs_and_entropy(x, torch.randn(10, 8).bfloat16(), y, precision=precision)
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-hidden"])
+def test_a_precision_compiles_in_one_graph(hidden_dtype):
+    """``torch.compile(fullgraph=True)`` with default options keeps a call with a precision (a
+    named backend's key carries it into the op) and the 16-bit hidden's upcast in one graph:
+    outputs and gradients equal eager's."""
+    seed = next_seed()
+    hidden, weight, labels, g, e = _case(torch.float32, generator(seed))
+    hidden = hidden.to(hidden_dtype)
+    compiled = torch.compile(mcore_ppo.fused_log_probs_and_entropy, fullgraph=True)
+    results = []
+    for fn in (mcore_ppo.fused_log_probs_and_entropy, compiled):
+        x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        lp, ent = fn(x, w, labels, temperature=0.7, precision="fp32_faithful")
+        ((lp.double() * g).sum() + (ent.double() * e).sum()).backward()
+        results.append((lp.detach(), ent.detach(), x.grad, w.grad))
+    for eager, traced in zip(*results, strict=True):
+        torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-7, msg=lambda m: f"seed {seed}: {m}")
