@@ -134,7 +134,7 @@ def _nemo_rl(case: Case, **kw):
     )  # fmt: skip
 
 
-_OPTION_KEYWORDS = ("ignore_index", "backend", "return_entropy", "validate", "return_sum_pi_squared")
+_OPTION_KEYWORDS = ("ignore_index", "backend", "return_entropy", "validate", "return_sum_pi_squared", "precision")
 
 
 def log_normalizer(case: Case) -> torch.Tensor:
@@ -320,6 +320,12 @@ BAD_ARGUMENTS = (
                 ("return_sum_pi_squared",), frozenset({"api", "ids", "head", "model", "normalizer"})),
     BadArgument("return_sum_pi_squared an int", lambda c, e: {"return_sum_pi_squared": 1}, TypeError,
                 ("return_sum_pi_squared",), frozenset({"api", "ids", "head", "model", "normalizer"})),
+    BadArgument("precision unknown", lambda c, e: {"precision": "tf32"}, ValueError, ("precision",),
+                frozenset({"api", "ids", "nemo_rl", "normalizer"})),
+    BadArgument("precision an int", lambda c, e: {"precision": 3}, TypeError, ("precision",),
+                frozenset({"api", "ids", "nemo_rl", "normalizer"})),
+    BadArgument("precision a 16-bit weight cannot take", lambda c, e: {"weight": c.weight.bfloat16(),
+                "precision": "fp32_faithful"}, TypeError, ("weight",), frozenset({"api", "ids", "nemo_rl"})),
     BadArgument("backend an unknown name", lambda c, e: {"backend": "nope"}, ValueError, ("backend",),
                 frozenset({"api", "ids", "verl", "nemo_rl", "normalizer"})),
     BadArgument("backend an int", lambda c, e: {"backend": 3}, TypeError, ("backend",),
