@@ -165,9 +165,10 @@ def linear_cross_entropy(
     log_once(
         logging.INFO,
         ("verl-on", backend, tp, sequence_parallel, backward),
-        "mcore_ppo verl plugin: on: verl's fused log-prob/entropy path ran on the head (backend=%r, TP %d, %s pass: "
+        "mcore_ppo verl plugin: on: verl's fused log-prob/entropy path ran on the head (backend=%r%s, TP %d, %s pass: "
         "%s, called from %s)",
-        backend,
+        backend if isinstance(backend, str) else backend.name,
+        "" if isinstance(backend, str) else f", precision {os.environ.get(ENV_PRECISION, '').strip()}",
         tp,
         "training" if backward else "forward-only",
         "no TP reduction needed"
