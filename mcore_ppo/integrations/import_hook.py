@@ -35,8 +35,8 @@ def backend_from_environment(variable: str) -> str:
     return backend
 
 
-def precision_from_environment(variable: str) -> str:
-    """The head precision an integration's environment variable names (unset or empty: ``auto``).
+def precision_from_environment(variable: str) -> str | None:
+    """The head precision an integration's environment variable names (None: unset or empty).
 
     Raises:
         ValueError: the value is not one of :data:`mcore_ppo.numerics.PRECISIONS` (the message
@@ -44,25 +44,34 @@ def precision_from_environment(variable: str) -> str:
     """
     from mcore_ppo.numerics import PRECISIONS
 
-    precision = os.environ.get(variable, "auto").strip() or "auto"
+    precision = os.environ.get(variable, "").strip()
+    if not precision:
+        return None
     if precision not in PRECISIONS:
         raise ValueError(f"{variable} must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     return precision
 
 
-def head_backend_from_environment(backend_variable: str, precision_variable: str, device: Any) -> Any:
+def head_backend_from_environment(backend_variable: str, precision_variable: str, weight: Any) -> Any:
     """What an integration passes as the head's ``backend``: the name ``backend_variable``
-    names, or, where ``precision_variable`` names a precision other than ``auto``, the backend
-    of that name built with it on ``device``'s type (one object per process, cached).
+    names, or the backend of that name built with a precision other than ``auto`` on
+    ``weight``'s device type (one object per process, cached). The precision is the one
+    ``precision_variable`` names; unset, an fp32 ``weight`` (the framework's fp32 LM head:
+    NeMo-RL's ``fp32_lm_head``, slime's fp32 output layer) takes ``fp32_faithful`` and any other
+    ``auto``.
 
     Raises:
         ValueError: either variable holds something else than a name it may hold.
     """
+    import torch
+
     from mcore_ppo.backends import resolve_backend
 
     backend = backend_from_environment(backend_variable)
     precision = precision_from_environment(precision_variable)
-    return backend if precision == "auto" else resolve_backend(backend, device, precision)
+    if precision is None:
+        precision = "fp32_faithful" if weight.dtype == torch.float32 else "auto"
+    return backend if precision == "auto" else resolve_backend(backend, weight.device, precision)
 
 
 class _PatchingLoader(importlib.abc.Loader):

@@ -137,3 +137,20 @@ def test_bad_precision_variable_is_refused_naming_it(monkeypatch):
     with pytest.raises(ValueError, match="MCORE_PPO_NEMO_RL_PRECISION must be one of auto, fp32_faithful, ieee"):
         nemo_rl_switch.enable()
     assert not nemo_rl_switch.is_enabled()
+
+
+def test_an_fp32_weight_takes_fp32_faithful_unless_the_variable_says_otherwise(monkeypatch):
+    """The integrations' backend: an fp32 weight (the framework's fp32 LM head) with the
+    precision variable unset runs ``fp32_faithful``; a 16-bit one, or the variable set, as said."""
+    from mcore_ppo.backends import backend_precision
+    from mcore_ppo.integrations.import_hook import head_backend_from_environment
+
+    variables = ("MCORE_PPO_NEMO_RL_BACKEND", "MCORE_PPO_NEMO_RL_PRECISION")
+    monkeypatch.delenv(variables[1], raising=False)
+    monkeypatch.setenv(variables[0], "torch")
+    assert backend_precision(head_backend_from_environment(*variables, torch.zeros(2, 2))) == "fp32_faithful"
+    assert head_backend_from_environment(*variables, torch.zeros(2, 2, dtype=torch.bfloat16)) == "torch"
+    monkeypatch.setenv(variables[1], "auto")
+    assert head_backend_from_environment(*variables, torch.zeros(2, 2)) == "torch"
+    monkeypatch.setenv(variables[1], "ieee")
+    assert backend_precision(head_backend_from_environment(*variables, torch.zeros(2, 2))) == "ieee"

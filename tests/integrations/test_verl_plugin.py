@@ -201,10 +201,11 @@ def test_bad_precision_value_is_refused_naming_the_variable(fake_verl, monkeypat
 
 
 @pytest.mark.usefixtures("megatron_tp1")
-@pytest.mark.parametrize("precision", ["auto", "fp32_faithful", "ieee"])
+@pytest.mark.parametrize("precision", ["auto", "fp32_faithful", "ieee", None])
 def test_the_precision_variable_reaches_the_head(fake_verl, monkeypatch, precision):
     """``MCORE_PPO_VERL_PRECISION`` picks the precision of the backend verl's fused path runs
-    on (a backend built with it; ``auto``: the plain name), and the values stay verl's."""
+    on (a backend built with it; ``auto``: the plain name; unset with this fp32 weight:
+    ``fp32_faithful``, an fp32 LM head's counterpart), and the values stay verl's."""
     import verl.models.mcore.model_forward_fused as fused
 
     from mcore_ppo.backends import backend_precision
@@ -219,7 +220,8 @@ def test_the_precision_variable_reaches_the_head(fake_verl, monkeypatch, precisi
 
     monkeypatch.setattr(plugin_kernel, "linear_cross_entropy", spy)
     monkeypatch.setenv("MCORE_PPO_VERL_BACKEND", "torch")
-    monkeypatch.setenv("MCORE_PPO_VERL_PRECISION", precision)
+    if precision is not None:
+        monkeypatch.setenv("MCORE_PPO_VERL_PRECISION", precision)
     plugin.install()
     gen = torch.Generator().manual_seed(12)
     hidden = torch.randn(10, 1, 16, generator=gen)
@@ -234,7 +236,7 @@ def test_the_precision_variable_reaches_the_head(fake_verl, monkeypatch, precisi
     if precision == "auto":
         assert seen[0] == "torch"
     else:
-        assert backend_precision(seen[0]) == precision and seen[0].name == "torch"
+        assert backend_precision(seen[0]) == (precision or "fp32_faithful") and seen[0].name == "torch"
     expected = torch.log_softmax(hidden[:, 0].double() @ weight.double().t(), -1).gather(1, labels[0, :, None])[:, 0]
     torch.testing.assert_close(out.log_probs.double().reshape(-1), expected, rtol=1e-5, atol=1e-6)
 

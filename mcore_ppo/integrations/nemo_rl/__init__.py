@@ -129,8 +129,8 @@ def enable() -> None:
 
     Raises:
         ValueError: ``MCORE_PPO_NEMO_RL_BACKEND`` is not a backend name, or
-            ``MCORE_PPO_NEMO_RL_PRECISION`` not a precision (:data:`mcore_ppo.numerics.PRECISIONS`:
-            ``fp32_faithful`` is the head's counterpart of NeMo-RL's fp32 LM head for an fp32 model).
+            ``MCORE_PPO_NEMO_RL_PRECISION`` not a precision (:data:`mcore_ppo.numerics.PRECISIONS`;
+            unset, NeMo-RL's fp32 LM head, an fp32 weight, runs ``fp32_faithful``).
     """
     backend = backend_from_environment(ENV_BACKEND)
     precision_from_environment(ENV_PRECISION)

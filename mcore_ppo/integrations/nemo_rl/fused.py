@@ -123,7 +123,7 @@ def fused_hidden_states_to_logprobs(
             f"or {total} / tp={tp} (sequence parallelism)"
         )
     temperature = step_temperature()
-    backend = head_backend_from_environment(ENV_BACKEND, ENV_PRECISION, tensor_parallel_hidden_states.device)
+    backend = head_backend_from_environment(ENV_BACKEND, ENV_PRECISION, output_weight_layer)
     log_once(
         logging.INFO,
         ("nemo-rl-fused", tp, sequence_parallel, temperature),

@@ -38,8 +38,8 @@ Switching it on (off unless asked):
   ``MCORE_PPO_VERL=0``.
 - ``MCORE_PPO_VERL=0`` keeps it off in both cases; :func:`install` / :func:`uninstall` do it
   from code. ``MCORE_PPO_VERL_BACKEND`` picks the head's backend (default ``auto``), and
-  ``MCORE_PPO_VERL_PRECISION`` how it multiplies an fp32 model's hidden states and weight
-  (default ``auto``, IEEE; ``fp32_faithful``: 3×TF32 on the triton backend; docs/kernels.md).
+  ``MCORE_PPO_VERL_PRECISION`` how it multiplies an fp32 weight (unset: ``fp32_faithful`` for
+  an fp32 weight, 3×TF32 on the triton backend; ``ieee``; ``auto``: IEEE; docs/kernels.md).
 - ``MCORE_PPO_VERL_MTP=1`` (off by default) keeps verl's fused path on with multi-token
   prediction, which verl turns off: :mod:`mcore_ppo.integrations.verl.mtp`.
 
@@ -120,6 +120,7 @@ def linear_cross_entropy(
         RuntimeError: called with TP > 1 and a gradient to compute outside verl's wrapped call
             sites, where the SP setting, and so the reduction ``d_hidden`` needs, is unknown.
     """
+    from mcore_ppo.backends import backend_precision
     from mcore_ppo.integrations.verl.kernel import linear_cross_entropy as compat_linear_cross_entropy
 
     site = current_call_site()
@@ -140,7 +141,7 @@ def linear_cross_entropy(
         temperature = site.temperature  # per token; verl's call passed a placeholder float
     if site is not None and not site.return_entropy:
         extra["return_entropy"] = False
-    backend = head_backend_from_environment(ENV_BACKEND, ENV_PRECISION, hidden.device)
+    backend = head_backend_from_environment(ENV_BACKEND, ENV_PRECISION, weight)
     collector = current_collector()
     if collector is not None and collector.wants_head_outputs and reduction in (None, "none"):
         # verl's micro-batch asked for Σπ² or top-k distillation: the same call, more outputs.
@@ -168,7 +169,7 @@ def linear_cross_entropy(
         "mcore_ppo verl plugin: on: verl's fused log-prob/entropy path ran on the head (backend=%r%s, TP %d, %s pass: "
         "%s, called from %s)",
         backend if isinstance(backend, str) else backend.name,
-        "" if isinstance(backend, str) else f", precision {os.environ.get(ENV_PRECISION, '').strip()}",
+        "" if isinstance(backend, str) else f", precision {backend_precision(backend)}",
         tp,
         "training" if backward else "forward-only",
         "no TP reduction needed"
