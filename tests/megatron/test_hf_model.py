@@ -306,7 +306,18 @@ def test_verl_fused_path_log_probs_and_entropy_equal_hugging_face(tied: bool, ba
     ref_lp, ref_ent = hf_models.hf_log_probs_and_entropy(hf, batch)
     sequences = [batch.batch.input_ids[row, start:end] for row, start, end in batch.segments]
     out = verl_engine.verl_log_probs(gpt, sequences, backend=backend)
-    assert calls == [backend]
+    # The model's fp32 output weight is a framework's fp32 LM head: the plugin runs it on the
+    # named backend built with precision="fp32_faithful" (MCORE_PPO_VERL_PRECISION unset).
+    from mcore_ppo.backends import backend_precision
+    from mcore_ppo.integrations.import_hook import precision_from_environment
+    from mcore_ppo.integrations.verl import ENV_PRECISION
+
+    assert [getattr(b, "name", b) for b in calls] == [backend]
+    fp32 = next(gpt.parameters()).dtype == torch.float32
+    expected = precision_from_environment(ENV_PRECISION) or ("fp32_faithful" if fp32 else "auto")
+    assert (calls[0] if isinstance(calls[0], str) else backend_precision(calls[0])) in (
+        (backend,) if expected == "auto" else (expected,)
+    )
     lp_err = ent_err = 0.0
     for i, (row, start, end) in enumerate(batch.segments):
         valid = torch.ones(end - start - 1, dtype=torch.bool, device=DEVICE)
