@@ -35,21 +35,21 @@ class Numerics:
         operand_dtype: the dtype both operands enter the dot in (the inputs' own).
         dot: ``"native"`` (tensor cores in ``operand_dtype``: exact products of 16-bit values,
             fp64 on the torch path), ``"tf32x3"`` or ``"ieee"`` (fp32 operands).
-        residual_dtype: the dtype of the probability buffer and the backward's ``dz`` (the
-            operands': a 16-bit ``dz`` rounds once, as the 16-bit gradients do anyway).
+
+    The probability buffer and the backward's ``dz`` keep the operands' dtype (a 16-bit ``dz``
+    rounds once, as the 16-bit gradients do anyway).
     """
 
     operand_dtype: torch.dtype
     dot: str
-    residual_dtype: torch.dtype
 
     @staticmethod
     @functools.cache
     def of(dtype: torch.dtype, precision: str) -> Numerics:
         """The numerics of operands of ``dtype`` under ``precision`` (:data:`PRECISIONS`)."""
         if dtype != torch.float32:
-            return Numerics(dtype, "native", dtype)
-        return Numerics(dtype, "tf32x3" if precision == "fp32_faithful" else "ieee", dtype)
+            return Numerics(dtype, "native")
+        return Numerics(dtype, "tf32x3" if precision == "fp32_faithful" else "ieee")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

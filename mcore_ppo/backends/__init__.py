@@ -111,7 +111,7 @@ def backend_from_key(key: str) -> Backend:
 # (name, device type, precision) -> the backend object that name resolves to there. Backends are stateless
 # between calls, so one object serves every call; building one per call costs host time
 # (the triton backend reads its settings and the environment when built).
-_RESOLVED: dict[tuple[str, str], Backend] = {}
+_RESOLVED: dict[tuple[str, str, str], Backend] = {}
 
 
 def clear_backend_cache() -> None:

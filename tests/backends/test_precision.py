@@ -42,9 +42,9 @@ def test_numerics_change_only_fp32_operands(precision):
     """16-bit products are exact in the fp32 accumulator: every precision keeps their native
     dot. fp32 operands take IEEE dots unless ``fp32_faithful`` asks for three TF32 products."""
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
-        assert Numerics.of(dtype, precision) == Numerics(dtype, "native", dtype)
+        assert Numerics.of(dtype, precision) == Numerics(dtype, "native")
     expected = "tf32x3" if precision == "fp32_faithful" else "ieee"
-    assert Numerics.of(torch.float32, precision) == Numerics(torch.float32, expected, torch.float32)
+    assert Numerics.of(torch.float32, precision) == Numerics(torch.float32, expected)
 
 
 @pytest.mark.parametrize("bad,error", [("tf32", ValueError), ("IEEE", ValueError), (3, TypeError), (True, TypeError)])
