@@ -487,14 +487,15 @@ def _gather_error_report() -> None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Rank 0 prints the largest relative error per comparison and output, and case counts."""
-    if not _REPORT.get("errors") and not _REPORT.get("cases") and not _LEFT_OUT:
-        return
-    terminalreporter.section("largest normwise relative error, max over ranks")
-    for line in error_table(_REPORT["errors"]):
-        terminalreporter.write_line(line)
-    terminalreporter.section("cases compared per test (max over ranks)")
-    for test, count in sorted(_REPORT["cases"].items()):
-        terminalreporter.write_line(f"{count:>5}  {test}")
+    # Only rank 0 holds the merged report; every rank may have layouts left out.
+    if _REPORT.get("errors"):
+        terminalreporter.section("largest normwise relative error, max over ranks")
+        for line in error_table(_REPORT["errors"]):
+            terminalreporter.write_line(line)
+    if _REPORT.get("cases"):
+        terminalreporter.section("cases compared per test (max over ranks)")
+        for test, count in sorted(_REPORT["cases"].items()):
+            terminalreporter.write_line(f"{count:>5}  {test}")
     if _LEFT_OUT:
         terminalreporter.section("layouts left out inside tests (too few ranks)")
         for test, layouts in sorted(_LEFT_OUT.items()):
