@@ -45,7 +45,7 @@ from torch.autograd import forward_ad
 from mcore_ppo.backends.base import Backend, GradientRequest, HeadForward, SavedTokens, SparseGradient
 from mcore_ppo.numerics import accumulation_dtype, max_entropy
 from mcore_ppo.options import HiddenGrad
-from mcore_ppo.parallel.combine import combine_shard_statistics
+from mcore_ppo.parallel.combine import combine_shard_statistics, reduce_shard_statistics
 from mcore_ppo.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
@@ -143,7 +143,7 @@ def forward(
         if backend.fused_forward_for(hidden, weight):
             combine = None
             if group_size(tp_group) > 1:
-                combine = functools.partial(_combine, tp_group=tp_group)
+                combine = functools.partial(reduce_shard_statistics, tp_group=tp_group)
             result = backend.head_forward(
                 hidden,
                 weight,
@@ -218,10 +218,6 @@ def _reduce_hidden_grad(d_hidden: torch.Tensor, tp_group: ProcessGroup | None, h
     d_hidden = d_hidden.contiguous()
     dist.all_reduce(d_hidden, group=tp_group)
     return d_hidden
-
-
-def _combine(m, s, u, y, q=None, *, tp_group: ProcessGroup):
-    return combine_shard_statistics(m, s, u, y, tp_group, q)
 
 
 def _sum_pi_squared_flag(return_sum_pi_squared: bool) -> dict:

@@ -2,7 +2,7 @@
 """GPU time and idle-GPU time of the head's calls against one GEMM, per shard: for A/B runs of two trees.
 
 For each shape and TP size (one rank's shard ``V/tp``; bf16, ``--tokens`` tokens, every label
-valid, T = 0.7, the default ``triton`` backend, ``validate=False``) it times with CUDA events,
+valid, T = 0.7, the default ``triton`` backend, ``validate=False`` unless ``--validate``) it times with CUDA events,
 medians of ``--reps`` calls after warm-up: one GEMM ``x @ W.T``, the no-grad forward, the forward
 that keeps its graph (its backward is not run) and forward + backward, each twice: with the
 host's work queued behind a GPU spin (``gpu``: the GPU's time, as inside a model step) and from
@@ -36,11 +36,11 @@ def _median(fn, reps: int, *, hidden: bool, warmup: int = 2) -> float:
     return statistics.median(event_times(fn, reps, hide_host_latency=hidden))
 
 
-def measure(shape: str, tp: int, tokens: int, reps: int) -> dict:
+def measure(shape: str, tp: int, tokens: int, reps: int, validate: bool = False) -> dict:
     """The timings of one shard (module doc), in ms."""
     h, vocab = SHAPES[shape]
     inputs = make_inputs(tokens, h, vocab // tp, torch.Generator(device="cuda").manual_seed(0))
-    head = ours("triton")
+    head = ours("triton", validate=validate)
     x, w, labels = inputs.x, inputs.w, inputs.labels
     xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
 
@@ -59,7 +59,14 @@ def measure(shape: str, tp: int, tokens: int, reps: int) -> dict:
         xg.grad = wg.grad = None
         torch.autograd.backward(list(head(xg, wg, labels, 0.7)), [inputs.g, inputs.e])
 
-    out: dict[str, object] = {"shape": shape, "tp": tp, "h": h, "v": vocab // tp, "tokens": tokens}
+    out: dict[str, object] = {
+        "shape": shape,
+        "tp": tp,
+        "h": h,
+        "v": vocab // tp,
+        "tokens": tokens,
+        "validate": validate,
+    }
     for name, fn, n in (("gemm", gemm, reps), ("nograd", nograd, reps), ("forward", forward, reps)):
         out[f"{name}_gpu_ms"] = _median(fn, n, hidden=True)
         out[f"{name}_idle_ms"] = _median(fn, n, hidden=False)
@@ -76,6 +83,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=10, help="calls per median (forward + backward: half)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file of the results")
+    parser.add_argument(
+        "--validate", action="store_true", help="the API's default validate=True (a checkout whose checks never sync)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("head_time.py needs a CUDA GPU", file=sys.stderr)
@@ -83,7 +93,7 @@ def main() -> int:
     results = []
     for shard in args.shards.split(","):
         shape, tp = shard.split(":")
-        results.append(measure(shape, int(tp), args.tokens, args.reps))
+        results.append(measure(shape, int(tp), args.tokens, args.reps, args.validate))
         row = results[-1]
         print(
             f"{shape} tp{tp}: gemm {row['gemm_gpu_ms']:.3f} ms; nograd gpu {row['nograd_gpu_x_gemm']:.4f}x "

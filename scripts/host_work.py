@@ -26,9 +26,9 @@ without CUDA).
 backend's ``head_forward`` with the combine of ``mcore_ppo.parallel.combine`` over a one-rank
 process group (NCCL on a GPU, gloo on the CPU), its multi-rank code path forced (the collectives
 of one rank return their input), steady calls; the host time is split at the combine's entry
-and exit (before it: the labels, the statistics and the merge launch; the combine itself: its
-torch ops and two all-reduces; after it: the finish launch), and beside it the two all-reduces
-alone and the one-rank ``head_forward`` (``tp_combine`` in the JSON).
+and exit (before it: the labels, the statistics and the shard's max; the combine itself: its
+two all-reduces and, between them, the merge launch; after it: the finish launch), and beside
+it the two all-reduces alone and the one-rank ``head_forward`` (``tp_combine`` in the JSON).
 
 Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--graphed] [--tp-combine]
               [--out DIR]
@@ -191,9 +191,12 @@ def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -
     combine_module.group_size = lambda group: 2
     stamps: list[float] = []
 
-    def combine(*stats):
+    def combine(*args):
         stamps.append(time.perf_counter())
-        out = combine_module.combine_shard_statistics(*stats[:4], group, *stats[4:])
+        if callable(args[-1]):  # (shard_max, sums_relative_to): the merge launch is inside the combine
+            out = combine_module.reduce_shard_statistics(*args, group)
+        else:  # an older checkout's contract, (m, s, u, y[, q]) -> outputs, for A/B runs
+            out = combine_module.combine_shard_statistics(*args[:4], group, *args[4:])
         stamps.append(time.perf_counter())
         return out
 

@@ -248,8 +248,10 @@ class Backend(Protocol):
         global int64 ``labels [n]``: ``log_prob = min(y - lse, 0)``, NaN for a label outside
         ``[0, vocab_size)`` unless ``labels_in_range``; entropy clamped to ``[0, max_entropy]``;
         both 0 for ignored tokens. ``combine``: None when this shard is the whole vocab, else
-        :func:`mcore_ppo.parallel.combine_shard_statistics` over the TP group as ``combine(m, s, u, y) ->
-        (lse, entropy, label_logit)`` (with ``with_sum_pi_squared``: ``combine(m, s, u, y, q)
-        -> (lse, entropy, label_logit, sum_pi_squared)``, and the result's ``sum_pi_squared``
-        set; the head passes the keyword only when it is True)."""
+        :func:`mcore_ppo.parallel.combine.reduce_shard_statistics` over the TP group as
+        ``combine(shard_max, sums_relative_to) -> (global_max, summed)``: the backend passes its
+        per-token max and a function that packs its sums (``s``, ``u``, ``y``, ``q``, its own
+        order) rescaled to the group's max, and forms the outputs from what comes back. With
+        ``with_sum_pi_squared`` the result's ``sum_pi_squared`` is set (the head passes the
+        keyword only when it is True)."""
         ...

@@ -212,13 +212,16 @@ class TritonBackend:
         combine: Callable | None,
         with_sum_pi_squared: bool = False,
     ) -> HeadForward | None:
-        """The whole forward of the head on this shard in three or four launches, five over TP
+        """The whole forward of the head on this shard in three or four launches, six over TP
         (see :class:`~mcore_ppo.backends.base.Backend`): the per-token preparation from the
         global labels (``tokens_kernel``), the copy of the rows the forward kernel cannot read in
         place (TMA operands only), the statistics, and, on one shard, the merge with
-        the outputs' epilogue in one kernel (``merge_finish_kernel``); over TP the merge, the
-        caller's ``combine`` and the epilogue (``finish_kernel``). None (the caller runs the
-        generic path) where :meth:`shard_statistics` would fall back to the reference. With
+        the outputs' epilogue in one kernel (``merge_finish_kernel``). Over TP, around the
+        caller's ``combine`` (:func:`~mcore_ppo.parallel.combine.reduce_shard_statistics`), the
+        shard's max (``split_max_kernel``) before its all-reduce MAX, the splits merged to the
+        group's max and packed for its all-reduce SUM (``merge_to_max_kernel``), and the epilogue
+        from the sums (``finish_kernel``): no torch op between the launches. None (the caller runs
+        the generic path) where :meth:`shard_statistics` would fall back to the reference. With
         ``with_sum_pi_squared`` the same launches carry ``q`` and write Σπ² (``WITH_Q``)."""
         if self._fallback(hidden, weight):
             return None
@@ -232,7 +235,10 @@ class TritonBackend:
         local_labels = torch.empty(n, dtype=torch.int64, device=device)
         perm = torch.empty(n, dtype=torch.int32, device=device)
         count = torch.empty(1, dtype=torch.int32, device=device)
-        y = torch.empty(n, dtype=torch.float32, device=device)
+        # Over TP the label logits are plane 0 of the sums the combine all-reduces (the same
+        # pointer class as a fresh [n] tensor: the launches' specialisation is the plan's).
+        sums = None if combine is None else torch.empty(plan.n_parts, n, dtype=torch.float32, device=device)
+        y = torch.empty(n, dtype=torch.float32, device=device) if sums is None else sums[0]
         # Kept for the backward only: without one, placeholders the kernels never write (SAVE off).
         valid = torch.empty(n, dtype=torch.bool, device=device) if grad_needed else None
         stride_l = labels.stride(0)
@@ -254,38 +260,47 @@ class TritonBackend:
         sum_pi_squared_out = torch.empty(n, dtype=torch.float32, device=device) if with_q else None
         sum_pi_squared_out_arg = log_prob if sum_pi_squared_out is None else sum_pi_squared_out  # nor without WITH_Q
         merge_grid = (cdiv(n, MERGE_BLOCK_T),)
-        if combine is None:
-            lse = torch.empty(n, dtype=torch.float32, device=device) if grad_needed else None
-            entropy = torch.empty(n, dtype=torch.float32, device=device) if grad_needed and with_entropy else None
-            lse_arg = log_prob if lse is None else lse
+        lse = torch.empty(n, dtype=torch.float32, device=device) if grad_needed else None
+        entropy = torch.empty(n, dtype=torch.float32, device=device) if grad_needed and with_entropy else None
+        lse_arg = log_prob if lse is None else lse  # never written without SAVE
+        entropy_arg = lse_arg if entropy is None else entropy
+        options = plan.finish_options[labels_in_range, grad_needed]
+        if sums is None:
             launch(
                 kernels.merge_finish_kernel,
                 merge_grid,
                 (
-                    parts, perm, count, y, labels, lse_arg, lse_arg if entropy is None else entropy, log_prob,
-                    entropy_out_arg, sum_pi_squared_out_arg, n, plan.num_splits, stride_l, vocab_size, max_entropy,
+                    parts, perm, count, y, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg,
+                    sum_pi_squared_out_arg, n, plan.num_splits, stride_l, vocab_size, max_entropy,
                 ),
-                plan.finish_options[labels_in_range, grad_needed],
+                options,
                 # The plan fixes every argument's specialisation but the labels' dtype and the
                 # integer class of their stride and of the vocab size (their values stand for it).
                 (plan, "finish", labels_in_range, labels.dtype, stride_l, vocab_size),
             )  # fmt: skip
         else:
-            # The plan fixes the partials', the row order's and the merged statistics' (fresh
-            # allocations of its n) specialisation.
-            merged = merge_splits(parts, perm, count, launch, with_u=with_entropy, with_q=with_q, site=(plan, "merge"))
-            lse, entropy, label_logit, *square = combine(*merged[:3], y, *merged[3:])
+            # The plan fixes the specialisation of every argument of these three launches (fresh
+            # tensors of its n) but the labels' and the integers' (their values stand for it).
+            shard_max = torch.empty(n, dtype=torch.float32, device=device)
+            merge_args = (parts, perm, count, shard_max, n, plan.num_splits)
+            launch(kernels.split_max_kernel, merge_grid, merge_args, plan.tp_options["max"], (plan, "max"))
+
+            def sums_relative_to(global_max: torch.Tensor) -> torch.Tensor:
+                launch(
+                    kernels.merge_to_max_kernel, merge_grid, (*merge_args[:3], global_max, sums, *merge_args[4:]),
+                    plan.tp_options["merge"], (plan, "merge"),
+                )  # fmt: skip
+                return sums
+
+            global_max, summed = combine(shard_max, sums_relative_to)
             launch(
                 kernels.finish_kernel,
                 merge_grid,
                 (
-                    lse, lse if entropy is None else entropy, label_logit, labels, log_prob, entropy_out_arg, n,
-                    stride_l, ignore_index, vocab_size, max_entropy, square[0] if with_q else lse,
-                    sum_pi_squared_out_arg,
+                    global_max, summed, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg,
+                    sum_pi_squared_out_arg, n, stride_l, ignore_index, vocab_size, max_entropy,
                 ),
-                plan.combined_options[labels_in_range],
-                # The combine's outputs are fresh tensors of the plan's n; the labels' dtype and
-                # the integers' values stand for the rest of the specialisation.
+                plan.tp_options[labels_in_range, grad_needed],
                 (plan, "combined", labels_in_range, labels.dtype, stride_l, ignore_index, vocab_size),
             )  # fmt: skip
         if not residual and grad_needed:

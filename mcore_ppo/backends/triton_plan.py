@@ -51,7 +51,7 @@ class LaunchPlan:
     stats_grid: tuple[int]
     stats_options: dict
     finish_options: dict  # by (labels_in_range, grad_needed): the launch options of merge_finish_kernel
-    combined_options: dict  # by labels_in_range: those of finish_kernel
+    tp_options: dict  # over TP: split_max_kernel's ("max"), merge_to_max_kernel's ("merge"), finish_kernel's (as above)
 
     @property
     def n_parts(self) -> int:
@@ -105,13 +105,15 @@ class LaunchPlan:
             }
             for checked in (False, True)
         }  # fmt: skip
-        combined_options = {
-            checked: {"BLOCK_T": MERGE_BLOCK_T, "WITH_U": with_entropy, "CHECK_RANGE": not checked, **q_flag}
-            for checked in (False, True)
+        merge_options = {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S}
+        tp_options = {
+            "max": merge_options,
+            "merge": {**merge_options, "WITH_U": with_entropy, "WITH_Q": with_q},
+            **{key: {k: o for k, o in opts.items() if k != "BLOCK_S"} for key, opts in finish_options.items()},
         }
         return LaunchPlan(
             n, h, v, numerics, cfg, num_splits, n_tiles_v, with_entropy, with_q, store, use_tma, buf_tma, direct,
-            (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, combined_options,
+            (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, tp_options,
         )  # fmt: skip
 
 

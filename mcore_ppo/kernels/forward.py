@@ -26,6 +26,10 @@ exist.
 ``merge_splits_kernel``: per token, merges the split partials (online-softmax rescaling, as
 :func:`mcore_ppo.parallel.combine.merge_statistics`) into the shard's ``(m, s, u)`` (and ``q`` with
 ``WITH_Q``); ignored tokens get ``(0, 1, 0)`` (``q`` 1) so that downstream ``log`` stays finite.
+``merge_finish_kernel`` does that and the outputs' epilogue in one launch on one shard. Over TP,
+around :func:`mcore_ppo.parallel.combine.reduce_shard_statistics`' all-reduce MAX and SUM:
+``split_max_kernel`` (the shard's max), ``merge_to_max_kernel`` (the splits merged straight to the
+group's max, packed for the SUM) and ``finish_kernel`` (the outputs from the sums).
 """
 
 import triton
@@ -226,13 +230,26 @@ def stats_kernel(
 
 
 @triton.jit
-def _merge_rows(
-    parts_ptr, offs_t, valid, N, num_splits,
+def _max_over_splits(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The shard's max of the compacted tokens ``offs_t`` over the splits' ``m`` plane (0 where
+    not ``valid``)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    m_all = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
+        idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
+        m_all = tl.maximum(m_all, tl.max(tl.load(parts_ptr + idx, mask=mask, other=float("-inf")), 1))
+    return tl.where(valid, m_all, 0.0)
+
+
+@triton.jit
+def _sums_over_splits(
+    parts_ptr, offs_t, valid, m_safe, N, num_splits,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, WITH_U: tl.constexpr, WITH_Q: tl.constexpr,
 ):  # fmt: skip
-    """``(m, s, u, q)`` of the compacted tokens ``offs_t`` merged over the splits (0 where not
-    ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor). ``parts_ptr``: the
-    planes of :func:`stats_kernel` (m, s, then u with ``WITH_U``, then q with ``WITH_Q``)."""
+    """``(s, u, q)`` of the compacted tokens ``offs_t`` merged over the splits relative to
+    ``m_safe`` (any value at least every split's max: the shard's, or the TP group's), 0 where
+    not ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor."""
     plane = N.to(tl.int64) * num_splits  # N is never specialised (num_splits = 1 is a constant)
     part_s_ptr = parts_ptr + plane
     part_u_ptr = parts_ptr + 2 * plane
@@ -241,13 +258,6 @@ def _merge_rows(
     else:
         part_q_ptr = parts_ptr + 2 * plane
     offs_s = tl.arange(0, BLOCK_S)
-    m_all = tl.full((BLOCK_T,), float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        mask = valid[:, None] & (s0 + offs_s < num_splits)[None, :]
-        idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
-        m_all = tl.maximum(m_all, tl.max(tl.load(parts_ptr + idx, mask=mask, other=float("-inf")), 1))
-    m_safe = tl.where(valid, m_all, 0.0)
-
     s_all = tl.zeros((BLOCK_T,), tl.float32)
     u_all = tl.zeros((BLOCK_T,), tl.float32)
     q_all = tl.zeros((BLOCK_T,), tl.float32)
@@ -266,6 +276,21 @@ def _merge_rows(
         if WITH_Q:
             pq = tl.load(part_q_ptr + idx, mask=mask, other=0.0)
             q_all += tl.sum(pq * (scale * scale), 1)
+    return s_all, u_all, q_all
+
+
+@triton.jit
+def _merge_rows(
+    parts_ptr, offs_t, valid, N, num_splits,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, WITH_U: tl.constexpr, WITH_Q: tl.constexpr,
+):  # fmt: skip
+    """``(m, s, u, q)`` of the compacted tokens ``offs_t`` merged over the splits (0 where not
+    ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor). ``parts_ptr``: the
+    planes of :func:`stats_kernel` (m, s, then u with ``WITH_U``, then q with ``WITH_Q``)."""
+    m_safe = _max_over_splits(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S)
+    s_all, u_all, q_all = _sums_over_splits(
+        parts_ptr, offs_t, valid, m_safe, N, num_splits, BLOCK_T, BLOCK_S, WITH_U, WITH_Q
+    )
     return m_safe, s_all, u_all, q_all
 
 
@@ -425,47 +450,119 @@ def merge_finish_kernel(
     )  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["parts_ptr", "perm_ptr", "count_ptr", "max_ptr"])
+def split_max_kernel(
+    parts_ptr, perm_ptr, count_ptr, max_ptr, N, num_splits, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr
+):
+    """Over TP, before the all-reduce MAX: the shard's max per token (place order; 0 for ignored
+    tokens, on every rank alike)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_n = offs_t < N
+    valid = offs_t < tl.load(count_ptr)
+    rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
+    tl.store(max_ptr + rows, _max_over_splits(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S), mask=in_n)
+
+
+@triton.jit(
+    do_not_specialize=["N"],
+    do_not_specialize_on_alignment=["parts_ptr", "perm_ptr", "count_ptr", "max_ptr", "sums_ptr"],
+)
+def merge_to_max_kernel(
+    parts_ptr,
+    perm_ptr,
+    count_ptr,
+    max_ptr,
+    sums_ptr,
+    N,
+    num_splits,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WITH_U: tl.constexpr,
+    WITH_Q: tl.constexpr,
+):
+    """Over TP, between the all-reduce MAX and the SUM: the splits merged straight to the TP
+    group's max ``max_ptr`` into the planes of ``sums_ptr`` (``[planes, N]``, place order: the
+    label logit ``y`` in plane 0, which the statistics kernel wrote and this one leaves, ``s``,
+    then ``u`` with ``WITH_U``, then ``q`` with ``WITH_Q``). Ignored tokens get ``s = q = 1``
+    and ``u = 0`` on every rank, so that their sums stay finite."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_n = offs_t < N
+    valid = offs_t < tl.load(count_ptr)
+    rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
+    m = tl.load(max_ptr + rows, mask=in_n & valid, other=0.0)
+    s_all, u_all, q_all = _sums_over_splits(
+        parts_ptr, offs_t, valid, m, N, num_splits, BLOCK_T, BLOCK_S, WITH_U, WITH_Q
+    )
+    plane = N.to(tl.int64)
+    tl.store(sums_ptr + plane + rows, tl.where(valid, s_all, 1.0), mask=in_n)
+    if WITH_U:
+        tl.store(sums_ptr + 2 * plane + rows, tl.where(valid, u_all, 0.0), mask=in_n)
+    if WITH_Q:
+        if WITH_U:
+            q_plane = sums_ptr + 3 * plane
+        else:
+            q_plane = sums_ptr + 2 * plane
+        tl.store(q_plane + rows, tl.where(valid, q_all, 1.0), mask=in_n)
+
+
 @triton.jit(
     do_not_specialize=["N", "stride_l", "ignore_index", "vocab_size"],
     do_not_specialize_on_alignment=[
-        "lse_ptr", "ent_ptr", "y_ptr", "labels_ptr", "lp_ptr", "ent_out_ptr", "sum_pi_squared_ptr",
-        "sum_pi_squared_out_ptr",
+        "max_ptr", "sums_ptr", "labels_ptr", "lse_ptr", "ent_ptr", "lp_ptr", "ent_out_ptr", "sum_pi_squared_out_ptr",
     ],
 )  # fmt: skip
 def finish_kernel(
+    max_ptr,
+    sums_ptr,
+    labels_ptr,
     lse_ptr,
     ent_ptr,
-    y_ptr,
-    labels_ptr,
     lp_ptr,
     ent_out_ptr,
+    sum_pi_squared_out_ptr,
     N,
     stride_l,
     ignore_index,
     vocab_size,
     max_entropy,
-    sum_pi_squared_ptr,
-    sum_pi_squared_out_ptr,
     BLOCK_T: tl.constexpr,
     WITH_U: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    SAVE: tl.constexpr,
     WITH_Q: tl.constexpr = False,
 ):
-    """The head's outputs from the combined (over TP) ``lse``, ``H`` (and with ``WITH_Q`` Σπ²
-    from ``sum_pi_squared_ptr``) and label logit ``y``, per token in place order:
-    :func:`_finish_rows` with ``valid = label != ignore_index``."""
+    """Over TP, after the all-reduce SUM: the head's outputs from the group's max ``M`` and the
+    summed planes of :func:`merge_to_max_kernel`, per token in place order, as
+    :func:`merge_finish_kernel` forms them from one shard's: ``lse = M + log S``, ``H = log S -
+    U/S`` (stored with ``SAVE``), with ``WITH_Q`` ``Σπ² = Q/S²``, then :func:`_finish_rows`
+    with ``valid = label != ignore_index``. Ignored tokens get ``lse = H = 0``."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = rows < N
     label = tl.load(labels_ptr + rows.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
     valid = in_n & (label != ignore_index)
-    lse = tl.load(lse_ptr + rows, mask=in_n, other=0.0)
+    plane = N.to(tl.int64)
+    m = tl.load(max_ptr + rows, mask=valid, other=0.0)
+    s = tl.load(sums_ptr + plane + rows, mask=valid, other=1.0)
+    log_s = _log(s, LIBDEVICE)
+    lse = m + log_s
+    if SAVE:
+        tl.store(lse_ptr + rows, lse, mask=in_n)
     entropy = lse
     if WITH_U:
-        entropy = tl.load(ent_ptr + rows, mask=in_n, other=0.0)
-    sum_pi_squared = lse
+        u = tl.load(sums_ptr + 2 * plane + rows, mask=valid, other=0.0)
+        entropy = log_s - tl.math.div_rn(u, s)
+        if SAVE:
+            tl.store(ent_ptr + rows, entropy, mask=in_n)
+    sum_pi_squared = s
     if WITH_Q:
-        sum_pi_squared = tl.load(sum_pi_squared_ptr + rows, mask=in_n, other=0.0)
+        if WITH_U:
+            q_plane = sums_ptr + 3 * plane
+        else:
+            q_plane = sums_ptr + 2 * plane
+        q = tl.load(q_plane + rows, mask=valid, other=1.0)
+        sum_pi_squared = tl.math.div_rn(q, s * s)
     _finish_rows(
-        lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
+        lse, entropy, rows, valid, in_n, sums_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
         max_entropy, sum_pi_squared, sum_pi_squared_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
     )  # fmt: skip

@@ -22,6 +22,8 @@ use :func:`rescale_statistics` too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -61,6 +63,29 @@ def merge_statistics(
     return new_max, *(x + y for x, y in zip(rescaled_a, rescaled_b, strict=True))
 
 
+def reduce_shard_statistics(
+    shard_max: torch.Tensor,
+    sums_relative_to: Callable[[torch.Tensor], torch.Tensor],
+    tp_group: ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The combine's two collectives, for every caller: all-reduce MAX of ``shard_max`` (fp32
+    ``[n]``, in place: it becomes the global max ``M``), then all-reduce SUM of
+    ``sums_relative_to(M)``, the caller's fp32 ``[rows, n]`` sums rescaled to ``M`` (in place).
+    Returns ``(M, summed)``.
+
+    The caller owns the packing and the rescale, so a backend may do both in one kernel (the
+    triton backend merges its splits straight to ``M``) while the order of the collectives, which
+    every TP rank must share, lives here. One rank: no collective, ``M`` is the shard's max.
+    """
+    reduce = group_size(tp_group) > 1
+    if reduce:
+        dist.all_reduce(shard_max, op=dist.ReduceOp.MAX, group=tp_group)
+    summed = sums_relative_to(shard_max)
+    if reduce:
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=tp_group)
+    return shard_max, summed
+
+
 def combine_shard_statistics(
     m: torch.Tensor,
     s: torch.Tensor,
@@ -83,16 +108,17 @@ def combine_shard_statistics(
         # is the identity, ~10 small kernels per call); nothing to reduce.
         global_max, sum_exp, entropy_term, label_logit, square_sum = m, s, u, y, q
     else:
-        global_max = m.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        if u is None:
-            factor = _rescale_factor(m, s, global_max)
-            rows = [s * factor, y] + ([] if q is None else [q * (factor * factor)])
-        else:
-            s_scaled, u_scaled, *q_scaled = rescale_statistics(m, s, u, global_max, q)
-            rows = [s_scaled, u_scaled, y, *q_scaled]
-        packed = torch.stack(rows)
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+
+        def sums_relative_to(global_max: torch.Tensor) -> torch.Tensor:
+            if u is None:
+                factor = _rescale_factor(m, s, global_max)
+                rows = [s * factor, y] + ([] if q is None else [q * (factor * factor)])
+            else:
+                s_scaled, u_scaled, *q_scaled = rescale_statistics(m, s, u, global_max, q)
+                rows = [s_scaled, u_scaled, y, *q_scaled]
+            return torch.stack(rows)
+
+        global_max, packed = reduce_shard_statistics(m.clone(), sums_relative_to, tp_group)
         sums = list(packed.unbind(0))
         square_sum = sums.pop() if q is not None else None
         sum_exp, label_logit = sums[0], sums[-1]
