@@ -12,8 +12,8 @@ specialisation of the arguments (:class:`mcore_ppo_testing.launch_checks.Checked
 They also check that the fused forward (``head_forward``: labels prepared and outputs finished
 inside the kernels) equals the generic path over ``shard_statistics`` (to the last bit of the
 interpreter's ``log``), and the fp64 reference, including ignored tokens, out-of-range labels
-(NaN with ``validate=False``), the entropy off, a per-token temperature, and the TP branch
-(``split_max_kernel``, ``merge_to_max_kernel``, ``finish_kernel``) against the whole vocab.
+(NaN with ``validate=False``), the entropy off and a per-token temperature (the TP branch:
+``tests/backends/test_triton_backend.py``).
 """
 
 from __future__ import annotations
@@ -253,84 +253,6 @@ def test_fused_forward_equals_generic_path_and_reference(monkeypatch, budget, op
     if options != "bad-labels":  # a NaN log-prob poisons its token's gradients, as it should
         assert_close(fused[2].cpu(), ref["d_hidden"], name="d_hidden", dtype=torch.float32, rtol=1e-5, atol=1e-6)
         assert_close(fused[3].cpu(), ref["d_weight"], name="d_weight", dtype=torch.float32, rtol=1e-5, atol=1e-6)
-
-
-def _other_shard_combine(other: tuple[torch.Tensor, ...], with_entropy: bool, log: list[str]):
-    """A ``combine`` for :meth:`TritonBackend.head_forward` that stands for a TP group of two:
-    the other rank's statistics ``other = (m, s, u, y, q)`` (from ``shard_statistics`` of its
-    shard) are folded in by torch ops where the collectives would add them, in the order
-    :func:`~mcore_ppo.parallel.combine.reduce_shard_statistics` runs them (``log`` records it)."""
-    from mcore_ppo.parallel.combine import rescale_statistics
-
-    m, s, u, y, q = other
-
-    def combine(shard_max, sums_relative_to):
-        log.append("max")
-        shard_max.copy_(torch.maximum(shard_max, m))  # the all-reduce MAX
-        summed = sums_relative_to(shard_max)
-        log.append("sum")
-        rescaled = rescale_statistics(m, s, u if with_entropy else torch.zeros_like(s), shard_max, q)
-        rows = [y, rescaled[0]] + ([rescaled[1]] if with_entropy else []) + ([rescaled[2]] if q is not None else [])
-        summed += torch.stack(rows)  # the all-reduce SUM (the backend's planes: y, s, then u, then q)
-        return shard_max, summed
-
-    return combine
-
-
-@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "no-entropy"])
-@pytest.mark.parametrize("with_q", [False, True], ids=["", "sum-pi-squared"])
-@pytest.mark.parametrize("grad_needed", [True, False], ids=["grad", "no-grad"])
-def test_tp_branch_over_two_shards_equals_the_whole_vocab(with_entropy, with_q, grad_needed):
-    """The TP branch of ``head_forward`` (the shard's max, the merge to the group's max, the
-    caller's combine between them, ``finish_kernel``) on the first of two vocab shards, the
-    second's statistics folded in where the collectives would add them: the one-shard forward
-    over the whole vocab, and fp64, with ignored tokens, out-of-range labels and labels on both
-    shards. The two shards' maxima differ per token, so the rescale to the group's max is exercised."""
-    hidden, weight, labels, _ = _case(bad_label=True)
-    hidden, weight = hidden.detach(), weight.detach()
-    vocab, split = weight.shape[0], weight.shape[0] // 2 + 3
-    backend = _backend()
-    flags = {"with_sum_pi_squared": True} if with_q else {}
-    kw = {"ignore_index": IGNORE_INDEX, "vocab_size": vocab, "labels_in_range": False, "grad_needed": grad_needed,
-          "with_entropy": with_entropy, "max_entropy": float(torch.tensor(vocab).log()), **flags}  # fmt: skip
-    valid = labels != IGNORE_INDEX
-    local = labels - split
-    local = torch.where(valid & (local >= 0) & (local < vocab - split), local, -1)
-    log: list[str] = []
-    with torch.no_grad():
-        other = backend.shard_statistics(
-            hidden, weight[split:], local, valid, 0.9, grad_needed=False, with_entropy=True, **flags
-        )  # fmt: skip
-        combine = _other_shard_combine((*other.tensors(), other.q), with_entropy, log)
-        tp = backend.head_forward(hidden, weight[:split], labels, 0.9, vocab_start=0, combine=combine, **kw)
-        whole = backend.head_forward(hidden, weight, labels, 0.9, vocab_start=0, combine=None, **kw)
-    assert log == ["max", "sum"]
-    close = {"rtol": 2e-6, "atol": 2e-6, "equal_nan": True}
-    torch.testing.assert_close(tp.log_prob, whole.log_prob, **close)
-    assert torch.equal(tp.log_prob.isnan(), valid & ((labels < 0) | (labels >= vocab)))
-    outputs = [("entropy", tp.entropy, whole.entropy), ("sum_pi_squared", tp.sum_pi_squared, whole.sum_pi_squared)]
-    if grad_needed:
-        outputs += [("lse", tp.saved.lse, whole.saved.lse), ("saved entropy", tp.saved.entropy, whole.saved.entropy)]
-    for name, got, want in outputs:
-        assert (got is None) == (want is None), name
-        if got is not None:
-            torch.testing.assert_close(got, want, **close, msg=lambda m, name=name: f"{name}: {m}")
-    if grad_needed:
-        assert torch.equal(tp.saved.lse[~valid], torch.zeros_like(tp.saved.lse[~valid]))
-    # fp64 over the whole vocab, at the valid in-range tokens
-    logits = (hidden.double() @ weight.double().T) / 0.9
-    lse = logits.logsumexp(-1)
-    ok = valid & (labels >= 0) & (labels < vocab)
-    want_lp = logits.gather(1, labels.clamp(0, vocab - 1)[:, None])[:, 0] - lse
-    torch.testing.assert_close(tp.log_prob[ok].double(), want_lp[ok], rtol=0, atol=1e-5)
-    if with_entropy:
-        p_ = logits.softmax(-1)
-        want_h = -(p_ * (logits - lse[:, None])).sum(-1)
-        torch.testing.assert_close(tp.entropy[valid].double(), want_h[valid], rtol=0, atol=1e-5)
-    if with_q:
-        want_q = (logits.softmax(-1) ** 2).sum(-1)
-        torch.testing.assert_close(tp.sum_pi_squared[valid].double(), want_q[valid], rtol=0, atol=1e-5)
-    assert torch.equal(tp.saved.local_labels, torch.where(valid & (labels >= 0) & (labels < split), labels, -1))
 
 
 def test_no_fast_launch_under_the_interpreter():

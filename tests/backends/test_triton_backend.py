@@ -503,3 +503,88 @@ def test_buffer_not_kept_without_grad(monkeypatch):
         fused_log_probs_and_entropy(hidden.requires_grad_(True), weight, labels, backend=backend)
     ((grad_needed, residual),) = forwards
     assert grad_needed is False and residual == ()
+
+
+def _other_shard_combine(other: tuple[torch.Tensor, ...], with_entropy: bool, log: list[str]):
+    """A ``combine`` for :meth:`TritonBackend.head_forward` that stands for a TP group of two:
+    the other rank's statistics ``other = (m, s, u, y, q)`` (from ``shard_statistics`` of its
+    shard) are folded in by torch ops where the collectives would add them, in the order
+    :func:`~mcore_ppo.parallel.combine.reduce_shard_statistics` runs them (``log`` records it)."""
+    from mcore_ppo.parallel.combine import rescale_statistics
+
+    m, s, u, y, q = other
+
+    def combine(shard_max, sums_relative_to):
+        log.append("max")
+        shard_max.copy_(torch.maximum(shard_max, m))  # the all-reduce MAX
+        summed = sums_relative_to(shard_max)
+        log.append("sum")
+        rescaled = rescale_statistics(m, s, u if with_entropy else torch.zeros_like(s), shard_max, q)
+        rows = [y, rescaled[0]] + ([rescaled[1]] if with_entropy else []) + ([rescaled[2]] if q is not None else [])
+        summed += torch.stack(rows)  # the all-reduce SUM (the backend's planes: y, s, then u, then q)
+        return shard_max, summed
+
+    return combine
+
+
+# Several vocab splits per shard (the interpreter's splits are 128 columns, a GPU's wider).
+_SPLIT_SHAPE = (300, 64, 4000) if DEVICE.type == "cuda" else (37, 16, 300)
+
+
+@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "no-entropy"])
+@pytest.mark.parametrize("with_q", [False, True], ids=["", "sum-pi-squared"])
+@pytest.mark.parametrize("grad_needed", [True, False], ids=["grad", "no-grad"])
+@pytest.mark.parametrize("shape", [(37, 16, 40), _SPLIT_SHAPE], ids=["small", "splits"])
+def test_tp_branch_over_two_shards_equals_the_whole_vocab(with_entropy, with_q, grad_needed, shape):
+    """The TP branch of ``head_forward`` (the shard's max, the merge to the group's max, the
+    caller's combine between them, ``finish_kernel``) on the first of two vocab shards, the
+    second's statistics folded in where the collectives would add them: the one-shard forward
+    over the whole vocab, and fp64, with ignored tokens, out-of-range labels and labels on both
+    shards. The two shards' maxima differ per token, so the rescale to the group's max is exercised."""
+    hidden, weight, labels, _, _ = make_case(*shape, seed=next_seed(), scale=2.0)
+    labels[1], labels[2] = weight.shape[0] + 3, -7  # out of range: NaN log-probs
+    vocab, split = weight.shape[0], weight.shape[0] // 2 + 3
+    backend = triton(buffer_budget_bytes=1 << 30)  # the buffer where a gradient is needed
+    flags = {"with_sum_pi_squared": True} if with_q else {}
+    kw = {"ignore_index": IGNORE_INDEX, "vocab_size": vocab, "labels_in_range": False, "grad_needed": grad_needed,
+          "with_entropy": with_entropy, "max_entropy": float(torch.tensor(vocab).log()), **flags}  # fmt: skip
+    valid = labels != IGNORE_INDEX
+    local = labels - split
+    local = torch.where(valid & (local >= 0) & (local < vocab - split), local, -1)
+    log: list[str] = []
+    with torch.no_grad():
+        other = backend.shard_statistics(
+            hidden, weight[split:], local, valid, 0.9, grad_needed=False, with_entropy=True, **flags
+        )  # fmt: skip
+        combine = _other_shard_combine((*other.tensors(), other.q), with_entropy, log)
+        tp = backend.head_forward(hidden, weight[:split], labels, 0.9, vocab_start=0, combine=combine, **kw)
+        whole = backend.head_forward(hidden, weight, labels, 0.9, vocab_start=0, combine=None, **kw)
+    assert log == ["max", "sum"]
+    close = {"rtol": 2e-6, "atol": 2e-6, "equal_nan": True}
+    torch.testing.assert_close(tp.log_prob, whole.log_prob, **close)
+    assert torch.equal(tp.log_prob.isnan(), valid & ((labels < 0) | (labels >= vocab)))
+    outputs = [("entropy", tp.entropy, whole.entropy), ("sum_pi_squared", tp.sum_pi_squared, whole.sum_pi_squared)]
+    if grad_needed:
+        outputs += [("lse", tp.saved.lse, whole.saved.lse), ("saved entropy", tp.saved.entropy, whole.saved.entropy)]
+    for name, got, want in outputs:
+        assert (got is None) == (want is None), name
+        if got is not None:
+            torch.testing.assert_close(got, want, **close, msg=lambda m, name=name: f"{name}: {m}")
+    if grad_needed:
+        assert torch.equal(tp.saved.lse[~valid], torch.zeros_like(tp.saved.lse[~valid]))
+    # fp64 over the whole vocab, at the valid in-range tokens
+    logits = (hidden.double() @ weight.double().T).cpu() / 0.9
+    labels, valid = labels.cpu(), valid.cpu()
+    lse = logits.logsumexp(-1)
+    ok = valid & (labels >= 0) & (labels < vocab)
+    want_lp = logits.gather(1, labels.clamp(0, vocab - 1)[:, None])[:, 0] - lse
+    torch.testing.assert_close(tp.log_prob.cpu()[ok].double(), want_lp[ok], rtol=0, atol=1e-5)
+    probs = logits.softmax(-1)
+    if with_entropy:
+        want_h = -(probs * (logits - lse[:, None])).sum(-1)
+        torch.testing.assert_close(tp.entropy.cpu()[valid].double(), want_h[valid], rtol=0, atol=1e-5)
+    if with_q:
+        want_q = (probs**2).sum(-1)
+        torch.testing.assert_close(tp.sum_pi_squared.cpu()[valid].double(), want_q[valid], rtol=0, atol=1e-5)
+    in_first = valid & (labels >= 0) & (labels < split)
+    assert torch.equal(tp.saved.local_labels.cpu(), torch.where(in_first, labels, -1))
