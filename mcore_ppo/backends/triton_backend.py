@@ -17,8 +17,9 @@ default variant is compiled without them. ``k`` ids per token: :mod:`mcore_ppo.b
 Ignored tokens are compacted on the device (:func:`compact_rows`): programs past the valid count
 exit before any GEMM work, and nothing syncs the host.
 
-Host work per call (``scripts/host_work.py``): the autograd Function runs the whole single-label
-forward through :meth:`TritonBackend.head_forward`, which prepares the labels
+Host work per call (``scripts/host_work.py``): the head's op runs the whole single-label
+forward through :meth:`TritonBackend.head_forward` (:mod:`mcore_ppo.backends.triton_forward`),
+which prepares the labels
 (``tokens_kernel``: valid flags, local labels, row order, zeroed label logits) and finishes the
 outputs (``merge_finish_kernel``: ``lse``, entropy, log-prob, clamps and masks) in kernels, so
 the forward issues only allocations and launches; what depends on shapes alone is decided once
@@ -41,21 +42,18 @@ from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, HeadForward, SavedTokens, ShardStatistics
 from mcore_ppo.backends.torch_backend import TorchBackend
 from mcore_ppo.backends.triton_config import TritonConfig
+from mcore_ppo.backends.triton_forward import fused_head_forward, statistics_launch
 from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer, vocab_chunk
 from mcore_ppo.backends.triton_host import (
-    COMPACT_BLOCK,
-    COMPACT_WARPS,
-    MERGE_BLOCK_T,
     GemmConfig,
     compact_rows,
-    gathered_rows,
     merge_splits,
 )
 from mcore_ppo.backends.triton_ids import gather_logits
-from mcore_ppo.backends.triton_launch import BoundLauncher, Launcher, interpreting
+from mcore_ppo.backends.triton_launch import Launcher, interpreting
 from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
 from mcore_ppo.logs import log_once
-from mcore_ppo.numerics import cdiv, inverse_temperature, rowmajor
+from mcore_ppo.numerics import cdiv, rowmajor
 
 try:  # the package itself is optional; anything else broken in it should raise
     import triton
@@ -82,8 +80,6 @@ def is_available() -> bool:
 # and the valid count; a forward that recomputes in its backward keeps the row order and count alone.
 BUFFER_RESIDUAL = ("probs", "tile_max", "perm", "count")
 ROW_ORDER_RESIDUAL = ("perm", "count")
-
-_TOKENS_OPTIONS = {save: {"BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS, "SAVE": save} for save in (False, True)}
 
 
 class TritonBackend:
@@ -191,7 +187,7 @@ class TritonBackend:
         launch = self.launcher.bound()
         perm, count = compact_rows(valid, launch)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
-        parts, residual = self._statistics(plan, launch, hidden, weight, local_labels, perm, count, y, temperature)
+        parts, residual = statistics_launch(plan, launch, hidden, weight, local_labels, perm, count, y, temperature)
         m, sum_exp, u, *q = merge_splits(parts, perm, count, launch, with_u=with_entropy, with_q=with_q)
         return ShardStatistics(m, sum_exp, u, y, residual, q[0] if with_q else None)
 
@@ -225,88 +221,16 @@ class TritonBackend:
         ``with_sum_pi_squared`` the same launches carry ``q`` and write Σπ² (``WITH_Q``)."""
         if self._fallback(hidden, weight):
             return None
-        from mcore_ppo import kernels
 
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         row_temp, with_q = isinstance(temperature, torch.Tensor), with_sum_pi_squared
         plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp, with_q)
         launch = self.launcher.bound()
-        n, device = plan.n, hidden.device
-        local_labels = torch.empty(n, dtype=torch.int64, device=device)
-        perm = torch.empty(n, dtype=torch.int32, device=device)
-        count = torch.empty(1, dtype=torch.int32, device=device)
-        # Over TP the label logits are plane 0 of the sums the combine all-reduces (the same
-        # pointer class as a fresh [n] tensor: the launches' specialisation is the plan's).
-        sums = None if combine is None else torch.empty(plan.n_parts, n, dtype=torch.float32, device=device)
-        y = torch.empty(n, dtype=torch.float32, device=device) if sums is None else sums[0]
-        # Kept for the backward only: without one, placeholders the kernels never write (SAVE off).
-        valid = torch.empty(n, dtype=torch.bool, device=device) if grad_needed else None
-        stride_l = labels.stride(0)
-        launch(
-            kernels.tokens_kernel,
-            (1,),
-            (labels, local_labels, perm if valid is None else valid, perm, count, y, n, stride_l, ignore_index,
-             vocab_start, plan.v),
-            _TOKENS_OPTIONS[grad_needed],
-            # The values themselves stand for their integer classes (finer, and cheaper to key).
-            (plan, "tokens", labels.dtype, stride_l, ignore_index, vocab_start),
+        return fused_head_forward(
+            plan, launch, hidden, weight, labels, temperature, ignore_index=ignore_index, vocab_start=vocab_start,
+            vocab_size=vocab_size, labels_in_range=labels_in_range, grad_needed=grad_needed,
+            with_entropy=with_entropy, max_entropy=max_entropy, combine=combine, with_q=with_q,
         )  # fmt: skip
-        parts, residual = self._statistics(
-            plan, launch, hidden, weight, local_labels, perm, count, y, temperature, site=True
-        )
-        log_prob = torch.empty(n, dtype=torch.float32, device=device)
-        entropy_out = torch.empty(n, dtype=torch.float32, device=device) if with_entropy else None
-        entropy_out_arg = log_prob if entropy_out is None else entropy_out  # never written without WITH_U
-        sum_pi_squared_out = torch.empty(n, dtype=torch.float32, device=device) if with_q else None
-        sum_pi_squared_out_arg = log_prob if sum_pi_squared_out is None else sum_pi_squared_out  # nor without WITH_Q
-        merge_grid = (cdiv(n, MERGE_BLOCK_T),)
-        lse = torch.empty(n, dtype=torch.float32, device=device) if grad_needed else None
-        entropy = torch.empty(n, dtype=torch.float32, device=device) if grad_needed and with_entropy else None
-        lse_arg = log_prob if lse is None else lse  # never written without SAVE
-        entropy_arg = lse_arg if entropy is None else entropy
-        options = plan.finish_options[labels_in_range, grad_needed]
-        if sums is None:
-            launch(
-                kernels.merge_finish_kernel,
-                merge_grid,
-                (
-                    parts, perm, count, y, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg,
-                    sum_pi_squared_out_arg, n, plan.num_splits, stride_l, vocab_size, max_entropy,
-                ),
-                options,
-                # The plan fixes every argument's specialisation but the labels' dtype and the
-                # integer class of their stride and of the vocab size (their values stand for it).
-                (plan, "finish", labels_in_range, labels.dtype, stride_l, vocab_size),
-            )  # fmt: skip
-        else:
-            # The plan fixes the specialisation of every argument of these three launches (fresh
-            # tensors of its n) but the labels' and the integers' (their values stand for it).
-            shard_max = torch.empty(n, dtype=torch.float32, device=device)
-            merge_args = (parts, perm, count, shard_max, n, plan.num_splits)
-            launch(kernels.split_max_kernel, merge_grid, merge_args, plan.tp_options["max"], (plan, "max"))
-
-            def sums_relative_to(global_max: torch.Tensor) -> torch.Tensor:
-                launch(
-                    kernels.merge_to_max_kernel, merge_grid, (*merge_args[:3], global_max, sums, *merge_args[4:]),
-                    plan.tp_options["merge"], (plan, "merge"),
-                )  # fmt: skip
-                return sums
-
-            global_max, summed = combine(shard_max, sums_relative_to)
-            launch(
-                kernels.finish_kernel,
-                merge_grid,
-                (
-                    global_max, summed, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg,
-                    sum_pi_squared_out_arg, n, stride_l, ignore_index, vocab_size, max_entropy,
-                ),
-                plan.tp_options[labels_in_range, grad_needed],
-                (plan, "combined", labels_in_range, labels.dtype, stride_l, ignore_index, vocab_size),
-            )  # fmt: skip
-        if not residual and grad_needed:
-            residual = (perm, count)  # the row order, for a backward that recomputes
-        saved = SavedTokens(local_labels, valid, lse, entropy, residual, fused_forward=True)
-        return HeadForward(log_prob, entropy_out, saved, sum_pi_squared_out)
 
     def _forward_plan(
         self,
@@ -333,49 +257,6 @@ class TritonBackend:
                 row_temp, with_q,
             )  # fmt: skip
         return plan
-
-    def _statistics(
-        self,
-        plan: LaunchPlan,
-        launch: BoundLauncher,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        local_labels: torch.Tensor,
-        perm: torch.Tensor,
-        count: torch.Tensor,
-        y: torch.Tensor,
-        temperature: float | torch.Tensor,
-        *,
-        site: bool = False,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The forward kernel's launch: the per-split partials ``[planes, splits, n]`` (m, s, then
-        u, then q) and the label logits into ``y``; the probability buffer as residual when the
-        plan stores it. ``site``: the caller's ``local_labels``, ``perm``, ``count`` and ``y``
-        are the fresh int64 / int32 / int32 / fp32 tensors of :meth:`head_forward`, so the plan
-        fixes every argument's specialisation (the launch skips the per-argument key)."""
-        from mcore_ppo import kernels
-
-        n, v, device = plan.n, plan.v, hidden.device
-        parts = torch.empty(plan.n_parts, plan.num_splits, n, dtype=torch.float32, device=device)
-        inv_temp, inv_temp_rows, _ = inverse_temperature(temperature, y)
-        if plan.store:
-            buf = torch.empty(n, v, dtype=hidden.dtype, device=device)
-            tmax = torch.empty(n, plan.n_tiles_v, dtype=torch.float32, device=device)
-        else:
-            buf = tmax = y  # unused (STORE_P off)
-        gathered = hidden  # unused without descriptors: the kernel gathers rows through perm
-        if plan.use_tma:
-            # Only the blocks the kernel cannot read in place are copied (none when nothing is ignored).
-            skip = plan.cfg.block_m if plan.direct else 0
-            gathered = gathered_rows(
-                hidden, perm, count, launch, skip_direct_blocks=skip, site=(plan, "gather") if site else None
-            )
-        args = (
-            hidden, gathered, weight, perm, count, local_labels, parts, y, buf, tmax, n, v, plan.h, hidden.stride(0),
-            weight.stride(0), plan.num_splits, inv_temp, plan.n_tiles_v, inv_temp_rows,
-        )  # fmt: skip
-        launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, (plan, "stats") if site else None)
-        return parts, (buf, tmax, perm, count) if plan.store else ()
 
     def forward_config_for(self, v: int) -> GemmConfig:
         """The forward's tile config for a shard of ``v`` vocab rows (one per shard size, so

@@ -55,20 +55,31 @@ def no_compute(monkeypatch):
 def spy(monkeypatch):
     """Per forward: ``(buffer_budget_bytes, buffer kept)`` of the TritonBackend; per backward from the buffer: 1."""
     record = {"forward": [], "buffer_backward": []}
-    # The forward kernels' launches, shared by head_forward and shard_statistics.
-    stats = triton_backend.TritonBackend._statistics
-    from_buffer = triton_backend.gradients_from_buffer
+    # The forward kernel's launch, shared by head_forward and shard_statistics; the budget is the
+    # one of the backend whose plan was taken last (each forward takes its plan just before).
+    from mcore_ppo.backends import triton_forward
 
-    def spied_stats(self, *args, **kwargs):
-        out = stats(self, *args, **kwargs)
-        record["forward"].append((self.config.buffer_budget_bytes, bool(out[1])))
+    stats = triton_forward.statistics_launch
+    forward_plan = triton_backend.TritonBackend._forward_plan
+    from_buffer = triton_backend.gradients_from_buffer
+    budget = []
+
+    def spied_plan(self, *args, **kwargs):
+        budget[:] = [self.config.buffer_budget_bytes]
+        return forward_plan(self, *args, **kwargs)
+
+    def spied_stats(*args, **kwargs):
+        out = stats(*args, **kwargs)
+        record["forward"].append((budget[0], bool(out[1])))
         return out
 
     def spied_from_buffer(backend, *args, **kwargs):
         record["buffer_backward"].append(1)
         return from_buffer(backend, *args, **kwargs)
 
-    monkeypatch.setattr(triton_backend.TritonBackend, "_statistics", spied_stats)
+    monkeypatch.setattr(triton_backend.TritonBackend, "_forward_plan", spied_plan)
+    monkeypatch.setattr(triton_forward, "statistics_launch", spied_stats)
+    monkeypatch.setattr(triton_backend, "statistics_launch", spied_stats)
     monkeypatch.setattr(triton_backend, "gradients_from_buffer", spied_from_buffer)
     return record
 

@@ -10,10 +10,13 @@ CP ranks are summed over the CP group (as Megatron's gradient reduction does) an
 the reference's shard.
 
 The labels on both sides of every chunk boundary are forced distinct, so rolling after the
-split (the bug CP users hit) would change them; the test checks that it would.
+split (the bug CP users hit) would change them; the test checks that it would. TP 2 × CP 2 also
+runs under ``precision="fp32_faithful"`` and ``"ieee"`` with an fp32 weight.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -111,8 +114,11 @@ def cp_part(result: HeadResult, layout, cu_seqlens, sequence_parallel: bool) -> 
     )
 
 
-def run_cp_rank(case: GlobalCase, input_ids, cu_seqlens, layout, sequence_parallel: bool) -> HeadResult:
-    """This rank's head call on its CP part; d_weight summed over the CP group."""
+def run_cp_rank(
+    case: GlobalCase, input_ids, cu_seqlens, layout, sequence_parallel: bool, precision: str | None = None
+) -> HeadResult:
+    """This rank's head call on its CP part (``precision`` None: the API's default); d_weight
+    summed over the CP group."""
     cp, r = layout.cp_size, layout.cp_rank
     hidden = split_for_cp(case.hidden, cp, r, seq_dim=0, cu_seqlens=cu_seqlens)
     if sequence_parallel:
@@ -129,6 +135,7 @@ def run_cp_rank(case: GlobalCase, input_ids, cu_seqlens, layout, sequence_parall
         grad_entropy,
         tp_group=layout.tp_group,
         sequence_parallel=sequence_parallel,
+        **({} if precision is None else {"precision": precision}),
     )
     dist.all_reduce(out.d_weight, group=layout.cp_group)
     return out
@@ -159,6 +166,35 @@ def test_cp_matches_single_rank(tp, cp, check):
                 compare(check, out, cp_part(ref, layout, cu_seqlens, sp), dtype, suite)
                 if ref64 is not None:
                     compare_with_fp64(check, out, cp_part(ref64, layout, cu_seqlens, sp), suite)
+    check.done()
+
+
+def test_tp_cp_precisions_match_single_rank(check):
+    """TP 2 × CP 2, padded and packed, SP off and on: an fp32 weight with an fp32 or a bf16
+    hidden (upcast once before the op) under ``fp32_faithful`` and ``ieee``, against the
+    single-rank result of the same inputs and precision and the fp64 result of the same values."""
+    layout = tp_cp_groups(2, 2)
+    torch.manual_seed(shared_seed())
+    suite = "TP2xCP2 precision"
+    for precision in ("fp32_faithful", "ieee"):
+        for hidden_dtype in (torch.float32, torch.bfloat16):
+            for packed in (False, True):
+                case, input_ids, cu_seqlens = make_cp_case(packed, 2, torch.float32)
+                case = dataclasses.replace(case, hidden=case.hidden.to(hidden_dtype))
+                ref = reference(case, precision=precision)
+                ref64 = reference(upcast(case))
+                if layout.cp_group is None:
+                    continue
+                for sp in (False, True):
+                    check.case(f"tp=2 cp=2 sp={sp} packed={packed} hidden {hidden_dtype} precision={precision}")
+                    out = run_cp_rank(case, input_ids, cu_seqlens, layout, sp, precision)
+                    assert out.d_hidden.dtype == hidden_dtype and out.d_weight.dtype == torch.float32
+                    want, want64 = cp_part(ref, layout, cu_seqlens, sp), cp_part(ref64, layout, cu_seqlens, sp)
+                    for key, value in out.as_dict().items():
+                        # A bf16 d_hidden is the fp32 sum rounded once: one bf16 ulp where sums differ.
+                        tol = 1e-2 if key == "d_hidden" and hidden_dtype == torch.bfloat16 else 1e-5
+                        check.close(key, value, want.as_dict()[key], tol=tol, kind=f"{suite}: vs single-rank")
+                        check.close(key, value, want64.as_dict()[key], tol=tol, kind=f"{suite}: vs fp64")
     check.done()
 
 
