@@ -32,7 +32,9 @@ it the two all-reduces alone and the one-rank ``head_forward`` (``tp_combine`` i
 
 Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16384] [--graphed] [--tp-combine]
               [--out DIR]
-Without CUDA it times the torch backend on small CPU tensors (the Python around the kernels only).
+Without CUDA it times the torch backend on small CPU tensors. ``--backend null``
+(:class:`mcore_ppo_testing.null_backend.NullBackend`: allocations, no compute) times the head's
+host work above its backend alone, on any machine: the part a CPU can measure and cut.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcore_ppo import fused_log_probs_and_entropy
+from mcore_ppo import HeadOptions, fused_log_probs_and_entropy
 from mcore_ppo.backends import resolve_backend
 from mcore_ppo_testing.bench import SHAPES
+from mcore_ppo_testing.null_backend import NullBackend
 
 _SPIN_CYCLES = 200_000_000  # ~0.1 s at 1.98 GHz: far longer than any call's host work
 _QUEUED_LAUNCHES = 400  # per steady measurement
@@ -248,7 +251,9 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen7b", choices=sorted(SHAPES), help="model (hidden size, vocab)")
     parser.add_argument("--tp", type=int, default=8, help="the vocab shard is V / tp (one rank's work)")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per call")
-    parser.add_argument("--backend", default="auto", help="the head's backend")
+    parser.add_argument(
+        "--backend", default="auto", help="the head's backend; null: no compute, the host work above the backend"
+    )
     parser.add_argument("--reps", type=int, default=30, help="timed calls per measurement")
     parser.add_argument(
         "--validate",
@@ -284,11 +289,17 @@ def main() -> None:
 
     # The object a name resolves to (once per device type): the API gets the name, as users pass
     # it (an object costs a Protocol isinstance check per call); its launcher counts the launches.
-    backend = resolve_backend(args.backend, torch.device(device))
+    if args.backend == "null":
+        # Built once into the options (checked then, as a user's reused HeadOptions is).
+        backend = NullBackend()
+        options = HeadOptions(backend=backend, validate=args.validate)
+    else:
+        backend = resolve_backend(args.backend, torch.device(device))
+        options = HeadOptions(backend=args.backend, validate=args.validate)
     launcher = getattr(backend, "launcher", None)
 
     def head(x, w, labels):
-        return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, backend=args.backend, validate=args.validate)
+        return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, options=options)
 
     if args.graphed:
         if not cuda or args.validate:
