@@ -63,11 +63,15 @@ def check_backend(backend: object) -> None:
     """``backend`` is one of :data:`BACKENDS` or a :class:`Backend` object; TypeError / ValueError otherwise.
 
     A backend object is registered under its :func:`backend_key` here, where the caller builds
-    its options (outside any compiled region), so the head's ops can find it by that key."""
+    its options (outside any compiled region), so the head's ops can find it by that key; one
+    registered already (checked before, or one of this package's, registered when built) is not
+    checked again: a runtime Protocol ``isinstance`` costs tens of microseconds per call."""
     if isinstance(backend, str):
         if backend not in BACKENDS:
             hint = " (Liger-Kernel: mcore_ppo.liger_log_probs_and_entropy)" if backend == "liger" else ""
             raise ValueError(f"backend must be one of {BACKENDS} or a backend object, got {backend!r}{hint}")
+        return
+    if registry.registered(getattr(backend, "op_key", None)) is backend:
         return
     if not isinstance(backend, Backend) or not isinstance(backend.capabilities, Capabilities):
         raise TypeError(

@@ -32,6 +32,6 @@ def register(backend: Any) -> str:
     return key
 
 
-def registered(key: str) -> Any | None:
+def registered(key: str | None) -> Any | None:
     """The backend registered under ``key``, or None."""
     return _BY_KEY.get(key)

@@ -199,3 +199,45 @@ def test_broken_liger_install_is_raised(monkeypatch, make_package):
     with pytest.raises(ModuleNotFoundError) as info:
         liger_log_probs_and_entropy(hidden, weight, labels)
     assert info.value.name == dep
+
+
+# --- backend objects: checked against the protocol once ------------------------------------------
+
+
+def test_a_backend_object_is_checked_once_and_a_forged_key_is_not_trusted(monkeypatch):
+    """A backend object passes the protocol's check the first time it is met (it is then
+    registered under its key); later checks return at once (a runtime Protocol ``isinstance``
+    costs tens of microseconds per call, and the API checks its options every call). An object
+    that carries a registered backend's key without being that backend is checked, and refused."""
+    protocol_checks: list[object] = []
+
+    class Wrapped:  # the protocol by delegation, as a user's backend object may be
+        name = "wrapped"
+
+        def __init__(self, inner):
+            self._inner = inner
+            self.capabilities = inner.capabilities
+
+        def __getattr__(self, attribute):
+            protocol_checks.append(attribute)  # the Protocol check reads every member it lacks
+            return getattr(self._inner, attribute)
+
+    wrapped = Wrapped(TorchBackend())
+    check_backend(wrapped)
+    assert "shard_statistics" in protocol_checks
+    protocol_checks.clear()
+    hidden, weight = torch.randn(5, 8), torch.randn(11, 8)
+    labels = torch.randint(0, 11, (5,))
+    for _ in range(2):
+        check_backend(wrapped)
+        assert resolve_backend(wrapped, hidden.device) is wrapped
+        fused_log_probs_and_entropy(hidden, weight, labels, backend=wrapped)
+    # What the head calls on its backend, never the protocol's whole member list again.
+    assert "gather_logits" not in protocol_checks and "head_forward" not in protocol_checks
+
+    class Forged:
+        name = "forged"
+        op_key = wrapped.op_key
+
+    with pytest.raises(TypeError, match="backend must be a str"):
+        check_backend(Forged())
