@@ -71,7 +71,8 @@ def check_backend(backend: object) -> None:
             hint = " (Liger-Kernel: mcore_ppo.liger_log_probs_and_entropy)" if backend == "liger" else ""
             raise ValueError(f"backend must be one of {BACKENDS} or a backend object, got {backend!r}{hint}")
         return
-    if registry.registered(getattr(backend, "op_key", None)) is backend:
+    # (Not while a compiled region is traced: the registry is a weak mapping, no graph's constant.)
+    if not torch.compiler.is_compiling() and registry.registered(getattr(backend, "op_key", None)) is backend:
         return
     if not isinstance(backend, Backend) or not isinstance(backend.capabilities, Capabilities):
         raise TypeError(
