@@ -100,6 +100,12 @@ class RunConfig:
         return self.tp + (self.variant == "distill")
 
 
+#: Ray's message when its node's raylet did not register in time (nothing of verl ran yet), and how
+#: many times such a run is started again.
+RAY_START_TIMEOUT = "The current node timed out during startup"
+RAY_START_RETRIES = 1
+
+
 @dataclass
 class RunResult:
     """What a run left: verl's metrics per step, each step's log-probs, the head's pass counts."""
@@ -247,9 +253,22 @@ def run_main_ppo(config: RunConfig, workdir: Path, assets: RunAssets | None = No
         assets = make_assets(workdir / "assets", seed=config.seed, prompts=config.prompts)
     record_dir = workdir / config.label
     record_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    for attempt in range(1 + RAY_START_RETRIES):
+        returncode, leftover = _run_once(config, assets, record_dir)
+        log = (record_dir / "main_ppo.log").read_text(errors="replace")
+        # Ray's node gives its raylet 30 s to register (hard-coded in ray/_private/node.py), which
+        # two saturated cores can exceed before verl has run anything: only that is run again.
+        if returncode == 0 or RAY_START_TIMEOUT not in log or (record_dir / "metrics.jsonl").exists():
+            break
+        print(f"{config.label}: Ray's node did not start in time (attempt {attempt + 1}); running again", flush=True)
+    return load_result(config, workdir, returncode=returncode, wall_s=time.monotonic() - start, leftover=leftover)
+
+
+def _run_once(config: RunConfig, assets: RunAssets, record_dir: Path) -> tuple[int, list[int]]:
+    """One run of verl's trainer: its exit status and any process of it left behind."""
     ray_dir = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
     command = trainer_command(config, assets, ray_dir)
-    start = time.monotonic()
     with open(record_dir / "main_ppo.log", "wb") as log:
         process = subprocess.Popen(
             command, cwd=record_dir, env=trainer_environment(config, record_dir), stdout=log,
@@ -261,7 +280,7 @@ def run_main_ppo(config: RunConfig, workdir: Path, assets: RunAssets | None = No
             returncode = -signal.SIGKILL
         finally:
             leftover = _end_session(process, ray_dir)
-    return load_result(config, workdir, returncode=returncode, wall_s=time.monotonic() - start, leftover=leftover)
+    return returncode, leftover
 
 
 def load_result(
