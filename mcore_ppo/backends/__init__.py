@@ -72,7 +72,7 @@ def check_backend(backend: object) -> None:
             raise ValueError(f"backend must be one of {BACKENDS} or a backend object, got {backend!r}{hint}")
         return
     # (Not while a compiled region is traced: the registry is a weak mapping, no graph's constant.)
-    if not torch.compiler.is_compiling() and registry.registered(getattr(backend, "op_key", None)) is backend:
+    if not torch.compiler.is_compiling() and registry.holds(backend):
         return
     if not isinstance(backend, Backend) or not isinstance(backend.capabilities, Capabilities):
         raise TypeError(

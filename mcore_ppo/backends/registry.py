@@ -24,7 +24,7 @@ def register(backend: Any) -> str:
     key = getattr(backend, "op_key", None)
     # In a compiled region the key is read as it is (a traced registry lookup would be guarded on):
     # an object is registered when built, before any compiled region meets it.
-    if key is not None and (torch.compiler.is_compiling() or _BY_KEY.get(key) is backend):
+    if key is not None and (torch.compiler.is_compiling() or holds(backend)):
         return key
     key = f"{backend.name}@{id(backend):x}"  # a copy of another backend carries its key: a new one
     _BY_KEY[key] = backend
@@ -32,6 +32,12 @@ def register(backend: Any) -> str:
     return key
 
 
-def registered(key: str | None) -> Any | None:
+def registered(key: str) -> Any | None:
     """The backend registered under ``key``, or None."""
     return _BY_KEY.get(key)
+
+
+def holds(backend: Any) -> bool:
+    """``backend`` itself is registered under the key it carries (not a copy, not a forgery)."""
+    key = getattr(backend, "op_key", None)
+    return key is not None and _BY_KEY.get(key) is backend

@@ -123,7 +123,6 @@ def fused_head_forward(
     entropy = torch.empty(n, dtype=torch.float32, device=device) if grad_needed and with_entropy else None
     lse_arg = log_prob if lse is None else lse  # never written without SAVE
     entropy_arg = lse_arg if entropy is None else entropy
-    options = plan.finish_options[labels_in_range, grad_needed]
     if sums is None:
         launch(
             kernels.merge_finish_kernel,
@@ -132,7 +131,7 @@ def fused_head_forward(
                 parts, perm, count, y, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg,
                 sum_pi_squared_out_arg, n, plan.num_splits, stride_l, vocab_size, max_entropy,
             ),
-            options,
+            plan.finish_options[labels_in_range, grad_needed],
             # The plan fixes every argument's specialisation but the labels' dtype and the
             # integer class of their stride and of the vocab size (their values stand for it).
             (plan, "finish", labels_in_range, labels.dtype, stride_l, vocab_size),
