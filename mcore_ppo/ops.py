@@ -21,6 +21,11 @@ outside the ops' signatures. Autograd is registered for ``head_forward``
 autograd Function with the same two steps around the ops, which costs less host time per call
 than the generic registration's wrapper. Either way the tensors the backward reads are saved
 with ``save_for_backward``, so saved-tensor hooks (activation offloading) see them.
+
+An eager call that nothing watches (no compile, no Python dispatch or function mode, no
+profiler, plain tensors: :func:`_dispatcher_needed`) runs the ops' implementations directly,
+without the dispatcher's trip through the registered autograd wrapper; everything that looks at
+ops sees the ops.
 """
 
 from __future__ import annotations
@@ -235,7 +240,7 @@ def head(
         log_prob, entropy, square = HeadFunction.apply(hidden, weight, labels, temperature, log_normalizer, call)
     else:
         args = _forward_args(hidden, weight, labels, temperature, log_normalizer, call, grad_needed=False)
-        log_prob, entropy, square, _ = torch.ops.mcore_ppo.head_forward.default(*args)
+        log_prob, entropy, square, _ = _run_forward(args, hidden, weight)
     return log_prob, entropy if call.return_entropy else None, square if call.return_sum_pi_squared else None
 
 
@@ -247,13 +252,45 @@ def _forward_args(hidden, weight, labels, temperature, log_normalizer, call: Hea
     )  # fmt: skip
 
 
+def _dispatcher_needed(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a head call must go through the op rather than its implementation directly.
+
+    The op is the boundary for whoever looks at ops: ``torch.compile`` tracing it, a Python
+    dispatch or function mode (fake tensors, ``make_fx``, selective activation checkpointing,
+    op counters), a tensor subclass that dispatches on its own, the profiler naming its range.
+    With none of them an eager call runs the same implementation without the dispatcher's trip
+    (its registered autograd wrapper and redispatch: about a fifth of the head's host work
+    above its backend). torch has no public query for an active mode; these ``torch._C`` reads
+    are the ones its own Python dispatch code makes."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+        or torch.autograd._profiler_enabled()
+        or type(hidden).__torch_dispatch__ is not _PLAIN_DISPATCH
+        or type(weight).__torch_dispatch__ is not _PLAIN_DISPATCH
+    )
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _run_forward(args: tuple, hidden: torch.Tensor, weight: torch.Tensor):
+    """``head_forward`` of ``args``: through the op where :func:`_dispatcher_needed`, else its
+    implementation (autograd is the caller's: :class:`HeadFunction`, or none: ``hidden`` and
+    ``weight`` need no gradient and the temperature comes detached)."""
+    if _dispatcher_needed(hidden, weight):
+        return torch.ops.mcore_ppo.head_forward.default(*args)
+    return _head_forward(*args)
+
+
 class HeadFunction(torch.autograd.Function):
     """``head_forward`` with its backward, ``head_backward`` (module doc)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, log_normalizer, call: HeadCall):
         args = _forward_args(hidden, weight, labels, temperature, log_normalizer, call, grad_needed=True)
-        log_prob, entropy, square, saved = torch.ops.mcore_ppo.head_forward.default(*args)
+        log_prob, entropy, square, saved = _run_forward(args, hidden, weight)
         _save(ctx, hidden, weight, labels, temperature, log_normalizer, square, saved, call)
         return log_prob, entropy, square
 
@@ -297,11 +334,16 @@ def _backward(ctx, grad_log_prob, grad_entropy):
         residual = [r.clone() for r in residual]
     ctx.residual_consumed = True
     main_grad = getattr(ctx.weight, "main_grad", None) if ctx.weight is not None and need_weight else None
-    d_hidden, d_weight = torch.ops.mcore_ppo.head_backward.default(
-        grad_log_prob, grad_entropy, hidden if token_hidden is None else token_hidden, weight, lse, entropy,
-        local_labels, valid, local_ids, slot_ok, residual, temperature, call.temperature_value, main_grad,
-        call.backend, call.tp_group, call.hidden_grad.value, need_hidden, need_weight,
+    token_hidden = hidden if token_hidden is None else token_hidden
+    args = (
+        grad_log_prob, grad_entropy, token_hidden, weight, lse, entropy, local_labels, valid, local_ids, slot_ok,
+        residual, temperature, call.temperature_value, main_grad, call.backend, call.tp_group, call.hidden_grad.value,
+        need_hidden, need_weight,
     )  # fmt: skip
+    if _dispatcher_needed(token_hidden, weight):
+        d_hidden, d_weight = torch.ops.mcore_ppo.head_backward.default(*args)
+    else:
+        d_hidden, d_weight = _head_backward(*args)
     if not need_weight:
         d_weight = None
     elif main_grad is not None:

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mcore_ppo
 from mcore_ppo.backends import TorchBackend, TorchConfig
@@ -215,3 +216,67 @@ def test_the_function_and_the_registered_autograd_agree():
         results.append((log_prob.detach(), entropy.detach(), h.grad, w.grad))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _OpsSeen(TorchDispatchMode):
+    """A pass-through dispatch mode that records the ops it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend_name", _backend_params(["torch", "triton-buffer"]))
+def test_an_eager_call_watched_by_a_mode_goes_through_the_ops_with_the_same_results(backend_name):
+    """Eager calls without a watcher run the ops' implementation directly; a dispatch mode (what
+    fake tensors, ``make_fx``, selective checkpointing and op counters are) sees the two ops
+    instead of their insides, and the outputs and gradients are identical either way."""
+    backend = BACKENDS[backend_name]()
+    hidden, weight, labels, temperature = _inputs(torch.float32, ids=False, row_temperature=True, seed=next_seed())
+    gen = generator(next_seed())
+    g, e = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+
+    def run():
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(h, w, labels, temperature=temperature, backend=backend)
+        ((log_prob * g).sum() + (entropy * e).sum()).backward()
+        with torch.no_grad():
+            no_grad = mcore_ppo.fused_log_probs_and_entropy(h, w, labels, temperature=temperature, backend=backend)
+        return log_prob.detach(), entropy.detach(), h.grad, w.grad, *no_grad
+
+    plain = run()
+    mode = _OpsSeen()
+    with mode:
+        watched = run()
+    head_ops = [op for op in mode.ops if op.namespace == "mcore_ppo"]
+    assert head_ops == [FORWARD, BACKWARD, FORWARD], head_ops
+    for a, b in zip(plain, watched, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_profiler_names_the_head_ops():
+    """Under ``torch.profiler`` a call goes through the ops, whose ranges carry their names."""
+    backend = BACKENDS["torch"]()
+    hidden, weight, labels, _ = _inputs(torch.float32, ids=False, row_temperature=False, seed=next_seed())
+    h = hidden.requires_grad_(True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        log_prob, _ = mcore_ppo.fused_log_probs_and_entropy(h, weight, labels, backend=backend)
+        log_prob.sum().backward()
+    names = {event.name for event in profile.events()}
+    assert {"mcore_ppo::head_forward", "mcore_ppo::head_backward"} <= names, sorted(names)[:40]
+
+
+def test_a_temperature_that_requires_grad_gets_no_graph():
+    """The temperature gets no gradient (the head's contract): with ``hidden`` and ``weight``
+    not requiring grad, a temperature tensor that does leaves the outputs without a graph."""
+    backend = BACKENDS["torch"]()
+    hidden, weight, labels, temperature = _inputs(torch.float32, ids=False, row_temperature=True, seed=next_seed())
+    temperature.requires_grad_(True)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature,
+                                                              backend=backend)  # fmt: skip
+    assert log_prob.grad_fn is None and entropy.grad_fn is None
+    assert not log_prob.requires_grad and not entropy.requires_grad
