@@ -242,10 +242,11 @@ def test_an_eager_call_watched_by_a_mode_goes_through_the_ops_with_the_same_resu
 
     def run():
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(h, w, labels, temperature=temperature, backend=backend)
+        call = dict(temperature=temperature, backend=backend)
+        log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(h, w, labels, **call)
         ((log_prob * g).sum() + (entropy * e).sum()).backward()
         with torch.no_grad():
-            no_grad = mcore_ppo.fused_log_probs_and_entropy(h, w, labels, temperature=temperature, backend=backend)
+            no_grad = mcore_ppo.fused_log_probs_and_entropy(h, w, labels, **call)
         return log_prob.detach(), entropy.detach(), h.grad, w.grad, *no_grad
 
     plain = run()
@@ -276,7 +277,7 @@ def test_a_temperature_that_requires_grad_gets_no_graph():
     backend = BACKENDS["torch"]()
     hidden, weight, labels, temperature = _inputs(torch.float32, ids=False, row_temperature=True, seed=next_seed())
     temperature.requires_grad_(True)
-    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature,
-                                                              backend=backend)  # fmt: skip
+    call = dict(temperature=temperature, backend=backend)
+    log_prob, entropy = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, **call)
     assert log_prob.grad_fn is None and entropy.grad_fn is None
     assert not log_prob.requires_grad and not entropy.requires_grad
