@@ -17,8 +17,12 @@ pooled; CUDA-event GPU time, host latency hidden behind a spin):
 Printed and written (``--out DIR``: ``bench_precision.json``): the times, and
 ``faithful_rel_err`` / ``ieee_rel_err`` (the log-probs' and the entropy's largest error over
 the tensor's largest fp64 value), ``faithful_over_bf16_gemm`` and ``ieee_over_fp32_ieee_gemm``.
+With ``--sweep``, ``tiles_sweep``: for each precision and a few forward and backward tiles
+(:data:`SWEEP`), with the probability buffer and without (the backward recomputes the
+logits), the forward's and the forward + backward's GPU time and the gradients' error against
+fp64.
 
-Usage (GPU):  python scripts/bench_precision.py [--shape qwen7b] [--tp 8] [--tokens 4096] [--out DIR]
+Usage (GPU):  python scripts/bench_precision.py [--shape qwen7b] [--tp 8] [--tokens 4096] [--sweep] [--out DIR]
 """
 
 from __future__ import annotations
@@ -54,6 +58,86 @@ def relative(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+def fp64_gradients(x, w, labels, g, e, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(d_hidden, d_weight)`` of ``Σ g·log p(label) + e·H`` over ``softmax(x @ w.T)``,
+    ``rows`` tokens at a time."""
+    w64 = w.double().requires_grad_(True)
+    d_hidden = []
+    for t0 in range(0, x.shape[0], rows):
+        x64 = x[t0 : t0 + rows].double().requires_grad_(True)
+        logp = torch.log_softmax(x64 @ w64.t(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        loss = (logp.gather(1, labels[t0 : t0 + rows, None])[:, 0] * g[t0 : t0 + rows]).sum()
+        (loss + (entropy * e[t0 : t0 + rows]).sum()).backward()
+        d_hidden.append(x64.grad)
+    return torch.cat(d_hidden), w64.grad
+
+
+#: ``(precision, forward tiles, backward tiles)``: ``(M, N, K before fp32 halving, stages, warps)``,
+#: None for the default; the forward's tiles per split are 2 (the default's at this shard).
+SWEEP = (
+    ("fp32_faithful", None, None),
+    ("fp32_faithful", (128, 128, 64, 2, 8), None),
+    ("fp32_faithful", (128, 128, 64, 2, 8), (128, 128, 64, 2, 8)),
+    ("fp32_faithful", (128, 128, 64, 2, 8), (128, 128, 32, 3, 8)),
+    ("ieee", None, None),
+    ("ieee", (64, 64, 32, 2, 4), None),
+    ("ieee", (64, 64, 32, 2, 4), (64, 64, 32, 2, 4)),
+    ("ieee", (64, 64, 32, 2, 4), (128, 64, 32, 2, 8)),
+    ("ieee", (64, 64, 32, 2, 4), (64, 128, 32, 2, 4)),
+)
+
+
+def _sweep(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, reps: int) -> dict[str, dict]:
+    """Each :data:`SWEEP` entry's forward and forward + backward GPU time (ms), with the
+    probability buffer (``buffer``) and without (``recompute``: the backward recomputes the
+    logits at its own tiles), and the gradients' largest error over the largest fp64 value."""
+    from mcore_ppo.backends.triton_host import GemmConfig
+
+    def gemm(tiles, **extra):
+        if tiles is None:
+            return None
+        bm, bn, bk, stages, warps = tiles
+        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps, use_tma=True, **extra)
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    g, e = (torch.randn(x.shape[0], device="cuda", generator=gen) for _ in range(2))
+    ref_dx, ref_dw = fp64_gradients(x, w, labels, g, e)
+    results: dict[str, dict] = {}
+    for precision, forward_tiles, backward_tiles in SWEEP:
+        for mode, budget in (("buffer", 1 << 30), ("recompute", 0)):
+            name = f"{precision} fwd {forward_tiles or 'default'} bwd {backward_tiles or 'default'} {mode}"
+            config = TritonConfig(
+                precision=precision, buffer_budget_bytes=budget, forward_config=gemm(forward_tiles, tiles_per_split=2),
+                backward_config=gemm(backward_tiles, tiles_per_split=1),
+            )  # fmt: skip
+            backend = TritonBackend(config)
+            xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+
+            def forward(backend=backend, xg=xg, wg=wg):
+                return mcore_ppo.fused_log_probs_and_entropy(xg, wg, labels, backend=backend)
+
+            def step(forward=forward, xg=xg, wg=wg):
+                xg.grad = wg.grad = None
+                torch.autograd.backward(list(forward()), [g, e])
+
+            try:
+                step()
+                row = {
+                    "d_hidden_rel_err": relative(xg.grad, ref_dx),
+                    "d_weight_rel_err": relative(wg.grad, ref_dw),
+                }
+                calls = reps if precision == "fp32_faithful" or forward_tiles else 2
+                row["forward_ms"] = statistics.median(event_times(forward, calls))
+                row["step_ms"] = statistics.median(event_times(step, max(2, calls // 2)))
+            except Exception as err:  # a tile that does not fit this GPU: say so, go on
+                row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            results[name] = row
+            print(name, row, flush=True)
+            torch.cuda.empty_cache()
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen7b", choices=sorted(SHAPES))
@@ -63,7 +147,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--sweep", action="store_true", help="also time both precisions' forward with a few other forward tiles"
+        "--sweep",
+        action="store_true",
+        help="also time both precisions' forward and forward + backward (buffer and recompute) at other tiles, "
+        "with the gradients' error against fp64",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -103,27 +190,7 @@ def main() -> int:
         fn, reps = calls[name]
         times[name].append(statistics.median(event_times(fn, reps)))
     ms = {name: statistics.median(visits) for name, visits in times.items()}
-    sweep = {}
-    if args.sweep:
-        from mcore_ppo.backends.triton_host import GemmConfig
-
-        tiles = {
-            "fp32_faithful": ((128, 128, 32, 3, 8), (128, 256, 32, 2, 8), (64, 256, 32, 3, 4), (128, 128, 64, 2, 8)),
-            "ieee": ((64, 64, 32, 2, 4), (128, 64, 32, 2, 8)),
-        }  # fmt: skip
-        for precision, shapes in tiles.items():
-            for bm, bn, bk, stages, warps in shapes:
-                cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
-                                 tiles_per_split=2, use_tma=True)  # fmt: skip
-                heads["sweep"] = TritonBackend(TritonConfig(precision=precision, forward_config=cfg))
-                name = f"{precision} {bm}x{bn}x{bk}/s{stages}/w{warps}"
-                try:
-                    fn = head("sweep")
-                    fn()
-                    reps = args.reps if precision == "fp32_faithful" else 2
-                    sweep[name] = statistics.median(event_times(fn, reps))
-                except Exception as err:  # a tile that does not fit this GPU: say so, go on
-                    sweep[name] = f"{type(err).__name__}: {str(err)[:200]}"
+    sweep = _sweep(x, w, labels, args.reps) if args.sweep else {}
     report = {
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
@@ -136,7 +203,7 @@ def main() -> int:
         "faithful_over_bf16_gemm": ms["faithful"] / ms["bf16_gemm"],
         "ieee_over_fp32_ieee_gemm": ms["ieee"] / ms["fp32_ieee_gemm"],
         "fp32_ieee_gemm_over_bf16_gemm": ms["fp32_ieee_gemm"] / ms["bf16_gemm"],
-        "forward_tiles_sweep_ms": sweep,
+        "tiles_sweep": sweep,
     }
     print(json.dumps(report, indent=1))
     if args.out is not None:

@@ -41,7 +41,7 @@ import torch
 from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, HeadForward, SavedTokens, ShardStatistics
 from mcore_ppo.backends.torch_backend import TorchBackend
-from mcore_ppo.backends.triton_config import TritonConfig
+from mcore_ppo.backends.triton_config import FP32_TILES, TritonConfig
 from mcore_ppo.backends.triton_forward import fused_head_forward, statistics_launch
 from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer, vocab_chunk
 from mcore_ppo.backends.triton_host import (
@@ -53,7 +53,7 @@ from mcore_ppo.backends.triton_ids import gather_logits
 from mcore_ppo.backends.triton_launch import Launcher, interpreting
 from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
 from mcore_ppo.logs import log_once
-from mcore_ppo.numerics import cdiv, rowmajor
+from mcore_ppo.numerics import Numerics, cdiv, rowmajor
 
 try:  # the package itself is optional; anything else broken in it should raise
     import triton
@@ -154,7 +154,7 @@ class TritonBackend:
         if not grad_needed or _takes_reference(hidden, weight):
             return ()
         n, v = hidden.shape[0], weight.shape[0]
-        store, n_tiles_v = buffer_decision(self.config, self.forward_config_for(v), n, v, hidden.dtype)
+        store, n_tiles_v = buffer_decision(self.config, self.forward_config_for(v, hidden.dtype), n, v, hidden.dtype)
         order = (((n,), torch.int32), ((1,), torch.int32))
         if store:
             return (((n, v), hidden.dtype), ((n, n_tiles_v), torch.float32), *order)
@@ -253,21 +253,34 @@ class TritonBackend:
             if len(self._plans) >= self.config.plan_cache_size:
                 self._plans.clear()
             plan = self._plans[key] = LaunchPlan.build(
-                self.config, self.forward_config_for(weight.shape[0]), hidden, weight, grad_needed, with_entropy,
-                row_temp, with_q,
+                self.config, self.forward_config_for(weight.shape[0], hidden.dtype), hidden, weight, grad_needed,
+                with_entropy, row_temp, with_q,
             )  # fmt: skip
         return plan
 
-    def forward_config_for(self, v: int) -> GemmConfig:
-        """The forward's tile config for a shard of ``v`` vocab rows (one per shard size, so
-        one compile per model): the default's ``tiles_per_split`` by the config's rule."""
+    def forward_config_for(self, v: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+        """The forward's tile config for a shard of ``v`` vocab rows of operands of ``dtype``
+        (one per shard size, so one compile per model): the default's ``tiles_per_split`` by
+        the config's rule; fp32 operands' defaults by their dot (:data:`FP32_TILES`)."""
         cfg = self.forward_config
         if not self.tiles_by_shard:
             return cfg
+        fp32_tiles = FP32_TILES.get(Numerics.of(dtype, self.config.precision).dot)
+        if fp32_tiles is not None:
+            return fp32_tiles[0]
         for tiles in self.config.forward_tiles_per_split:
             if cdiv(v, tiles * cfg.block_n) >= self.config.min_forward_splits:
                 return replace(cfg, tiles_per_split=tiles)
         return replace(cfg, tiles_per_split=self.config.forward_tiles_per_split[-1])
+
+    def backward_config_for(self, dtype: torch.dtype) -> GemmConfig:
+        """The backward's tile config for operands of ``dtype``: the config's, or for fp32
+        operands under the default tiles their dot's (:data:`FP32_TILES`)."""
+        if self.config.backward_config is None and not interpreting():
+            fp32_tiles = FP32_TILES.get(Numerics.of(dtype, self.config.precision).dot)
+            if fp32_tiles is not None:
+                return fp32_tiles[1]
+        return self.backward_config
 
     def vocab_chunk(self, n: int, v: int, itemsize: int) -> int:
         """Columns per backward chunk: the ``dz`` workspace stays within ``workspace_bytes``."""
@@ -315,5 +328,13 @@ class TritonBackend:
             )
         plan = plan if saved.fused_forward else None
         return gradients_by_recompute(
-            self.config, self.backward_config, launch, plan, hidden, weight, saved, request, temperature=temperature
+            self.config,
+            self.backward_config_for(hidden.dtype),
+            launch,
+            plan,
+            hidden,
+            weight,
+            saved,
+            request,
+            temperature=temperature,
         )

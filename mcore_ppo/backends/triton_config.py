@@ -18,6 +18,22 @@ from mcore_ppo.validation import check_bool, check_positive_int
 #: (profile_head --sweep-forward); tiles per split follow the shard (``forward_tiles_per_split``).
 GPU_FORWARD = GemmConfig(num_stages=3, tiles_per_split=2, use_tma=True)
 GPU_BACKWARD = GemmConfig(tiles_per_split=1, use_tma=True)
+#: The GPU defaults' tiles for fp32 operands, by dot (``block_k`` before :func:`for_dtype`
+#: halves it; the forward's tiles per split fixed at 2): measured at the qwen7b TP 8 shard
+#: (``scripts/bench_precision.py --sweep``, docs/kernels.md#precision). IEEE fp32 dots run on
+#: the SIMT units, where 64 × 64 tiles cut the forward 22× and the backward's recompute 10×
+#: against the 16-bit tiles; 3×TF32 dots gain 7 % in the forward at 128 × 128 and are
+#: unchanged in the backward.
+FP32_TILES = {
+    "ieee": (
+        GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, tiles_per_split=2, use_tma=True),
+        GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, tiles_per_split=1, use_tma=True),
+    ),
+    "tf32x3": (
+        GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2, tiles_per_split=2, use_tma=True),
+        GPU_BACKWARD,
+    ),
+}
 #: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
 INTERPRETER_FORWARD = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 INTERPRETER_BACKWARD = replace(INTERPRETER_FORWARD, tiles_per_split=1)
@@ -33,8 +49,8 @@ class TritonConfig:
     Attributes:
         forward_config, backward_config: tiles of the forward and backward kernels; None: the
             GPU defaults (:data:`GPU_FORWARD`, whose ``tiles_per_split`` then follows the shard,
-            :attr:`forward_tiles_per_split`), or small tiles under ``TRITON_INTERPRET=1``.
-            A given config is used as given.
+            :attr:`forward_tiles_per_split`; :data:`FP32_TILES` for fp32 operands), or small
+            tiles under ``TRITON_INTERPRET=1``. A given config is used as given.
         forward_tiles_per_split, min_forward_splits: the default forward's vocab tiles per
             program, by shard: the most of ``forward_tiles_per_split`` that still leaves
             ``min_forward_splits`` vocab splits per row block (longer programs merge fewer

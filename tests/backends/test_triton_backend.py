@@ -221,6 +221,29 @@ def test_forward_tiles_per_split_follow_the_shard(monkeypatch):
     )
 
 
+def test_fp32_operands_take_their_dots_tiles(monkeypatch):
+    """On a GPU, fp32 operands under the default tiles take their dot's (IEEE: small tiles, the
+    SIMT units' accumulators do not spill; 3×TF32: 128 × 128), forward and backward, at every
+    shard; 16-bit operands keep the default's, and a config the caller gives is used as given."""
+    monkeypatch.setattr(triton_config, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
+    for precision, dot in (("auto", "ieee"), ("ieee", "ieee"), ("fp32_faithful", "tf32x3")):
+        backend = triton_backend.TritonBackend(triton_backend.TritonConfig(precision=precision))
+        forward, backward = triton_config.FP32_TILES[dot]
+        for v in MEASURED_SHARDS:
+            assert backend.forward_config_for(v, torch.float32) == forward
+            assert backend.forward_config_for(v, torch.bfloat16).block_n == triton_config.GPU_FORWARD.block_n
+        assert backend.backward_config_for(torch.float32) == backward
+        assert backend.backward_config_for(torch.bfloat16) == triton_config.GPU_BACKWARD
+        given = replace(triton_config.GPU_FORWARD, block_m=32)
+        mine = triton_backend.TritonBackend(
+            triton_backend.TritonConfig(precision=precision, forward_config=given, backward_config=given)
+        )
+        assert mine.forward_config_for(19008, torch.float32) is given
+        assert mine.backward_config_for(torch.float32) is given
+    assert triton_config.FP32_TILES["ieee"][0].block_n < triton_config.GPU_FORWARD.block_n
+
+
 def test_main_grad_accumulation():
     """With Megatron's gradient-accumulation fusion the weight gradient is added to main_grad."""
     hidden, weight, labels, g, e = make_case(18, 16, 50, seed=next_seed())
