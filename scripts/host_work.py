@@ -16,8 +16,9 @@ for any custom Function (``autograd_noop_backward_ms_steady``: a no-op Function'
 The head runs with ``validate=False`` (``--validate`` turns it on): the value checks read labels
 and temperatures back, one host sync per call, which would wait for the spin.
 
-It also records, per call, the aten ops the host issued (a ``TorchDispatchMode``) and the kernel
-launches of the triton backend (counted by its launcher, ``backend.launcher.launches``), and which
+It also records, per call, the aten ops the host issued (a ``TorchDispatchMode``), the kernel
+launches of the triton backend (counted by its launcher, ``backend.launcher.launches``), the GPU
+work items queued (``gpu_items``, CUDA only: what sizes the steady runs), and which
 launch level each kernel reached (``fast_launch_levels``: ``compiled`` where a site keeps its
 compiled kernel, ``normal`` where it takes ``kernel[grid]``; empty under the interpreter and
 without CUDA).
@@ -106,13 +107,23 @@ class _CountOps(TorchDispatchMode):
 
 def _counts(fn, launcher) -> dict:
     """Aten ops and kernel launches (through ``launcher``, a triton backend's; None: not counted)
-    of one call of ``fn``."""
+    of one call of ``fn``, and on CUDA the GPU work items the call queued (``gpu_items``: every
+    kernel, copy and memset, the cuBLAS GEMMs inside the head's ops included, by
+    ``torch.profiler``), which size the steady measurements."""
     before = launcher.launches if launcher is not None else 0
     mode = _CountOps()
     with mode:
         fn()
     launches = (launcher.launches - before) if launcher is not None else None
-    return {"aten_ops": sum(mode.ops.values()), "launches": launches, "ops": dict(sorted(mode.ops.items()))}
+    out = {"aten_ops": sum(mode.ops.values()), "launches": launches, "ops": dict(sorted(mode.ops.items()))}
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        out["gpu_items"] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return out
 
 
 def _triton_version() -> str | None:
@@ -176,7 +187,7 @@ class _NoOp(torch.autograd.Function):
 def _queue_calls(counts: dict, reps: int) -> int:
     """Back-to-back calls that keep the GPU's launch queue (about a thousand entries) well short
     of full: past it the host would wait for the GPU, and time the GPU's work instead."""
-    per_call = max(1, counts["aten_ops"] + (counts["launches"] or 0))
+    per_call = max(1, counts.get("gpu_items") or counts["aten_ops"] + (counts["launches"] or 0))
     return max(2, min(reps, _QUEUED_LAUNCHES // per_call))
 
 
@@ -359,9 +370,16 @@ def main() -> None:
     graphs = []
     for _ in range(backward_calls):  # the forwards first, untimed; then their backwards in a row
         graphs.append(call())
+
+    def retries() -> int:
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+
+    retries_before = retries()
     result["backward_host_ms_steady"] = _steady_host_ms(
         lambda: torch.autograd.backward(list(graphs.pop()), grads), backward_calls, cuda
     )
+    # A retry frees cached blocks and waits for the GPU: the time would then include its work.
+    result["backward_steady_alloc_retries"] = retries() - retries_before
     x.grad = w.grad = None
     leaf = torch.zeros(n, device=device, requires_grad=True)
     nodes = [_NoOp.apply(leaf) for _ in range(backward_calls)]
@@ -376,7 +394,10 @@ def main() -> None:
 
     text = io.StringIO()
     text.write(_profile("no-grad forward", nograd, forward_calls, cuda))
-    pair = {key: (counts["forward"][key] or 0) + (counts["backward"][key] or 0) for key in ("aten_ops", "launches")}
+    pair = {
+        key: (counts["forward"].get(key) or 0) + (counts["backward"].get(key) or 0)
+        for key in ("aten_ops", "launches", "gpu_items")
+    }
     text.write(_profile("forward + backward", lambda: (forward(), backward()), _queue_calls(pair, args.reps), cuda))
     if args.tp_combine:  # last: its process group would send the API's calls to Megatron's groups
         if not hasattr(backend, "head_forward"):
