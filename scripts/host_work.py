@@ -110,18 +110,18 @@ def _counts(fn, launcher) -> dict:
     of one call of ``fn``, and on CUDA the GPU work items the call queued (``gpu_items``: every
     kernel, copy and memset, the cuBLAS GEMMs inside the head's ops included, by
     ``torch.profiler``), which size the steady measurements."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
     before = launcher.launches if launcher is not None else 0
     mode = _CountOps()
-    with mode:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof, mode:
         fn()
+        if cuda:
+            torch.cuda.synchronize()
     launches = (launcher.launches - before) if launcher is not None else None
     out = {"aten_ops": sum(mode.ops.values()), "launches": launches, "ops": dict(sorted(mode.ops.items()))}
-    if torch.cuda.is_available():
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
+    if cuda:
         out["gpu_items"] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     return out
 
