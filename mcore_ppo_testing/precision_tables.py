@@ -16,7 +16,7 @@ def precision_table(report: dict) -> str:
         ("cuBLAS bf16 GEMM (the floor)", ms["bf16_gemm"], None),
         ("cuBLAS IEEE fp32 GEMM", ms["fp32_ieee_gemm"], None),
         ('head, `precision="fp32_faithful"` (3×TF32)', ms["faithful"], errors["faithful"]),
-        ('head, `precision="ieee"` (today\'s fp32 default tiles)', ms["ieee"], errors["ieee"]),
+        ('head, `precision="ieee"`', ms["ieee"], errors["ieee"]),
     ]
     lines = [
         "| forward | ms | × bf16 GEMM | × IEEE fp32 GEMM | rel. error vs fp64: log p / entropy |",
@@ -38,6 +38,35 @@ def sweep_table(report: dict) -> str:
     for name, value in report["forward_tiles_sweep_ms"].items():
         precision, tiles = name.split(" ", 1)
         lines.append(f"| `{precision}` | {tiles} | {value:.2f} | {value / bf16:.2f} |")
+    return "\n".join(lines)
+
+
+def _tiles(text: str) -> str:
+    """``"(128, 128, 64, 2, 8)"`` as ``128x128x64/s2/w8``; ``"default"`` as it is."""
+    if text == "default":
+        return text
+    m, n, k, stages, warps = (int(v) for v in text.strip("()").split(","))
+    return f"{m}x{n}x{k}/s{stages}/w{warps}"
+
+
+def tiles_sweep_table(report: dict) -> str:
+    """Forward and forward + backward at other tiles, with and without the probability buffer,
+    and the gradients' error (``--sweep``'s ``tiles_sweep``; ``default``: the backend's)."""
+    rows: dict[tuple[str, str, str], dict[str, dict]] = {}
+    for name, row in report["tiles_sweep"].items():
+        head, mode = name.rsplit(" ", 1)
+        precision, rest = head.split(" fwd ", 1)
+        forward, backward = rest.split(" bwd ", 1)
+        rows.setdefault((precision, _tiles(forward), _tiles(backward)), {})[mode] = row
+    lines = [
+        "| precision | forward tiles | backward tiles | buffer: forward / step ms | recompute: forward / step ms "
+        "| d_hidden / d_W error (larger of the two modes) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (precision, forward, backward), modes in rows.items():
+        cells = [f"{modes[m]['forward_ms']:.2f} / {modes[m]['step_ms']:.2f}" for m in ("buffer", "recompute")]
+        dx, dw = (max(modes[m][key] for m in modes) for key in ("d_hidden_rel_err", "d_weight_rel_err"))
+        lines.append(f"| `{precision}` | {forward} | {backward} | {cells[0]} | {cells[1]} | {_g(dx)} / {_g(dw)} |")
     return "\n".join(lines)
 
 

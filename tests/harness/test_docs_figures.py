@@ -520,11 +520,11 @@ HOST_ROWS = {
 
 
 def host_work() -> dict[str, dict]:
-    record = "gpu_runs/h200_2026-12-02d"
+    record = "gpu_runs/h200_2026-12-04"
     return {
-        "tp 8 shard": load(f"{record}/3_host_work_tp8.json"),
-        "tp 1": load(f"{record}/3_host_work_tp1.json"),
-        "tp 8, graphed": json_in_log(f"{record}/3_host_work_tp8_graphed.log"),
+        "tp 8 shard": json_in_log(f"{record}/4_host_work_C_qwen7b_tp8.log"),
+        "tp 1": json_in_log(f"{record}/4_host_work_C_qwen7b_tp1.log"),
+        "tp 8, graphed": json_in_log("gpu_runs/h200_2026-12-02d/3_host_work_tp8_graphed.log"),
     }
 
 
@@ -722,7 +722,7 @@ def test_kernels_figures_come_from_the_tables():
         rf"(?P<nograd>{NUMBER}) ms per no-grad forward, (?P<fwd>{NUMBER}) ms per forward, "
         rf"(?P<bwd>{NUMBER}) ms per backward node"
     )
-    tp8 = load("gpu_runs/h200_2026-12-03c/2_host_work_after_1.json")
+    tp8 = host_work()["tp 8 shard"]
     check(m["nograd"], tp8["nograd_forward_host_ms_steady"], "no-grad forward host work")
     check(m["fwd"], tp8["forward_host_ms_steady"], "forward host work")
     check(m["bwd"], tp8["backward_node_host_ms_steady"], "backward node host work")
@@ -909,10 +909,16 @@ def test_verl_main_ppo_table_is_its_json():
 def test_precision_tables_are_their_json():
     """The numerics tables, in their record and on the summary page, are the ones their JSON
     makes (``mcore_ppo_testing.precision_tables``)."""
-    from mcore_ppo_testing.precision_tables import mismatch_table, precision_table, sweep_table
+    from mcore_ppo_testing.precision_tables import mismatch_table, precision_table, sweep_table, tiles_sweep_table
 
     record = "gpu_runs/h200_2026-12-03f"
     precision, mismatch = load(f"{record}/bench_precision.json"), load(f"{record}/bench_mismatch.json")
-    for page in (BENCH / record / "README.md", BENCH / "precision_h200.md"):
-        for made in (precision_table(precision), sweep_table(precision), mismatch_table(mismatch)):
+    tiles = load("gpu_runs/h200_2026-12-04/1_bench_precision_sweep.json")
+    pages = {
+        BENCH / record / "README.md": (precision_table(precision), sweep_table(precision), mismatch_table(mismatch)),
+        BENCH / "gpu_runs/h200_2026-12-04/README.md": (precision_table(tiles), tiles_sweep_table(tiles)),
+    }
+    pages[BENCH / "precision_h200.md"] = (*pages[BENCH / record / "README.md"], tiles_sweep_table(tiles))
+    for page, tables in pages.items():
+        for made in tables:
             assert made in text(page), f"{page.relative_to(REPO)}: not the table its JSON makes:\n{made}"
