@@ -93,6 +93,68 @@ COMPILE = textwrap.dedent(
 )
 
 
+COMPILE_FP32 = COMPILE[: COMPILE.index("n, h, v = 1024")] + textwrap.dedent(
+    """
+    n, h, v = 1024, 3584, 19008
+    # fp32 operands under the default tiles: their dot's (FP32_TILES), K halved by for_dtype.
+    from mcore_ppo.backends.triton_backend import TritonConfig
+    from mcore_ppo.backends.triton_host import for_dtype
+    x = torch.empty(n, h)
+    w = torch.empty(v, h)
+    ints = torch.empty(n, dtype=torch.int32)
+    count = torch.empty(1, dtype=torch.int32)
+    labels = torch.empty(n, dtype=torch.int64)
+    vec = torch.empty(n)
+    shared = {}
+    for precision, dot in (("ieee", "ieee"), ("fp32_faithful", "tf32x3")):
+        backend = TritonBackend(TritonConfig(precision=precision))
+        f = for_dtype(backend.forward_config_for(v, torch.float32), torch.float32)
+        b = for_dtype(backend.backward_config_for(torch.float32), torch.float32)
+        splits = triton.cdiv(v, f.tiles_per_split * f.block_n)
+        tiles = triton.cdiv(v, f.block_n)
+        for store in (False, True):  # fp32 buffer tiles are stored through pointers (no TMA store)
+            buf = torch.empty(n, v) if store else vec
+            tmax = torch.empty(n, tiles) if store else vec
+            kernel = stats_kernel.warmup(
+                x, x, w, ints, count, labels, torch.empty(4, splits, n), vec, buf, tmax, n, v, h, h, h, splits, 1.0,
+                tiles, vec, BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k,
+                TILES_PER_SPLIT=f.tiles_per_split, GROUP_M=f.group_m, num_warps=f.num_warps,
+                num_stages=f.num_stages, USE_TMA=True, STORE_P=store, BUF_TMA=False, DIRECT_ROWS=True, EVEN_K=True,
+                UPCAST=False, DOT=dot, grid=(1,),
+            )
+            shared[f"{dot} stats_kernel" + (" buffer" if store else "")] = kernel.metadata.shared
+        chunk = 7680
+        dz = torch.empty(n, chunk)
+        kernel = dz_kernel.warmup(
+            x, w, TensorDescriptor.from_tensor(x, [b.block_m, b.block_k]),
+            TensorDescriptor.from_tensor(w, [b.block_n, b.block_k]), ints, count, labels, vec, vec, vec, vec,
+            dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0, vec,
+            HAS_G=True, HAS_E=True, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, GROUP_M=b.group_m,
+            num_warps=b.num_warps, num_stages=b.num_stages, USE_TMA=True, DZ_TMA=False, EVEN_K=True, UPCAST=False,
+            DOT=dot, grid=(1,),
+        )
+        shared[f"{dot} dz_kernel"] = kernel.metadata.shared
+    print(json.dumps(shared))
+    """
+)
+
+
+def test_fp32_default_gemm_kernels_fit_hopper_shared_memory():
+    """The fp32 operands' default tiles (``triton_config.FP32_TILES``: IEEE and 3×TF32 dots),
+    stats_kernel with and without the probability buffer and dz_kernel, compiled for sm_90."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FP32], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(shared) == {
+        f"{dot} {k}" for dot in ("ieee", "tf32x3") for k in ("stats_kernel", "stats_kernel buffer", "dz_kernel")
+    }
+    print(shared)
+    too_big = {name: size for name, size in shared.items() if size > HOPPER_SHARED_BYTES}
+    assert not too_big, f"over {HOPPER_SHARED_BYTES} bytes of shared memory on sm_90: {too_big}"
+    assert all(size > 8 * 1024 for size in shared.values())  # the operand tiles are staged there
+
+
 def test_default_gemm_kernels_fit_hopper_shared_memory():
     """stats_kernel (statistics only, and with the probability buffer's TMA store) and
     dz_kernel (with its TMA store) at the default tiles and stages, bf16, TMA operands; each
