@@ -2,14 +2,16 @@
 """GPU time and idle-GPU time of the head's calls against one GEMM, per shard: for A/B runs of two trees.
 
 For each shape and TP size (one rank's shard ``V/tp``; bf16, ``--tokens`` tokens, every label
-valid, T = 0.7, the default ``triton`` backend, ``validate=False`` unless ``--validate``) it times with CUDA events,
-medians of ``--reps`` calls after warm-up: one GEMM ``x @ W.T``, the no-grad forward, the forward
-that keeps its graph (its backward is not run) and forward + backward, each twice: with the
-host's work queued behind a GPU spin (``gpu``: the GPU's time, as inside a model step) and from
-an idle GPU (``idle``: the host's work before the first kernel counted). Ratios are to one GEMM's
-GPU time. Lighter than ``bench_head.py`` (no peers, no fp64 reference, no memory): it is meant to
-run the same measurement on two checkouts in one device call, in A B B A order (copy it into
-the other checkout's ``scripts/``: it imports the ``mcore_ppo`` beside it).
+valid, T = 0.7, the default ``triton`` backend, ``validate=False`` unless ``--validate``) it
+times with CUDA events, medians of ``--reps`` calls after warm-up: one GEMM ``x @ W.T``, the
+no-grad forward, the forward that keeps its graph (its backward is not run) and forward +
+backward, each twice: with the host's work queued behind a GPU spin (``gpu``: the GPU's time,
+as inside a model step) and from an idle GPU (``idle``: the host's work before the first kernel
+counted). Ratios are to one GEMM's GPU time, and the idle times also to the GEMM's from idle
+(``*_idle_x_gemm_idle``: an idle GPU's clock ramps during the call, which the GEMM's own idle
+time carries too). Lighter than ``bench_head.py`` (no peers, no fp64 reference, no memory): it
+is meant to run the same measurement on two checkouts in one device call, in A B B A order (copy
+it into the other checkout's ``scripts/``: it imports the ``mcore_ppo`` beside it).
 
 Usage (GPU):  python scripts/head_time.py [--shards qwen7b:1,qwen7b:8,v262k:1] [--reps 10] [--out FILE]
 """
@@ -74,6 +76,10 @@ def measure(shape: str, tp: int, tokens: int, reps: int, validate: bool = False)
     gemm_ms = out["gemm_gpu_ms"]
     for key in ("nograd_gpu", "nograd_idle", "forward_gpu", "forward_idle", "gemm_idle"):
         out[f"{key}_x_gemm"] = out[f"{key}_ms"] / gemm_ms
+    # From idle against the GEMM from idle: both start on the same clock (an idle GPU's clock
+    # ramps during a call: the GEMM alone from idle takes up to 1.2x its GPU time).
+    for key in ("nograd", "forward"):
+        out[f"{key}_idle_x_gemm_idle"] = out[f"{key}_idle_ms"] / out["gemm_idle_ms"]
     return out
 
 
@@ -98,7 +104,9 @@ def main() -> int:
         print(
             f"{shape} tp{tp}: gemm {row['gemm_gpu_ms']:.3f} ms; nograd gpu {row['nograd_gpu_x_gemm']:.4f}x "
             f"idle {row['nograd_idle_x_gemm']:.4f}x; forward gpu {row['forward_gpu_x_gemm']:.4f}x "
-            f"idle {row['forward_idle_x_gemm']:.4f}x; step {row['step_gpu_ms']:.3f} ms",
+            f"idle {row['forward_idle_x_gemm']:.4f}x (over the GEMM from idle: nograd "
+            f"{row['nograd_idle_x_gemm_idle']:.4f}x, forward {row['forward_idle_x_gemm_idle']:.4f}x); "
+            f"step {row['step_gpu_ms']:.3f} ms",
             flush=True,
         )
         torch.cuda.empty_cache()
