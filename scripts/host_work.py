@@ -41,7 +41,9 @@ host work above its backend alone, on any machine: the part a CPU can measure an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import inspect
 import io
 import json
 import pstats
@@ -59,7 +61,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcore_ppo import HeadOptions, fused_log_probs_and_entropy
 from mcore_ppo.backends import resolve_backend
 from mcore_ppo_testing.bench import SHAPES
-from mcore_ppo_testing.null_backend import NullBackend
 
 _SPIN_CYCLES = 200_000_000  # ~0.1 s at 1.98 GHz: far longer than any call's host work
 _QUEUED_LAUNCHES = 400  # per steady measurement
@@ -115,7 +116,7 @@ def _counts(fn, launcher) -> dict:
     cuda = torch.cuda.is_available()
     before = launcher.launches if launcher is not None else 0
     mode = _CountOps()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof, mode:
+    with profile(activities=[ProfilerActivity.CUDA]) if cuda else contextlib.nullcontext() as prof, mode:
         fn()
         if cuda:
             torch.cuda.synchronize()
@@ -196,7 +197,11 @@ def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -
     import torch.distributed as dist
 
     from mcore_ppo.numerics import max_entropy
-    from mcore_ppo.parallel import combine as combine_module
+
+    try:
+        from mcore_ppo.parallel import combine as combine_module
+    except ImportError:  # an older checkout's top-level package, for A/B runs
+        from parallel import combine as combine_module
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -214,9 +219,16 @@ def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -
         stamps.append(time.perf_counter())
         return out
 
+    # The labels are in range (an older checkout names the flag labels_checked).
+    in_range = (
+        "labels_in_range"
+        if "labels_in_range" in inspect.signature(backend.head_forward).parameters
+        else "labels_checked"
+    )
+
     def forward(grad_needed: bool, tp: bool):
         return backend.head_forward(
-            x, w, labels, 0.7, ignore_index=-100, vocab_start=0, vocab_size=vocab_size, labels_in_range=True,
+            x, w, labels, 0.7, ignore_index=-100, vocab_start=0, vocab_size=vocab_size, **{in_range: True},
             grad_needed=grad_needed, with_entropy=True, max_entropy=max_entropy(vocab_size, torch.float32),
             combine=combine if tp else None,
         )  # fmt: skip
@@ -302,6 +314,8 @@ def main() -> None:
     # it (an object costs a Protocol isinstance check per call); its launcher counts the launches.
     if args.backend == "null":
         # Built once into the options (checked then, as a user's reused HeadOptions is).
+        from mcore_ppo_testing.null_backend import NullBackend  # (an older checkout has none)
+
         backend = NullBackend()
         options = HeadOptions(backend=backend, validate=args.validate)
     else:
