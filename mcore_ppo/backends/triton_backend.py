@@ -260,14 +260,14 @@ class TritonBackend:
 
     def forward_config_for(self, v: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
         """The forward's tile config for a shard of ``v`` vocab rows of operands of ``dtype``
-        (one per shard size, so one compile per model): the default's ``tiles_per_split`` by
-        the config's rule; fp32 operands' defaults by their dot (:data:`FP32_TILES`)."""
+        (one per shard size, so one compile per model): the default's tiles (fp32 operands':
+        their dot's, :data:`FP32_TILES`), its ``tiles_per_split`` by the config's rule."""
         cfg = self.forward_config
         if not self.tiles_by_shard:
             return cfg
         fp32_tiles = FP32_TILES.get(Numerics.of(dtype, self.config.precision).dot)
         if fp32_tiles is not None:
-            return fp32_tiles[0]
+            cfg = fp32_tiles[0]
         for tiles in self.config.forward_tiles_per_split:
             if cdiv(v, tiles * cfg.block_n) >= self.config.min_forward_splits:
                 return replace(cfg, tiles_per_split=tiles)

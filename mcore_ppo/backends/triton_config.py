@@ -19,8 +19,10 @@ from mcore_ppo.validation import check_bool, check_positive_int
 GPU_FORWARD = GemmConfig(num_stages=3, tiles_per_split=2, use_tma=True)
 GPU_BACKWARD = GemmConfig(tiles_per_split=1, use_tma=True)
 #: The GPU defaults' tiles for fp32 operands, by dot (``block_k`` before :func:`for_dtype`
-#: halves it; the forward's tiles per split fixed at 2): measured at the qwen7b TP 8 shard
-#: (``scripts/bench_precision.py --sweep``, docs/kernels.md#precision). IEEE fp32 dots run on
+#: halves it), measured at the qwen7b TP 8 shard (``scripts/bench_precision.py --sweep``,
+#: docs/kernels.md#numerics) with 2 tiles per split; the forward's tiles per split then follow
+#: the shard as the 16-bit default's do (there: 2 for 3×TF32 dots, 4 for the compute-bound IEEE
+#: dots; fewer partials where the shard is large). IEEE fp32 dots run on
 #: the SIMT units, where 64 × 64 tiles cut the forward 22× and the backward's recompute 10×
 #: against the 16-bit tiles; 3×TF32 dots gain 7 % in the forward at 128 × 128 and are
 #: unchanged in the backward.

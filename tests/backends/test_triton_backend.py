@@ -231,8 +231,14 @@ def test_fp32_operands_take_their_dots_tiles(monkeypatch):
         backend = triton_backend.TritonBackend(triton_backend.TritonConfig(precision=precision))
         forward, backward = triton_config.FP32_TILES[dot]
         for v in MEASURED_SHARDS:
-            assert backend.forward_config_for(v, torch.float32) == forward
+            cfg = backend.forward_config_for(v, torch.float32)
+            assert cfg == replace(forward, tiles_per_split=cfg.tiles_per_split), (precision, v)
+            # Tiles per split by the shard rule, at these tiles' width.
+            splits = -(-v // (cfg.tiles_per_split * cfg.block_n))
+            assert cfg.tiles_per_split == 2 or splits >= backend.config.min_forward_splits, (precision, v)
             assert backend.forward_config_for(v, torch.bfloat16).block_n == triton_config.GPU_FORWARD.block_n
+        # At the shard the tiles were measured on, 3×TF32 dots keep the measured 2 tiles per split.
+        assert dot != "tf32x3" or backend.forward_config_for(19008, torch.float32).tiles_per_split == 2
         assert backend.backward_config_for(torch.float32) == backward
         assert backend.backward_config_for(torch.bfloat16) == triton_config.GPU_BACKWARD
         given = replace(triton_config.GPU_FORWARD, block_m=32)
