@@ -106,7 +106,7 @@ class TritonBackend:
         self.config = config or TritonConfig()
         self.launcher = launcher if launcher is not None else Launcher(kept=self.config.kept_kernels)
         self.forward_config, self.tiles_by_shard = self.config.resolved_forward()
-        self.backward_config = self.config.resolved_backward()
+        self.backward_config, self.backward_by_dtype = self.config.resolved_backward()
         self.capabilities = Capabilities(
             fused_forward=self.config.fused_forward, weight_grad_in_weight_dtype=True, writes_weight_grad=True
         )
@@ -265,9 +265,7 @@ class TritonBackend:
         cfg = self.forward_config
         if not self.tiles_by_shard:
             return cfg
-        fp32_tiles = FP32_TILES.get(Numerics.of(dtype, self.config.precision).dot)
-        if fp32_tiles is not None:
-            cfg = fp32_tiles[0]
+        cfg = self._fp32_tiles(dtype, 0) or cfg
         for tiles in self.config.forward_tiles_per_split:
             if cdiv(v, tiles * cfg.block_n) >= self.config.min_forward_splits:
                 return replace(cfg, tiles_per_split=tiles)
@@ -275,12 +273,14 @@ class TritonBackend:
 
     def backward_config_for(self, dtype: torch.dtype) -> GemmConfig:
         """The backward's tile config for operands of ``dtype``: the config's, or for fp32
-        operands under the default tiles their dot's (:data:`FP32_TILES`)."""
-        if self.config.backward_config is None and not interpreting():
-            fp32_tiles = FP32_TILES.get(Numerics.of(dtype, self.config.precision).dot)
-            if fp32_tiles is not None:
-                return fp32_tiles[1]
-        return self.backward_config
+        operands under the GPU default their dot's (:data:`FP32_TILES`)."""
+        return (self.backward_by_dtype and self._fp32_tiles(dtype, 1)) or self.backward_config
+
+    def _fp32_tiles(self, dtype: torch.dtype, index: int) -> GemmConfig | None:
+        """:data:`FP32_TILES`' forward (``index`` 0) or backward (1) config for operands of
+        ``dtype`` under this backend's precision; None for 16-bit operands."""
+        tiles = FP32_TILES.get(Numerics.of(dtype, self.config.precision).dot)
+        return None if tiles is None else tiles[index]
 
     def vocab_chunk(self, n: int, v: int, itemsize: int) -> int:
         """Columns per backward chunk: the ``dz`` workspace stays within ``workspace_bytes``."""
@@ -327,14 +327,7 @@ class TritonBackend:
                 self.config, launch, plan, hidden, weight, saved, request, temperature=temperature
             )
         plan = plan if saved.fused_forward else None
+        backward_config = self.backward_config_for(hidden.dtype)
         return gradients_by_recompute(
-            self.config,
-            self.backward_config_for(hidden.dtype),
-            launch,
-            plan,
-            hidden,
-            weight,
-            saved,
-            request,
-            temperature=temperature,
+            self.config, backward_config, launch, plan, hidden, weight, saved, request, temperature=temperature
         )

@@ -140,8 +140,11 @@ class TritonConfig:
             return INTERPRETER_FORWARD, False
         return GPU_FORWARD, True
 
-    def resolved_backward(self) -> GemmConfig:
-        """The given backward config, else the device's default."""
+    def resolved_backward(self) -> tuple[GemmConfig, bool]:
+        """``(backward config, GPU default)``: the given config as it is, else the device's
+        default; on a GPU the default, whose fp32 operands take their dot's tiles."""
         if self.backward_config is not None:
-            return self.backward_config
-        return INTERPRETER_BACKWARD if interpreting() else GPU_BACKWARD
+            return self.backward_config, False
+        if interpreting():
+            return INTERPRETER_BACKWARD, False
+        return GPU_BACKWARD, True

@@ -77,7 +77,7 @@ def _backend(budget: int, *, tma: bool) -> triton_backend.TritonBackend:
     config = triton_backend.TritonConfig(buffer_budget_bytes=budget, kept_kernels=False)
     forward, _ = config.resolved_forward()
     if tma and not forward.use_tma:
-        backward = config.resolved_backward()
+        backward, _ = config.resolved_backward()
         config = replace(
             config, forward_config=replace(forward, use_tma=True), backward_config=replace(backward, use_tma=True)
         )

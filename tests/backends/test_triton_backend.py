@@ -55,7 +55,7 @@ def triton(*, tma: bool = False, **settings) -> triton_backend.TritonBackend:
     config = triton_backend.TritonConfig(**settings)
     forward, _ = config.resolved_forward()
     if tma and not forward.use_tma:
-        backward = replace(config.resolved_backward(), use_tma=True)
+        backward = replace(config.resolved_backward()[0], use_tma=True)
         config = replace(config, forward_config=replace(forward, use_tma=True), backward_config=backward)
     backend = triton_backend.TritonBackend(config)
     assert not tma or (backend.forward_config.use_tma and backend.backward_config.use_tma)
@@ -225,8 +225,7 @@ def test_fp32_operands_take_their_dots_tiles(monkeypatch):
     """On a GPU, fp32 operands under the default tiles take their dot's (IEEE: small tiles, the
     SIMT units' accumulators do not spill; 3×TF32: 128 × 128), forward and backward, at every
     shard; 16-bit operands keep the default's, and a config the caller gives is used as given."""
-    monkeypatch.setattr(triton_config, "interpreting", lambda: False)
-    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_config, "interpreting", lambda: False)  # the GPU's defaults
     for precision, dot in (("auto", "ieee"), ("ieee", "ieee"), ("fp32_faithful", "tf32x3")):
         backend = triton_backend.TritonBackend(triton_backend.TritonConfig(precision=precision))
         forward, backward = triton_config.FP32_TILES[dot]
