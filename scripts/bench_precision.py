@@ -91,7 +91,9 @@ SWEEP = (
 def _sweep(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, reps: int) -> dict[str, dict]:
     """Each :data:`SWEEP` entry's forward and forward + backward GPU time (ms), with the
     probability buffer (``buffer``) and without (``recompute``: the backward recomputes the
-    logits at its own tiles), and the gradients' largest error over the largest fp64 value."""
+    logits at its own tiles), and the gradients' largest error over the largest fp64 value.
+    Every entry is warmed before any is timed; the entries are timed in :data:`SWEEP`'s order
+    and then in reverse, and each time is the median of the two visits' medians."""
     from mcore_ppo.backends.triton_host import GemmConfig
 
     def gemm(tiles, **extra):
@@ -104,6 +106,7 @@ def _sweep(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, reps: int) ->
     g, e = (torch.randn(x.shape[0], device="cuda", generator=gen) for _ in range(2))
     ref_dx, ref_dw = fp64_gradients(x, w, labels, g, e)
     results: dict[str, dict] = {}
+    timed: dict[str, tuple] = {}  # name -> (forward, step, calls): the entries that ran
     for precision, forward_tiles, backward_tiles in SWEEP:
         for mode, budget in (("buffer", 1 << 30), ("recompute", 0)):
             name = f"{precision} fwd {forward_tiles or 'default'} bwd {backward_tiles or 'default'} {mode}"
@@ -121,20 +124,30 @@ def _sweep(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, reps: int) ->
                 xg.grad = wg.grad = None
                 torch.autograd.backward(list(forward()), [g, e])
 
-            try:
+            try:  # the first step compiles, warms and gives the gradients' error
                 step()
-                row = {
+                results[name] = {
                     "d_hidden_rel_err": relative(xg.grad, ref_dx),
                     "d_weight_rel_err": relative(wg.grad, ref_dw),
                 }
-                calls = reps if precision == "fp32_faithful" or forward_tiles else 2
-                row["forward_ms"] = statistics.median(event_times(forward, calls))
-                row["step_ms"] = statistics.median(event_times(step, max(2, calls // 2)))
+                xg.grad = wg.grad = None
+                forward()
+                timed[name] = (forward, step, reps if precision == "fp32_faithful" or forward_tiles else 2)
             except Exception as err:  # a tile that does not fit this GPU: say so, go on
-                row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-            results[name] = row
-            print(name, row, flush=True)
+                results[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
             torch.cuda.empty_cache()
+    # Timed in the order A B ... B A, each visit's median, the two visits pooled (as main's).
+    visits: dict[str, dict[str, list[float]]] = {name: {"forward_ms": [], "step_ms": []} for name in timed}
+    torch.cuda.synchronize()
+    for name in [*timed, *reversed(timed)]:
+        forward, step, calls = timed[name]
+        visits[name]["forward_ms"].append(statistics.median(event_times(forward, calls)))
+        visits[name]["step_ms"].append(statistics.median(event_times(step, max(2, calls // 2))))
+    for name, times in visits.items():
+        results[name].update({key: statistics.median(values) for key, values in times.items()})
+        results[name]["visits_ms"] = times
+    for name, row in results.items():
+        print(name, row, flush=True)
     return results
 
 
