@@ -23,7 +23,10 @@ pytest.importorskip("triton")
 
 HOPPER_SHARED_BYTES = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB)
 
-COMPILE = textwrap.dedent(
+# A stand-in driver naming sm_90, and the two GEMM kernels' compiles at a forward config ``f``
+# / backward config ``b``: their shared memory in bytes. Operands of ``dtype``, TMA operands,
+# the forward's descriptors built in the kernel (plain pointers), ``dz_kernel``'s on the host.
+PRELUDE = textwrap.dedent(
     """
     import dataclasses, json, sys, torch, triton
     from triton.backends.compiler import GPUTarget
@@ -39,101 +42,83 @@ COMPILE = textwrap.dedent(
 
     driver.set_active(HopperTarget())
     from triton.tools.tensor_descriptor import TensorDescriptor
-    from mcore_ppo.backends.triton_backend import TritonBackend
+    from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
     from mcore_ppo.backends.triton_config import GPU_BACKWARD, GPU_FORWARD
+    from mcore_ppo.backends.triton_host import for_dtype
     from mcore_ppo.kernels import dz_kernel, stats_kernel
 
-    n, h, v = 1024, 3584, 19008
+    n, h, v, chunk = 1024, 3584, 19008, 7680
+    ints = torch.empty(n, dtype=torch.int32)
+    count = torch.empty(1, dtype=torch.int32)
+    labels = torch.empty(n, dtype=torch.int64)
+    vec = torch.empty(n)
+
+
+    def stats_shared(f, dtype, store, buf_tma, num_stages, dot, **flags):
+        x, w = torch.empty(n, h, dtype=dtype), torch.empty(v, h, dtype=dtype)
+        splits, tiles = triton.cdiv(v, f.tiles_per_split * f.block_n), triton.cdiv(v, f.block_n)
+        buf = torch.empty(n, v, dtype=dtype) if store else vec
+        tmax = torch.empty(n, tiles) if store else vec
+        kernel = stats_kernel.warmup(
+            x, x, w, ints, count, labels, torch.empty(4, splits, n), vec, buf, tmax, n, v, h, h, h, splits, 1.0,
+            tiles, vec, BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k, TILES_PER_SPLIT=f.tiles_per_split,
+            GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=num_stages, USE_TMA=True, STORE_P=store,
+            BUF_TMA=buf_tma, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False, DOT=dot, grid=(1,), **flags,
+        )
+        return kernel.metadata.shared
+
+
+    def dz_shared(b, dtype, dz_tma, num_stages, dot, **flags):
+        x, w, dz = torch.empty(n, h, dtype=dtype), torch.empty(v, h, dtype=dtype), torch.empty(n, chunk, dtype=dtype)
+        kernel = dz_kernel.warmup(
+            x, w, TensorDescriptor.from_tensor(x, [b.block_m, b.block_k]),
+            TensorDescriptor.from_tensor(w, [b.block_n, b.block_k]), ints, count, labels, vec, vec, vec, vec,
+            dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0, vec,
+            **{"HAS_G": True, "HAS_E": True, **flags}, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
+            GROUP_M=b.group_m, num_warps=b.num_warps, num_stages=num_stages, USE_TMA=True, DZ_TMA=dz_tma,
+            EVEN_K=True, UPCAST=False, DOT=dot, grid=(1,),
+        )
+        return kernel.metadata.shared
+    """
+)
+
+COMPILE = PRELUDE + textwrap.dedent(
+    """
     # The default backend outside the interpreter: the GPU configs, the forward's tiles per
     # split by shard (a loop count; the shared memory does not depend on it).
     backend = TritonBackend()
     assert backend.backward_config == GPU_BACKWARD and backend.tiles_by_shard
     f = backend.forward_config_for(v)
     assert f.use_tma and f == dataclasses.replace(GPU_FORWARD, tiles_per_split=f.tiles_per_split)
-    x = torch.empty(n, h, dtype=torch.bfloat16)
-    w = torch.empty(v, h, dtype=torch.bfloat16)
-    ints = torch.empty(n, dtype=torch.int32)
-    count = torch.empty(1, dtype=torch.int32)
-    labels = torch.empty(n, dtype=torch.int64)
-    vec = torch.empty(n)
     shared = {}
-    splits = triton.cdiv(v, f.tiles_per_split * f.block_n)
-    tiles = triton.cdiv(v, f.block_n)
     # The default variant, and the per-token temperature / entropy-off variants beside it.
     variants = {"": {}, " row_temp": {"ROW_TEMP": True}, " no_u": {"WITH_U": False}, " with_q": {"WITH_Q": True}}
     for store in (False, True):
-        buf = torch.empty(n, v, dtype=torch.bfloat16) if store else vec
-        tmax = torch.empty(n, tiles) if store else vec
-        parts = torch.empty(4, splits, n)
+        stages = min(f.num_stages, 3) if store else f.num_stages
         for suffix, flags in variants.items():
-            # The forward builds its descriptors in the kernel: plain pointers only.
-            kernel = stats_kernel.warmup(
-                x, x, w, ints, count, labels, parts, vec, buf, tmax, n, v, h, h, h, splits, 1.0, tiles, vec,
-                BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k, TILES_PER_SPLIT=f.tiles_per_split,
-                GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=min(f.num_stages, 3) if store else f.num_stages,
-                USE_TMA=True, STORE_P=store, BUF_TMA=store, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False,
-                DOT="native", grid=(1,), **flags,
-            )
-            shared[("stats_kernel buffer" if store else "stats_kernel") + suffix] = kernel.metadata.shared
+            name = ("stats_kernel buffer" if store else "stats_kernel") + suffix
+            shared[name] = stats_shared(f, torch.bfloat16, store, store, stages, "native", **flags)
     b = backend.backward_config
-    chunk = 7680
-    dz = torch.empty(n, chunk, dtype=torch.bfloat16)
     for suffix, flags in {"": {}, " row_temp": {"ROW_TEMP": True}, " no_e": {"HAS_E": False}}.items():
-        kernel = dz_kernel.warmup(
-            x, w, TensorDescriptor.from_tensor(x, [b.block_m, b.block_k]),
-            TensorDescriptor.from_tensor(w, [b.block_n, b.block_k]), ints, count, labels, vec, vec, vec, vec,
-            dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0, vec,
-            **{"HAS_G": True, "HAS_E": True, **flags}, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
-            GROUP_M=b.group_m, num_warps=b.num_warps, num_stages=min(b.num_stages, 3), USE_TMA=True, DZ_TMA=True,
-            EVEN_K=True, UPCAST=False, DOT="native", grid=(1,),
-        )
-        shared["dz_kernel" + suffix] = kernel.metadata.shared
+        shared["dz_kernel" + suffix] = dz_shared(b, torch.bfloat16, True, min(b.num_stages, 3), "native", **flags)
     print(json.dumps(shared))
     """
 )
 
 
-COMPILE_FP32 = COMPILE[: COMPILE.index("n, h, v = 1024")] + textwrap.dedent(
+COMPILE_FP32 = PRELUDE + textwrap.dedent(
     """
-    n, h, v = 1024, 3584, 19008
-    # fp32 operands under the default tiles: their dot's (FP32_TILES), K halved by for_dtype.
-    from mcore_ppo.backends.triton_backend import TritonConfig
-    from mcore_ppo.backends.triton_host import for_dtype
-    x = torch.empty(n, h)
-    w = torch.empty(v, h)
-    ints = torch.empty(n, dtype=torch.int32)
-    count = torch.empty(1, dtype=torch.int32)
-    labels = torch.empty(n, dtype=torch.int64)
-    vec = torch.empty(n)
+    # fp32 operands under the default tiles: their dot's (FP32_TILES), K halved by for_dtype;
+    # fp32 buffer and dz tiles are stored through pointers (no TMA store).
     shared = {}
     for precision, dot in (("ieee", "ieee"), ("fp32_faithful", "tf32x3")):
         backend = TritonBackend(TritonConfig(precision=precision))
         f = for_dtype(backend.forward_config_for(v, torch.float32), torch.float32)
         b = for_dtype(backend.backward_config_for(torch.float32), torch.float32)
-        splits = triton.cdiv(v, f.tiles_per_split * f.block_n)
-        tiles = triton.cdiv(v, f.block_n)
-        for store in (False, True):  # fp32 buffer tiles are stored through pointers (no TMA store)
-            buf = torch.empty(n, v) if store else vec
-            tmax = torch.empty(n, tiles) if store else vec
-            kernel = stats_kernel.warmup(
-                x, x, w, ints, count, labels, torch.empty(4, splits, n), vec, buf, tmax, n, v, h, h, h, splits, 1.0,
-                tiles, vec, BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k,
-                TILES_PER_SPLIT=f.tiles_per_split, GROUP_M=f.group_m, num_warps=f.num_warps,
-                num_stages=f.num_stages, USE_TMA=True, STORE_P=store, BUF_TMA=False, DIRECT_ROWS=True, EVEN_K=True,
-                UPCAST=False, DOT=dot, grid=(1,),
-            )
-            shared[f"{dot} stats_kernel" + (" buffer" if store else "")] = kernel.metadata.shared
-        chunk = 7680
-        dz = torch.empty(n, chunk)
-        kernel = dz_kernel.warmup(
-            x, w, TensorDescriptor.from_tensor(x, [b.block_m, b.block_k]),
-            TensorDescriptor.from_tensor(w, [b.block_n, b.block_k]), ints, count, labels, vec, vec, vec, vec,
-            dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0, vec,
-            HAS_G=True, HAS_E=True, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, GROUP_M=b.group_m,
-            num_warps=b.num_warps, num_stages=b.num_stages, USE_TMA=True, DZ_TMA=False, EVEN_K=True, UPCAST=False,
-            DOT=dot, grid=(1,),
-        )
-        shared[f"{dot} dz_kernel"] = kernel.metadata.shared
+        for store in (False, True):
+            name = f"{dot} stats_kernel" + (" buffer" if store else "")
+            shared[name] = stats_shared(f, torch.float32, store, False, f.num_stages, dot)
+        shared[f"{dot} dz_kernel"] = dz_shared(b, torch.float32, False, b.num_stages, dot)
     print(json.dumps(shared))
     """
 )
