@@ -38,6 +38,7 @@ import torch
 from mcore_ppo import shard
 from mcore_ppo.backends import backend_from_key
 from mcore_ppo.backends.base import SavedTokens
+from mcore_ppo.main_grad import dummy_weight_grad
 from mcore_ppo.numerics import accumulation_dtype
 from mcore_ppo.options import HiddenGrad, WeightGrad
 from mcore_ppo.parallel.ranks import group_from_key, group_size
@@ -351,26 +352,6 @@ def _backward(ctx, grad_log_prob, grad_entropy):
     return d_hidden if need_hidden else None, d_weight
 
 
-def dummy_weight_grad(weight: torch.Tensor) -> torch.Tensor:
-    """What autograd gets for the weight when its gradient went into ``main_grad``: Megatron's
-    convention (``ColumnParallelLinear`` with gradient-accumulation fusion) sets
-    ``grad_added_to_main_grad`` so DDP's hook does not add it twice, and hands autograd one
-    dummy tensor reused by every backward: TransformerEngine's where it is installed (shared
-    with Megatron's layers), else one kept on the weight; zeroed only for a weight marked
-    ``zero_out_wgrad``. Returned detached: autograd takes it as the gradient without a copy."""
-    weight.grad_added_to_main_grad = True
-    zero = getattr(weight, "zero_out_wgrad", False)
-    if weight.is_cuda and _te_dummy_wgrad is not None:
-        return _te_dummy_wgrad(list(weight.shape), weight.dtype, zero=zero)
-    dummy = getattr(weight, "_mcore_ppo_dummy_grad", None)
-    if dummy is None or dummy.shape != weight.shape or dummy.dtype != weight.dtype:
-        dummy = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-        weight._mcore_ppo_dummy_grad = dummy
-    if zero:
-        dummy.zero_()
-    return dummy.detach()
-
-
 def _setup_context(ctx, inputs, output):
     """``register_autograd``'s half of :class:`HeadFunction` (a direct call of the op)."""
     hidden, weight, labels, temperature, temperature_value, log_normalizer, *rest = inputs
@@ -395,14 +376,4 @@ def _op_backward(ctx, grad_log_prob, grad_entropy, *_):
 torch.library.register_autograd("mcore_ppo::head_forward", _op_backward, setup_context=_setup_context)
 
 
-def _transformer_engine_dummy_wgrad():
-    try:
-        from transformer_engine.pytorch.module.base import get_dummy_wgrad
-    except ImportError:
-        return None
-    return get_dummy_wgrad
-
-
-_te_dummy_wgrad = _transformer_engine_dummy_wgrad()
-
-__all__ = ["HeadCall", "HeadFunction", "SavedLayout", "dummy_weight_grad", "head"]
+__all__ = ["HeadCall", "HeadFunction", "SavedLayout", "head"]

@@ -22,7 +22,7 @@ import torch
 
 import mcore_ppo
 from mcore_ppo.backends import TorchBackend, TorchConfig, import_optional
-from mcore_ppo.ops import dummy_weight_grad
+from mcore_ppo.main_grad import dummy_weight_grad
 from mcore_ppo_testing.reference import assert_close
 from mcore_ppo_testing.seeds import generator, next_seed
 from mcore_ppo_testing.student_fold import record_folds
