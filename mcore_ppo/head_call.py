@@ -19,6 +19,7 @@ A new framework adapter belongs beside those entry points and calls :func:`run_h
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable
 from typing import NamedTuple, TypeVar
@@ -31,6 +32,7 @@ from mcore_ppo.ops import HeadCall, head
 from mcore_ppo.options import HeadOptions, HiddenGrad, Layout, TokenOrder
 from mcore_ppo.parallel.ranks import ProcessGroup, group_key, group_rank, group_size
 from mcore_ppo.shard import refuse_forward_ad
+from mcore_ppo.statistics import Statistics
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 from mcore_ppo.verdict import bad_values, label_error, share_verdict, temperature_error, values_readable
 
@@ -301,8 +303,7 @@ def _execute(
         vocab_start=group_rank(tp_group) * weight.shape[0],
         vocab_size=call.vocab_size,
         temperature_value=1.0 if row_temperature is not None else call.temperature,
-        return_entropy=options.return_entropy,
-        return_sum_pi_squared=options.return_sum_pi_squared,
+        statistics=_statistics(options.return_entropy, options.return_sum_pi_squared),
         labels_in_range=call.values_read,
     )
     token_rows = hidden_rows(hidden)
@@ -311,7 +312,8 @@ def _execute(
         # exact in fp32, so one differentiable upcast before the op gives the kernels one dtype
         # and autograd rounds d_hidden back to the input's dtype once.
         token_rows = token_rows.to(weight.dtype)
-    log_probs, *per_token = head(token_rows, weight, rows, row_temperature, log_normalizer, head_call)
+    log_probs, entropy, detached = head(token_rows, weight, rows, row_temperature, log_normalizer, head_call)
+    per_token = [entropy, head_call.statistics.output(detached, "sum_pi_squared")]
     if call.bad_temperature is not None and not call.values_read:
         # Not read back: a bad temperature poisons its token's outputs (never a plausible number).
         bad = call.bad_temperature
@@ -327,3 +329,9 @@ def _execute(
     if options.return_sum_pi_squared:
         return log_probs, entropy, sum_pi_squared
     return log_probs, entropy
+
+
+@functools.cache
+def _statistics(entropy: bool, sum_pi_squared: bool) -> Statistics:
+    """What the statistics pass reduces for these options (:mod:`mcore_ppo.statistics`)."""
+    return Statistics.named(name for name, on in (("entropy", entropy), ("sum_pi_squared", sum_pi_squared)) if on)

@@ -42,13 +42,14 @@ from mcore_ppo.main_grad import dummy_weight_grad
 from mcore_ppo.numerics import accumulation_dtype
 from mcore_ppo.options import HiddenGrad, WeightGrad
 from mcore_ppo.parallel.ranks import group_from_key, group_size
+from mcore_ppo.statistics import Statistics
 
 _LIB = torch.library.Library("mcore_ppo", "DEF")
 _LIB.define(
     "head_forward(Tensor hidden, Tensor weight, Tensor labels, Tensor? temperature, float temperature_value, "
     "Tensor? log_normalizer, int ignore_index, int vocab_start, int vocab_size, str backend, str tp_group, "
-    "str hidden_grad, bool return_entropy, bool return_sum_pi_squared, bool labels_in_range, bool grad_needed) "
-    "-> (Tensor log_prob, Tensor entropy, Tensor sum_pi_squared, Tensor[] saved)"
+    "str hidden_grad, str statistics, bool labels_in_range, bool grad_needed) "
+    "-> (Tensor log_prob, Tensor entropy, Tensor detached, Tensor[] saved)"
 )
 _LIB.define(
     "head_backward(Tensor? grad_log_prob, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor lse, "
@@ -70,8 +71,7 @@ class HeadCall(NamedTuple):
     vocab_start: int
     vocab_size: int
     temperature_value: float
-    return_entropy: bool
-    return_sum_pi_squared: bool
+    statistics: Statistics
     labels_in_range: bool
 
 
@@ -88,11 +88,11 @@ class SavedLayout(NamedTuple):
     ids: bool
 
     @staticmethod
-    def of(labels: torch.Tensor, log_normalizer, return_entropy: bool, hidden_grad: HiddenGrad, tp_group: str):
+    def of(labels: torch.Tensor, log_normalizer, statistics: Statistics, hidden_grad: HiddenGrad, tp_group: str):
         # The head passes SEQUENCE_PARALLEL only over several ranks (one rank gathers nothing);
         # the group is not looked up here, which a compiled region cannot trace.
         gathered = hidden_grad is HiddenGrad.SEQUENCE_PARALLEL and tp_group != ""
-        return SavedLayout(gathered, return_entropy and log_normalizer is None, labels.dim() == 2)
+        return SavedLayout(gathered, statistics.entropy and log_normalizer is None, labels.dim() == 2)
 
     def pack(self, token_hidden, saved: SavedTokens) -> list[torch.Tensor]:
         head = [token_hidden] if self.gathered else []
@@ -124,35 +124,37 @@ def _absent(like: torch.Tensor) -> torch.Tensor:
 @torch.library.impl(_LIB, "head_forward", "CompositeExplicitAutograd")
 def _head_forward(
     hidden, weight, labels, temperature, temperature_value, log_normalizer, ignore_index, vocab_start, vocab_size,
-    backend, tp_group, hidden_grad, return_entropy, return_sum_pi_squared, labels_in_range, grad_needed,
+    backend, tp_group, hidden_grad, statistics, labels_in_range, grad_needed,
 ):  # fmt: skip
     mode = HiddenGrad(hidden_grad)
+    stats = Statistics.from_key(statistics)
     result, token_hidden = shard.forward(
         hidden, weight, labels, _temperature(temperature, temperature_value), log_normalizer,
         backend=backend_from_key(backend), tp_group=group_from_key(tp_group), hidden_grad=mode,
-        ignore_index=ignore_index, vocab_start=vocab_start, vocab_size=vocab_size, return_entropy=return_entropy,
-        return_sum_pi_squared=return_sum_pi_squared, labels_in_range=labels_in_range, grad_needed=grad_needed,
+        ignore_index=ignore_index, vocab_start=vocab_start, vocab_size=vocab_size, statistics=stats,
+        labels_in_range=labels_in_range, grad_needed=grad_needed,
     )  # fmt: skip
     log_prob = result.log_prob
     entropy = _absent(log_prob) if result.entropy is None else result.entropy
-    square = _absent(log_prob) if result.sum_pi_squared is None else result.sum_pi_squared
+    detached = _absent(log_prob) if result.detached is None else result.detached
     if not grad_needed:
-        return log_prob, entropy, square, []
+        return log_prob, entropy, detached, []
     saved = result.saved
     if log_normalizer is not None:
         # The given log-normalizer is an input: an output that aliases it would break the op's contract.
         saved = dataclasses.replace(saved, lse=saved.lse.clone())
-    layout = SavedLayout.of(labels, log_normalizer, return_entropy, mode, tp_group)
-    return log_prob, entropy, square, layout.pack(token_hidden, saved)
+    layout = SavedLayout.of(labels, log_normalizer, stats, mode, tp_group)
+    return log_prob, entropy, detached, layout.pack(token_hidden, saved)
 
 
 @torch.library.register_fake("mcore_ppo::head_forward")
 def _head_forward_fake(
     hidden, weight, labels, temperature, temperature_value, log_normalizer, ignore_index, vocab_start, vocab_size,
-    backend, tp_group, hidden_grad, return_entropy, return_sum_pi_squared, labels_in_range, grad_needed,
+    backend, tp_group, hidden_grad, statistics, labels_in_range, grad_needed,
 ):  # fmt: skip
     mode = HiddenGrad(hidden_grad)
-    layout = SavedLayout.of(labels, log_normalizer, return_entropy, mode, tp_group)
+    stats = Statistics.from_key(statistics)
+    layout = SavedLayout.of(labels, log_normalizer, stats, mode, tp_group)
     backend_obj = backend_from_key(backend)
     reason = backend_obj.unsupported(hidden)
     if reason is not None:  # a backend named in a compiled region is checked here, where it resolves
@@ -163,15 +165,15 @@ def _head_forward_fake(
     def per_token(present: bool = True, dtype=out_dtype, shape=(n,)) -> torch.Tensor:
         return hidden.new_empty(shape if present else (0,), dtype=dtype)
 
-    outputs = (per_token(shape=(n, *labels.shape[1:])), per_token(return_entropy), per_token(return_sum_pi_squared))
+    detached = per_token(bool(stats.detached), shape=(len(stats.detached), n))
+    outputs = (per_token(shape=(n, *labels.shape[1:])), per_token(stats.entropy), detached)
     if not grad_needed:
         return *outputs, []
     token_hidden = hidden.new_empty((n, hidden.shape[1])) if layout.gathered else hidden
     fused = not layout.ids and backend_obj.fused_forward_for(token_hidden, weight)
     spec = backend_obj.residual_spec(
-        token_hidden, weight, fused=fused, grad_needed=True, with_entropy=return_entropy,
-        row_temperature=temperature is not None, with_sum_pi_squared=return_sum_pi_squared,
-    )  # fmt: skip
+        token_hidden, weight, fused=fused, grad_needed=True, statistics=stats, row_temperature=temperature is not None
+    )
     if log_normalizer is not None:
         spec = ()  # no statistics pass: nothing kept
     ids = (per_token(dtype=torch.int64, shape=labels.shape), per_token(dtype=torch.bool, shape=labels.shape))
@@ -232,24 +234,26 @@ def head(
     log_normalizer: torch.Tensor | None,
     call: HeadCall,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(log_prob, entropy or None, sum_pi_squared or None)`` of one rank, differentiable once
-    to ``hidden`` and ``weight`` (``d_hidden`` reduced over TP as ``call.hidden_grad`` says);
-    ``sum_pi_squared`` is detached. ``hidden [n, h]`` are token rows (this rank's shard of them
-    under sequence parallelism), ``labels`` global int64 ``[n]`` or ``[n, k]``, ``temperature``
-    a per-token ``[n]`` tensor or None (``call.temperature_value`` then)."""
+    """``(log_prob, entropy or None, detached or None)`` of one rank, differentiable once to
+    ``hidden`` and ``weight`` (``d_hidden`` reduced over TP as ``call.hidden_grad`` says);
+    ``detached`` (``[len(call.statistics.detached), n]``, the detached statistics) has no
+    gradient. ``hidden [n, h]`` are token rows (this rank's shard of them under sequence
+    parallelism), ``labels`` global int64 ``[n]`` or ``[n, k]``, ``temperature`` a per-token
+    ``[n]`` tensor or None (``call.temperature_value`` then)."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        log_prob, entropy, square = HeadFunction.apply(hidden, weight, labels, temperature, log_normalizer, call)
+        log_prob, entropy, detached = HeadFunction.apply(hidden, weight, labels, temperature, log_normalizer, call)
     else:
         args = _forward_args(hidden, weight, labels, temperature, log_normalizer, call, grad_needed=False)
-        log_prob, entropy, square, _ = _run_forward(args, hidden, weight)
-    return log_prob, entropy if call.return_entropy else None, square if call.return_sum_pi_squared else None
+        log_prob, entropy, detached, _ = _run_forward(args, hidden, weight)
+    statistics = call.statistics
+    return log_prob, entropy if statistics.entropy else None, detached if statistics.detached else None
 
 
 def _forward_args(hidden, weight, labels, temperature, log_normalizer, call: HeadCall, *, grad_needed: bool):
     return (
         hidden, weight, labels, temperature, call.temperature_value, log_normalizer, call.ignore_index,
-        call.vocab_start, call.vocab_size, call.backend, call.tp_group, call.hidden_grad.value, call.return_entropy,
-        call.return_sum_pi_squared, call.labels_in_range, grad_needed,
+        call.vocab_start, call.vocab_size, call.backend, call.tp_group, call.hidden_grad.value, call.statistics.key,
+        call.labels_in_range, grad_needed,
     )  # fmt: skip
 
 
@@ -291,27 +295,27 @@ class HeadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, log_normalizer, call: HeadCall):
         args = _forward_args(hidden, weight, labels, temperature, log_normalizer, call, grad_needed=True)
-        log_prob, entropy, square, saved = _run_forward(args, hidden, weight)
-        _save(ctx, hidden, weight, labels, temperature, log_normalizer, square, saved, call)
-        return log_prob, entropy, square
+        log_prob, entropy, detached, saved = _run_forward(args, hidden, weight)
+        _save(ctx, hidden, weight, labels, temperature, log_normalizer, detached, saved, call)
+        return log_prob, entropy, detached
 
     @staticmethod
-    def backward(ctx, grad_log_prob, grad_entropy, _grad_sum_pi_squared):
+    def backward(ctx, grad_log_prob, grad_entropy, _grad_detached):
         d_hidden, d_weight = _backward(ctx, grad_log_prob, grad_entropy)
         return d_hidden, d_weight, None, None, None, None
 
 
-def _save(ctx, hidden, weight, labels, temperature, log_normalizer, square, saved, call: HeadCall) -> None:
+def _save(ctx, hidden, weight, labels, temperature, log_normalizer, detached, saved, call: HeadCall) -> None:
     """What the backward needs: the tensors through ``save_for_backward`` (saved-tensor hooks see
     them), the call and the saved list's layout on ``ctx``."""
-    layout = SavedLayout.of(labels, log_normalizer, call.return_entropy, call.hidden_grad, call.tp_group)
+    layout = SavedLayout.of(labels, log_normalizer, call.statistics, call.hidden_grad, call.tp_group)
     ctx.set_materialize_grads(False)
     ctx.call, ctx.layout = call, layout
     # Megatron's main_grad lives on the parameter itself; a saved-tensor hook may hand back another object.
     ctx.weight = weight if call.weight_grad is WeightGrad.MAIN_GRAD else None
     # Under sequence parallelism the backward reads the gathered rows (in ``saved``) only.
     ctx.save_for_backward(None if layout.gathered else hidden, weight, temperature, *saved)
-    ctx.mark_non_differentiable(square)
+    ctx.mark_non_differentiable(detached)
     # The residual is consumed by the first backward (the buffer becomes dz in place): a second
     # one (retain_graph) recomputes instead.
     ctx.residual_consumed = False
@@ -355,14 +359,13 @@ def _backward(ctx, grad_log_prob, grad_entropy):
 def _setup_context(ctx, inputs, output):
     """``register_autograd``'s half of :class:`HeadFunction` (a direct call of the op)."""
     hidden, weight, labels, temperature, temperature_value, log_normalizer, *rest = inputs
-    (ignore_index, vocab_start, vocab_size, backend, tp_group, hidden_grad, return_entropy, return_sum_pi_squared,
-     labels_in_range, _grad_needed) = rest  # fmt: skip
+    ignore_index, vocab_start, vocab_size, backend, tp_group, hidden_grad, statistics, labels_in_range, _ = rest
     call = HeadCall(
         backend, tp_group, HiddenGrad(hidden_grad), WeightGrad.GRAD, ignore_index, vocab_start, vocab_size,
-        temperature_value, return_entropy, return_sum_pi_squared, labels_in_range,
+        temperature_value, Statistics.from_key(statistics), labels_in_range,
     )  # fmt: skip
-    _, _, square, saved = output
-    _save(ctx, hidden, weight, labels, temperature, log_normalizer, square, saved, call)
+    _, _, detached, saved = output
+    _save(ctx, hidden, weight, labels, temperature, log_normalizer, detached, saved, call)
     # A direct caller holds the saved list (an output of the op): the backward must not turn the
     # residual it holds into dz, so it works on a copy.
     ctx.copy_residual = True
@@ -370,7 +373,7 @@ def _setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, grad_log_prob, grad_entropy, *_):
     d_hidden, d_weight = _backward(ctx, grad_log_prob, grad_entropy)
-    return d_hidden, d_weight, *(None,) * 14
+    return d_hidden, d_weight, *(None,) * 13
 
 
 torch.library.register_autograd("mcore_ppo::head_forward", _op_backward, setup_context=_setup_context)

@@ -2,13 +2,15 @@
 
 Forward (one rank, its vocab shard ``[vocab_start, vocab_start + v)``):
   0. under sequence parallelism, the rank's token rows are all-gathered first;
-  1. local statistics ``(m, s, u, y)`` from the backend, fp32, nothing ``[n, v]`` kept unless
-     the backend returns a residual for its backward (the triton buffer);
-  2. the cross-rank combine (:func:`mcore_ppo.parallel.combine_shard_statistics`): MAX, then one SUM;
-  3. ``log_prob = y - lse`` and ``entropy = H``, zero for ignored tokens.
-With ``return_sum_pi_squared`` the statistics carry ``q = Σ exp(2(z - m))`` too, packed into the
-same SUM, and ``Σπ² = Q / S²`` (clamped to ``[1/V, 1]``, zero for ignored tokens) comes out of
-step 3. With one label per token a backend that runs the fused forward
+  1. local statistics from the backend: the shard max ``m``, the label logit ``y`` and the sums
+     of the call's :class:`~mcore_ppo.statistics.Statistics` (``Σexp(z - m)``, the entropy's,
+     any detached statistic's), fp32, nothing ``[n, v]`` kept unless the backend returns a
+     residual for its backward (the triton buffer);
+  2. the cross-rank combine (:meth:`Statistics.combine <mcore_ppo.statistics.Statistics.combine>`):
+     MAX, then one SUM;
+  3. ``log_prob = y - lse``, the entropy and the detached statistics
+     (:meth:`Statistics.finish <mcore_ppo.statistics.Statistics.finish>`), zero for ignored tokens.
+With one label per token a backend that runs the fused forward
 (:meth:`~mcore_ppo.backends.base.Backend.fused_forward_for`, the triton one) runs steps 1–3
 itself, the label preparation and step 3 in its kernels, with the same results. With ``k`` ids
 per token (labels ``[n, k]``) the statistics are taken with no label in the shard, the ``k``
@@ -45,9 +47,10 @@ from torch.autograd import forward_ad
 from mcore_ppo.backends.base import Backend, GradientRequest, HeadForward, SavedTokens, SparseGradient
 from mcore_ppo.numerics import accumulation_dtype, max_entropy
 from mcore_ppo.options import HiddenGrad
-from mcore_ppo.parallel.combine import combine_shard_statistics, reduce_shard_statistics
+from mcore_ppo.parallel.combine import reduce_shard_statistics
 from mcore_ppo.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
+from mcore_ppo.statistics import Statistics
 
 NO_DOUBLE_BACKWARD = (
     "mcore_ppo's fused PPO head is differentiable once: backward(create_graph=True) through it "
@@ -116,8 +119,7 @@ def forward(
     ignore_index: int,
     vocab_start: int,
     vocab_size: int,
-    return_entropy: bool,
-    return_sum_pi_squared: bool,
+    statistics: Statistics,
     labels_in_range: bool,
     grad_needed: bool,
 ) -> ShardForward:
@@ -127,7 +129,8 @@ def forward(
     rank's vocab shard, ``labels`` global int64 ids ``[n]`` (one per token) or ``[n, k]``;
     ``temperature`` a float or per-token ``[n]`` (fp32, fp64 for fp64 inputs); ``log_normalizer``
     (``k`` ids only) each token's global ``lse`` over the same tempered logits from another pass,
-    which then replaces the statistics pass. ``labels_in_range``: every label is known to be in
+    which then replaces the statistics pass. ``statistics``: what the pass reduces (the entropy
+    when it is among them, and the detached statistics). ``labels_in_range``: every label is known to be in
     ``[0, vocab_size)`` or ``ignore_index``; False: a label outside gets a NaN log-prob.
     ``grad_needed``: a backward will follow (the backend may keep a residual for it)."""
     with autocast_off(hidden.device):
@@ -136,7 +139,7 @@ def forward(
         if labels.dim() == 2:
             result = _ids_forward(
                 hidden, weight, labels, temperature, log_normalizer, backend, tp_group, ignore_index, vocab_start,
-                vocab_size, return_entropy, return_sum_pi_squared, grad_needed,
+                vocab_size, statistics, grad_needed,
             )  # fmt: skip
             return ShardForward(result, hidden)
         result = None
@@ -154,15 +157,14 @@ def forward(
                 vocab_size=vocab_size,
                 labels_in_range=labels_in_range,
                 grad_needed=grad_needed,
-                with_entropy=return_entropy,
+                statistics=statistics,
                 max_entropy=max_entropy(vocab_size, torch.float32),
                 combine=combine,
-                **_sum_pi_squared_flag(return_sum_pi_squared),
             )
         if result is None:
             result = _label_forward(
                 hidden, weight, labels, temperature, backend, tp_group, ignore_index, vocab_start, vocab_size,
-                return_entropy, return_sum_pi_squared, labels_in_range, grad_needed,
+                statistics, labels_in_range, grad_needed,
             )  # fmt: skip
         return ShardForward(result, hidden)
 
@@ -220,15 +222,9 @@ def _reduce_hidden_grad(d_hidden: torch.Tensor, tp_group: ProcessGroup | None, h
     return d_hidden
 
 
-def _sum_pi_squared_flag(return_sum_pi_squared: bool) -> dict:
-    """The backends' keyword for Σπ², given only when it is asked for (a backend built before
-    the option existed keeps working without it)."""
-    return {"with_sum_pi_squared": True} if return_sum_pi_squared else {}
-
-
 def _label_forward(
-    hidden, weight, labels, temperature, backend, tp_group, ignore_index, vocab_start, vocab_size, return_entropy,
-    return_sum_pi_squared, labels_in_range, grad_needed,
+    hidden, weight, labels, temperature, backend, tp_group, ignore_index, vocab_start, vocab_size, statistics,
+    labels_in_range, grad_needed,
 ) -> HeadForward:  # fmt: skip
     """One label per token over :meth:`Backend.shard_statistics`: labels prepared and outputs
     finished by torch ops (what ``head_forward`` fuses)."""
@@ -242,10 +238,11 @@ def _label_forward(
         in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
         local_labels = torch.where(in_shard, local_labels, -1)
     stats = backend.shard_statistics(
-        hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, with_entropy=return_entropy,
-        **_sum_pi_squared_flag(return_sum_pi_squared),
-    )  # fmt: skip
-    lse, entropy, label_logit, *square = combine_shard_statistics(*stats.tensors(), tp_group, stats.q)
+        hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, statistics=statistics
+    )
+    global_max, sums, label_logit = statistics.combine(stats.m, stats.sums, stats.y, tp_group)
+    lse, values = statistics.finish(global_max, sums)
+    entropy = values.get("entropy")
     # Rounding can push log p a hair above 0; the math forbids it.
     log_prob = torch.where(valid, (label_logit - lse).clamp_(max=0.0), 0.0)
     if not labels_in_range:
@@ -253,12 +250,12 @@ def _label_forward(
         log_prob = log_prob.masked_fill(valid & ((labels < 0) | (labels >= vocab_size)), torch.nan)
     entropy_out = _entropy_output(entropy, valid, vocab_size)
     saved = SavedTokens(local_labels, valid, lse, entropy, stats.residual)
-    return HeadForward(log_prob, entropy_out, saved, sum_pi_squared_output(square, valid, vocab_size))
+    return HeadForward(log_prob, entropy_out, saved, statistics.detached_outputs(values, valid, vocab_size))
 
 
 def _ids_forward(
     hidden, weight, ids, temperature, log_normalizer, backend, tp_group, ignore_index, vocab_start, vocab_size,
-    return_entropy, return_sum_pi_squared, grad_needed,
+    statistics, grad_needed,
 ) -> HeadForward:  # fmt: skip
     """``k`` ids per token: the statistics with no label in the shard (or the given
     ``log_normalizer``, see :func:`forward`), and the ids' logits."""
@@ -272,15 +269,16 @@ def _ids_forward(
     no_label = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     if log_normalizer is None:
         stats = backend.shard_statistics(
-            hidden, weight, no_label, valid, temperature, grad_needed=grad_needed, with_entropy=return_entropy,
-            **_sum_pi_squared_flag(return_sum_pi_squared),
-        )  # fmt: skip
-        lse, entropy, _, *square = combine_shard_statistics(*stats.tensors(), tp_group, stats.q)
-        residual = stats.residual
+            hidden, weight, no_label, valid, temperature, grad_needed=grad_needed, statistics=statistics
+        )
+        global_max, sums, _ = statistics.combine(stats.m, stats.sums, stats.y, tp_group)
+        lse, values = statistics.finish(global_max, sums)
+        entropy, residual = values.get("entropy"), stats.residual
+        detached = statistics.detached_outputs(values, valid, vocab_size)
     else:
         # z − (−inf) is +inf, which the clamp below would make a plausible 0: NaN instead.
         lse = torch.where(torch.isfinite(log_normalizer), log_normalizer, torch.nan)
-        entropy, square, residual = None, [], ()
+        entropy, detached, residual = None, None, ()
     logits = backend.gather_logits(hidden, weight, local_ids, temperature)
     if group_size(tp_group) > 1:
         # Each id lives on one rank; the others add exact zeros.
@@ -290,7 +288,7 @@ def _ids_forward(
     log_q = log_q.masked_fill((ids != ignore_index) & ~in_range, torch.nan)
     entropy_out = _entropy_output(entropy, valid, vocab_size)
     saved = SavedTokens(no_label, valid, lse, entropy, residual, local_ids, slot_ok)
-    return HeadForward(log_q, entropy_out, saved, sum_pi_squared_output(square, valid, vocab_size))
+    return HeadForward(log_q, entropy_out, saved, detached)
 
 
 def _entropy_output(entropy: torch.Tensor | None, valid: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -298,15 +296,6 @@ def _entropy_output(entropy: torch.Tensor | None, valid: torch.Tensor, vocab_siz
         return None
     # Rounding can push H a hair below 0, or, for near-uniform logits, above log V.
     return torch.where(valid, entropy.clamp(min=0.0, max=max_entropy(vocab_size, entropy.dtype)), 0.0)
-
-
-def sum_pi_squared_output(square: list[torch.Tensor], valid: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Σπ² of the combine (``square``: ``[Q / S²]``, or empty when it was not asked for),
-    clamped to ``[1/V, 1]`` (its exact range: rounding can push it a hair outside; NaN stays
-    NaN) and 0 for ignored tokens."""
-    if not square:
-        return None
-    return torch.where(valid, square[0].clamp(min=1.0 / vocab_size, max=1.0), 0.0)
 
 
 def weight_grad_buffer(weight: torch.Tensor, backend: Backend) -> tuple[torch.Tensor, bool]:

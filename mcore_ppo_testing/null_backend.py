@@ -36,22 +36,17 @@ class NullBackend:
         """Always the fused forward (one launch sequence's worth of host work in a real backend)."""
         return True
 
-    def residual_spec(self, hidden, weight, *, fused, grad_needed, with_entropy, row_temperature, with_sum_pi_squared):
+    def residual_spec(self, hidden, weight, *, fused, grad_needed, statistics, row_temperature):
         """Nothing kept for the backward."""
         return ()
 
     def shard_statistics(
-        self, hidden, weight, local_labels, valid, temperature, *, grad_needed, with_entropy, with_sum_pi_squared=False
+        self, hidden, weight, local_labels, valid, temperature, *, grad_needed, statistics
     ) -> ShardStatistics:
-        """``(m, s, u, y)`` (and ``q``) as fresh ``[n]`` fp32 tensors."""
+        """``m``, ``y`` and the terms' ``sums`` as fresh fp32 tensors."""
         n = hidden.shape[0]
-
-        def per_token(present: bool = True) -> torch.Tensor | None:
-            return torch.empty(n, dtype=torch.float32, device=hidden.device) if present else None
-
-        return ShardStatistics(
-            per_token(), per_token(), per_token(with_entropy), per_token(), (), per_token(with_sum_pi_squared)
-        )
+        stats = torch.empty(2 + len(statistics.sums), n, dtype=torch.float32, device=hidden.device)
+        return ShardStatistics(stats[0], stats[2:], stats[1])
 
     def gather_logits(self, hidden, weight, local_ids, temperature) -> torch.Tensor:
         """``[n, k]`` fp32."""
@@ -64,7 +59,7 @@ class NullBackend:
 
     def head_forward(
         self, hidden, weight, labels, temperature, *, ignore_index, vocab_start, vocab_size, labels_in_range,
-        grad_needed, with_entropy, max_entropy, combine, with_sum_pi_squared=False,
+        grad_needed, statistics, max_entropy, combine,
     ) -> HeadForward:  # fmt: skip
         """The outputs and the backward's per-token tensors, as the triton backend allocates them."""
         n, device = hidden.shape[0], hidden.device
@@ -73,6 +68,9 @@ class NullBackend:
             return torch.empty(n, dtype=dtype, device=device)
 
         log_prob = empty()
-        entropy = empty() if with_entropy else None
-        saved = SavedTokens(empty(torch.int64), empty(torch.bool), empty(), empty() if with_entropy else None)
-        return HeadForward(log_prob, entropy, saved, empty() if with_sum_pi_squared else None)
+        entropy = empty() if statistics.entropy else None
+        saved = SavedTokens(empty(torch.int64), empty(torch.bool), empty(), empty() if statistics.entropy else None)
+        detached = None
+        if statistics.detached:
+            detached = torch.empty(len(statistics.detached), n, dtype=torch.float32, device=device)
+        return HeadForward(log_prob, entropy, saved, detached)

@@ -221,16 +221,17 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, config) -> d
     from mcore_ppo.backends import triton_host
     from mcore_ppo.backends.base import GradientRequest, SavedTokens
     from mcore_ppo.backends.triton_backend import TritonBackend
-    from mcore_ppo.parallel.combine import combine_shard_statistics
+    from mcore_ppo.statistics import DEFAULT
 
     x, w, labels = inputs.x, inputs.w, inputs.labels
     backend = TritonBackend(replace(config, buffer_budget_bytes=0))  # the recompute path
     valid = labels != -100
     local = torch.where(valid, labels, -1)
-    flags = {"grad_needed": False, "with_entropy": True}
+    flags = {"grad_needed": False, "statistics": DEFAULT}
     with torch.no_grad():
         stats = backend.shard_statistics(x, w, local, valid, temperature, **flags)
-        lse, ent, _ = combine_shard_statistics(*stats.tensors(), None)
+        lse, values = DEFAULT.finish(*DEFAULT.combine(stats.m, stats.sums, stats.y, None)[:2])
+        ent = values["entropy"]
     saved = SavedTokens(local, valid, lse, ent)
 
     def request() -> GradientRequest:

@@ -226,11 +226,19 @@ def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -
         else "labels_checked"
     )
 
+    # The default statistics (an older checkout takes with_entropy instead of a description).
+    if "statistics" in inspect.signature(backend.head_forward).parameters:
+        from mcore_ppo.statistics import DEFAULT
+
+        what = {"statistics": DEFAULT}
+    else:
+        what = {"with_entropy": True}
+
     def forward(grad_needed: bool, tp: bool):
         return backend.head_forward(
             x, w, labels, 0.7, ignore_index=-100, vocab_start=0, vocab_size=vocab_size, **{in_range: True},
-            grad_needed=grad_needed, with_entropy=True, max_entropy=max_entropy(vocab_size, torch.float32),
-            combine=combine if tp else None,
+            grad_needed=grad_needed, max_entropy=max_entropy(vocab_size, torch.float32),
+            combine=combine if tp else None, **what,
         )  # fmt: skip
 
     out: dict[str, float] = {}

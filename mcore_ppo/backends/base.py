@@ -27,30 +27,26 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from mcore_ppo.statistics import Statistics
+
 
 @dataclass(frozen=True)
 class ShardStatistics:
-    """fp32 ``[n]`` statistics of one shard, and what the backward may reuse.
+    """fp32 statistics of one shard, packed as :mod:`mcore_ppo.statistics` describes, and what
+    the backward may reuse.
 
-    ``m``: shard max of ``z``; ``s``: Σexp(z-m); ``u``: Σexp(z-m)(z-m); ``y``: ``z_label``
-    (0 if the label is not in this shard); ``q``: Σexp(2(z-m)), the sum behind Σπ².
+    ``m``: ``[n]`` shard max of ``z``; ``sums``: ``[terms, n]`` the call's
+    :attr:`Statistics.sums <mcore_ppo.statistics.Statistics.sums>` relative to ``m`` (``S =
+    Σexp(z-m)`` first); ``y``: ``[n]`` ``z_label`` (0 if the label is not in this shard).
     ``residual``: the backend's own tensors for its backward (the triton backend's probability
     buffer and row order), empty when the backward recomputes from nothing kept; plain tensors,
-    so the head's op can return and save them where saved-tensor hooks see them. ``u`` is None
-    when the entropy was not asked for (``with_entropy=False``), ``q`` when Σπ² was not
-    (``with_sum_pi_squared=False``).
+    so the head's op can return and save them where saved-tensor hooks see them.
     """
 
     m: torch.Tensor
-    s: torch.Tensor
-    u: torch.Tensor | None
+    sums: torch.Tensor
     y: torch.Tensor
     residual: tuple[torch.Tensor, ...] = ()
-    q: torch.Tensor | None = None
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(m, s, u, y)``, the arguments of :func:`mcore_ppo.parallel.combine_shard_statistics`."""
-        return self.m, self.s, self.u, self.y
 
 
 @dataclass(frozen=True)
@@ -138,13 +134,14 @@ class HeadForward(NamedTuple):
     """What :meth:`Backend.head_forward` returns: the head's outputs (fp32 ``[n]``, ``entropy``
     None when it is off) and what its backward needs (the ``SavedTokens`` that
     :meth:`Backend.shard_gradients` receives; ``lse`` / ``entropy`` the combined values).
-    ``sum_pi_squared``: fp32 ``[n]`` Σπ² (clamped to ``[1/V, 1]``, 0 for ignored tokens; no
-    gradient), None when it was not asked for."""
+    ``detached``: fp32 ``[len(statistics.detached), n]``, the call's detached statistics
+    (:meth:`Statistics.detached_outputs <mcore_ppo.statistics.Statistics.detached_outputs>`:
+    clamped to their ranges, 0 for ignored tokens; no gradient), None when there are none."""
 
     log_prob: torch.Tensor
     entropy: torch.Tensor | None
     saved: SavedTokens
-    sum_pi_squared: torch.Tensor | None = None
+    detached: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -173,9 +170,8 @@ class Backend(Protocol):
         *,
         fused: bool,
         grad_needed: bool,
-        with_entropy: bool,
+        statistics: Statistics,
         row_temperature: bool,
-        with_sum_pi_squared: bool,
     ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         """``(shape, dtype)`` of each tensor of the residual the forward will return for these
         inputs (:meth:`head_forward` when ``fused``, else :meth:`shard_statistics`), from their
@@ -191,13 +187,11 @@ class Backend(Protocol):
         temperature: float | torch.Tensor,
         *,
         grad_needed: bool,
-        with_entropy: bool,
-        with_sum_pi_squared: bool = False,
+        statistics: Statistics,
     ) -> ShardStatistics:
-        """This shard's statistics. ``grad_needed``: a backward will follow, so a residual for
-        it may be returned (a backend keeps none otherwise). ``with_entropy`` False: ``u`` is
-        not computed (None). ``with_sum_pi_squared`` True: ``q`` is computed in the same pass
-        (else None); the head passes the keyword only when it is True."""
+        """This shard's statistics: the terms of ``statistics``, in one pass. ``grad_needed``: a
+        backward will follow, so a residual for it may be returned (a backend keeps none
+        otherwise)."""
         ...
 
     def gather_logits(
@@ -239,10 +233,9 @@ class Backend(Protocol):
         vocab_size: int,
         labels_in_range: bool,
         grad_needed: bool,
-        with_entropy: bool,
+        statistics: Statistics,
         max_entropy: float,
         combine: Callable | None,
-        with_sum_pi_squared: bool = False,
     ) -> HeadForward:
         """Called only when :meth:`fused_forward_for` these inputs: the generic forward's results for
         global int64 ``labels [n]``: ``log_prob = min(y - lse, 0)``, NaN for a label outside
@@ -250,8 +243,7 @@ class Backend(Protocol):
         both 0 for ignored tokens. ``combine``: None when this shard is the whole vocab, else
         :func:`mcore_ppo.parallel.combine.reduce_shard_statistics` over the TP group as
         ``combine(shard_max, sums_relative_to) -> (global_max, summed)``: the backend passes its
-        per-token max and a function that packs its sums (``s``, ``u``, ``y``, ``q``, its own
-        order) rescaled to the group's max, and forms the outputs from what comes back. With
-        ``with_sum_pi_squared`` the result's ``sum_pi_squared`` is set (the head passes the
-        keyword only when it is True)."""
+        per-token max and a function that packs its label logits and sums (the packed layout of
+        :mod:`mcore_ppo.statistics`) rescaled to the group's max, and forms the outputs from what
+        comes back: the entropy when ``statistics.entropy``, and ``statistics.detached``."""
         ...

@@ -25,7 +25,7 @@ import torch
 from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, SavedTokens, ShardStatistics
 from mcore_ppo.numerics import accumulation_dtype, check_precision, chunks
-from mcore_ppo.parallel.combine import merge_statistics
+from mcore_ppo.statistics import Statistics
 from mcore_ppo.validation import check_positive_int
 
 
@@ -112,14 +112,14 @@ class TorchBackend:
         temperature: float | torch.Tensor,
         *,
         grad_needed: bool,
-        with_entropy: bool,
-        with_sum_pi_squared: bool = False,
+        statistics: Statistics,
     ) -> ShardStatistics:
-        """``(m, s, u, y)`` in the accumulation dtype (``u`` None without entropy), and ``q``
-        with ``with_sum_pi_squared``; see the Backend protocol."""
+        """``statistics``' terms in the accumulation dtype, vocab chunk by chunk
+        (:meth:`Statistics.chunk`, merged by :meth:`Statistics.merge`); see the Backend protocol."""
         n, v = hidden.shape[0], weight.shape[0]
         acc = accumulation_dtype(hidden.dtype)
-        stats = torch.empty(5 if with_sum_pi_squared else 4, n, dtype=acc, device=hidden.device)
+        # Planes: the max, the label logit, then the terms.
+        stats = torch.empty(2 + len(statistics.sums), n, dtype=acc, device=hidden.device)
         for t0, t1 in chunks(n, self.config.token_chunk):
             x, labels = hidden[t0:t1], local_labels[t0:t1]
             rows_t = _rows_of(temperature, t0, t1)
@@ -127,24 +127,14 @@ class TorchBackend:
             label_logit = torch.zeros(t1 - t0, dtype=acc, device=hidden.device)
             for v0, v1 in chunks(v, self.config.vocab_chunk):
                 z = _tempered_logits(x, weight[v0:v1], rows_t)
-                m = z.amax(dim=1)
-                shifted = z - m[:, None]
-                e = torch.exp(shifted)
-                u = (e * shifted).sum(dim=1) if with_entropy else torch.zeros_like(m)
-                chunk_stats = (m, e.sum(dim=1), u)
-                if with_sum_pi_squared:
-                    chunk_stats = (*chunk_stats, (e * e).sum(dim=1))
-                running = chunk_stats if running is None else merge_statistics(running, chunk_stats)
+                part = statistics.chunk(z)
+                running = part if running is None else statistics.merge(running, part)
                 cols, in_chunk = _label_columns(labels, v0, v1)
                 picked = z.gather(1, cols[:, None]).squeeze(1)
                 label_logit = torch.where(in_chunk, picked, label_logit)
-            stats[0, t0:t1], stats[1, t0:t1], stats[2, t0:t1] = running[:3]
-            stats[3, t0:t1] = label_logit
-            if with_sum_pi_squared:
-                stats[4, t0:t1] = running[3]
-        m, s, u, y = stats[:4].unbind(0)
-        q = stats[4] if with_sum_pi_squared else None
-        return ShardStatistics(m, s, u if with_entropy else None, y, q=q)
+            stats[0, t0:t1], stats[2:, t0:t1] = running
+            stats[1, t0:t1] = label_logit
+        return ShardStatistics(stats[0], stats[2:], stats[1])
 
     def gather_logits(
         self, hidden: torch.Tensor, weight: torch.Tensor, local_ids: torch.Tensor, temperature: float | torch.Tensor

@@ -9,10 +9,11 @@ for a three-GEMM backward (:mod:`mcore_ppo.backends.triton_gradients`).
 
 A per-token temperature (``[n]`` tensor) reaches every kernel as a ``1/T`` vector read per row
 (their ``ROW_TEMP`` flag); a float reaches them as the scalar ``1/T``. Without the entropy
-(``with_entropy=False``) the forward kernels skip the ``u`` sums (``WITH_U``) and the backward's
-entropy term is off (``HAS_E``). With Σπ² (``with_sum_pi_squared=True``) they add the ``q``
-sums beside ``s`` (``WITH_Q``: one more register sum per tile, one more partial per split); its
-default variant is compiled without them. ``k`` ids per token: :mod:`mcore_ppo.backends.triton_ids`.
+the forward kernels skip its sums and the backward's entropy term is off (``HAS_E``). What the
+forward reduces is the call's :class:`~mcore_ppo.statistics.Statistics`: each term's plane is a
+constexpr of the kernels (:meth:`Statistics.kernel_options
+<mcore_ppo.statistics.Statistics.kernel_options>`, 0 for a term not asked for, whose code is
+compiled out). ``k`` ids per token: :mod:`mcore_ppo.backends.triton_ids`.
 
 Ignored tokens are compacted on the device (:func:`compact_rows`): programs past the valid count
 exit before any GEMM work, and nothing syncs the host.
@@ -54,6 +55,7 @@ from mcore_ppo.backends.triton_launch import Launcher, interpreting
 from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
 from mcore_ppo.logs import log_once
 from mcore_ppo.numerics import Numerics, cdiv, rowmajor
+from mcore_ppo.statistics import Statistics
 
 try:  # the package itself is optional; anything else broken in it should raise
     import triton
@@ -144,9 +146,8 @@ class TritonBackend:
         *,
         fused: bool,
         grad_needed: bool,
-        with_entropy: bool,
+        statistics: Statistics,
         row_temperature: bool,
-        with_sum_pi_squared: bool,
     ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         """The residual's ``(shape, dtype)`` by :data:`BUFFER_RESIDUAL` when the buffer fits the
         budget, else :data:`ROW_ORDER_RESIDUAL` for :meth:`head_forward` and nothing for
@@ -169,27 +170,24 @@ class TritonBackend:
         temperature: float | torch.Tensor,
         *,
         grad_needed: bool,
-        with_entropy: bool,
-        with_sum_pi_squared: bool = False,
+        statistics: Statistics,
     ) -> ShardStatistics:
-        """fp32 ``(m, s, u, y)`` over this shard (``u`` None without entropy; ``q`` with
-        ``with_sum_pi_squared``), and with ``grad_needed`` and a budget that fits, the
-        probability buffer as residual (:data:`BUFFER_RESIDUAL`); see the Backend protocol."""
-        with_q = with_sum_pi_squared
+        """fp32 statistics over this shard (its max, the terms of ``statistics``, the label
+        logit), and with ``grad_needed`` and a budget that fits, the probability buffer as
+        residual (:data:`BUFFER_RESIDUAL`); see the Backend protocol."""
         if self._fallback(hidden, weight):
             return self._reference.shard_statistics(
-                hidden, weight, local_labels, valid, temperature, grad_needed=False, with_entropy=with_entropy,
-                with_sum_pi_squared=with_q,
-            )  # fmt: skip
+                hidden, weight, local_labels, valid, temperature, grad_needed=False, statistics=statistics
+            )
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         row_temp = isinstance(temperature, torch.Tensor)
-        plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp, with_q)
+        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp)
         launch = self.launcher.bound()
         perm, count = compact_rows(valid, launch)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
         parts, residual = statistics_launch(plan, launch, hidden, weight, local_labels, perm, count, y, temperature)
-        m, sum_exp, u, *q = merge_splits(parts, perm, count, launch, with_u=with_entropy, with_q=with_q)
-        return ShardStatistics(m, sum_exp, u, y, residual, q[0] if with_q else None)
+        m, sums = merge_splits(parts, perm, count, launch, statistics=statistics)
+        return ShardStatistics(m, sums, y, residual)
 
     def head_forward(
         self,
@@ -203,10 +201,9 @@ class TritonBackend:
         vocab_size: int,
         labels_in_range: bool,
         grad_needed: bool,
-        with_entropy: bool,
+        statistics: Statistics,
         max_entropy: float,
         combine: Callable | None,
-        with_sum_pi_squared: bool = False,
     ) -> HeadForward | None:
         """The whole forward of the head on this shard in three or four launches, six over TP
         (see :class:`~mcore_ppo.backends.base.Backend`): the per-token preparation from the
@@ -217,19 +214,18 @@ class TritonBackend:
         shard's max (``split_max_kernel``) before its all-reduce MAX, the splits merged to the
         group's max and packed for its all-reduce SUM (``merge_to_max_kernel``), and the epilogue
         from the sums (``finish_kernel``): no torch op between the launches. None (the caller runs
-        the generic path) where :meth:`shard_statistics` would fall back to the reference. With
-        ``with_sum_pi_squared`` the same launches carry ``q`` and write Σπ² (``WITH_Q``)."""
+        the generic path) where :meth:`shard_statistics` would fall back to the reference. The
+        same launches carry every term of ``statistics`` (their planes are kernel constexprs)."""
         if self._fallback(hidden, weight):
             return None
 
         hidden, weight = rowmajor(hidden), rowmajor(weight)
-        row_temp, with_q = isinstance(temperature, torch.Tensor), with_sum_pi_squared
-        plan = self._forward_plan(hidden, weight, grad_needed, with_entropy, row_temp, with_q)
+        plan = self._forward_plan(hidden, weight, grad_needed, statistics, isinstance(temperature, torch.Tensor))
         launch = self.launcher.bound()
         return fused_head_forward(
             plan, launch, hidden, weight, labels, temperature, ignore_index=ignore_index, vocab_start=vocab_start,
             vocab_size=vocab_size, labels_in_range=labels_in_range, grad_needed=grad_needed,
-            with_entropy=with_entropy, max_entropy=max_entropy, combine=combine, with_q=with_q,
+            max_entropy=max_entropy, combine=combine,
         )  # fmt: skip
 
     def _forward_plan(
@@ -237,16 +233,15 @@ class TritonBackend:
         hidden: torch.Tensor,
         weight: torch.Tensor,
         grad_needed: bool,
-        with_entropy: bool,
+        statistics: Statistics,
         row_temp: bool,
-        with_q: bool = False,
     ) -> LaunchPlan:
         """The forward's per-shape decisions, made once per key (shapes, dtype, strides, 16-byte
         alignment of the operands, device, gradient and options)."""
         key = (
             tuple(hidden.shape), weight.shape[0], hidden.dtype, hidden.stride(0), weight.stride(0),
             hidden.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0, hidden.device, grad_needed,
-            with_entropy, row_temp, with_q,
+            statistics, row_temp,
         )  # fmt: skip
         plan = self._plans.get(key)
         if plan is None:
@@ -254,7 +249,7 @@ class TritonBackend:
                 self._plans.clear()
             plan = self._plans[key] = LaunchPlan.build(
                 self.config, self.forward_config_for(weight.shape[0], hidden.dtype), hidden, weight, grad_needed,
-                with_entropy, row_temp, with_q,
+                statistics, row_temp,
             )  # fmt: skip
         return plan
 
@@ -316,11 +311,12 @@ class TritonBackend:
         buffered = len(saved.residual) == len(BUFFER_RESIDUAL)
         plan = None
         if buffered or saved.fused_forward:
-            # The forward's plan (cached under the same key): its tiles are the buffer's, and
-            # head_forward's per-token tensors, fresh allocations of its n, let it key the launches.
-            plan = self._forward_plan(
-                hidden, weight, True, saved.entropy is not None, isinstance(temperature, torch.Tensor)
-            )
+            # The forward's plan (cached under the same key when its statistics were the
+            # entropy's alone; the backward reads only shapes and tiles from it): its tiles are
+            # the buffer's, and head_forward's per-token tensors, fresh allocations of its n, let
+            # it key the launches.
+            statistics = Statistics.from_key("entropy" if saved.entropy is not None else "")
+            plan = self._forward_plan(hidden, weight, True, statistics, isinstance(temperature, torch.Tensor))
         launch = self.launcher.bound()
         if buffered:
             return gradients_from_buffer(

@@ -38,11 +38,12 @@ def statistics_launch(
     *,
     site: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The forward kernel's launch: the per-split partials ``[planes, splits, n]`` (m, s, then
-    u, then q) and the label logits into ``y``; the probability buffer as residual when the
-    plan stores it. ``site``: the caller's ``local_labels``, ``perm``, ``count`` and ``y``
-    are the fresh int64 / int32 / int32 / fp32 tensors of :func:`fused_head_forward`, so the
-    plan fixes every argument's specialisation (the launch skips the per-argument key)."""
+    """The forward kernel's launch: the per-split partials ``[planes, splits, n]`` (the max, then
+    one plane per term of the plan's statistics) and the label logits into ``y``; the
+    probability buffer as residual when the plan stores it. ``site``: the caller's
+    ``local_labels``, ``perm``, ``count`` and ``y`` are the fresh int64 / int32 / int32 / fp32
+    tensors of :func:`fused_head_forward`, so the plan fixes every argument's specialisation
+    (the launch skips the per-argument key)."""
     from mcore_ppo import kernels  # decorated on first use (under the interpreter where it is set)
 
     n, v, device = plan.n, plan.v, hidden.device
@@ -81,16 +82,15 @@ def fused_head_forward(
     vocab_size: int,
     labels_in_range: bool,
     grad_needed: bool,
-    with_entropy: bool,
     max_entropy: float,
     combine: Callable | None,
-    with_q: bool,
 ) -> HeadForward:
     """:meth:`TritonBackend.head_forward <mcore_ppo.backends.triton_backend.TritonBackend.head_forward>`
-    on row-major operands whose ``plan`` is taken, through the call's bound ``launch`` (module doc)."""
+    on row-major operands whose ``plan`` is taken (the statistics are the plan's), through the
+    call's bound ``launch`` (module doc)."""
     from mcore_ppo import kernels
 
-    n, device = plan.n, hidden.device
+    n, device, statistics = plan.n, hidden.device, plan.statistics
     local_labels = torch.empty(n, dtype=torch.int64, device=device)
     perm = torch.empty(n, dtype=torch.int32, device=device)
     count = torch.empty(1, dtype=torch.int32, device=device)
@@ -114,13 +114,15 @@ def fused_head_forward(
         plan, launch, hidden, weight, local_labels, perm, count, y, temperature, site=True
     )
     log_prob = torch.empty(n, dtype=torch.float32, device=device)
-    entropy_out = torch.empty(n, dtype=torch.float32, device=device) if with_entropy else None
-    entropy_out_arg = log_prob if entropy_out is None else entropy_out  # never written without WITH_U
-    sum_pi_squared_out = torch.empty(n, dtype=torch.float32, device=device) if with_q else None
-    sum_pi_squared_out_arg = log_prob if sum_pi_squared_out is None else sum_pi_squared_out  # nor without WITH_Q
+    entropy_out = torch.empty(n, dtype=torch.float32, device=device) if statistics.entropy else None
+    entropy_out_arg = log_prob if entropy_out is None else entropy_out  # never written without the entropy
+    detached = None
+    if statistics.detached:
+        detached = torch.empty(len(statistics.detached), n, dtype=torch.float32, device=device)
+    detached_arg = log_prob if detached is None else detached  # nor without a detached statistic
     merge_grid = (cdiv(n, MERGE_BLOCK_T),)
     lse = torch.empty(n, dtype=torch.float32, device=device) if grad_needed else None
-    entropy = torch.empty(n, dtype=torch.float32, device=device) if grad_needed and with_entropy else None
+    entropy = torch.empty(n, dtype=torch.float32, device=device) if grad_needed and statistics.entropy else None
     lse_arg = log_prob if lse is None else lse  # never written without SAVE
     entropy_arg = lse_arg if entropy is None else entropy
     if sums is None:
@@ -128,8 +130,8 @@ def fused_head_forward(
             kernels.merge_finish_kernel,
             merge_grid,
             (
-                parts, perm, count, y, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg,
-                sum_pi_squared_out_arg, n, plan.num_splits, stride_l, vocab_size, max_entropy,
+                parts, perm, count, y, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg, detached_arg, n,
+                plan.num_splits, stride_l, vocab_size, max_entropy,
             ),
             plan.finish_options[labels_in_range, grad_needed],
             # The plan fixes every argument's specialisation but the labels' dtype and the
@@ -155,8 +157,8 @@ def fused_head_forward(
             kernels.finish_kernel,
             merge_grid,
             (
-                global_max, summed, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg,
-                sum_pi_squared_out_arg, n, stride_l, ignore_index, vocab_size, max_entropy,
+                global_max, summed, labels, lse_arg, entropy_arg, log_prob, entropy_out_arg, detached_arg, n,
+                stride_l, ignore_index, vocab_size, max_entropy,
             ),
             plan.tp_options[labels_in_range, grad_needed],
             (plan, "combined", labels_in_range, labels.dtype, stride_l, ignore_index, vocab_size),
@@ -164,4 +166,4 @@ def fused_head_forward(
     if not residual and grad_needed:
         residual = (perm, count)  # the row order, for a backward that recomputes
     saved = SavedTokens(local_labels, valid, lse, entropy, residual, fused_forward=True)
-    return HeadForward(log_prob, entropy_out, saved, sum_pi_squared_out)
+    return HeadForward(log_prob, entropy_out, saved, detached)

@@ -22,6 +22,7 @@ import torch
 from mcore_ppo.backends.triton_launch import interpreting
 from mcore_ppo.logs import log_once
 from mcore_ppo.numerics import Numerics, cdiv
+from mcore_ppo.statistics import Statistics
 
 COMPACT_BLOCK = 4096  # rows per step of the one-program compaction: 4 dependent steps at n = 16384
 COMPACT_WARPS = 8
@@ -123,29 +124,25 @@ def merge_splits(
     count: torch.Tensor,
     launch: Callable,
     *,
-    with_u: bool = True,
-    with_q: bool = False,
+    statistics: Statistics,
     site: object = None,
-) -> tuple[torch.Tensor, ...]:
-    """Per-token ``(m, s, u)`` from the forward's per-split partials ``parts [planes, splits,
-    n]`` (planes m, s, then u with ``with_u``, then q with ``with_q``; ``with_u`` False: ``(m, s,
-    None)``). ``with_q``: ``(m, s, u, q)``. ``launch``: the call's bound launcher; ``site``: the
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(m [n], sums [terms, n])`` from the forward's per-split partials ``parts
+    [planes, splits, n]`` (the packed layout of :mod:`mcore_ppo.statistics`: the max, then one
+    plane per term of ``statistics``). ``launch``: the call's bound launcher; ``site``: the
     caller's launch site key, when its plan fixes every argument's specialisation."""
     from mcore_ppo.kernels import merge_splits_kernel
 
-    _, num_splits, n = parts.shape
-    stats = torch.empty(2 + with_u + with_q, n, dtype=torch.float32, device=parts.device).unbind(0)
-    u_out = stats[2] if with_u else stats[1]  # not written without WITH_U
-    q_out = stats[-1] if with_q else stats[1]  # nor without WITH_Q
+    planes, num_splits, n = parts.shape
+    merged = torch.empty(planes, n, dtype=torch.float32, device=parts.device)
     launch(
         merge_splits_kernel,
         (cdiv(n, MERGE_BLOCK_T),),
-        (parts, perm, count, stats[0], stats[1], u_out, q_out, n, num_splits),
-        {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_u, **({"WITH_Q": True} if with_q else {})},
+        (parts, perm, count, merged, n, num_splits),
+        {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, **statistics.kernel_options()},
         site,
     )
-    merged = stats[0], stats[1], (stats[2] if with_u else None)
-    return (*merged, stats[-1]) if with_q else merged
+    return merged[0], merged[1:]
 
 
 def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:

@@ -27,6 +27,7 @@ from mcore_ppo.backends.triton_host import (
     with_tma_store,
 )
 from mcore_ppo.numerics import Numerics, cdiv
+from mcore_ppo.statistics import Statistics
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,8 +43,7 @@ class LaunchPlan:
     cfg: GemmConfig
     num_splits: int
     n_tiles_v: int
-    with_u: bool
-    with_q: bool
+    statistics: Statistics
     store: bool
     use_tma: bool
     buf_tma: bool
@@ -55,8 +55,9 @@ class LaunchPlan:
 
     @property
     def n_parts(self) -> int:
-        """The per-split partials: m, s, then u (entropy on), then q (Σπ² on)."""
-        return 2 + self.with_u + self.with_q
+        """Planes of the per-split partials and of the TP sums: the max (the label logit), then
+        one per term of the statistics."""
+        return self.statistics.n_planes
 
     @staticmethod
     def build(
@@ -65,9 +66,8 @@ class LaunchPlan:
         hidden: torch.Tensor,
         weight: torch.Tensor,
         grad_needed: bool,
-        with_entropy: bool,
+        statistics: Statistics,
         row_temp: bool,
-        with_q: bool = False,
     ) -> LaunchPlan:
         """The plan of a backend with ``config`` whose forward tiles for this shard are
         ``forward_config`` (:meth:`TritonBackend.forward_config_for`)."""
@@ -88,9 +88,9 @@ class LaunchPlan:
         # only their rows (each program builds the descriptor it needs, in one launch): no row
         # copy when nothing is ignored.
         direct = use_tma and descriptor_ok(hidden)
-        # The default variant is launched without the new flags: its compile is the same as before.
-        q_flag = {"WITH_Q": True} if with_q else {}
-        variant = {**({"ROW_TEMP": True} if row_temp else {}), **({} if with_entropy else {"WITH_U": False}), **q_flag}
+        # Each term's plane (0: not reduced) from the description of the statistics.
+        planes = statistics.kernel_options()
+        variant = {**({"ROW_TEMP": True} if row_temp else {}), **planes}
         stats_options = {
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "TILES_PER_SPLIT": cfg.tiles_per_split, "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps,
@@ -100,19 +100,20 @@ class LaunchPlan:
         libdevice = not interpreting()
         finish_options = {
             (checked, grad_needed): {
-                "BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "WITH_U": with_entropy,
-                "CHECK_RANGE": not checked, "LIBDEVICE": libdevice, "SAVE": grad_needed, **_exact_libdevice(), **q_flag,
+                "BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, "CHECK_RANGE": not checked,
+                "LIBDEVICE": libdevice, "SAVE": grad_needed, **_exact_libdevice(), **planes,
+                **statistics.output_options(),
             }
             for checked in (False, True)
         }  # fmt: skip
         merge_options = {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S}
         tp_options = {
             "max": merge_options,
-            "merge": {**merge_options, "WITH_U": with_entropy, "WITH_Q": with_q},
+            "merge": {**merge_options, **planes},
             **{key: {k: o for k, o in opts.items() if k != "BLOCK_S"} for key, opts in finish_options.items()},
         }
         return LaunchPlan(
-            n, h, v, numerics, cfg, num_splits, n_tiles_v, with_entropy, with_q, store, use_tma, buf_tma, direct,
+            n, h, v, numerics, cfg, num_splits, n_tiles_v, statistics, store, use_tma, buf_tma, direct,
             (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, tp_options,
         )  # fmt: skip
 

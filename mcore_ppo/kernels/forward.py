@@ -8,24 +8,26 @@ in fp32 and folds it into per-row running statistics in registers, in base-2 uni
     m = max z₂,   s = Σ 2^(z₂-m),   u = Σ 2^(z₂-m)·(z₂-m)
 
 and stores them per (split, row) converted back to natural units (``m·ln2``, ``s``,
-``u·ln2``) into the planes of one partials buffer (``parts_ptr``: m, s, then u, then q). The
-label's logit is stored by the split that holds it. Logits never reach memory. Rows are visited
+``u·ln2``) into the planes of one partials buffer (``parts_ptr``: the packed layout of
+:mod:`mcore_ppo.statistics`, m in plane 0, s in plane 1, each further term in the plane its
+constexpr names). The label's logit is stored by the split that holds it. Logits never reach memory. Rows are visited
 through ``perm`` (valid rows first; with ``USE_TMA`` the copy engine reads them through a
 descriptor the program builds itself: in place in the original where its block's valid rows
 are consecutive there, ``DIRECT_ROWS``, else from the host's gathered copy, in one launch); a
 program whose rows all lie past the device-side valid count exits before any GEMM work, so
 ignored tokens cost nothing and the host never learns the count.
 
-Three constexpr options leave the default variant's code as it was: ``ROW_TEMP`` reads ``1/T``
-per row from ``inv_temp_ptr`` (a per-token temperature) instead of the scalar ``inv_temp``;
-``WITH_U`` False (the entropy is off) skips the ``u`` sums and their store; ``WITH_Q`` True
-(Σπ² asked for) adds ``q = Σ 2^(2(z₂-m)) = Σ exp(2(z-m))`` beside ``s``, rescaled by the square of
-``s``'s factor, stored in its own plane (unit-free like ``s``). Without it that plane does not
-exist.
+``ROW_TEMP`` reads ``1/T`` per row from ``inv_temp_ptr`` (a per-token temperature) instead of
+the scalar ``inv_temp``. Each term of :class:`mcore_ppo.statistics.Statistics` beyond ``s`` is a
+plane constexpr here, 0 when the call does not ask for it (its code is compiled out), and its
+lines in these kernels are the term's whole kernel side: ``U_PLANE`` the entropy's ``u``
+(default 2: on); ``Q_PLANE`` Σπ²'s ``q = Σ 2^(2(z₂-m)) = Σ exp(2(z-m))`` beside ``s``, rescaled by
+the square of ``s``'s factor (unit-free like ``s``; default 0: off), whose output the finish
+kernels write into row ``Q_OUT`` of the detached outputs.
 
 ``merge_splits_kernel``: per token, merges the split partials (online-softmax rescaling, as
-:func:`mcore_ppo.parallel.combine.merge_statistics`) into the shard's ``(m, s, u)`` (and ``q`` with
-``WITH_Q``); ignored tokens get ``(0, 1, 0)`` (``q`` 1) so that downstream ``log`` stays finite.
+:meth:`mcore_ppo.statistics.Statistics.merge`) into the shard's planes; ignored tokens get
+``(m, s, u, q) = (0, 1, 0, 1)`` (each term's ``empty``) so that downstream ``log`` stays finite.
 ``merge_finish_kernel`` does that and the outputs' epilogue in one launch on one shard. Over TP,
 around :func:`mcore_ppo.parallel.combine.reduce_shard_statistics`' all-reduce MAX and SUM:
 ``split_max_kernel`` (the shard's max), ``merge_to_max_kernel`` (the splits merged straight to the
@@ -88,10 +90,11 @@ def stats_kernel(
     BUF_TMA: tl.constexpr,
     DIRECT_ROWS: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
-    WITH_U: tl.constexpr = True,
-    WITH_Q: tl.constexpr = False,
+    U_PLANE: tl.constexpr = 2,
+    Q_PLANE: tl.constexpr = 0,
 ):
-    """Per-(split, row) ``(m, s, u)`` partials (and ``q``) and the label logit ``y``; see the module doc."""
+    """Per-(split, row) partials (m, s and the terms whose planes are nonzero) and the label
+    logit ``y``; see the module doc."""
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     count = tl.load(count_ptr)
@@ -185,15 +188,15 @@ def stats_kernel(
                 tl.store(buf_ptrs, e.to(buf_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
             tl.store(tmax_ptr + offs_m.to(tl.int64) * n_tiles_v + n0 // BLOCK_N, t_max, mask=row_ok)
             s_t = tl.sum(e, 1)
-            if WITH_U:
+            if U_PLANE:
                 u_t = tl.sum(tl.where(col_ok[None, :], e * d, 0.0), 1)
             m_new = tl.maximum(m_i, t_max)
             alpha = tl.exp2(m_i - m_new)
             beta = tl.exp2(t_max - m_new)
-            if WITH_U:
+            if U_PLANE:
                 shift = tl.where(s_i > 0, m_i - m_new, 0.0)
                 u_i = alpha * (u_i + s_i * shift) + beta * (u_t + s_t * (t_max - m_new))
-            if WITH_Q:
+            if Q_PLANE:
                 q_i = alpha * alpha * q_i + beta * beta * tl.sum(e * e, 1)
             s_i = alpha * s_i + beta * s_t
             m_i = m_new
@@ -201,29 +204,26 @@ def stats_kernel(
             m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: every tile has a valid column
             d = z2 - m_new[:, None]
             e = tl.exp2(d)
-            if WITH_U:
+            if U_PLANE:
                 eu = tl.where(col_ok[None, :], e * d, 0.0)
             alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
-            if WITH_U:
+            if U_PLANE:
                 shift = tl.where(s_i > 0, m_i - m_new, 0.0)
                 u_i = alpha * (u_i + s_i * shift) + tl.sum(eu, 1)
-            if WITH_Q:
+            if Q_PLANE:
                 q_i = alpha * alpha * q_i + tl.sum(e * e, 1)
             s_i = alpha * s_i + tl.sum(e, 1)
             m_i = m_new
 
-    # The partials' planes in one buffer: m, s, then u (WITH_U), then q (WITH_Q), each [splits, N].
+    # The partials' planes in one buffer, each [splits, N]: m, s, then each term at its plane.
     plane = N.to(tl.int64) * num_splits  # N is never specialised (num_splits = 1 is a constant)
     part = parts_ptr + pid_n * N + offs_m
     tl.store(part, m_i * LN2, mask=row_ok)
     tl.store(part + plane, s_i, mask=row_ok)
-    if WITH_U:
-        tl.store(part + 2 * plane, u_i * LN2, mask=row_ok)
-    if WITH_Q:
-        if WITH_U:
-            tl.store(part + 3 * plane, q_i, mask=row_ok)
-        else:
-            tl.store(part + 2 * plane, q_i, mask=row_ok)
+    if U_PLANE:
+        tl.store(part + U_PLANE * plane, u_i * LN2, mask=row_ok)
+    if Q_PLANE:
+        tl.store(part + Q_PLANE * plane, q_i, mask=row_ok)
     split_hi = split_lo + TILES_PER_SPLIT * BLOCK_N
     mine = row_ok & (labels >= split_lo) & (labels < split_hi)
     tl.store(y_ptr + rows, y_i * inv_t, mask=mine)
@@ -245,18 +245,16 @@ def _max_over_splits(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T: tl.conste
 @triton.jit
 def _sums_over_splits(
     parts_ptr, offs_t, valid, m_safe, N, num_splits,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, WITH_U: tl.constexpr, WITH_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, U_PLANE: tl.constexpr, Q_PLANE: tl.constexpr,
 ):  # fmt: skip
     """``(s, u, q)`` of the compacted tokens ``offs_t`` merged over the splits relative to
     ``m_safe`` (any value at least every split's max: the shard's, or the TP group's), 0 where
-    not ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor."""
+    not ``valid``; ``u`` and ``q`` only where their planes are nonzero, ``q`` rescaled by the
+    squared factor."""
     plane = N.to(tl.int64) * num_splits  # N is never specialised (num_splits = 1 is a constant)
     part_s_ptr = parts_ptr + plane
-    part_u_ptr = parts_ptr + 2 * plane
-    if WITH_U:
-        part_q_ptr = parts_ptr + 3 * plane
-    else:
-        part_q_ptr = parts_ptr + 2 * plane
+    part_u_ptr = parts_ptr + U_PLANE * plane
+    part_q_ptr = parts_ptr + Q_PLANE * plane
     offs_s = tl.arange(0, BLOCK_S)
     s_all = tl.zeros((BLOCK_T,), tl.float32)
     u_all = tl.zeros((BLOCK_T,), tl.float32)
@@ -266,14 +264,14 @@ def _sums_over_splits(
         idx = (s0 + offs_s)[None, :] * N + offs_t[:, None]
         pm = tl.load(parts_ptr + idx, mask=mask, other=0.0)
         ps = tl.load(part_s_ptr + idx, mask=mask, other=0.0)
-        if WITH_U:
+        if U_PLANE:
             pu = tl.load(part_u_ptr + idx, mask=mask, other=0.0)
         shift = tl.where(ps > 0, pm - m_safe[:, None], 0.0)
         scale = tl.where(ps > 0, tl.exp(shift), 0.0)
         s_all += tl.sum(ps * scale, 1)
-        if WITH_U:
+        if U_PLANE:
             u_all += tl.sum((pu + ps * shift) * scale, 1)
-        if WITH_Q:
+        if Q_PLANE:
             pq = tl.load(part_q_ptr + idx, mask=mask, other=0.0)
             q_all += tl.sum(pq * (scale * scale), 1)
     return s_all, u_all, q_all
@@ -282,51 +280,51 @@ def _sums_over_splits(
 @triton.jit
 def _merge_rows(
     parts_ptr, offs_t, valid, N, num_splits,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, WITH_U: tl.constexpr, WITH_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, U_PLANE: tl.constexpr, Q_PLANE: tl.constexpr,
 ):  # fmt: skip
     """``(m, s, u, q)`` of the compacted tokens ``offs_t`` merged over the splits (0 where not
-    ``valid``; ``q`` only with ``WITH_Q``, rescaled by the squared factor). ``parts_ptr``: the
-    planes of :func:`stats_kernel` (m, s, then u with ``WITH_U``, then q with ``WITH_Q``)."""
+    ``valid``; as :func:`_sums_over_splits`). ``parts_ptr``: the planes of :func:`stats_kernel`."""
     m_safe = _max_over_splits(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S)
     s_all, u_all, q_all = _sums_over_splits(
-        parts_ptr, offs_t, valid, m_safe, N, num_splits, BLOCK_T, BLOCK_S, WITH_U, WITH_Q
+        parts_ptr, offs_t, valid, m_safe, N, num_splits, BLOCK_T, BLOCK_S, U_PLANE, Q_PLANE
     )
     return m_safe, s_all, u_all, q_all
 
 
 @triton.jit(
     do_not_specialize=["N"],
-    do_not_specialize_on_alignment=["parts_ptr", "perm_ptr", "count_ptr", "m_ptr", "s_ptr", "u_ptr", "q_ptr"],
+    do_not_specialize_on_alignment=["parts_ptr", "perm_ptr", "count_ptr", "out_ptr"],
 )
 def merge_splits_kernel(
     parts_ptr,
     perm_ptr,
     count_ptr,
-    m_ptr,
-    s_ptr,
-    u_ptr,
-    q_ptr,
+    out_ptr,
     N,
     num_splits,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    WITH_U: tl.constexpr = True,
-    WITH_Q: tl.constexpr = False,
+    U_PLANE: tl.constexpr = 2,
+    Q_PLANE: tl.constexpr = 0,
 ):
-    """Shard ``(m, s, u)`` per token from the partials' ``[splits, N]`` planes (rows via ``perm``);
-    without ``WITH_U`` only ``(m, s)``; with ``WITH_Q`` also ``q`` (1 for ignored tokens)."""
+    """The shard's planes per token (``out_ptr`` ``[planes, N]``, place order: m, s, then each
+    term at its plane) from the partials' ``[splits, N]`` planes (rows via ``perm``); ignored
+    tokens get ``(m, s, u, q) = (0, 1, 0, 1)``."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = offs_t < N
     count = tl.load(count_ptr)
     valid = offs_t < count
     rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
-    m_safe, s_all, u_all, q_all = _merge_rows(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U, WITH_Q)
-    tl.store(m_ptr + rows, m_safe, mask=in_n)
-    tl.store(s_ptr + rows, tl.where(valid, s_all, 1.0), mask=in_n)
-    if WITH_U:
-        tl.store(u_ptr + rows, tl.where(valid, u_all, 0.0), mask=in_n)
-    if WITH_Q:
-        tl.store(q_ptr + rows, tl.where(valid, q_all, 1.0), mask=in_n)
+    m_safe, s_all, u_all, q_all = _merge_rows(
+        parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, U_PLANE, Q_PLANE
+    )
+    plane = N.to(tl.int64)
+    tl.store(out_ptr + rows, m_safe, mask=in_n)
+    tl.store(out_ptr + plane + rows, tl.where(valid, s_all, 1.0), mask=in_n)
+    if U_PLANE:
+        tl.store(out_ptr + U_PLANE * plane + rows, tl.where(valid, u_all, 0.0), mask=in_n)
+    if Q_PLANE:
+        tl.store(out_ptr + Q_PLANE * plane + rows, tl.where(valid, q_all, 1.0), mask=in_n)
 
 
 @triton.jit
@@ -353,15 +351,17 @@ def _finish_rows(
     vocab_size,
     max_entropy,
     sum_pi_squared,
-    sum_pi_squared_out_ptr,
-    WITH_U: tl.constexpr,
+    detached_ptr,
+    N,
+    U_PLANE: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
-    WITH_Q: tl.constexpr,
+    Q_PLANE: tl.constexpr,
+    Q_OUT: tl.constexpr,
 ):
     """The outputs of rows ``rows``: ``log p = min(y - lse, 0)`` (NaN for a label outside
     ``[0, vocab_size)`` with ``CHECK_RANGE``), ``H`` clamped to ``[0, max_entropy]``, with
-    ``WITH_Q`` Σπ² clamped to ``[1/V, 1]``, each 0 where not ``valid`` (NaN kept by the clamps,
-    as torch's clamp keeps it)."""
+    ``Q_PLANE`` Σπ² clamped to ``[1/V, 1]`` into row ``Q_OUT`` of ``detached_ptr`` (``[rows,
+    N]``), each 0 where not ``valid`` (NaN kept by the clamps, as torch's clamp keeps it)."""
     y = tl.load(y_ptr + rows, mask=in_n, other=0.0)
     log_p = y - lse
     log_p = tl.where(log_p > 0.0, 0.0, log_p)
@@ -370,15 +370,15 @@ def _finish_rows(
         label = tl.load(labels_ptr + rows.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
         log_p = tl.where(valid & ((label < 0) | (label >= vocab_size)), float("nan"), log_p)
     tl.store(lp_ptr + rows, log_p, mask=in_n)
-    if WITH_U:
+    if U_PLANE:
         h = tl.where(entropy < 0.0, 0.0, entropy)
         h = tl.where(h > max_entropy, max_entropy, h)
         tl.store(ent_out_ptr + rows, tl.where(valid, h, 0.0), mask=in_n)
-    if WITH_Q:
+    if Q_PLANE:
         floor = 1.0 / vocab_size.to(tl.float32)
         sp = tl.where(sum_pi_squared < floor, floor, sum_pi_squared)
         sp = tl.where(sp > 1.0, 1.0, sp)
-        tl.store(sum_pi_squared_out_ptr + rows, tl.where(valid, sp, 0.0), mask=in_n)
+        tl.store(detached_ptr + Q_OUT * N.to(tl.int64) + rows, tl.where(valid, sp, 0.0), mask=in_n)
 
 
 @triton.jit(
@@ -393,7 +393,7 @@ def _finish_rows(
         "ent_ptr",
         "lp_ptr",
         "ent_out_ptr",
-        "sum_pi_squared_out_ptr",
+        "detached_ptr",
     ],
 )
 def merge_finish_kernel(
@@ -406,7 +406,7 @@ def merge_finish_kernel(
     ent_ptr,
     lp_ptr,
     ent_out_ptr,
-    sum_pi_squared_out_ptr,
+    detached_ptr,
     N,
     num_splits,
     stride_l,
@@ -414,39 +414,42 @@ def merge_finish_kernel(
     max_entropy,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    WITH_U: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     SAVE: tl.constexpr,
-    WITH_Q: tl.constexpr = False,
+    U_PLANE: tl.constexpr = 2,
+    Q_PLANE: tl.constexpr = 0,
+    Q_OUT: tl.constexpr = 0,
 ):
     """One shard holding the whole vocab: the merge of :func:`merge_splits_kernel` and then the
-    head's outputs in the same pass, as the torch epilogue computes them from the merged
-    ``(m, s, u)``: ``lse = m + log s``, ``H = log s - u/s`` (stored with ``SAVE``, for the
-    backward), and with ``WITH_Q`` ``Σπ² = q/s²``, then :func:`_finish_rows`. Ignored tokens get
-    ``lse = H = 0`` and zero outputs."""
+    head's outputs in the same pass, as :meth:`mcore_ppo.statistics.Statistics.finish` forms
+    them from the merged planes: ``lse = m + log s``, ``H = log s - u/s`` (stored with ``SAVE``,
+    for the backward), ``Σπ² = q/s²``, then :func:`_finish_rows`. Ignored tokens get ``lse = H =
+    0`` and zero outputs."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = offs_t < N
     count = tl.load(count_ptr)
     valid = offs_t < count
     rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
-    m_safe, s_all, u_all, q_all = _merge_rows(parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, WITH_U, WITH_Q)
+    m_safe, s_all, u_all, q_all = _merge_rows(
+        parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, U_PLANE, Q_PLANE
+    )
     s = tl.where(valid, s_all, 1.0)
     log_s = _log(s, LIBDEVICE)
     lse = m_safe + log_s
     if SAVE:
         tl.store(lse_ptr + rows, lse, mask=in_n)
     entropy = lse
-    if WITH_U:
+    if U_PLANE:
         entropy = log_s - tl.math.div_rn(tl.where(valid, u_all, 0.0), s)
         if SAVE:
             tl.store(ent_ptr + rows, entropy, mask=in_n)
     sum_pi_squared = s
-    if WITH_Q:
+    if Q_PLANE:
         sum_pi_squared = tl.math.div_rn(tl.where(valid, q_all, 1.0), s * s)
     _finish_rows(
         lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
-        max_entropy, sum_pi_squared, sum_pi_squared_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
+        max_entropy, sum_pi_squared, detached_ptr, N, U_PLANE, CHECK_RANGE, Q_PLANE, Q_OUT,
     )  # fmt: skip
 
 
@@ -477,38 +480,34 @@ def merge_to_max_kernel(
     num_splits,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    WITH_U: tl.constexpr,
-    WITH_Q: tl.constexpr,
+    U_PLANE: tl.constexpr = 2,
+    Q_PLANE: tl.constexpr = 0,
 ):
     """Over TP, between the all-reduce MAX and the SUM: the splits merged straight to the TP
     group's max ``max_ptr`` into the planes of ``sums_ptr`` (``[planes, N]``, place order: the
     label logit ``y`` in plane 0, which the statistics kernel wrote and this one leaves, ``s``,
-    then ``u`` with ``WITH_U``, then ``q`` with ``WITH_Q``). Ignored tokens get ``s = q = 1``
-    and ``u = 0`` on every rank, so that their sums stay finite."""
+    then each term at its plane). Ignored tokens get ``s = q = 1`` and ``u = 0`` on every rank,
+    so that their sums stay finite."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = offs_t < N
     valid = offs_t < tl.load(count_ptr)
     rows = tl.load(perm_ptr + offs_t, mask=in_n, other=0)
     m = tl.load(max_ptr + rows, mask=in_n & valid, other=0.0)
     s_all, u_all, q_all = _sums_over_splits(
-        parts_ptr, offs_t, valid, m, N, num_splits, BLOCK_T, BLOCK_S, WITH_U, WITH_Q
+        parts_ptr, offs_t, valid, m, N, num_splits, BLOCK_T, BLOCK_S, U_PLANE, Q_PLANE
     )
     plane = N.to(tl.int64)
     tl.store(sums_ptr + plane + rows, tl.where(valid, s_all, 1.0), mask=in_n)
-    if WITH_U:
-        tl.store(sums_ptr + 2 * plane + rows, tl.where(valid, u_all, 0.0), mask=in_n)
-    if WITH_Q:
-        if WITH_U:
-            q_plane = sums_ptr + 3 * plane
-        else:
-            q_plane = sums_ptr + 2 * plane
-        tl.store(q_plane + rows, tl.where(valid, q_all, 1.0), mask=in_n)
+    if U_PLANE:
+        tl.store(sums_ptr + U_PLANE * plane + rows, tl.where(valid, u_all, 0.0), mask=in_n)
+    if Q_PLANE:
+        tl.store(sums_ptr + Q_PLANE * plane + rows, tl.where(valid, q_all, 1.0), mask=in_n)
 
 
 @triton.jit(
     do_not_specialize=["N", "stride_l", "ignore_index", "vocab_size"],
     do_not_specialize_on_alignment=[
-        "max_ptr", "sums_ptr", "labels_ptr", "lse_ptr", "ent_ptr", "lp_ptr", "ent_out_ptr", "sum_pi_squared_out_ptr",
+        "max_ptr", "sums_ptr", "labels_ptr", "lse_ptr", "ent_ptr", "lp_ptr", "ent_out_ptr", "detached_ptr",
     ],
 )  # fmt: skip
 def finish_kernel(
@@ -519,24 +518,25 @@ def finish_kernel(
     ent_ptr,
     lp_ptr,
     ent_out_ptr,
-    sum_pi_squared_out_ptr,
+    detached_ptr,
     N,
     stride_l,
     ignore_index,
     vocab_size,
     max_entropy,
     BLOCK_T: tl.constexpr,
-    WITH_U: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     SAVE: tl.constexpr,
-    WITH_Q: tl.constexpr = False,
+    U_PLANE: tl.constexpr = 2,
+    Q_PLANE: tl.constexpr = 0,
+    Q_OUT: tl.constexpr = 0,
 ):
     """Over TP, after the all-reduce SUM: the head's outputs from the group's max ``M`` and the
     summed planes of :func:`merge_to_max_kernel`, per token in place order, as
     :func:`merge_finish_kernel` forms them from one shard's: ``lse = M + log S``, ``H = log S -
-    U/S`` (stored with ``SAVE``), with ``WITH_Q`` ``Σπ² = Q/S²``, then :func:`_finish_rows`
-    with ``valid = label != ignore_index``. Ignored tokens get ``lse = H = 0``."""
+    U/S`` (stored with ``SAVE``), ``Σπ² = Q/S²``, then :func:`_finish_rows` with ``valid = label
+    != ignore_index``. Ignored tokens get ``lse = H = 0``."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = rows < N
     label = tl.load(labels_ptr + rows.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
@@ -549,20 +549,16 @@ def finish_kernel(
     if SAVE:
         tl.store(lse_ptr + rows, lse, mask=in_n)
     entropy = lse
-    if WITH_U:
-        u = tl.load(sums_ptr + 2 * plane + rows, mask=valid, other=0.0)
+    if U_PLANE:
+        u = tl.load(sums_ptr + U_PLANE * plane + rows, mask=valid, other=0.0)
         entropy = log_s - tl.math.div_rn(u, s)
         if SAVE:
             tl.store(ent_ptr + rows, entropy, mask=in_n)
     sum_pi_squared = s
-    if WITH_Q:
-        if WITH_U:
-            q_plane = sums_ptr + 3 * plane
-        else:
-            q_plane = sums_ptr + 2 * plane
-        q = tl.load(q_plane + rows, mask=valid, other=1.0)
+    if Q_PLANE:
+        q = tl.load(sums_ptr + Q_PLANE * plane + rows, mask=valid, other=1.0)
         sum_pi_squared = tl.math.div_rn(q, s * s)
     _finish_rows(
         lse, entropy, rows, valid, in_n, sums_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
-        max_entropy, sum_pi_squared, sum_pi_squared_out_ptr, WITH_U, CHECK_RANGE, WITH_Q,
+        max_entropy, sum_pi_squared, detached_ptr, N, U_PLANE, CHECK_RANGE, Q_PLANE, Q_OUT,
     )  # fmt: skip

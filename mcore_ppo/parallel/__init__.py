@@ -3,7 +3,7 @@
 of PPO, and imports with torch alone: Megatron's ``parallel_state`` is consulted only inside
 :func:`resolve_tp_group` / :func:`resolve_cp_group`, when ``torch.distributed`` is initialised."""
 
-from mcore_ppo.parallel.combine import combine_shard_statistics, merge_statistics, rescale_statistics
+from mcore_ppo.parallel.combine import combine_log_sum_exp, reduce_shard_statistics
 from mcore_ppo.parallel.context_parallel import (
     roll_and_split_labels,
     roll_labels,
@@ -19,12 +19,11 @@ from mcore_ppo.parallel.mappings import (
 
 __all__ = [
     "all_gather_first_dim",
-    "combine_shard_statistics",
+    "combine_log_sum_exp",
     "group_rank",
     "group_size",
-    "merge_statistics",
     "reduce_scatter_first_dim",
-    "rescale_statistics",
+    "reduce_shard_statistics",
     "resolve_cp_group",
     "resolve_tp_group",
     "roll_and_split_labels",

@@ -5,7 +5,7 @@ and the softmax statistics ``(m, s)`` of every other entry of its shard (``m`` t
 ``Σ exp(z - m)``; ``m = -inf``, ``s = 0`` when there is none). :func:`merge_topk_over_ranks`
 all-gathers the candidates (one collective), keeps the global top ``k`` on every rank by the same
 rule, folds the candidates it drops into the rest, and combines the rest's statistics over the
-group with :func:`mcore_ppo.parallel.combine.combine_shard_statistics` (the head's MAX, then SUM). Every
+group with :func:`mcore_ppo.parallel.combine.combine_log_sum_exp` (the head's MAX, then SUM). Every
 quantity is a sum of its own terms, never a difference: the tail mass ``Σ_{j ∉ top-k} p_j`` stays
 exact to rounding however small it is.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_ppo.parallel.combine import _rescale_factor, combine_shard_statistics
+from mcore_ppo.parallel.combine import combine_log_sum_exp, rescale_factor
 from mcore_ppo.parallel.mappings import all_gather_first_dim
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
@@ -53,7 +53,7 @@ def fold_into_statistics(m: torch.Tensor, s: torch.Tensor, values: torch.Tensor)
     shift = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
     s_new = torch.exp(values - shift[:, None]).sum(dim=-1)
     top = torch.maximum(m, m_new)
-    merged = s * _rescale_factor(m, s, top) + s_new * _rescale_factor(m_new, s_new, top)
+    merged = s * rescale_factor(m, s, top) + s_new * rescale_factor(m_new, s_new, top)
     return top, merged
 
 
@@ -107,8 +107,7 @@ def merge_topk_over_ranks(
     else:
         top_values, top_ids, dropped = select_topk(all_values, all_ids, k)
     # The rest of every shard, combined exactly as the head combines its statistics.
-    no_label = torch.zeros_like(rest_sum)
-    rest_lse, _, _ = combine_shard_statistics(rest_max, rest_sum, None, no_label, group)
+    rest_lse = combine_log_sum_exp(rest_max, rest_sum, group)
     # Candidates dropped by the merge are the same on every rank: fold them in after the combine.
     tail_lse = rest_lse if dropped.shape[-1] == 0 else torch.logaddexp(rest_lse, torch.logsumexp(dropped, dim=-1))
     lse = torch.logaddexp(torch.logsumexp(top_values, dim=-1), tail_lse)

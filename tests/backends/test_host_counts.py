@@ -268,7 +268,8 @@ def test_no_fast_launch_under_the_interpreter():
 def test_rescale_in_fewer_ops_gives_the_same_bits():
     """The TP combine's rescaling (``masked_fill`` instead of ``where`` against ``zeros_like``)
     gives the former formula's values bit for bit, empty parts (``s = 0``, ``m = -inf``) too."""
-    from mcore_ppo.parallel.combine import _rescale_factor, rescale_statistics
+    from mcore_ppo.parallel.combine import rescale_factor
+    from mcore_ppo.statistics import DEFAULT
 
     gen = generator(next_seed())
     m = torch.randn(64, generator=gen) * 30
@@ -281,7 +282,7 @@ def test_rescale_in_fewer_ops_gives_the_same_bits():
     scale = torch.where(s == 0, torch.zeros_like(scale), scale)
     shift = torch.where(s == 0, torch.zeros_like(m), m - new_max)
     want = (s * scale, (u + s * shift) * scale)
-    got = rescale_statistics(m, s, u, new_max)
+    got = DEFAULT.rescale(m, torch.stack([s, u]), new_max)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b) and not a.isnan().any()
-    assert torch.equal(_rescale_factor(m, s, new_max), scale)
+    assert torch.equal(rescale_factor(m, s, new_max), scale)

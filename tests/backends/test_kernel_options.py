@@ -1,10 +1,10 @@
 """The Triton kernels' option flags, at the backend's level: ``ROW_TEMP`` (1/T read per row from
-a vector; a per-token temperature) and ``WITH_U`` / ``HAS_E`` (the entropy off).
+a vector; a per-token temperature) and ``U_PLANE = 0`` / ``HAS_E`` off (the entropy off).
 
 Under Triton's CPU interpreter on tiny odd shapes (fp32), as ``test_triton_backend.py``. The
 per-row statistics and gradients match the torch backend given the same ``[n]`` temperature
-vector (to fp32 rounding); ``WITH_U=False`` leaves ``m``, ``s``, ``y`` and the probability buffer
-bit for bit as they are with it, and returns no ``u``.
+vector (to fp32 rounding); the entropy off leaves ``m``, ``s``, ``y`` and the probability buffer
+bit for bit as they are with it, and returns no ``u`` plane.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ triton_backend = pytest.importorskip("mcore_ppo.backends.triton_backend")
 import mcore_ppo.kernels  # noqa: E402,F401  (decorated now, under the interpreter on CPU)
 from mcore_ppo.backends.base import GradientRequest, SavedTokens  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
-from mcore_ppo.parallel.combine import combine_shard_statistics  # noqa: E402
+from mcore_ppo.statistics import DEFAULT, Statistics  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 
@@ -57,13 +57,14 @@ def _case(n=21, h=16, v=45):
 def test_row_temperature_statistics_and_gradients_match_torch(budget):
     hidden, weight, local, valid, temperature, g, e = _case()
     ours, oracle = triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget)), TorchBackend()
-    stats = ours.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=True, with_entropy=True)
-    want = oracle.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=False, with_entropy=True)
+    stats = ours.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=True, statistics=DEFAULT)
+    want = oracle.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=False, statistics=DEFAULT)
     assert bool(stats.residual) == bool(budget)
-    for name in ("m", "s", "u", "y"):
-        got, exp = getattr(stats, name)[valid], getattr(want, name)[valid]
-        assert_close(got.cpu(), exp.cpu(), name=f"stat_{name}", dtype=torch.float32, rtol=2e-6, atol=1e-6)
-    lse, entropy, _ = combine_shard_statistics(*want.tensors(), None)
+    planes = ("m", "s", "u", "y")
+    for name, got, exp in zip(planes, _planes(stats), _planes(want), strict=True):
+        assert_close(got[valid].cpu(), exp[valid].cpu(), name=f"stat_{name}", dtype=torch.float32, rtol=2e-6, atol=1e-6)
+    lse, values = DEFAULT.finish(want.m, want.sums)
+    entropy = values["entropy"]
     grads = []
     for backend, residual in ((ours, stats.residual), (oracle, ())):
         saved = SavedTokens(local, valid, lse, entropy, residual)
@@ -79,18 +80,19 @@ def test_entropy_off_keeps_m_s_y_and_buffer(budget, per_token):
     hidden, weight, local, valid, temperature, g, _ = _case()
     t = temperature if per_token else 0.8
     ours = triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget))
-    on = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, with_entropy=True)
-    off = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, with_entropy=False)
-    assert off.u is None and on.u is not None
-    for name in ("m", "s", "y"):
-        assert torch.equal(getattr(on, name), getattr(off, name)), name
+    on = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, statistics=DEFAULT)
+    off = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, statistics=Statistics.named([]))
+    assert off.sums.shape[0] == 1 and on.sums.shape[0] == 2
+    for name, a, b in (("m", on.m, off.m), ("s", on.sums[0], off.sums[0]), ("y", on.y, off.y)):
+        assert torch.equal(a, b), name
     if budget:
         (probs_on, tile_max_on, *_), (probs_off, tile_max_off, *_) = on.residual, off.residual
         assert torch.equal(probs_on[: int(valid.sum())], probs_off[: int(valid.sum())])
         assert torch.equal(tile_max_on[: int(valid.sum())], tile_max_off[: int(valid.sum())])
     # The backward without the entropy (HAS_E off) from the entropy-off forward's residual equals
     # the one from the entropy-on forward with no entropy gradient.
-    lse, entropy, _ = combine_shard_statistics(*on.tensors(), None)
+    lse, values = DEFAULT.finish(on.m, on.sums)
+    entropy = values["entropy"]
     results = []
     for stats, ent in ((on, entropy), (off, None)):
         saved = SavedTokens(local, valid, lse, ent, stats.residual)
@@ -98,6 +100,11 @@ def test_entropy_off_keeps_m_s_y_and_buffer(budget, per_token):
         results.append(ours.shard_gradients(hidden, weight, saved, request, temperature=t))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def _planes(stats) -> tuple[torch.Tensor, ...]:
+    """``(m, s, u, y)`` of default statistics."""
+    return stats.m, *stats.sums.unbind(0), stats.y
 
 
 def test_merge_splits_without_u():
@@ -111,7 +118,7 @@ def test_merge_splits_without_u():
     valid = (torch.rand(n, generator=gen) < 0.8).to(DEVICE)
     launch = Launcher().bound()
     perm, count = compact_rows(valid, launch)
-    m, s, u = merge_splits(parts, perm, count, launch)
-    m2, s2, u2 = merge_splits(parts[:2].contiguous(), perm, count, launch, with_u=False)
-    assert u2 is None and u is not None
-    assert torch.equal(m, m2) and torch.equal(s, s2)
+    m, sums = merge_splits(parts, perm, count, launch, statistics=DEFAULT)
+    m2, sums2 = merge_splits(parts[:2].contiguous(), perm, count, launch, statistics=Statistics.named([]))
+    assert sums.shape == (2, n) and sums2.shape == (1, n)
+    assert torch.equal(m, m2) and torch.equal(sums[0], sums2[0])

@@ -46,6 +46,7 @@ PRELUDE = textwrap.dedent(
     from mcore_ppo.backends.triton_config import GPU_BACKWARD, GPU_FORWARD
     from mcore_ppo.backends.triton_host import for_dtype
     from mcore_ppo.kernels import dz_kernel, stats_kernel
+    from mcore_ppo.statistics import Statistics
 
     n, h, v, chunk = 1024, 3584, 19008, 7680
     ints = torch.empty(n, dtype=torch.int32)
@@ -92,7 +93,8 @@ COMPILE = PRELUDE + textwrap.dedent(
     assert f.use_tma and f == dataclasses.replace(GPU_FORWARD, tiles_per_split=f.tiles_per_split)
     shared = {}
     # The default variant, and the per-token temperature / entropy-off variants beside it.
-    variants = {"": {}, " row_temp": {"ROW_TEMP": True}, " no_u": {"WITH_U": False}, " with_q": {"WITH_Q": True}}
+    statistics = {" no_u": Statistics.named([]), " with_q": Statistics.named(["entropy", "sum_pi_squared"])}
+    variants = {"": {}, " row_temp": {"ROW_TEMP": True}, **{k: s.kernel_options() for k, s in statistics.items()}}
     for store in (False, True):
         stages = min(f.num_stages, 3) if store else f.num_stages
         for suffix, flags in variants.items():
@@ -143,8 +145,8 @@ def test_fp32_default_gemm_kernels_fit_hopper_shared_memory():
 def test_default_gemm_kernels_fit_hopper_shared_memory():
     """stats_kernel (statistics only, and with the probability buffer's TMA store) and
     dz_kernel (with its TMA store) at the default tiles and stages, bf16, TMA operands; each
-    also with a per-token temperature (ROW_TEMP), with the entropy off (WITH_U / HAS_E) and,
-    for stats_kernel, with Σπ²'s q sums (WITH_Q)."""
+    also with a per-token temperature (ROW_TEMP), with the entropy off (U_PLANE 0 / HAS_E off)
+    and, for stats_kernel, with Σπ²'s q sums (Q_PLANE)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

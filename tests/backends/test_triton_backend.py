@@ -26,6 +26,7 @@ from mcore_ppo.backends import resolve_backend, triton_config  # noqa: E402
 from mcore_ppo.backends.torch_backend import TorchBackend  # noqa: E402
 from mcore_ppo.backends.triton_host import compact_rows, descriptor_ok  # noqa: E402
 from mcore_ppo.backends.triton_launch import Launcher  # noqa: E402
+from mcore_ppo.statistics import DEFAULT, Statistics  # noqa: E402
 from mcore_ppo_testing.reference import IGNORE_INDEX, assert_close, reference  # noqa: E402
 from mcore_ppo_testing.seeds import generator, next_seed  # noqa: E402
 from mcore_ppo_testing.unset_buffers import nan_filled_unset_buffers  # noqa: E402
@@ -135,15 +136,20 @@ def test_statistics_match_torch_backend():
     local = labels.clone()
     local[1::3] = -1  # label owned by another TP rank: y must be 0, the row still counted
     local[~valid] = -1
-    flags = {"grad_needed": False, "with_entropy": True}
-    ours = triton().shard_statistics(hidden, weight, local, valid, 0.9, **flags).tensors()
-    ref = TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9, **flags).tensors()
+    flags = {"grad_needed": False, "statistics": DEFAULT}
+    ours = _planes(triton().shard_statistics(hidden, weight, local, valid, 0.9, **flags))
+    ref = _planes(TorchBackend().shard_statistics(hidden.double(), weight.double(), local, valid, 0.9, **flags))
     for name, a, b in zip("msuy", ours, ref, strict=True):
         assert a.dtype == torch.float32
         assert_close(a[valid].cpu(), b[valid].cpu(), name=f"stat_{name}", dtype=torch.float32, rtol=2e-6, atol=1e-6)
     assert (ours[3][1::3] == 0).all()
     # Ignored rows get the neutral (0, 1, 0, 0): finite downstream, never NaN.
     assert (ours[0][~valid] == 0).all() and (ours[1][~valid] == 1).all() and (ours[2][~valid] == 0).all()
+
+
+def _planes(stats) -> tuple[torch.Tensor, ...]:
+    """``(m, s, u, y)`` of default statistics."""
+    return stats.m, *stats.sums.unbind(0), stats.y
 
 
 def test_all_ignored_is_zero():
@@ -533,23 +539,19 @@ def test_buffer_not_kept_without_grad(monkeypatch):
     assert grad_needed is False and residual == ()
 
 
-def _other_shard_combine(other: tuple[torch.Tensor, ...], with_entropy: bool, log: list[str]):
+def _other_shard_combine(other, statistics: Statistics, log: list[str]):
     """A ``combine`` for :meth:`TritonBackend.head_forward` that stands for a TP group of two:
-    the other rank's statistics ``other = (m, s, u, y, q)`` (from ``shard_statistics`` of its
-    shard) are folded in by torch ops where the collectives would add them, in the order
+    the other rank's statistics ``other`` (``shard_statistics`` of its shard) are folded in by
+    torch ops (:meth:`Statistics.rescale`) where the collectives would add them, in the order
     :func:`~mcore_ppo.parallel.combine.reduce_shard_statistics` runs them (``log`` records it)."""
-    from mcore_ppo.parallel.combine import rescale_statistics
-
-    m, s, u, y, q = other
 
     def combine(shard_max, sums_relative_to):
         log.append("max")
-        shard_max.copy_(torch.maximum(shard_max, m))  # the all-reduce MAX
+        shard_max.copy_(torch.maximum(shard_max, other.m))  # the all-reduce MAX
         summed = sums_relative_to(shard_max)
         log.append("sum")
-        rescaled = rescale_statistics(m, s, u if with_entropy else torch.zeros_like(s), shard_max, q)
-        rows = [y, rescaled[0]] + ([rescaled[1]] if with_entropy else []) + ([rescaled[2]] if q is not None else [])
-        summed += torch.stack(rows)  # the all-reduce SUM (the backend's planes: y, s, then u, then q)
+        # the all-reduce SUM (the packed planes: y, then the terms)
+        summed += torch.cat([other.y[None], statistics.rescale(other.m, other.sums, shard_max)])
         return shard_max, summed
 
     return combine
@@ -573,25 +575,25 @@ def test_tp_branch_over_two_shards_equals_the_whole_vocab(with_entropy, with_q, 
     labels[1], labels[2] = weight.shape[0] + 3, -7  # out of range: NaN log-probs
     vocab, split = weight.shape[0], weight.shape[0] // 2 + 3
     backend = triton(buffer_budget_bytes=1 << 30)  # the buffer where a gradient is needed
-    flags = {"with_sum_pi_squared": True} if with_q else {}
+    statistics = Statistics.named([*(["entropy"] if with_entropy else []), *(["sum_pi_squared"] if with_q else [])])
     kw = {"ignore_index": IGNORE_INDEX, "vocab_size": vocab, "labels_in_range": False, "grad_needed": grad_needed,
-          "with_entropy": with_entropy, "max_entropy": float(torch.tensor(vocab).log()), **flags}  # fmt: skip
+          "statistics": statistics, "max_entropy": float(torch.tensor(vocab).log())}  # fmt: skip
     valid = labels != IGNORE_INDEX
     local = labels - split
     local = torch.where(valid & (local >= 0) & (local < vocab - split), local, -1)
     log: list[str] = []
     with torch.no_grad():
         other = backend.shard_statistics(
-            hidden, weight[split:], local, valid, 0.9, grad_needed=False, with_entropy=True, **flags
-        )  # fmt: skip
-        combine = _other_shard_combine((*other.tensors(), other.q), with_entropy, log)
+            hidden, weight[split:], local, valid, 0.9, grad_needed=False, statistics=statistics
+        )
+        combine = _other_shard_combine(other, statistics, log)
         tp = backend.head_forward(hidden, weight[:split], labels, 0.9, vocab_start=0, combine=combine, **kw)
         whole = backend.head_forward(hidden, weight, labels, 0.9, vocab_start=0, combine=None, **kw)
     assert log == ["max", "sum"]
     close = {"rtol": 2e-6, "atol": 2e-6, "equal_nan": True}
     torch.testing.assert_close(tp.log_prob, whole.log_prob, **close)
     assert torch.equal(tp.log_prob.isnan(), valid & ((labels < 0) | (labels >= vocab)))
-    outputs = [("entropy", tp.entropy, whole.entropy), ("sum_pi_squared", tp.sum_pi_squared, whole.sum_pi_squared)]
+    outputs = [("entropy", tp.entropy, whole.entropy), ("detached", tp.detached, whole.detached)]
     if grad_needed:
         outputs += [("lse", tp.saved.lse, whole.saved.lse), ("saved entropy", tp.saved.entropy, whole.saved.entropy)]
     for name, got, want in outputs:
@@ -613,6 +615,7 @@ def test_tp_branch_over_two_shards_equals_the_whole_vocab(with_entropy, with_q, 
         torch.testing.assert_close(tp.entropy.cpu()[valid].double(), want_h[valid], rtol=0, atol=1e-5)
     if with_q:
         want_q = (probs**2).sum(-1)
-        torch.testing.assert_close(tp.sum_pi_squared.cpu()[valid].double(), want_q[valid], rtol=0, atol=1e-5)
+        got_q = statistics.output(tp.detached, "sum_pi_squared")
+        torch.testing.assert_close(got_q.cpu()[valid].double(), want_q[valid], rtol=0, atol=1e-5)
     in_first = valid & (labels >= 0) & (labels < split)
     assert torch.equal(tp.saved.local_labels.cpu(), torch.where(in_first, labels, -1))

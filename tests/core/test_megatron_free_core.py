@@ -49,6 +49,7 @@ SCRIPT = textwrap.dedent(
     from mcore_ppo.backends.torch_backend import TorchBackend
     from mcore_ppo.ops import HeadCall, head
     from mcore_ppo.options import HiddenGrad, WeightGrad
+    from mcore_ppo.statistics import DEFAULT
 
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -61,7 +62,7 @@ SCRIPT = textwrap.dedent(
 
     # The same numbers straight through the head's op, and against the full logits.
     backend = TorchBackend()  # held: the op finds it by its key while it lives
-    call = HeadCall(backend.op_key, "", HiddenGrad.PARTIAL, WeightGrad.GRAD, -100, 0, 11, 0.7, True, False, False)
+    call = HeadCall(backend.op_key, "", HiddenGrad.PARTIAL, WeightGrad.GRAD, -100, 0, 11, 0.7, DEFAULT, False)
     flat_lp, _, _ = head(hidden.detach().reshape(-1, 8), weight.detach(), labels.t().reshape(-1), None, None, call)
     torch.testing.assert_close(flat_lp.view(4, 3).t(), log_probs.detach())
     full = torch.log_softmax(hidden.detach().transpose(0, 1) @ weight.detach().t() / 0.7, dim=-1)

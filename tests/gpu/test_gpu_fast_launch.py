@@ -277,6 +277,7 @@ def test_cuda_graph_capture_of_fused_forward_and_backward(budget):
     CUDA graph, and its replay equals the eager calls."""
     from mcore_ppo.backends.base import GradientRequest
     from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
+    from mcore_ppo.statistics import DEFAULT
 
     x, w, labels, g, e = _make(2048, 1024, 20000, ignored=0.3, seed=6)
     backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget))
@@ -284,7 +285,7 @@ def test_cuda_graph_capture_of_fused_forward_and_backward(budget):
 
     def step():
         out = backend.head_forward(
-            x, w, labels, 0.7, grad_needed=True, with_entropy=True, max_entropy=math.log(20000) - 1e-6,
+            x, w, labels, 0.7, grad_needed=True, statistics=DEFAULT, max_entropy=math.log(20000) - 1e-6,
             combine=None, **kw,
         )  # fmt: skip
         request = GradientRequest(g, e, need_hidden_grad=True, weight_grad=torch.zeros_like(w))

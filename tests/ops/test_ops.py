@@ -21,6 +21,7 @@ import mcore_ppo
 from mcore_ppo.backends import TorchBackend, TorchConfig
 from mcore_ppo.ops import HeadCall, HeadFunction
 from mcore_ppo.options import HiddenGrad, WeightGrad
+from mcore_ppo.statistics import Statistics
 from mcore_ppo_testing.seeds import generator, next_seed
 
 # The triton backend runs CPU tensors only under Triton's interpreter (tests/conftest.py sets it
@@ -68,18 +69,19 @@ def _inputs(dtype, *, ids: bool, row_temperature: bool, seed: int, ignored: bool
 
 
 def _call(backend, *, return_entropy=True, return_sum_pi_squared=False) -> HeadCall:
+    names = [name for name, on in (("entropy", return_entropy), ("sum_pi_squared", return_sum_pi_squared)) if on]
     return HeadCall(
         backend=backend.op_key, tp_group="", hidden_grad=HiddenGrad.PARTIAL, weight_grad=WeightGrad.GRAD,
-        ignore_index=-100, vocab_start=0, vocab_size=V, temperature_value=0.7, return_entropy=return_entropy,
-        return_sum_pi_squared=return_sum_pi_squared, labels_in_range=False,
+        ignore_index=-100, vocab_start=0, vocab_size=V, temperature_value=0.7, statistics=Statistics.named(names),
+        labels_in_range=False,
     )  # fmt: skip
 
 
 def _forward_args(hidden, weight, labels, temperature, log_normalizer, call: HeadCall, grad_needed: bool):
     return (
         hidden, weight, labels, temperature, call.temperature_value, log_normalizer, call.ignore_index,
-        call.vocab_start, call.vocab_size, call.backend, call.tp_group, call.hidden_grad.value, call.return_entropy,
-        call.return_sum_pi_squared, call.labels_in_range, grad_needed,
+        call.vocab_start, call.vocab_size, call.backend, call.tp_group, call.hidden_grad.value, call.statistics.key,
+        call.labels_in_range, grad_needed,
     )  # fmt: skip
 
 
@@ -136,7 +138,7 @@ def test_opcheck_forward_and_backward(backend_name, case):
         log_prob, _, _, saved = FORWARD(*_forward_args(hidden, weight, labels, temperature, log_normalizer, call, True))
     from mcore_ppo.ops import SavedLayout
 
-    layout = SavedLayout.of(labels, log_normalizer, entropy, HiddenGrad.PARTIAL, "")
+    layout = SavedLayout.of(labels, log_normalizer, call.statistics, HiddenGrad.PARTIAL, "")
     _, lse, saved_entropy, local_labels, valid, local_ids, slot_ok, residual = layout.unpack(saved)
     g = torch.randn(log_prob.shape, generator=generator(next_seed()), dtype=log_prob.dtype)
     e = torch.randn(N, generator=generator(next_seed()), dtype=log_prob.dtype) if saved_entropy is not None else None
