@@ -19,7 +19,6 @@ A new framework adapter belongs beside those entry points and calls :func:`run_h
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Hashable
 from typing import NamedTuple, TypeVar
@@ -303,7 +302,7 @@ def _execute(
         vocab_start=group_rank(tp_group) * weight.shape[0],
         vocab_size=call.vocab_size,
         temperature_value=1.0 if row_temperature is not None else call.temperature,
-        statistics=_statistics(options.return_entropy, options.return_sum_pi_squared),
+        statistics=_STATISTICS[options.return_entropy, options.return_sum_pi_squared],
         labels_in_range=call.values_read,
     )
     token_rows = hidden_rows(hidden)
@@ -331,7 +330,10 @@ def _execute(
     return log_probs, entropy
 
 
-@functools.cache
-def _statistics(entropy: bool, sum_pi_squared: bool) -> Statistics:
-    """What the statistics pass reduces for these options (:mod:`mcore_ppo.statistics`)."""
-    return Statistics.named(name for name, on in (("entropy", entropy), ("sum_pi_squared", sum_pi_squared)) if on)
+#: What the statistics pass reduces, by the options ``(return_entropy, return_sum_pi_squared)``
+#: (:mod:`mcore_ppo.statistics`): built once, read as constants under ``torch.compile``.
+_STATISTICS = {
+    (entropy, square): Statistics.named([*(["entropy"] if entropy else []), *(["sum_pi_squared"] if square else [])])
+    for entropy in (False, True)
+    for square in (False, True)
+}
