@@ -176,8 +176,11 @@ class TritonBackend:
                 hidden, weight, local_labels, valid, temperature, grad_needed=False, statistics=statistics
             )
         launch = self.launcher.bound()
-        hidden, weight, split = self._forward_operands(hidden, weight, launch)
-        plan = self._forward_plan(hidden, weight, grad_needed, statistics, isinstance(temperature, torch.Tensor), split)
+        hidden, weight, parts = self._forward_operands(hidden, weight, launch)
+        if parts is not None:
+            hidden, weight = parts
+        row_temp = isinstance(temperature, torch.Tensor)
+        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp, parts is not None)
         perm, count = compact_rows(valid, launch)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
         parts, residual = statistics_launch(plan, launch, hidden, weight, local_labels, perm, count, y, temperature)
@@ -215,8 +218,11 @@ class TritonBackend:
             return None
 
         launch = self.launcher.bound()
-        hidden, weight, split = self._forward_operands(hidden, weight, launch)
-        plan = self._forward_plan(hidden, weight, grad_needed, statistics, isinstance(temperature, torch.Tensor), split)
+        hidden, weight, parts = self._forward_operands(hidden, weight, launch)
+        if parts is not None:
+            hidden, weight = parts
+        row_temp = isinstance(temperature, torch.Tensor)
+        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp, parts is not None)
         return fused_head_forward(
             plan, launch, hidden, weight, labels, temperature, ignore_index=ignore_index, vocab_start=vocab_start,
             vocab_size=vocab_size, labels_in_range=labels_in_range, grad_needed=grad_needed,
@@ -257,13 +263,13 @@ class TritonBackend:
 
     def _forward_operands(
         self, hidden: torch.Tensor, weight: torch.Tensor, launch
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """``(hidden, weight, split)``: the forward kernels' operands, row-major; for
-        :meth:`_splits` inputs their bf16 parts ``[rows, 6h]``."""
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``(hidden, weight, parts)``: the operands row-major, and for :meth:`_splits` inputs
+        their bf16 parts ``[rows, 6h]`` (None otherwise), which the GEMM kernels then read."""
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         if not self._splits(hidden):
-            return hidden, weight, False
-        return bf16_parts(hidden, launch, columns=False), bf16_parts(weight, launch, columns=True), True
+            return hidden, weight, None
+        return hidden, weight, (bf16_parts(hidden, launch, columns=False), bf16_parts(weight, launch, columns=True))
 
     def forward_config_for(self, v: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
         """The forward's tile config for a shard of ``v`` vocab rows of operands of ``dtype``
@@ -335,7 +341,12 @@ class TritonBackend:
                 self.config, launch, plan, hidden, weight, saved, request, temperature=temperature
             )
         plan = plan if saved.fused_forward else None
-        backward_config = self.backward_config_for(hidden.dtype)
+        parts = None
+        if self._splits(hidden):
+            # The forward's logits came from the bf16 parts: dz from the same products.
+            _, _, parts = self._forward_operands(hidden, weight, launch)
+        backward_config = self.backward_config_for(torch.bfloat16 if parts is not None else hidden.dtype)
         return gradients_by_recompute(
-            self.config, backward_config, launch, plan, hidden, weight, saved, request, temperature=temperature
+            self.config, backward_config, launch, plan, hidden, weight, saved, request, temperature=temperature,
+            parts=parts,
         )
