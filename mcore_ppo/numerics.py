@@ -10,10 +10,8 @@ from dataclasses import dataclass
 import torch
 
 #: How fp32 operands of the head's GEMMs are multiplied (``precision=``). ``"auto"`` (default):
-#: IEEE fp32 dots, exact and slow on tensor-core GPUs. ``"fp32_faithful"``: fp32 accuracy at
-#: tensor-core speed on the triton backend: its forward multiplies the operands' bf16 parts
-#: (:mod:`mcore_ppo.kernels.split`, six bf16 products per product), its backward's recompute
-#: takes three TF32 products per dot (Triton's ``tf32x3``, the :class:`Numerics` dot).
+#: IEEE fp32 dots, exact and slow on tensor-core GPUs. ``"fp32_faithful"``: three TF32 products
+#: per dot (Triton's ``tf32x3``: fp32 accuracy at tensor-core speed on the triton backend).
 #: ``"ieee"``: IEEE fp32 dots, said explicitly (the reference). 16-bit operands' products are
 #: exact in the fp32 accumulator whatever is chosen, so the choice changes only fp32 operands.
 PRECISIONS = ("auto", "fp32_faithful", "ieee")

@@ -145,22 +145,6 @@ def merge_splits(
     return merged[0], merged[1:]
 
 
-def bf16_parts(tensor: torch.Tensor, launch: Callable, *, columns: bool) -> torch.Tensor:
-    """A row-major fp32 ``[rows, h]`` operand as its bf16 parts ``[rows, 6h]``
-    (:mod:`mcore_ppo.kernels.split`; ``columns``: the weight's order), in one launch through
-    ``launch`` (the call's bound launcher)."""
-    from mcore_ppo.kernels import split_kernel
-
-    rows, h = tensor.shape
-    parts = torch.empty(rows, 6 * h, dtype=torch.bfloat16, device=tensor.device)
-    if rows:
-        launch(
-            split_kernel, (rows, cdiv(h, ROW_BLOCK)), (tensor, parts, h, tensor.stride(0)),
-            {"COLUMNS": columns, "BLOCK_H": ROW_BLOCK},
-        )  # fmt: skip
-    return parts
-
-
 def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
     """fp32 operands take twice the shared memory per stage: halve the K tile for them."""
     if dtype == torch.float32 and config.block_k > 16:
@@ -370,12 +354,10 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def log_buffer_decision(grad_needed: bool, store: bool, buffer_bytes: int, budget: int, split: bool = False) -> None:
+def log_buffer_decision(grad_needed: bool, store: bool, buffer_bytes: int, budget: int) -> None:
     """One INFO line per kind of buffer decision (not per call): on, or off and why."""
     if store:
         key, why = "on", f"{buffer_bytes} bytes fit the budget of {budget}"
-    elif split and grad_needed:
-        key, why = "off: fp32 split", "the fp32-faithful forward runs on bf16 parts (its backward recomputes)"
     elif not grad_needed:
         key, why = "off: no gradient", "no gradient will be needed (no-grad forward)"
     elif budget == 0:

@@ -68,21 +68,18 @@ class LaunchPlan:
         grad_needed: bool,
         statistics: Statistics,
         row_temp: bool,
-        split: bool = False,
     ) -> LaunchPlan:
         """The plan of a backend with ``config`` whose forward tiles for this shard are
-        ``forward_config`` (:meth:`TritonBackend.forward_config_for`). ``split``: the operands
-        are fp32 ones' bf16 parts (:func:`~mcore_ppo.backends.triton_host.bf16_parts`): no
-        probability buffer (it would hold bf16 probabilities for an fp32 backward)."""
+        ``forward_config`` (:meth:`TritonBackend.forward_config_for`)."""
         n, h = hidden.shape
         v = weight.shape[0]
         numerics = Numerics.of(hidden.dtype, config.precision)
         cfg = for_dtype(forward_config, numerics.operand_dtype)
         num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
         fits, n_tiles_v = buffer_decision(config, forward_config, n, v, hidden.dtype)
-        store = grad_needed and fits and not split
+        store = grad_needed and fits
         buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
-        log_buffer_decision(grad_needed, store, buffer_bytes, config.buffer_budget_bytes, split)
+        log_buffer_decision(grad_needed, store, buffer_bytes, config.buffer_budget_bytes)
         use_tma = operands_by_tma(hidden, weight, cfg)
         buf_tma = False
         if store:
