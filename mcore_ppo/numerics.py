@@ -11,8 +11,7 @@ import torch
 
 #: How fp32 operands of the head's GEMMs are multiplied (``precision=``). ``"auto"`` (default):
 #: IEEE fp32 dots, exact and slow on tensor-core GPUs. ``"fp32_faithful"``: three TF32 products
-#: per product (fp32 accuracy at tensor-core speed on the triton backend, whose GEMM kernels read
-#: the operands' TF32 parts side by side along K: :mod:`mcore_ppo.kernels.split`).
+#: per dot (Triton's ``tf32x3``: fp32 accuracy at tensor-core speed on the triton backend).
 #: ``"ieee"``: IEEE fp32 dots, said explicitly (the reference). 16-bit operands' products are
 #: exact in the fp32 accumulator whatever is chosen, so the choice changes only fp32 operands.
 PRECISIONS = ("auto", "fp32_faithful", "ieee")
@@ -35,9 +34,7 @@ class Numerics:
     Attributes:
         operand_dtype: the dtype both operands enter the dot in (the inputs' own).
         dot: ``"native"`` (tensor cores in ``operand_dtype``: exact products of 16-bit values,
-            fp64 on the torch path), ``"tf32x3"`` or ``"ieee"`` (fp32 operands), or ``"tf32"``
-            (one TF32 product: for fp32 operands that are TF32 values already,
-            :data:`TF32_PARTS`).
+            fp64 on the torch path), ``"tf32x3"`` or ``"ieee"`` (fp32 operands).
 
     The probability buffer and the backward's ``dz`` keep the operands' dtype (a 16-bit ``dz``
     rounds once, as the 16-bit gradients do anyway).
@@ -53,12 +50,6 @@ class Numerics:
         if dtype != torch.float32:
             return Numerics(dtype, "native")
         return Numerics(dtype, "tf32x3" if precision == "fp32_faithful" else "ieee")
-
-
-#: The numerics of fp32 operands' TF32 parts (:mod:`mcore_ppo.kernels.split`): under
-#: ``fp32_faithful`` the triton backend's GEMM kernels read the operands' parts laid out along K,
-#: whose pairs' products are the three TF32 products of ``"tf32x3"``, each exact.
-TF32_PARTS = Numerics(torch.float32, "tf32")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

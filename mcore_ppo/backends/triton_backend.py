@@ -45,7 +45,11 @@ from mcore_ppo.backends.torch_backend import TorchBackend
 from mcore_ppo.backends.triton_config import FP32_TILES, TritonConfig
 from mcore_ppo.backends.triton_forward import fused_head_forward, statistics_launch
 from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer, vocab_chunk
-from mcore_ppo.backends.triton_host import GemmConfig, compact_rows, merge_splits, tf32_parts
+from mcore_ppo.backends.triton_host import (
+    GemmConfig,
+    compact_rows,
+    merge_splits,
+)
 from mcore_ppo.backends.triton_ids import gather_logits
 from mcore_ppo.backends.triton_launch import Launcher, interpreting
 from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
@@ -175,12 +179,10 @@ class TritonBackend:
             return self._reference.shard_statistics(
                 hidden, weight, local_labels, valid, temperature, grad_needed=False, statistics=statistics
             )
-        launch = self.launcher.bound()
-        hidden, weight, parts = self._forward_operands(hidden, weight, launch)
-        if parts is not None:
-            hidden, weight = parts
+        hidden, weight = rowmajor(hidden), rowmajor(weight)
         row_temp = isinstance(temperature, torch.Tensor)
-        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp, parts is not None)
+        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp)
+        launch = self.launcher.bound()
         perm, count = compact_rows(valid, launch)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
         parts, residual = statistics_launch(plan, launch, hidden, weight, local_labels, perm, count, y, temperature)
@@ -217,12 +219,9 @@ class TritonBackend:
         if self._fallback(hidden, weight):
             return None
 
+        hidden, weight = rowmajor(hidden), rowmajor(weight)
+        plan = self._forward_plan(hidden, weight, grad_needed, statistics, isinstance(temperature, torch.Tensor))
         launch = self.launcher.bound()
-        hidden, weight, parts = self._forward_operands(hidden, weight, launch)
-        if parts is not None:
-            hidden, weight = parts
-        row_temp = isinstance(temperature, torch.Tensor)
-        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp, parts is not None)
         return fused_head_forward(
             plan, launch, hidden, weight, labels, temperature, ignore_index=ignore_index, vocab_start=vocab_start,
             vocab_size=vocab_size, labels_in_range=labels_in_range, grad_needed=grad_needed,
@@ -236,15 +235,13 @@ class TritonBackend:
         grad_needed: bool,
         statistics: Statistics,
         row_temp: bool,
-        split: bool = False,
     ) -> LaunchPlan:
         """The forward's per-shape decisions, made once per key (shapes, dtype, strides, 16-byte
-        alignment of the operands, device, gradient and options; ``split``: the operands are
-        fp32 ones' TF32 parts)."""
+        alignment of the operands, device, gradient and options)."""
         key = (
             tuple(hidden.shape), weight.shape[0], hidden.dtype, hidden.stride(0), weight.stride(0),
             hidden.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0, hidden.device, grad_needed,
-            statistics, row_temp, split,
+            statistics, row_temp,
         )  # fmt: skip
         plan = self._plans.get(key)
         if plan is None:
@@ -252,24 +249,9 @@ class TritonBackend:
                 self._plans.clear()
             plan = self._plans[key] = LaunchPlan.build(
                 self.config, self.forward_config_for(weight.shape[0], hidden.dtype), hidden, weight, grad_needed,
-                statistics, row_temp, split,
+                statistics, row_temp,
             )  # fmt: skip
         return plan
-
-    def _splits(self, hidden: torch.Tensor) -> bool:
-        """fp32 operands under ``precision="fp32_faithful"``: the GEMM kernels read their TF32
-        parts (:func:`~mcore_ppo.backends.triton_host.tf32_parts`), one TF32 GEMM over ``3h``."""
-        return hidden.dtype == torch.float32 and Numerics.of(torch.float32, self.config.precision).dot == "tf32x3"
-
-    def _forward_operands(
-        self, hidden: torch.Tensor, weight: torch.Tensor, launch
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """``(hidden, weight, parts)``: the operands row-major, and for :meth:`_splits` inputs
-        their TF32 parts ``[rows, 3h]`` (None otherwise), which the GEMM kernels then read."""
-        hidden, weight = rowmajor(hidden), rowmajor(weight)
-        if not self._splits(hidden):
-            return hidden, weight, None
-        return hidden, weight, (tf32_parts(hidden, launch, columns=False), tf32_parts(weight, launch, columns=True))
 
     def forward_config_for(self, v: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
         """The forward's tile config for a shard of ``v`` vocab rows of operands of ``dtype``
@@ -341,21 +323,7 @@ class TritonBackend:
                 self.config, launch, plan, hidden, weight, saved, request, temperature=temperature
             )
         plan = plan if saved.fused_forward else None
-        parts = None
-        if self._splits(hidden):
-            # The forward's logits came from the TF32 parts: dz from the same products, so that
-            # it meets the forward's lse on the same logits.
-            _, _, parts = self._forward_operands(hidden, weight, launch)
         backward_config = self.backward_config_for(hidden.dtype)
         return gradients_by_recompute(
-            self.config,
-            backward_config,
-            launch,
-            plan,
-            hidden,
-            weight,
-            saved,
-            request,
-            temperature=temperature,
-            parts=parts,
+            self.config, backward_config, launch, plan, hidden, weight, saved, request, temperature=temperature
         )

@@ -38,7 +38,7 @@ from mcore_ppo.backends.triton_host import (
 from mcore_ppo.backends.triton_ids import add_onehot, merged_onehot
 from mcore_ppo.backends.triton_launch import host_descriptor
 from mcore_ppo.backends.triton_plan import LaunchPlan
-from mcore_ppo.numerics import TF32_PARTS, Numerics, cdiv, inverse_temperature
+from mcore_ppo.numerics import Numerics, cdiv, inverse_temperature
 
 
 def vocab_chunk(config: TritonConfig, backward_config: GemmConfig, n: int, v: int, itemsize: int) -> int:
@@ -59,25 +59,20 @@ def gradients_by_recompute(
     request: GradientRequest,
     *,
     temperature: float | torch.Tensor,
-    parts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward without a buffer: ``dz`` recomputed vocab chunk by chunk (module doc), with a
     backend's ``config`` and backward tiles ``backward_config``, through ``launch`` (the call's
     bound launcher). ``plan``: the forward's, keying the launch sites (None: Triton's own
-    dispatch per launch). ``parts``: fp32 operands' TF32 parts (``[rows, 3h]``,
-    :func:`~mcore_ppo.backends.triton_host.tf32_parts`), which the forward's logits came from:
-    ``dz`` is recomputed from them (one TF32 product per pair of parts), so that it meets the
-    forward's ``lse`` on the same logits; the two GEMMs take the fp32 operands."""
+    dispatch per launch)."""
     from mcore_ppo.kernels import dz_kernel
 
     local_labels, valid, lse, entropy = saved.local_labels, saved.valid, saved.lse, saved.entropy
     weight_grad = request.weight_grad
 
-    # The recompute's operands: the inputs, or their TF32 parts.
-    x_dot, w_dot = parts if parts is not None else (hidden, weight)
-    numerics = TF32_PARTS if parts is not None else Numerics.of(hidden.dtype, config.precision)
+    numerics = Numerics.of(hidden.dtype, config.precision)
     cfg = for_dtype(backward_config, numerics.operand_dtype)
-    n, v = hidden.shape[0], weight.shape[0]
+    n, h = hidden.shape
+    v = weight.shape[0]
     device = hidden.device
     if saved.residual:  # the forward's row order, when it kept it
         perm, count = saved.residual
@@ -87,29 +82,26 @@ def gradients_by_recompute(
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
     entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
     # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
-    use_tma = operands_by_tma(x_dot, w_dot, cfg)
+    use_tma = operands_by_tma(hidden, weight, cfg)
     site = None if plan is None else (plan, "recompute")
     x_c = None
-    if (use_tma and parts is None) or weight_grad is not None:
+    if use_tma or weight_grad is not None:
         x_c = gathered_rows(hidden, perm, count, launch, site=site and (*site, "gather"))
-    x_dot_c = x_c if parts is None else None
-    if use_tma and parts is not None:
-        x_dot_c = gathered_rows(x_dot, perm, count, launch, site=site and (*site, "gather_parts"))
     hidden_grad_c = None  # fp32 [n, h]: the first chunk's GEMM writes it, the others add
     chunk = vocab_chunk(config, backward_config, n, v, hidden.element_size())
     workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
-    flags = kernel_flags(x_dot, cfg, numerics)
+    flags = kernel_flags(hidden, cfg, numerics)
     # Host descriptors, encoded per launch by Triton: one launch per chunk of thousands of
     # single-tile programs, where a descriptor built in each program would cost more GPU time.
-    x_desc = host_descriptor(x_dot_c, (cfg.block_m, cfg.block_k)) if use_tma else x_dot
-    w_desc = host_descriptor(w_dot, (cfg.block_n, cfg.block_k)) if use_tma else w_dot
+    x_desc = host_descriptor(x_c, (cfg.block_m, cfg.block_k)) if use_tma else hidden
+    w_desc = host_descriptor(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
     dz_tma, cfg = with_tma_store(config.dz_store_tma, workspace, cfg)
     options = {
         "HAS_G": has_g, "HAS_E": has_e, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
         "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "USE_TMA": use_tma,
         "DZ_TMA": dz_tma, **flags, **({"ROW_TEMP": True} if row_temp else {}),
     }  # fmt: skip
-    x_arg = x_dot_c if use_tma else x_dot
+    x_arg = x_c if use_tma else hidden
     onehot = merged_onehot(config, launch, request.sparse, perm, count, temperature, lse)
     # The chunks' rows of W and d_W as views made in one call each (a slice per chunk costs
     # more host time); the same views as weight[v0 : v0 + vc].
@@ -120,8 +112,8 @@ def gradients_by_recompute(
         dz = workspace[:, :vc] if vc < chunk else workspace
         dz_desc = host_descriptor(dz, (cfg.block_m, cfg.block_n)) if dz_tma else dz
         args = (
-            x_arg, w_dot, x_desc, w_desc, perm, count, local_labels, lse, entropy, g, e, dz, dz_desc, n, vc, v0,
-            x_dot.shape[1], x_dot.stride(0), w_dot.stride(0), workspace.stride(0), inv_temp, inv_temp_rows,
+            x_arg, weight, x_desc, w_desc, perm, count, local_labels, lse, entropy, g, e, dz, dz_desc, n, vc, v0,
+            h, hidden.stride(0), weight.stride(0), workspace.stride(0), inv_temp, inv_temp_rows,
         )  # fmt: skip
         # The forward's plan fixes the operands' (and the chunk's) specialisation; the
         # upstream gradients' presence and the labels' dtype vary by call.
@@ -137,7 +129,7 @@ def gradients_by_recompute(
         if weight_grad is not None:
             gemm_into(g_chunks[index], dz.t(), x_c, overwrite=request.weight_grad_unset)
     # Before the rows of d_hidden get a second buffer: every reference to the workspace and x_c.
-    del workspace, x_c, x_dot_c, x_arg, dz, dz_desc, x_desc, args, w_chunks, g_chunks
+    del workspace, x_c, x_arg, dz, dz_desc, x_desc, args, w_chunks, g_chunks
     hidden_grad = None
     if hidden_grad_c is not None:
         hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, launch, site=site and (*site, "scatter"))

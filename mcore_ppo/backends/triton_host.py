@@ -145,22 +145,6 @@ def merge_splits(
     return merged[0], merged[1:]
 
 
-def tf32_parts(tensor: torch.Tensor, launch: Callable, *, columns: bool) -> torch.Tensor:
-    """A row-major fp32 ``[rows, h]`` operand as its TF32 parts ``[rows, 3h]`` (fp32 values
-    exact in TF32; :mod:`mcore_ppo.kernels.split`; ``columns``: the weight's order), in one
-    launch through ``launch`` (the call's bound launcher)."""
-    from mcore_ppo.kernels import split_kernel
-
-    rows, h = tensor.shape
-    parts = torch.empty(rows, 3 * h, dtype=torch.float32, device=tensor.device)
-    if rows:
-        launch(
-            split_kernel, (rows, cdiv(h, ROW_BLOCK)), (tensor, parts, h, tensor.stride(0)),
-            {"COLUMNS": columns, "BLOCK_H": ROW_BLOCK},
-        )  # fmt: skip
-    return parts
-
-
 def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
     """fp32 operands take twice the shared memory per stage: halve the K tile for them."""
     if dtype == torch.float32 and config.block_k > 16:

@@ -26,7 +26,7 @@ from mcore_ppo.backends.triton_host import (
     operands_by_tma,
     with_tma_store,
 )
-from mcore_ppo.numerics import TF32_PARTS, Numerics, cdiv
+from mcore_ppo.numerics import Numerics, cdiv
 from mcore_ppo.statistics import Statistics
 
 
@@ -68,15 +68,12 @@ class LaunchPlan:
         grad_needed: bool,
         statistics: Statistics,
         row_temp: bool,
-        split: bool = False,
     ) -> LaunchPlan:
         """The plan of a backend with ``config`` whose forward tiles for this shard are
-        ``forward_config`` (:meth:`TritonBackend.forward_config_for`). ``split``: the operands
-        are fp32 ones' TF32 parts (:func:`~mcore_ppo.backends.triton_host.tf32_parts`), whose
-        dot is one TF32 product (:data:`~mcore_ppo.numerics.TF32_PARTS`)."""
+        ``forward_config`` (:meth:`TritonBackend.forward_config_for`)."""
         n, h = hidden.shape
         v = weight.shape[0]
-        numerics = TF32_PARTS if split else Numerics.of(hidden.dtype, config.precision)
+        numerics = Numerics.of(hidden.dtype, config.precision)
         cfg = for_dtype(forward_config, numerics.operand_dtype)
         num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
         fits, n_tiles_v = buffer_decision(config, forward_config, n, v, hidden.dtype)

@@ -38,8 +38,6 @@ def _dot(a, b, acc, DOT: tl.constexpr):
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     elif DOT == "tf32x3":
         acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32x3")
-    elif DOT == "tf32":
-        acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32")
     else:
         acc = tl.dot(a, tl.trans(b), acc)
     return acc
@@ -74,7 +72,7 @@ def tile_dot(
     ``(row0, col0)`` of the descriptors (rows already compacted by the host); the copy engine
     zero-fills out-of-bounds rows, columns and ``k``.
 
-    ``DOT``: ``"native"`` (the operands' own tensor-core dot), ``"tf32"``, ``"tf32x3"`` or ``"ieee"`` (fp32
+    ``DOT``: ``"native"`` (the operands' own tensor-core dot), ``"tf32x3"`` or ``"ieee"`` (fp32
     operands: :class:`mcore_ppo.numerics.Numerics`).
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
