@@ -152,7 +152,18 @@ class Statistics:
         return 1 + len(self.sums)
 
     def kernel_options(self) -> dict[str, int]:
-        """Every known term's plane constexpr: its plane, or 0 where it is not asked for."""
+        """Every known term's plane constexpr: its plane, or 0 where it is not asked for.
+        ValueError for a term the kernels do not reduce (no ``kernel_plane``, or a detached one
+        without ``kernel_output``): its plane would never be written."""
+        missing = [
+            term.name for term in self.optional
+            if term.kernel_plane is None or (term.detached and term.kernel_output is None)
+        ]  # fmt: skip
+        if missing:
+            raise ValueError(
+                f"statistics: the triton kernels reduce no term {missing}: a term they reduce names its "
+                "kernel_plane (and, when detached, its kernel_output); use the torch backend for it"
+            )
         planes = {term: 1 + index for index, term in enumerate(self.sums)}
         return {term.kernel_plane: planes.get(term, 0) for term in TERMS.values() if term.kernel_plane}
 

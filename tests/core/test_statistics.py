@@ -16,7 +16,8 @@ import torch
 from mcore_ppo import shard
 from mcore_ppo.backends.torch_backend import TorchBackend, TorchConfig
 from mcore_ppo.options import HiddenGrad
-from mcore_ppo.statistics import DEFAULT, ENTROPY, SUM_EXP, SUM_PI_SQUARED, TERMS, Statistics, Term
+from mcore_ppo.statistics import DEFAULT, ENTROPY, SUM_EXP, SUM_PI_SQUARED, TERMS, Statistics
+from mcore_ppo_testing.extra_terms import SUM_PI_CUBED
 from mcore_ppo_testing.seeds import generator, next_seed
 
 ALL = Statistics.named(["entropy", "sum_pi_squared"])
@@ -118,17 +119,6 @@ def test_detached_outputs_clamp_to_the_exact_range_and_zero_ignored_tokens():
     assert DEFAULT.detached_outputs(values, valid, 100) is None
 
 
-# A statistic the product does not define: Σ_v π_v³ (a power-3 term, detached). Only this
-# description and its torch sum are written; the head's generic forward runs it unchanged.
-SUM_PI_CUBED = Term(
-    "sum_pi_cubed", 3, False, 1.0,
-    of_chunk=lambda e, d: (e * e * e).sum(dim=1),
-    finish=lambda c, s, log_s: c / (s * s * s),
-    bounds=lambda vocab_size: (1.0 / vocab_size**2, 1.0),
-    detached=True,
-)  # fmt: skip
-
-
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
 def test_a_new_term_runs_through_the_generic_forward(entropy):
     """The test's own Σπ³ beside Σπ² (and the entropy or not), over two vocab shards merged as
@@ -164,3 +154,19 @@ def test_a_new_term_runs_through_the_generic_forward(entropy):
     _, values = statistics.finish(*merged)
     for name, expected in want.items():
         torch.testing.assert_close(values[name].double()[valid], expected[valid], rtol=2e-5, atol=1e-7, msg=name)
+
+
+def test_the_triton_kernels_refuse_a_term_they_do_not_reduce():
+    """A term without kernel constexprs never reaches the triton kernels' plan (its plane would
+    never be written): a ValueError naming it, before any launch."""
+    from mcore_ppo.backends.triton_config import TritonConfig
+    from mcore_ppo.backends.triton_host import GemmConfig
+    from mcore_ppo.backends.triton_plan import LaunchPlan
+
+    statistics = Statistics((ENTROPY, SUM_PI_CUBED))
+    with pytest.raises(ValueError, match="sum_pi_cubed"):
+        statistics.kernel_options()
+    hidden, weight = torch.zeros(4, 8), torch.zeros(10, 8)
+    with pytest.raises(ValueError, match="sum_pi_cubed"):
+        LaunchPlan.build(TritonConfig(), GemmConfig(), hidden, weight, False, statistics, False)
+    assert ALL.kernel_options() and LaunchPlan.build(TritonConfig(), GemmConfig(), hidden, weight, False, ALL, False)
