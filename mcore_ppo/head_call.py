@@ -312,7 +312,8 @@ def _execute(
         # and autograd rounds d_hidden back to the input's dtype once.
         token_rows = token_rows.to(weight.dtype)
     log_probs, entropy, detached = head(token_rows, weight, rows, row_temperature, log_normalizer, head_call)
-    per_token = [entropy, head_call.statistics.output(detached, "sum_pi_squared")]
+    names = head_call.statistics.detached_names
+    per_token = [entropy, detached[names.index("sum_pi_squared")] if "sum_pi_squared" in names else None]
     if call.bad_temperature is not None and not call.values_read:
         # Not read back: a bad temperature poisons its token's outputs (never a plausible number).
         bad = call.bad_temperature

@@ -111,20 +111,32 @@ class Statistics:
         optional: the terms beyond ``sum_exp``, in plane order.
         key: their names joined by commas (what the ops carry).
         sums: every term in plane order, ``sum_exp`` first.
+        n_planes: planes of a packed buffer: the max (or the label logit), then one per term.
+        entropy: the entropy term is reduced (the head outputs it and differentiates it).
         detached: the detached terms, in the order of their output rows.
+        detached_names: their names, in that order (``detached_names.index(name)`` is a term's
+            row among the detached outputs).
     """
 
     optional: tuple[Term, ...] = (ENTROPY,)
     # Derived once here, not as cached properties: a compiled region reads them as constants
     # (functools.cached_property takes a lock that dynamo cannot enter).
+    # Attributes rather than properties too: a head call reads them without a Python frame here.
     key: str = field(init=False, compare=False, repr=False)
     sums: tuple[Term, ...] = field(init=False, compare=False, repr=False)
+    n_planes: int = field(init=False, compare=False, repr=False)
+    entropy: bool = field(init=False, compare=False, repr=False)
     detached: tuple[Term, ...] = field(init=False, compare=False, repr=False)
+    detached_names: tuple[str, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        detached = tuple(term for term in self.optional if term.detached)
         object.__setattr__(self, "key", ",".join(term.name for term in self.optional))
         object.__setattr__(self, "sums", (SUM_EXP, *self.optional))
-        object.__setattr__(self, "detached", tuple(term for term in self.optional if term.detached))
+        object.__setattr__(self, "n_planes", 2 + len(self.optional))
+        object.__setattr__(self, "entropy", ENTROPY in self.optional)
+        object.__setattr__(self, "detached", detached)
+        object.__setattr__(self, "detached_names", tuple(term.name for term in detached))
 
     @staticmethod
     def named(names: Iterable[str]) -> Statistics:
@@ -140,16 +152,6 @@ class Statistics:
         if unknown:
             raise ValueError(f"statistics: unknown term(s) {unknown}; known: {sorted(TERMS)}")
         return Statistics(tuple(TERMS[name] for name in names))
-
-    @property
-    def entropy(self) -> bool:
-        """The entropy term is reduced (the head outputs it and differentiates it)."""
-        return ENTROPY in self.optional
-
-    @property
-    def n_planes(self) -> int:
-        """Planes of a packed buffer: the max (or the label logit), then one per term."""
-        return 1 + len(self.sums)
 
     def kernel_options(self) -> dict[str, int]:
         """Every known term's plane constexpr: its plane, or 0 where it is not asked for.
@@ -242,13 +244,6 @@ class Statistics:
             low, high = term.bounds(vocab_size)
             rows.append(torch.where(valid, values[term.name].clamp(min=low, max=high), 0.0))
         return torch.stack(rows)
-
-    def output(self, detached: torch.Tensor | None, name: str) -> torch.Tensor | None:
-        """The row of the detached term ``name`` in ``detached`` (None when it is not asked for)."""
-        for row, term in enumerate(self.detached):
-            if term.name == name:
-                return detached[row]
-        return None
 
 
 def _canonical_order(name: str) -> int:

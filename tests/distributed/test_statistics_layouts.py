@@ -36,7 +36,7 @@ def _forward(hidden, weight, labels, statistics, *, tp_group, hidden_grad, vocab
     if result.entropy is not None:
         out["entropy"] = result.entropy
     for term in statistics.detached:
-        out[term.name] = statistics.output(result.detached, term.name)
+        out[term.name] = result.detached[statistics.detached_names.index(term.name)]
     return out
 
 
