@@ -91,7 +91,7 @@ def _backend(budget: int, *, tma: bool) -> triton_backend.TritonBackend:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-pointers", "bf16-tma"])
 def test_one_variant_per_kernel_across_micro_batches(launches, budget, dtype, options):
     """Also with a per-token temperature (views at offsets that follow n) and the entropy off:
-    their own variants (ROW_TEMP, WITH_U, HAS_E), one each."""
+    their own variants (ROW_TEMP, the entropy's U_PLANE off, HAS_E), one each."""
     backend = _backend(budget, tma=dtype == torch.bfloat16)
     gen = generator(next_seed())
     h, v = 16, 72

@@ -97,7 +97,7 @@ def test_constant_tensor_is_the_float_and_entropy_off_is_entropy_unused(budget):
 @pytest.mark.parametrize("return_entropy", [True, False], ids=["entropy", "no-entropy"])
 @pytest.mark.parametrize("ids", [False, True], ids=["label", "k-ids"])
 def test_sum_pi_squared_against_fp64_and_the_other_outputs_unchanged(budget, return_entropy, ids):
-    """Σπ² from the triton kernels (WITH_Q) against the fp64 full softmax, within fp32 rounding;
+    """Σπ² from the triton kernels (its Q_PLANE) against the fp64 full softmax, within fp32 rounding;
     with it on, the log-probs, entropy and gradients are bit for bit those of the call without it."""
     from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
     from mcore_ppo_testing.reference import sum_pi_squared_reference
