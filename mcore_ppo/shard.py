@@ -237,20 +237,17 @@ def _label_forward(
         local_labels = labels - vocab_start
         in_shard = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
         local_labels = torch.where(in_shard, local_labels, -1)
-    stats = backend.shard_statistics(
-        hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, statistics=statistics
+    lse, label_logit, entropy, detached, residual = _statistics_pass(
+        backend, hidden, weight, local_labels, valid, temperature, tp_group, statistics, vocab_size, grad_needed
     )
-    global_max, sums, label_logit = statistics.combine(stats.m, stats.sums, stats.y, tp_group)
-    lse, values = statistics.finish(global_max, sums)
-    entropy = values.get("entropy")
     # Rounding can push log p a hair above 0; the math forbids it.
     log_prob = torch.where(valid, (label_logit - lse).clamp_(max=0.0), 0.0)
     if not labels_in_range:
         # A label outside [0, vocab_size) poisons its log-prob instead of returning a plausible number.
         log_prob = log_prob.masked_fill(valid & ((labels < 0) | (labels >= vocab_size)), torch.nan)
     entropy_out = _entropy_output(entropy, valid, vocab_size)
-    saved = SavedTokens(local_labels, valid, lse, entropy, stats.residual)
-    return HeadForward(log_prob, entropy_out, saved, statistics.detached_outputs(values, valid, vocab_size))
+    saved = SavedTokens(local_labels, valid, lse, entropy, residual)
+    return HeadForward(log_prob, entropy_out, saved, detached)
 
 
 def _ids_forward(
@@ -268,13 +265,9 @@ def _ids_forward(
     local_ids = torch.where(in_shard, local, -1)
     no_label = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
     if log_normalizer is None:
-        stats = backend.shard_statistics(
-            hidden, weight, no_label, valid, temperature, grad_needed=grad_needed, statistics=statistics
+        lse, _, entropy, detached, residual = _statistics_pass(
+            backend, hidden, weight, no_label, valid, temperature, tp_group, statistics, vocab_size, grad_needed
         )
-        global_max, sums, _ = statistics.combine(stats.m, stats.sums, stats.y, tp_group)
-        lse, values = statistics.finish(global_max, sums)
-        entropy, residual = values.get("entropy"), stats.residual
-        detached = statistics.detached_outputs(values, valid, vocab_size)
     else:
         # z − (−inf) is +inf, which the clamp below would make a plausible 0: NaN instead.
         lse = torch.where(torch.isfinite(log_normalizer), log_normalizer, torch.nan)
@@ -289,6 +282,20 @@ def _ids_forward(
     entropy_out = _entropy_output(entropy, valid, vocab_size)
     saved = SavedTokens(no_label, valid, lse, entropy, residual, local_ids, slot_ok)
     return HeadForward(log_q, entropy_out, saved, detached)
+
+
+def _statistics_pass(
+    backend, hidden, weight, local_labels, valid, temperature, tp_group, statistics, vocab_size, grad_needed
+) -> tuple:
+    """``(lse, label_logit, entropy or None, detached or None, residual)``: the backend's
+    statistics of this shard, combined over TP and finished (the generic forward's steps 1-3)."""
+    stats = backend.shard_statistics(
+        hidden, weight, local_labels, valid, temperature, grad_needed=grad_needed, statistics=statistics
+    )
+    global_max, sums, label_logit = statistics.combine(stats.m, stats.sums, stats.y, tp_group)
+    lse, values = statistics.finish(global_max, sums)
+    detached = statistics.detached_outputs(values, valid, vocab_size)
+    return lse, label_logit, values.get("entropy"), detached, stats.residual
 
 
 def _entropy_output(entropy: torch.Tensor | None, valid: torch.Tensor, vocab_size: int) -> torch.Tensor | None:

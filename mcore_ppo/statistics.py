@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mcore_ppo.parallel.combine import reduce_shard_statistics
+from mcore_ppo.parallel.combine import reduce_shard_statistics, rescale_factor
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 
@@ -52,8 +52,6 @@ class Term:
         name: the option's name (:data:`TERMS`), and the key in :meth:`Statistics.finish`.
         power: re-expressed relative to ``M ≥ m`` the sum scales by ``e^(power·(m - M))``.
         shifted: a sum of ``e^(z-m)·(z-m)``: relative to ``M`` it first gains ``S·(m - M)``.
-        empty: its value for an ignored token in a backend's merged sums (log and division of
-            it stay finite).
         of_chunk: the torch reference's sum over a block of logits, from ``e = e^(z-m)`` and
             ``z - m`` (both ``[rows, cols]``) to ``[rows]``.
         finish: its value from the sum ``X`` and ``S`` (both at the global max) and ``log S``.
@@ -70,7 +68,6 @@ class Term:
     name: str
     power: int
     shifted: bool
-    empty: float
     of_chunk: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     finish: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
     bounds: Callable[[int], tuple[float, float]] | None = None
@@ -79,16 +76,16 @@ class Term:
     kernel_output: str | None = None
 
 
-SUM_EXP = Term("sum_exp", 1, False, 1.0, lambda e, d: e.sum(dim=1), None)
+SUM_EXP = Term("sum_exp", 1, False, lambda e, d: e.sum(dim=1), None)
 ENTROPY = Term(
-    "entropy", 1, True, 0.0,
+    "entropy", 1, True,
     of_chunk=lambda e, d: (e * d).sum(dim=1),
     # H = -Σ p (z - lse) = lse - E[z] = log S - U / S   (U relative to the global max)
     finish=lambda u, s, log_s: log_s - u / s,
     kernel_plane="U_PLANE",
 )  # fmt: skip
 SUM_PI_SQUARED = Term(
-    "sum_pi_squared", 2, False, 1.0,
+    "sum_pi_squared", 2, False,
     of_chunk=lambda e, d: (e * e).sum(dim=1),
     # Σ π² = Σ e^(2(z - M)) / S² = Q / S²   (Q and S relative to the global max)
     finish=lambda q, s, log_s: q / (s * s),
@@ -185,13 +182,12 @@ class Statistics:
     def rescale(self, m: torch.Tensor, sums: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
         """``sums [terms, n]`` taken relative to ``m`` re-expressed relative to ``new_max ≥ m``.
         A part with no entries (``m = -inf``, ``S = 0``) contributes exactly zero."""
-        shift = m - new_max  # <= 0, or NaN where both are -inf (an empty part: masked below)
-        empty = sums[0] == 0
-        scale = torch.exp(shift).masked_fill(empty, 0.0)
+        scale = rescale_factor(m, sums[0], new_max)
         rows = []
         for term, total in zip(self.sums, sums, strict=True):
             if term.shifted:
-                total = total + sums[0] * shift.masked_fill(empty, 0.0)
+                # m - new_max is <= 0, or NaN where both are -inf (an empty part: masked).
+                total = total + sums[0] * (m - new_max).masked_fill(sums[0] == 0, 0.0)
             factor = scale
             for _ in range(term.power - 1):
                 factor = factor * scale

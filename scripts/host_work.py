@@ -220,14 +220,11 @@ def _tp_combine(backend, x, w, labels, vocab_size: int, reps: int, cuda: bool) -
         return out
 
     # The labels are in range (an older checkout names the flag labels_checked).
-    in_range = (
-        "labels_in_range"
-        if "labels_in_range" in inspect.signature(backend.head_forward).parameters
-        else "labels_checked"
-    )
+    parameters = inspect.signature(backend.head_forward).parameters
+    in_range = "labels_in_range" if "labels_in_range" in parameters else "labels_checked"
 
     # The default statistics (an older checkout takes with_entropy instead of a description).
-    if "statistics" in inspect.signature(backend.head_forward).parameters:
+    if "statistics" in parameters:
         from mcore_ppo.statistics import DEFAULT
 
         what = {"statistics": DEFAULT}
