@@ -69,7 +69,7 @@ def run_head(
     layout: Layout,
     ids: bool | None = None,
     prior_error: Exception | None = None,
-    log_normalizer: torch.Tensor | None = None,
+    given_statistics: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-token ``(log_probs, entropy)`` of ``softmax(hidden @ weight.T / T)`` over the TP-sharded vocab
     (``(log_probs, entropy, sum_pi_squared)`` with ``options.return_sum_pi_squared``).
@@ -91,13 +91,16 @@ def run_head(
         prior_error: what the entry point's own checks of its arguments raised (see
             :func:`attempt`), shared with the other ranks like any other refusal; ``options``
             and ``layout`` are then its fallbacks.
-        log_normalizer: for ``k`` ids per token with the entropy and Σπ² off, each token's global
-            ``log Σ_v exp(z_v)`` of the same tempered logits, already computed by another pass
-            (the student's top-k, :func:`mcore_ppo.distill.topk.topk_and_log_normalizer`), in the
-            rows' order, in the accumulation dtype: the head then skips its statistics pass and
-            its backward recomputes the logits. None: the head computes it. Its values are not
-            read back: a token whose entry is not finite gets NaN log-probs (never the 0 that
-            ``log q ≤ 0``'s clamp would make of ``z − (−inf)``).
+        given_statistics: for ``k`` ids per token, the call's statistics of the same tempered
+            logits, already computed and finished by another pass (the student's top-k,
+            :func:`mcore_ppo.distill.topk.topk_and_statistics`): ``[1 + terms, n]``, each
+            token's global ``log Σ_v exp(z_v)``, then the value of each statistic the options ask
+            for (:meth:`Statistics.finished <mcore_ppo.statistics.Statistics.finished>`: the
+            entropy, then Σπ²), in the rows' order, in the accumulation dtype. The head then
+            skips its statistics pass and its backward recomputes the logits. None: the head
+            computes them. Its values are not read back: a token whose ``lse`` is not finite
+            gets NaN log-probs (never the 0 that ``log q ≤ 0``'s clamp would make of
+            ``z − (−inf)``).
 
     Returns:
         fp32 ``(log_probs, entropy)``, identical on every TP rank, shaped like ``labels`` (``[N]``
@@ -110,25 +113,26 @@ def run_head(
     """
     call = check_call(
         hidden, weight, labels, temperature, options, tp_group, layout, ids, prior_error=prior_error,
-        log_normalizer=log_normalizer,
+        given_statistics=given_statistics,
     )  # fmt: skip
-    return _execute(call, hidden, weight, options, tp_group, layout, log_normalizer)
+    return _execute(call, hidden, weight, options, tp_group, layout, given_statistics)
 
 
-def _check_log_normalizer(log_normalizer: object, call: CheckedCall, options: HeadOptions, hidden: torch.Tensor):
-    """``log_normalizer`` fits the call (:func:`run_head`)."""
-    if not call.ids or options.return_entropy or options.return_sum_pi_squared:
-        raise ValueError("log_normalizer stands in for the statistics pass only for k ids with entropy and Σπ² off")
-    if not isinstance(log_normalizer, torch.Tensor):
-        raise TypeError(f"log_normalizer must be a torch.Tensor, got {validation.type_name(log_normalizer)}")
+def _check_given_statistics(given_statistics: object, call: CheckedCall, options: HeadOptions, hidden: torch.Tensor):
+    """``given_statistics`` fits the call (:func:`run_head`)."""
+    if not call.ids:
+        raise ValueError("given_statistics stands in for the statistics pass only for k ids per token")
+    if not isinstance(given_statistics, torch.Tensor):
+        raise TypeError(f"given_statistics must be a torch.Tensor, got {validation.type_name(given_statistics)}")
     tokens = call.labels[..., 0].numel()
     expected = torch.promote_types(hidden.dtype, torch.float32)
-    if log_normalizer.dtype != expected:
-        raise TypeError(f"log_normalizer must be {expected} (the accumulation dtype), got {log_normalizer.dtype}")
-    if log_normalizer.shape != (tokens,) or log_normalizer.device != hidden.device:
+    if given_statistics.dtype != expected:
+        raise TypeError(f"given_statistics must be {expected} (the accumulation dtype), got {given_statistics.dtype}")
+    rows = 1 + len(statistics_of(options).optional)
+    if given_statistics.shape != (rows, tokens) or given_statistics.device != hidden.device:
         raise ValueError(
-            f"log_normalizer must be [{tokens}] on {hidden.device} (one per token, in the rows' order), "
-            f"got {list(log_normalizer.shape)} on {log_normalizer.device}"
+            f"given_statistics must be [{rows}, {tokens}] on {hidden.device} (lse and each statistic the options ask "
+            f"for, per token in the rows' order), got {list(given_statistics.shape)} on {given_statistics.device}"
         )
 
 
@@ -180,14 +184,14 @@ def check_call(
     *,
     unsupported: Callable[[torch.Tensor], str | None] | None = None,
     prior_error: Exception | None = None,
-    log_normalizer: object = None,
+    given_statistics: object = None,
 ) -> CheckedCall:
     """Every check of :func:`run_head`, its verdict shared over the TP group (module doc).
 
     ``unsupported``: for an entry point that runs something else than the head's backends
     (Liger, the teacher's top-k), the message of why it cannot run these inputs, or None; it may
     also raise TypeError or ValueError for its own arguments. It replaces the backend's own
-    check (the call's ``backend`` is then None). ``prior_error``, ``log_normalizer``: see
+    check (the call's ``backend`` is then None). ``prior_error``, ``given_statistics``: see
     :func:`run_head`. Dual tensors of forward-mode AD and ``torch.func`` transforms' tensors are
     refused here too (NotImplementedError, :data:`mcore_ppo.shard.NO_FORWARD_AD`)."""
     validation.check_process_group(tp_group)  # the verdict travels over it: not shareable
@@ -195,8 +199,8 @@ def check_call(
     if local_error is None:
         try:
             call = _checked_locally(hidden, weight, labels, temperature, options, tp_group, layout, ids, unsupported)
-            if log_normalizer is not None:
-                _check_log_normalizer(log_normalizer, call, options, hidden)
+            if given_statistics is not None:
+                _check_given_statistics(given_statistics, call, options, hidden)
             if options.validate and values_readable(call.labels):
                 values = bad_values(call.labels, call.vocab_size, options.ignore_index, call.bad_temperature)
         except (TypeError, ValueError, NotImplementedError) as err:
@@ -281,14 +285,14 @@ def _execute(
     options: HeadOptions,
     tp_group: ProcessGroup | None,
     layout: Layout,
-    log_normalizer: torch.Tensor | None = None,
+    given_statistics: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Prepare the tokens, run the head's op, return the outputs in the labels' layout."""
     labels = call.labels
     flat = layout.tokens is TokenOrder.FLAT
     batch_first = not flat and labels.dim() == 2 + call.ids
     rows = to_rows(labels, batch_first, per_token_dims=int(call.ids)) if not flat else labels.reshape(-1)
-    one_id = call.ids and labels.shape[-1] == 1 and log_normalizer is None
+    one_id = call.ids and labels.shape[-1] == 1 and given_statistics is None
     if one_id:  # k = 1 is the head's own path
         rows = rows[:, 0]
     row_temperature = call.temperature if isinstance(call.temperature, torch.Tensor) else None
@@ -302,7 +306,7 @@ def _execute(
         vocab_start=group_rank(tp_group) * weight.shape[0],
         vocab_size=call.vocab_size,
         temperature_value=1.0 if row_temperature is not None else call.temperature,
-        statistics=_STATISTICS[options.return_entropy, options.return_sum_pi_squared],
+        statistics=statistics_of(options),
         labels_in_range=call.values_read,
     )
     token_rows = hidden_rows(hidden)
@@ -311,7 +315,7 @@ def _execute(
         # exact in fp32, so one differentiable upcast before the op gives the kernels one dtype
         # and autograd rounds d_hidden back to the input's dtype once.
         token_rows = token_rows.to(weight.dtype)
-    log_probs, entropy, detached = head(token_rows, weight, rows, row_temperature, log_normalizer, head_call)
+    log_probs, entropy, detached = head(token_rows, weight, rows, row_temperature, given_statistics, head_call)
     names = head_call.statistics.detached_names
     per_token = [entropy, detached[names.index("sum_pi_squared")] if "sum_pi_squared" in names else None]
     if call.bad_temperature is not None and not call.values_read:
@@ -329,6 +333,11 @@ def _execute(
     if options.return_sum_pi_squared:
         return log_probs, entropy, sum_pi_squared
     return log_probs, entropy
+
+
+def statistics_of(options: HeadOptions) -> Statistics:
+    """What the statistics pass reduces for ``options`` (:mod:`mcore_ppo.statistics`)."""
+    return _STATISTICS[options.return_entropy, options.return_sum_pi_squared]
 
 
 #: What the statistics pass reduces, by the options ``(return_entropy, return_sum_pi_squared)``

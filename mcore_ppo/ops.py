@@ -47,7 +47,7 @@ from mcore_ppo.statistics import Statistics
 _LIB = torch.library.Library("mcore_ppo", "DEF")
 _LIB.define(
     "head_forward(Tensor hidden, Tensor weight, Tensor labels, Tensor? temperature, float temperature_value, "
-    "Tensor? log_normalizer, int ignore_index, int vocab_start, int vocab_size, str backend, str tp_group, "
+    "Tensor? given_statistics, int ignore_index, int vocab_start, int vocab_size, str backend, str tp_group, "
     "str hidden_grad, str statistics, bool labels_in_range, bool grad_needed) "
     "-> (Tensor log_prob, Tensor entropy, Tensor detached, Tensor[] saved)"
 )
@@ -78,21 +78,20 @@ class HeadCall(NamedTuple):
 class SavedLayout(NamedTuple):
     """Which tensors ``head_forward``'s ``saved`` list holds, in this order: the gathered token
     rows (``gathered``: sequence parallelism over several ranks; else the backward reads the
-    input's own rows), ``lse``, the entropy (``entropy``: asked for, and computed, which a given
-    log-normalizer skips), the local labels and the valid flags, the ``k`` ids' local rows and
-    slot flags (``ids``), then the backend's residual. Decided from the call alone, so the
-    forward, its fake and the backward agree."""
+    input's own rows), ``lse``, the entropy (``entropy``: asked for), the local labels and the
+    valid flags, the ``k`` ids' local rows and slot flags (``ids``), then the backend's residual.
+    Decided from the call alone, so the forward, its fake and the backward agree."""
 
     gathered: bool
     entropy: bool
     ids: bool
 
     @staticmethod
-    def of(labels: torch.Tensor, log_normalizer, statistics: Statistics, hidden_grad: HiddenGrad, tp_group: str):
+    def of(labels: torch.Tensor, statistics: Statistics, hidden_grad: HiddenGrad, tp_group: str):
         # The head passes SEQUENCE_PARALLEL only over several ranks (one rank gathers nothing);
         # the group is not looked up here, which a compiled region cannot trace.
         gathered = hidden_grad is HiddenGrad.SEQUENCE_PARALLEL and tp_group != ""
-        return SavedLayout(gathered, statistics.entropy and log_normalizer is None, labels.dim() == 2)
+        return SavedLayout(gathered, statistics.entropy, labels.dim() == 2)
 
     def pack(self, token_hidden, saved: SavedTokens) -> list[torch.Tensor]:
         head = [token_hidden] if self.gathered else []
@@ -123,13 +122,13 @@ def _absent(like: torch.Tensor) -> torch.Tensor:
 
 @torch.library.impl(_LIB, "head_forward", "CompositeExplicitAutograd")
 def _head_forward(
-    hidden, weight, labels, temperature, temperature_value, log_normalizer, ignore_index, vocab_start, vocab_size,
+    hidden, weight, labels, temperature, temperature_value, given_statistics, ignore_index, vocab_start, vocab_size,
     backend, tp_group, hidden_grad, statistics, labels_in_range, grad_needed,
 ):  # fmt: skip
     mode = HiddenGrad(hidden_grad)
     stats = Statistics.from_key(statistics)
     result, token_hidden = shard.forward(
-        hidden, weight, labels, _temperature(temperature, temperature_value), log_normalizer,
+        hidden, weight, labels, _temperature(temperature, temperature_value), given_statistics,
         backend=backend_from_key(backend), tp_group=group_from_key(tp_group), hidden_grad=mode,
         ignore_index=ignore_index, vocab_start=vocab_start, vocab_size=vocab_size, statistics=stats,
         labels_in_range=labels_in_range, grad_needed=grad_needed,
@@ -140,21 +139,21 @@ def _head_forward(
     if not grad_needed:
         return log_prob, entropy, detached, []
     saved = result.saved
-    if log_normalizer is not None:
-        # The given log-normalizer is an input: an output that aliases it would break the op's contract.
+    if given_statistics is not None:
+        # The given statistics are an input: an output that aliases them would break the op's contract.
         saved = dataclasses.replace(saved, lse=saved.lse.clone())
-    layout = SavedLayout.of(labels, log_normalizer, stats, mode, tp_group)
+    layout = SavedLayout.of(labels, stats, mode, tp_group)
     return log_prob, entropy, detached, layout.pack(token_hidden, saved)
 
 
 @torch.library.register_fake("mcore_ppo::head_forward")
 def _head_forward_fake(
-    hidden, weight, labels, temperature, temperature_value, log_normalizer, ignore_index, vocab_start, vocab_size,
+    hidden, weight, labels, temperature, temperature_value, given_statistics, ignore_index, vocab_start, vocab_size,
     backend, tp_group, hidden_grad, statistics, labels_in_range, grad_needed,
 ):  # fmt: skip
     mode = HiddenGrad(hidden_grad)
     stats = Statistics.from_key(statistics)
-    layout = SavedLayout.of(labels, log_normalizer, stats, mode, tp_group)
+    layout = SavedLayout.of(labels, stats, mode, tp_group)
     backend_obj = backend_from_key(backend)
     reason = backend_obj.unsupported(hidden)
     if reason is not None:  # a backend named in a compiled region is checked here, where it resolves
@@ -174,7 +173,7 @@ def _head_forward_fake(
     spec = backend_obj.residual_spec(
         token_hidden, weight, fused=fused, grad_needed=True, statistics=stats, row_temperature=temperature is not None
     )
-    if log_normalizer is not None:
+    if given_statistics is not None:
         spec = ()  # no statistics pass: nothing kept
     ids = (per_token(dtype=torch.int64, shape=labels.shape), per_token(dtype=torch.bool, shape=labels.shape))
     saved = [
@@ -231,7 +230,7 @@ def head(
     weight: torch.Tensor,
     labels: torch.Tensor,
     temperature: torch.Tensor | None,
-    log_normalizer: torch.Tensor | None,
+    given_statistics: torch.Tensor | None,
     call: HeadCall,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(log_prob, entropy or None, detached or None)`` of one rank, differentiable once to
@@ -241,17 +240,17 @@ def head(
     parallelism), ``labels`` global int64 ``[n]`` or ``[n, k]``, ``temperature`` a per-token
     ``[n]`` tensor or None (``call.temperature_value`` then)."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        log_prob, entropy, detached = HeadFunction.apply(hidden, weight, labels, temperature, log_normalizer, call)
+        log_prob, entropy, detached = HeadFunction.apply(hidden, weight, labels, temperature, given_statistics, call)
     else:
-        args = _forward_args(hidden, weight, labels, temperature, log_normalizer, call, grad_needed=False)
+        args = _forward_args(hidden, weight, labels, temperature, given_statistics, call, grad_needed=False)
         log_prob, entropy, detached, _ = _run_forward(args, hidden, weight)
     statistics = call.statistics
     return log_prob, entropy if statistics.entropy else None, detached if statistics.detached else None
 
 
-def _forward_args(hidden, weight, labels, temperature, log_normalizer, call: HeadCall, *, grad_needed: bool):
+def _forward_args(hidden, weight, labels, temperature, given_statistics, call: HeadCall, *, grad_needed: bool):
     return (
-        hidden, weight, labels, temperature, call.temperature_value, log_normalizer, call.ignore_index,
+        hidden, weight, labels, temperature, call.temperature_value, given_statistics, call.ignore_index,
         call.vocab_start, call.vocab_size, call.backend, call.tp_group, call.hidden_grad.value, call.statistics.key,
         call.labels_in_range, grad_needed,
     )  # fmt: skip
@@ -293,10 +292,10 @@ class HeadFunction(torch.autograd.Function):
     """``head_forward`` with its backward, ``head_backward`` (module doc)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, log_normalizer, call: HeadCall):
-        args = _forward_args(hidden, weight, labels, temperature, log_normalizer, call, grad_needed=True)
+    def forward(ctx, hidden, weight, labels, temperature, given_statistics, call: HeadCall):
+        args = _forward_args(hidden, weight, labels, temperature, given_statistics, call, grad_needed=True)
         log_prob, entropy, detached, saved = _run_forward(args, hidden, weight)
-        _save(ctx, hidden, weight, labels, temperature, log_normalizer, detached, saved, call)
+        _save(ctx, hidden, weight, labels, temperature, given_statistics, detached, saved, call)
         return log_prob, entropy, detached
 
     @staticmethod
@@ -305,10 +304,10 @@ class HeadFunction(torch.autograd.Function):
         return d_hidden, d_weight, None, None, None, None
 
 
-def _save(ctx, hidden, weight, labels, temperature, log_normalizer, detached, saved, call: HeadCall) -> None:
+def _save(ctx, hidden, weight, labels, temperature, given_statistics, detached, saved, call: HeadCall) -> None:
     """What the backward needs: the tensors through ``save_for_backward`` (saved-tensor hooks see
     them), the call and the saved list's layout on ``ctx``."""
-    layout = SavedLayout.of(labels, log_normalizer, call.statistics, call.hidden_grad, call.tp_group)
+    layout = SavedLayout.of(labels, call.statistics, call.hidden_grad, call.tp_group)
     ctx.set_materialize_grads(False)
     ctx.call, ctx.layout = call, layout
     # Megatron's main_grad lives on the parameter itself; a saved-tensor hook may hand back another object.
@@ -358,14 +357,14 @@ def _backward(ctx, grad_log_prob, grad_entropy):
 
 def _setup_context(ctx, inputs, output):
     """``register_autograd``'s half of :class:`HeadFunction` (a direct call of the op)."""
-    hidden, weight, labels, temperature, temperature_value, log_normalizer, *rest = inputs
+    hidden, weight, labels, temperature, temperature_value, given_statistics, *rest = inputs
     ignore_index, vocab_start, vocab_size, backend, tp_group, hidden_grad, statistics, labels_in_range, _ = rest
     call = HeadCall(
         backend, tp_group, HiddenGrad(hidden_grad), WeightGrad.GRAD, ignore_index, vocab_start, vocab_size,
         temperature_value, Statistics.from_key(statistics), labels_in_range,
     )  # fmt: skip
     _, _, detached, saved = output
-    _save(ctx, hidden, weight, labels, temperature, log_normalizer, detached, saved, call)
+    _save(ctx, hidden, weight, labels, temperature, given_statistics, detached, saved, call)
     # A direct caller holds the saved list (an output of the op): the backward must not turn the
     # residual it holds into dz, so it works on a copy.
     ctx.copy_residual = True

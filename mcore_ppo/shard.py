@@ -111,7 +111,7 @@ def forward(
     weight: torch.Tensor,
     labels: torch.Tensor,
     temperature: float | torch.Tensor,
-    log_normalizer: torch.Tensor | None,
+    given_statistics: torch.Tensor | None,
     *,
     backend: Backend,
     tp_group: ProcessGroup | None,
@@ -127,7 +127,7 @@ def forward(
 
     ``hidden [n, h]`` token rows (this rank's sequence shard under SP), ``weight [v, h]`` this
     rank's vocab shard, ``labels`` global int64 ids ``[n]`` (one per token) or ``[n, k]``;
-    ``temperature`` a float or per-token ``[n]`` (fp32, fp64 for fp64 inputs); ``log_normalizer``
+    ``temperature`` a float or per-token ``[n]`` (fp32, fp64 for fp64 inputs); ``given_statistics``
     (``k`` ids only) each token's global ``lse`` over the same tempered logits from another pass,
     which then replaces the statistics pass. ``statistics``: what the pass reduces (the entropy
     when it is among them, and the detached statistics). ``labels_in_range``: every label is known to be in
@@ -138,7 +138,7 @@ def forward(
             hidden = all_gather_first_dim(hidden, tp_group)
         if labels.dim() == 2:
             result = _ids_forward(
-                hidden, weight, labels, temperature, log_normalizer, backend, tp_group, ignore_index, vocab_start,
+                hidden, weight, labels, temperature, given_statistics, backend, tp_group, ignore_index, vocab_start,
                 vocab_size, statistics, grad_needed,
             )  # fmt: skip
             return ShardForward(result, hidden)
@@ -251,11 +251,11 @@ def _label_forward(
 
 
 def _ids_forward(
-    hidden, weight, ids, temperature, log_normalizer, backend, tp_group, ignore_index, vocab_start, vocab_size,
+    hidden, weight, ids, temperature, given_statistics, backend, tp_group, ignore_index, vocab_start, vocab_size,
     statistics, grad_needed,
 ) -> HeadForward:  # fmt: skip
     """``k`` ids per token: the statistics with no label in the shard (or the given
-    ``log_normalizer``, see :func:`forward`), and the ids' logits."""
+    ``given_statistics``, see :func:`forward`), and the ids' logits."""
     n = hidden.shape[0]
     in_range = (ids >= 0) & (ids < vocab_size)
     slot_ok = (ids != ignore_index) & in_range
@@ -264,14 +264,19 @@ def _ids_forward(
     in_shard = slot_ok & (local >= 0) & (local < weight.shape[0])
     local_ids = torch.where(in_shard, local, -1)
     no_label = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
-    if log_normalizer is None:
+    if given_statistics is None:
         lse, _, entropy, detached, residual = _statistics_pass(
             backend, hidden, weight, no_label, valid, temperature, tp_group, statistics, vocab_size, grad_needed
         )
     else:
+        given_lse, values = statistics.from_finished(given_statistics)
         # z − (−inf) is +inf, which the clamp below would make a plausible 0: NaN instead.
-        lse = torch.where(torch.isfinite(log_normalizer), log_normalizer, torch.nan)
-        entropy, detached, residual = None, None, ()
+        lse = torch.where(torch.isfinite(given_lse), given_lse, torch.nan)
+        entropy = values.get("entropy")
+        if entropy is not None:
+            entropy = entropy.clone()  # kept for the backward: a fresh tensor, not a view of an input
+        detached = statistics.detached_outputs(values, valid, vocab_size)
+        residual = ()
     logits = backend.gather_logits(hidden, weight, local_ids, temperature)
     if group_size(tp_group) > 1:
         # Each id lives on one rank; the others add exact zeros.

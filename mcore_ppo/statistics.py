@@ -228,6 +228,16 @@ class Statistics:
         }
         return global_max + log_sum_exp, values
 
+    def finished(self, lse: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """:meth:`finish`'s result as one tensor ``[1 + len(optional), n]``: ``lse``, then each
+        optional term's value in plane order (what another pass over the same logits hands
+        the head, :meth:`from_finished`)."""
+        return torch.stack([lse, *(values[term.name] for term in self.optional)])
+
+    def from_finished(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(lse, {name: value})`` back from :meth:`finished`'s rows."""
+        return rows[0], {term.name: row for term, row in zip(self.optional, rows[1:], strict=True)}
+
     def detached_outputs(
         self, values: dict[str, torch.Tensor], valid: torch.Tensor, vocab_size: int
     ) -> torch.Tensor | None:

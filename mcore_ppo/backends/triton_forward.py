@@ -61,9 +61,10 @@ def statistics_launch(
         gathered = gathered_rows(
             hidden, perm, count, launch, skip_direct_blocks=skip, site=(plan, "gather") if site else None
         )
+    # The last three are the top-k's outputs (TOPK_C), never written here.
     args = (
         hidden, gathered, weight, perm, count, local_labels, parts, y, buf, tmax, n, v, plan.h, hidden.stride(0),
-        weight.stride(0), plan.num_splits, inv_temp, plan.n_tiles_v, inv_temp_rows,
+        weight.stride(0), plan.num_splits, inv_temp, plan.n_tiles_v, inv_temp_rows, y, count, y,
     )  # fmt: skip
     launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, (plan, "stats") if site else None)
     return parts, (buf, tmax, perm, count) if plan.store else ()

@@ -10,12 +10,14 @@ merged with the rank's running candidates; every entry that is not (or stops bei
 is folded into the softmax statistics ``(m, s)`` of the shard's rest. The ranks then merge
 (:func:`mcore_ppo.parallel.topk.merge_topk_over_ranks`).
 
-On CUDA (fp16/bf16/fp32) the shard's pass is fused Triton kernels instead
-(:mod:`mcore_ppo.distill.topk_triton`): logit tiles in registers, each giving its largest entries
-and its rest's statistics; a second kernel selects the exact top ``k`` of each token's
+On CUDA (fp16/bf16/fp32) the shard's pass is the head's own statistics kernel instead, with
+its top-k on (:mod:`mcore_ppo.distill.topk_triton`): logit tiles in registers, each giving its
+largest entries and its rest's statistics beside the head's; a second kernel selects the exact top ``k`` of each token's
 candidates and sums its rest, and the few tiles that may hide more of the top are recomputed
 whole and merged. The torch path stays the CPU/fp64 path and the exactness reference
-(``impl="torch"``).
+(``impl="torch"``). Either pass also reduces the head's statistics of each token when asked
+(:func:`topk_and_statistics`: the student's top-k and its ``lse``, entropy and Σπ² from one
+read of the vocab).
 
 The arguments go through the head's checks (:func:`mcore_ppo.head_call.check_call`), whose
 verdict is shared over the TP group: a bad argument on one rank raises on every rank before the
@@ -37,6 +39,7 @@ from mcore_ppo import validation
 from mcore_ppo.backends.triton_host import fp32_output_gemms
 from mcore_ppo.distill import topk_triton
 from mcore_ppo.distill.topk_config import DEFAULT_CONFIG, TopKConfig
+from mcore_ppo.distill.topk_triton import ShardPass
 from mcore_ppo.head_call import attempt, check_call
 from mcore_ppo.numerics import accumulation_dtype, chunks
 from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
@@ -45,9 +48,10 @@ from mcore_ppo.parallel.mappings import all_gather_first_dim
 from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
 from mcore_ppo.parallel.topk import fold_into_statistics, merge_topk_over_ranks, select_topk
 from mcore_ppo.shard import autocast_off
+from mcore_ppo.statistics import Statistics
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
 
-__all__ = ["IMPLS", "MAX_TOPK", "TopK", "TopKConfig", "check_k", "fused_topk"]
+__all__ = ["IMPLS", "MAX_TOPK", "TopK", "TopKConfig", "check_k", "fused_topk", "topk_and_statistics"]
 
 #: Largest ``k`` accepted: a top-k teacher is a sparse summary (verl's default is 128), and
 #: every rank all-gathers ``k`` candidates per token from every other rank.
@@ -156,17 +160,18 @@ def fused_topk(
             unknown ``impl`` or ``"triton"`` where it cannot run, or another TP rank's refusal
             of its own inputs.
     """
-    return topk_and_log_normalizer(
-        hidden, weight, k, temperature=temperature, tp_group=tp_group, sequence_parallel=sequence_parallel,
-        labels=labels, ignore_index=ignore_index, impl=impl, validate=validate, config=config,
-    )[0]  # fmt: skip
+    with torch.no_grad():
+        return _fused_topk(
+            hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl, validate, config
+        )[0]
 
 
-def topk_and_log_normalizer(
+def topk_and_statistics(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     k: int,
     *,
+    statistics: Statistics,
     temperature: float | torch.Tensor = 1.0,
     tp_group: ProcessGroup | None = None,
     sequence_parallel: bool = False,
@@ -177,16 +182,21 @@ def topk_and_log_normalizer(
     config: TopKConfig | None = None,
     prior_error: Exception | None = None,
 ) -> tuple[TopK, torch.Tensor]:
-    """:func:`fused_topk`'s result and, from the same pass, each token's global ``log Σ_v exp(z_v)``
-    (``[n]`` in the rows' order of the head, fp32; fp64 for fp64 inputs; no gradient): what the
-    head's ``[..., k]`` ids pass takes as ``log_normalizer`` instead of running its own statistics
-    pass over the same logits (:func:`mcore_ppo.head_call.run_head`). ``prior_error``: the
-    caller's own refusal of its arguments, shared over the TP group with this call's verdict
-    (:func:`mcore_ppo.head_call.check_call`), before any collective of the pass."""
+    """:func:`fused_topk`'s result and, from the same pass over the logits, the head's
+    ``statistics`` of each token over the global vocab, finished
+    (:meth:`~mcore_ppo.statistics.Statistics.finished`: ``[1 + terms, n]``, ``lse`` then each
+    optional term's value, in the rows' order of the head, fp32, fp64 for fp64 inputs; no
+    gradient): what the head's ``[..., k]`` ids pass takes as ``given_statistics`` instead of
+    running its own statistics pass over the same logits (:func:`mcore_ppo.head_call.run_head`).
+    ``prior_error``: the caller's own refusal of its arguments, shared over the TP group with
+    this call's verdict (:func:`mcore_ppo.head_call.check_call`), before any collective of the
+    pass."""
+    if not isinstance(statistics, Statistics):
+        raise TypeError(f"statistics must be a mcore_ppo.statistics.Statistics, got {validation.type_name(statistics)}")
     with torch.no_grad():
         return _fused_topk(
             hidden, weight, k, temperature, tp_group, sequence_parallel, labels, ignore_index, impl, validate, config,
-            prior_error,
+            prior_error, statistics,
         )  # fmt: skip
 
 
@@ -203,7 +213,8 @@ def _fused_topk(
     validate: bool | None,
     config: TopKConfig | None,
     caller_error: Exception | None = None,
-) -> tuple[TopK, torch.Tensor]:
+    statistics: Statistics | None = None,
+) -> tuple[TopK, torch.Tensor | None]:
     # The head's backend does not run here (the shard pass is this module's): "torch" is a
     # backend every device has, so the head's checks never refuse these inputs for it. A bad
     # option or flag, or the caller's own refusal, is shared over the TP group with every other
@@ -232,12 +243,19 @@ def _fused_topk(
     tokens = hidden_rows(hidden)
     shard_pass = topk_triton.shard_topk_triton if use_triton else _shard_topk
     with autocast_off(hidden.device):
-        values, ids, rest_max, rest_sum = shard_pass(
-            tokens, weight, k, call.temperature, vocab_start=group_rank(tp_group) * weight.shape[0], config=config
-        )
+        shard = shard_pass(
+            tokens, weight, k, call.temperature, vocab_start=group_rank(tp_group) * weight.shape[0], config=config,
+            statistics=statistics,
+        )  # fmt: skip
         top_values, top_ids, lse, tail_lse = merge_topk_over_ranks(
-            values, ids, rest_max, rest_sum, k, tp_group, presorted=use_triton
+            shard.values, shard.ids, shard.rest_max, shard.rest_sum, k, tp_group, presorted=use_triton
         )
+        finished = None
+        if statistics is not None:
+            # The head's statistics of the same pass, combined over TP as the head combines its own.
+            shard_max, sums = shard.planes[0], shard.planes[1:]
+            global_max, sums, _ = statistics.combine(shard_max, sums, torch.zeros_like(shard_max), tp_group)
+            finished = statistics.finished(*statistics.finish(global_max, sums))
     log_probs = top_values - lse[:, None]
     tail_log_mass = tail_lse - lse
     batch_first = hidden.dim() == 3
@@ -252,8 +270,8 @@ def _fused_topk(
         tail_log_mass = tail_log_mass.masked_fill(call.bad_temperature, math.nan)
     if batch_first:
         seq, batch = hidden.shape[:2]
-        return TopK(*(from_rows(out, True, batch, seq) for out in (top_ids, log_probs, tail_log_mass))), lse
-    return TopK(top_ids, log_probs, tail_log_mass), lse
+        return TopK(*(from_rows(out, True, batch, seq) for out in (top_ids, log_probs, tail_log_mass))), finished
+    return TopK(top_ids, log_probs, tail_log_mass), finished
 
 
 def _zero_labels(hidden: object, tp_group: ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:
@@ -313,11 +331,13 @@ def _shard_topk(
     *,
     vocab_start: int,
     config: TopKConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's candidates ``(values [n, c], ids [n, c])`` with ``c = min(k, V/tp)`` and the
-    statistics ``(m [n], s [n])`` of the rest of its shard, one logits block of
-    ``config.token_chunk × config.vocab_chunk`` at a time. ``temperature``: a float or ``T [n]``
-    per token (the accumulation dtype)."""
+    statistics: Statistics | None = None,
+) -> ShardPass:
+    """This rank's candidates ``(values [n, c], ids [n, c])`` with ``c = min(k, V/tp)``, the
+    statistics ``(m [n], s [n])`` of the rest of its shard and, given ``statistics``, their planes
+    over the whole shard (:meth:`Statistics.chunk <mcore_ppo.statistics.Statistics.chunk>` of each
+    block, merged), one logits block of ``config.token_chunk × config.vocab_chunk`` at a time.
+    ``temperature``: a float or ``T [n]`` per token (the accumulation dtype)."""
     n, v = tokens.shape[0], weight.shape[0]
     acc = accumulation_dtype(tokens.dtype)
     device = tokens.device
@@ -326,14 +346,18 @@ def _shard_topk(
     ids = torch.empty(n, c, dtype=torch.int64, device=device)
     rest_max = torch.empty(n, dtype=acc, device=device)
     rest_sum = torch.empty(n, dtype=acc, device=device)
+    planes = None if statistics is None else torch.empty(statistics.n_planes, n, dtype=acc, device=device)
     for t0, t1 in chunks(n, config.token_chunk):
         x = tokens[t0:t1]
         rows_t = temperature[t0:t1, None] if isinstance(temperature, torch.Tensor) else temperature
         m = torch.full((t1 - t0,), -torch.inf, dtype=acc, device=device)
         s = torch.zeros(t1 - t0, dtype=acc, device=device)
-        run_values = run_ids = None
+        run_values = run_ids = whole = None
         for v0, v1 in chunks(v, config.vocab_chunk):
             z = _tempered_logits(x, weight[v0:v1], rows_t)
+            if statistics is not None:
+                part = statistics.chunk(z)
+                whole = part if whole is None else statistics.merge(whole, part)
             chunk_values, cols = _chunk_topk(z, min(k, v1 - v0))
             m, s = fold_into_statistics(m, s, z.scatter_(1, cols, -torch.inf))
             chunk_ids = cols.to(torch.int64) + (vocab_start + v0)
@@ -345,7 +369,9 @@ def _shard_topk(
                 )
                 m, s = fold_into_statistics(m, s, dropped)
         values[t0:t1], ids[t0:t1], rest_max[t0:t1], rest_sum[t0:t1] = run_values, run_ids, m, s
-    return values, ids, rest_max, rest_sum
+        if planes is not None:
+            planes[0, t0:t1], planes[1:, t0:t1] = whole
+    return ShardPass(values, ids, rest_max, rest_sum, planes)
 
 
 def _tempered_logits(x: torch.Tensor, w: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ class TopKConfig:
             operands, one tile per program; 256 columns were 15-25 % faster than 128 on the H200).
         interpreter_tiles: the same under Triton's CPU interpreter (:data:`INTERPRETER_TILES`:
             small tiles, tests). fp32 inputs halve either one's K tile (shared memory).
-        max_registers: ptxas register cap per thread of the tiles kernel; None: ptxas decides.
+        max_registers: ptxas register cap per thread of the statistics kernel's top-k launch; None: ptxas decides.
         candidates: candidates each tile keeps per row (``C``); None: chosen per call from
             ``candidate_range`` and ``full_tiles_per_candidate``. Each one costs a max-reduction
             per tile (~4 % of a GEMM on the H200); a row recomputes the tiles holding more than
@@ -67,7 +67,7 @@ class TopKConfig:
         sort_keys: how the selection and the full tiles' merge order their keys: ``tl.sort``
             (True) or by counting each key's larger ones (False), the same result. None:
             ``tl.sort``, but counting under the interpreter, whose sort costs ~0.7 s per 256 keys.
-        splits: vocab splits per row block of the tiles kernel; None: the tiles' own
+        splits: vocab splits per row block of the statistics kernel's top-k launch; None: the tiles' own
             ``tiles_per_split`` decides (tests force a count to split a small vocab).
 
     Raises:
@@ -128,7 +128,7 @@ class TopKConfig:
         return not interpreting() if self.sort_keys is None else self.sort_keys
 
     def register_cap(self) -> dict[str, int]:
-        """The tiles kernel's ``maxnreg`` launch option, where one is set and compiled for."""
+        """The top-k launch's ``maxnreg`` option, where one is set and compiled for."""
         return {"maxnreg": self.max_registers} if self.max_registers and not interpreting() else {}
 
 

@@ -1,8 +1,10 @@
-"""Host side of the teacher's fused top-k kernels (:mod:`mcore_ppo.kernels.topk`).
+"""Host side of the teacher's top-k on the head's statistics kernel (:mod:`mcore_ppo.kernels.topk`).
 
 One rank's shard pass in three steps, each row's result exact (the same ids as the torch path):
 
-1. the tiles kernel: per (row, logits tile) its ``C`` largest entries and its rest's ``(m, s)``;
+1. the head's statistics pass (``stats_kernel`` with ``TOPK_C``) over every row: per (row, logits
+   tile) its ``C`` largest entries and its rest's ``(m, s)``, beside the statistics the caller
+   asks for (the ``lse``, the entropy, Σπ²: one read of the vocab for the top-k and the head);
 2. the selection: each row's top ``min(k, V/tp)`` of its tiles' candidates, in the tie rule's
    order, and the rest summed from its own terms;
 3. the few *full* tiles (every candidate in the top, its rest reaching the top's last value: it
@@ -22,18 +24,42 @@ from typing import NamedTuple
 
 import torch
 
-from mcore_ppo.backends.triton_host import GemmConfig, interpreting, kernel_flags, operands_by_tma
-from mcore_ppo.backends.triton_launch import Launcher, host_descriptor
+from mcore_ppo.backends.triton_host import (
+    MERGE_BLOCK_S,
+    MERGE_BLOCK_T,
+    GemmConfig,
+    descriptor_ok,
+    interpreting,
+    kernel_flags,
+    operands_by_tma,
+)
+from mcore_ppo.backends.triton_launch import BoundLauncher, Launcher
 from mcore_ppo.distill.topk_config import TopKConfig
 from mcore_ppo.numerics import Numerics, cdiv, chunks, inverse_temperature, next_power_of_two, rowmajor
+from mcore_ppo.statistics import Statistics
+
+#: What the kernel reduces beside the top-k when the caller asks for no statistics.
+_SUM_EXP = Statistics.named([])
 
 #: Dtypes the kernels take (fp64 stays on the torch path).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 Shard = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
+
+class ShardPass(NamedTuple):
+    """One rank's shard pass: its top candidates, the statistics of its rest, and (when asked
+    for) the head's statistics of the whole shard."""
+
+    values: torch.Tensor  # [n, c] fp32, largest first
+    ids: torch.Tensor  # [n, c] int64 global ids
+    rest_max: torch.Tensor  # [n] the rest's max
+    rest_sum: torch.Tensor  # [n] and Σ exp(z - max) over it
+    planes: torch.Tensor | None  # [statistics.n_planes, n]: the shard's max, then each term's sum
+
+
 # The top-k's launches carry no site key: each takes Triton's own dispatch (the launcher counts them).
-launch = Launcher().launch
+_LAUNCHER = Launcher()
 Inverse = tuple[float, torch.Tensor, bool]
 
 
@@ -65,15 +91,18 @@ def shard_topk_triton(
     *,
     vocab_start: int,
     config: TopKConfig,
-) -> Shard:
-    """The torch shard pass's outputs (``(values [n, c], ids [n, c], m [n], s [n])``, ``c =
-    min(k, V/tp)``, global ids) from the fused kernels, token chunk by token chunk: as many rows
-    per launch as keep its scratch within ``config.scratch_bytes``."""
+    statistics: Statistics | None = None,
+) -> ShardPass:
+    """The torch shard pass's outputs (``c = min(k, V/tp)`` candidates with global ids, the
+    rest's ``(m, s)``, and ``statistics``' planes of the shard when given) from the head's
+    statistics kernel with its top-k on, token chunk by token chunk: as many rows per launch as
+    keep its scratch within ``config.scratch_bytes``."""
     n, v = tokens.shape[0], weight.shape[0]
     c = min(k, v)
     device = tokens.device
     tokens, weight = rowmajor(tokens), rowmajor(weight)
     cfg = config.gemm(tokens.dtype)
+    launch = _LAUNCHER.bound()
     # Per row: the tiles' candidates and rests, the slots of its full tiles' recompute, and its
     # place in the full pairs' lists by tile (one int32 per tile).
     num_tiles = cdiv(v, cfg.block_n)
@@ -81,20 +110,22 @@ def shard_topk_triton(
     per_row = candidates + full_tiles_cap(num_tiles, c, config) * cfg.block_n * 4 + num_tiles * 4
     chunk = max(cfg.block_m, config.scratch_bytes // per_row // cfg.block_m * cfg.block_m)
     if 0 < n <= chunk:  # one launch: its outputs are the shard's
-        values, ids, rest_max, rest_sum = _triton_chunk(tokens, weight, k, temperature, cfg, config)
+        out = _triton_chunk(tokens, weight, k, temperature, cfg, config, statistics, launch)
         if vocab_start:
-            ids += vocab_start
-        return values, ids, rest_max, rest_sum
+            out.ids.add_(vocab_start)
+        return out
     values = torch.empty(n, c, dtype=torch.float32, device=device)
     ids = torch.empty(n, c, dtype=torch.int64, device=device)
-    rest_max = torch.empty(n, dtype=torch.float32, device=device)
-    rest_sum = torch.empty(n, dtype=torch.float32, device=device)
+    rest = torch.empty(2, n, dtype=torch.float32, device=device)
+    planes = None if statistics is None else torch.empty(statistics.n_planes, n, dtype=torch.float32, device=device)
     for t0, t1 in chunks(n, chunk):
         row_t = temperature[t0:t1] if isinstance(temperature, torch.Tensor) else temperature
-        out = _triton_chunk(tokens[t0:t1], weight, k, row_t, cfg, config)
-        values[t0:t1], ids[t0:t1], rest_max[t0:t1], rest_sum[t0:t1] = out
+        out = _triton_chunk(tokens[t0:t1], weight, k, row_t, cfg, config, statistics, launch)
+        values[t0:t1], ids[t0:t1], rest[0, t0:t1], rest[1, t0:t1] = out[:4]
+        if planes is not None:
+            planes[:, t0:t1] = out.planes
     ids += vocab_start
-    return values, ids, rest_max, rest_sum
+    return ShardPass(values, ids, rest[0], rest[1], planes)
 
 
 class _Tiles(NamedTuple):
@@ -113,10 +144,14 @@ def _triton_chunk(
     temperature: float | torch.Tensor,
     cfg: GemmConfig,
     config: TopKConfig,
-) -> Shard:
-    """One launch over ``tokens [n, h]`` (``temperature`` a float or ``T [n]``): the top
-    ``min(k, V)`` in the tie rule's order, shard-local ids, and the rest's ``(m, s)``."""
-    from mcore_ppo.kernels.topk import topk_tiles_kernel
+    statistics: Statistics | None,
+    launch: BoundLauncher,
+) -> ShardPass:
+    """One launch of the statistics kernel over ``tokens [n, h]`` (``temperature`` a float or
+    ``T [n]``), every row valid, with ``C`` candidates per tile: the top ``min(k, V)`` in the tie
+    rule's order, shard-local ids, the rest's ``(m, s)``, and ``statistics``' planes merged over
+    the vocab splits (None: not asked for; the kernel reduces ``sum_exp`` alone then)."""
+    from mcore_ppo import kernels
 
     n, h = tokens.shape
     v = weight.shape[0]
@@ -126,30 +161,45 @@ def _triton_chunk(
     tiles_per_split = cdiv(num_tiles, splits)
     splits = cdiv(num_tiles, tiles_per_split)
     c = candidates_per_tile(num_tiles, min(k, v), config)
+    reduced = _SUM_EXP if statistics is None else statistics
     values = torch.empty(n, num_tiles * c, dtype=torch.float32, device=device)
     cols = torch.empty(n, num_tiles * c, dtype=torch.int32, device=device)
     rest = torch.empty(2, n, num_tiles, dtype=torch.float32, device=device)
-    use_tma = operands_by_tma(tokens, weight, cfg) and tokens.data_ptr() % 16 == 0
-    x_desc = host_descriptor(tokens, (cfg.block_m, cfg.block_k)) if use_tma else tokens
-    w_desc = host_descriptor(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
+    parts = torch.empty(reduced.n_planes, splits, n, dtype=torch.float32, device=device)
+    # Every row counts (no label: the kernel's label logit is never stored).
+    perm = torch.arange(n, dtype=torch.int32, device=device)
+    count = torch.full((1,), n, dtype=torch.int32, device=device)
+    no_labels = torch.full((n,), -1, dtype=torch.int64, device=device)
+    use_tma = operands_by_tma(tokens, weight, cfg)
+    if use_tma and not (tokens.is_contiguous() and descriptor_ok(tokens)):
+        tokens = tokens.contiguous()  # the kernel's row descriptor reads [n, h] contiguous rows
     # A float temperature's never-read row pointer is the rest buffer itself (a view costs host time).
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, rest)
     launch(
-        topk_tiles_kernel,
+        kernels.stats_kernel,
         (cdiv(n, cfg.block_m) * splits,),
-        (
-            tokens, weight, x_desc, w_desc, values, cols, rest[0], rest[1], n, v, h, tokens.stride(0),
-            weight.stride(0), splits, tiles_per_split, num_tiles, inv_temp, inv_temp_rows,
-        ),
+        (tokens, tokens, weight, perm, count, no_labels, parts, rest, rest, rest, n, v, h, tokens.stride(0),
+         weight.stride(0), splits, inv_temp, num_tiles, inv_temp_rows, values, cols, rest),
         dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, C=c,
-            USE_TMA=use_tma, **_flags(tokens, cfg), ROW_TEMP=row_temp, num_warps=cfg.num_warps,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILES_PER_SPLIT=tiles_per_split,
+            GROUP_M=cfg.group_m, USE_TMA=use_tma, STORE_P=False, BUF_TMA=False, DIRECT_ROWS=False,
+            **_flags(tokens, cfg), ROW_TEMP=row_temp, **reduced.kernel_options(), TOPK_C=c, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **config.register_cap(),
         ),
     )  # fmt: skip
+    planes = None
+    if statistics is not None:
+        planes = torch.empty(statistics.n_planes, n, dtype=torch.float32, device=device)
+        launch(
+            kernels.merge_splits_kernel,
+            (cdiv(n, MERGE_BLOCK_T),),
+            (parts, perm, count, planes, n, splits),
+            dict(BLOCK_T=MERGE_BLOCK_T, BLOCK_S=MERGE_BLOCK_S, **statistics.kernel_options()),
+        )
     tiles = _Tiles(values, cols, rest[0], rest[1])
     inverse = (inv_temp, inv_temp_rows, row_temp)  # the recompute takes the same roundings
-    return _select_from_tiles(tokens, weight, tiles, min(k, v), inverse, cfg, config)
+    top = _select_from_tiles(tokens, weight, tiles, min(k, v), inverse, cfg, config, launch)
+    return ShardPass(*top, planes)
 
 
 def _select_from_tiles(
@@ -160,9 +210,10 @@ def _select_from_tiles(
     inverse: Inverse,
     cfg: GemmConfig,
     config: TopKConfig,
+    launch: BoundLauncher,
 ) -> Shard:
     """The exact top ``c_out`` of a shard from its tiles' candidates, and the rest's ``(m, s)``;
-    ``inverse``: the tiles kernel's :func:`~mcore_ppo.numerics.inverse_temperature`, for the
+    ``inverse``: the statistics kernel's :func:`~mcore_ppo.numerics.inverse_temperature`, for the
     recompute.
 
     :func:`~mcore_ppo.kernels.topk.select_top_kernel` takes each row's top ``c_out`` of the
@@ -214,10 +265,10 @@ def _select_from_tiles(
         # The rest so far holds every entry outside full tiles that ranks after the top's last;
         # the merge folds in the top's and the full tiles' entries that drop out of it.
         recomputed = _recompute_full_tiles(
-            tokens, weight, full, full_list.shape[1], inverse, cfg, config.recompute_block()
+            tokens, weight, full, full_list.shape[1], inverse, cfg, config.recompute_block(), launch
         )
         _merge_full_tiles(
-            top_values, top_cols, full, full_rows, full_list, recomputed, rest_m, rest_s, weight, cfg, by_sort
+            top_values, top_cols, full, full_rows, full_list, recomputed, rest_m, rest_s, weight, cfg, by_sort, launch
         )
     return top_values, top_cols, rest_m, rest_s
 
@@ -265,6 +316,7 @@ def _recompute_full_tiles(
     inverse: Inverse,
     cfg: GemmConfig,
     block: int,
+    launch: BoundLauncher,
 ) -> torch.Tensor:
     """``z [n·cap, BLOCK_N]``: slot ``r·cap + j`` holds row ``r``'s whole ``j``-th full tile
     (``full [n, tiles]``: 0, or 1 + that place ``j``; ``-inf`` past the shard), as the tiles
@@ -315,6 +367,7 @@ def _merge_full_tiles(
     weight: torch.Tensor,
     cfg: GemmConfig,
     by_sort: bool,
+    launch: BoundLauncher,
 ) -> None:
     """In place, for the rows with full tiles: the top over the entries outside full tiles and the
     recomputed tiles' (in the tie rule's order), and the entries that drop out of it folded into

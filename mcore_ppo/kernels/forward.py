@@ -55,6 +55,9 @@ LN2 = tl.constexpr(0.6931471805599453)
         "y_ptr",
         "tmax_ptr",
         "inv_temp_ptr",
+        "cand_v_ptr",
+        "cand_c_ptr",
+        "rest_ptr",
     ],
 )
 def stats_kernel(
@@ -77,6 +80,9 @@ def stats_kernel(
     inv_temp,
     n_tiles_v,
     inv_temp_ptr,
+    cand_v_ptr,
+    cand_c_ptr,
+    rest_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -92,9 +98,11 @@ def stats_kernel(
     ROW_TEMP: tl.constexpr = False,
     U_PLANE: tl.constexpr = 2,
     Q_PLANE: tl.constexpr = 0,
+    TOPK_C: tl.constexpr = 0,
 ):
     """Per-(split, row) partials (m, s and the terms whose planes are nonzero) and the label
-    logit ``y``; see the module doc."""
+    logit ``y``; with ``TOPK_C`` also each (row, tile)'s top-k candidates and rest (module doc)."""
+    tl.static_assert(not (TOPK_C and STORE_P), "the top-k candidates are not kept beside the buffer")
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     count = tl.load(count_ptr)
@@ -201,9 +209,18 @@ def stats_kernel(
             s_i = alpha * s_i + beta * s_t
             m_i = m_new
         else:
+            if TOPK_C:
+                # The tile's candidates in natural units, acc·(1/T) (what the full tiles'
+                # recompute forms, bit for bit), and its rest: every other entry, -inf here.
+                rest_z = _tile_candidates(
+                    acc, inv_t, col_ok, rows, row_ok, n0, V, n_tiles_v, cand_v_ptr, cand_c_ptr, BLOCK_N, TOPK_C,
+                    ROW_TEMP,
+                )  # fmt: skip
             m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: every tile has a valid column
             d = z2 - m_new[:, None]
             e = tl.exp2(d)
+            if TOPK_C:
+                _tile_rest(rest_z, z2, e, m_new, rows, row_ok, n0 // BLOCK_N, N, n_tiles_v, rest_ptr)
             if U_PLANE:
                 eu = tl.where(col_ok[None, :], e * d, 0.0)
             alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
@@ -227,6 +244,53 @@ def stats_kernel(
     split_hi = split_lo + TILES_PER_SPLIT * BLOCK_N
     mine = row_ok & (labels >= split_lo) & (labels < split_hi)
     tl.store(y_ptr + rows, y_i * inv_t, mask=mine)
+
+
+@triton.jit
+def _tile_candidates(
+    acc, inv_t, col_ok, rows, row_ok, n0, V, n_tiles, cand_v_ptr, cand_c_ptr,
+    BLOCK_N: tl.constexpr, C: tl.constexpr, ROW_TEMP: tl.constexpr,
+):  # fmt: skip
+    """The tile's ``C`` largest entries of ``z = acc·(1/T)`` per row (value, shard column),
+    largest first, equal values by the smaller column, into ``cand_v`` / ``cand_c``
+    ``[N, n_tiles, C]`` (fp32 / int32): ``C`` max-reductions over the tile. Returns ``z`` with
+    those entries (and the columns past ``V``) at ``-inf``: the tile's rest."""
+    if ROW_TEMP:  # inv_t per row
+        z = tl.where(col_ok[None, :], acc * inv_t[:, None], float("-inf"))
+    else:
+        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
+    local = tl.arange(0, BLOCK_N)
+    out = (rows.to(tl.int64) * n_tiles + n0 // BLOCK_N) * C
+    for j in tl.static_range(C):
+        top = tl.max(z, 1)
+        # The smallest column holding the max: the tie rule within the tile.
+        col = tl.min(tl.where(z == top[:, None], local[None, :], BLOCK_N), 1)
+        tl.store(cand_v_ptr + out + j, top, mask=row_ok)
+        # Within the shard even when no column holds the max (a NaN row): every id valid.
+        tl.store(cand_c_ptr + out + j, tl.minimum(n0 + col, V - 1), mask=row_ok)
+        z = tl.where(local[None, :] == col[:, None], float("-inf"), z)
+    return z
+
+
+@triton.jit
+def _tile_rest(rest_z, z2, e, m2, rows, row_ok, tile, N, n_tiles, rest_ptr):
+    """The tile's rest ``(m, s)`` into ``rest [2, N, n_tiles]``: ``m`` the max of ``rest_z``
+    (natural units, -inf for an empty rest), ``s = Σ exp(z - m)`` over it. ``s`` comes from the
+    statistics' own ``e = 2^(z₂ - m₂)`` (``m₂`` the running base-2 max), rescaled by
+    ``2^(m₂ - m·log2 e)``: no second exponential per entry. Where that gap passes 64 (the rest's
+    terms below ``2^-64`` of the max, near fp32's subnormals) the block takes
+    ``exp2(z₂ - m·log2 e)`` itself, so a small tail stays exact however far below the top."""
+    in_rest = rest_z != float("-inf")
+    rest_m = tl.max(rest_z, 1)
+    rest_m2 = tl.where(rest_m == float("-inf"), m2, rest_m * LOG2E)
+    gap = m2 - rest_m2
+    if tl.max(tl.where(row_ok, gap, 0.0), 0) > 64.0:
+        rest_s = tl.sum(tl.where(in_rest, tl.exp2(z2 - rest_m2[:, None]), 0.0), 1)
+    else:
+        rest_s = tl.sum(tl.where(in_rest, e, 0.0), 1) * tl.exp2(gap)
+    out = rows.to(tl.int64) * n_tiles + tile
+    tl.store(rest_ptr + out, rest_m, mask=row_ok)
+    tl.store(rest_ptr + N.to(tl.int64) * n_tiles + out, rest_s, mask=row_ok)
 
 
 @triton.jit

@@ -1,17 +1,11 @@
-"""Teacher top-k kernels: each logits tile's ``C`` largest entries and the statistics of its rest.
+"""Teacher top-k kernels: the exact top ``K`` of each row from its logit tiles' candidates.
 
-``topk_tiles_kernel``: one program per (block of ``BLOCK_M`` rows, vocab split), walking the
-split's ``[BLOCK_M, BLOCK_N]`` tiles of ``z = x @ W.T / T`` in fp32 registers (the head's
-``tile_dot``). Per (row, tile) it writes, and keeps nothing across tiles:
-
-- the tile's ``C`` largest entries (value, column), largest first, equal values by the smaller
-  column (the tie rule), found by ``C`` max-reductions over the tile;
-- ``(m, s)`` of the tile's other entries (``m`` their max, ``s = Σ exp(z - m)``): the tail mass
-  is then a sum of its own terms, never a difference of totals.
-
-The cost per tile is fixed (``C`` reductions and one exp per entry, like the head's epilogue)
-whatever the values, and every output is a pure function of its tile: no atomics, the same bits
-on every run.
+The candidates come from the head's statistics pass (:func:`mcore_ppo.kernels.forward.stats_kernel`
+with ``TOPK_C = C``): per (row, ``[BLOCK_M, BLOCK_N]`` tile of ``z = x @ W.T / T``) the tile's ``C``
+largest entries (value, column), largest first, equal values by the smaller column (the tie
+rule), and ``(m, s)`` of the tile's other entries (``m`` their max, ``s = Σ exp(z - m)``): the
+tail mass is then a sum of its own terms, never a difference of totals. Every output is a pure
+function of its tile: no atomics, the same bits on every run.
 
 ``select_top_kernel`` takes each row's top ``K`` of all its tiles' candidates (one program per
 row, a bisection over the values' bits, no sort of the candidates) and sums the row's rest from
@@ -29,86 +23,9 @@ rounding of the exact ``1/T_i``) instead of the scalar ``inv_temp``, as the head
 import triton
 import triton.language as tl
 
-from mcore_ppo.kernels.common import grouped_tile, tile_dot
+from mcore_ppo.kernels.common import tile_dot
 
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit(
-    # One compile per dtype and tile config: these only bound loops and masks.
-    do_not_specialize=["N", "V", "num_splits", "tiles_per_split", "num_tiles"],
-    do_not_specialize_on_alignment=["inv_temp_ptr"],
-)
-def topk_tiles_kernel(
-    x_ptr,
-    w_ptr,
-    x_desc,
-    w_desc,
-    cand_v_ptr,
-    cand_c_ptr,
-    rest_m_ptr,
-    rest_s_ptr,
-    N,
-    V,
-    H,
-    stride_x,
-    stride_w,
-    num_splits,
-    tiles_per_split,
-    num_tiles,
-    inv_temp,
-    inv_temp_ptr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    C: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    ROW_TEMP: tl.constexpr = False,
-):
-    """Per (row, tile): ``C`` candidates into ``cand_v`` / ``cand_c`` ``[N, num_tiles, C]`` (fp32
-    values, int32 shard columns) and the rest's ``(m, s)`` into ``rest_m`` / ``rest_s``
-    ``[N, num_tiles]`` (natural units; ``(-inf, 0)`` for an empty rest)."""
-    pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
-    row0 = pid_m * BLOCK_M
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < N
-    rows = tl.minimum(offs_m, N - 1)
-    if ROW_TEMP:
-        inv_t = tl.load(inv_temp_ptr + rows)[:, None]  # rows are clamped into [0, N)
-    else:
-        inv_t = inv_temp
-    local = tl.arange(0, BLOCK_N)
-    first_tile = pid_n * tiles_per_split
-    n_tiles = tl.minimum(tiles_per_split, num_tiles - first_tile)
-    for t in range(0, n_tiles):
-        tile = first_tile + t
-        n0 = tile * BLOCK_N
-        offs_n = n0 + local
-        col_ok = offs_n < V
-        acc = tile_dot(
-            x_ptr, w_ptr, x_desc, w_desc, rows, tl.minimum(offs_n, V - 1), row0, n0, H, stride_x, stride_w,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT, USE_TMA,
-        )  # fmt: skip
-        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
-        out = rows.to(tl.int64) * num_tiles + tile
-        for j in tl.static_range(C):
-            top = tl.max(z, 1)
-            # The smallest column holding the max: the tie rule within the tile.
-            col = tl.min(tl.where(z == top[:, None], local[None, :], BLOCK_N), 1)
-            tl.store(cand_v_ptr + out * C + j, top, mask=row_ok)
-            # Within the shard even when no column holds the max (a NaN row): every id valid.
-            tl.store(cand_c_ptr + out * C + j, tl.minimum(n0 + col, V - 1), mask=row_ok)
-            z = tl.where(local[None, :] == col[:, None], float("-inf"), z)
-        m = tl.max(z, 1)
-        ref = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(tl.exp2((z - ref[:, None]) * LOG2E), 1)
-        tl.store(rest_m_ptr + out, m, mask=row_ok)
-        tl.store(rest_s_ptr + out, s, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["N", "num_tiles", "CAP"])
@@ -159,8 +76,8 @@ def tile_rows_kernel(
     tile, ``ceil(counts[t] / BLOCK_M)`` for tile ``t``, each over ``BLOCK_M`` of its pairs (one
     weight tile serves them all); the grid may hold more items than that, which return at once.
     Writes ``z`` of each pair's row over the tile's ``BLOCK_N`` columns to row ``slot`` of
-    ``out [N·CAP, BLOCK_N]`` (``-inf`` past ``V``), computed as :func:`topk_tiles_kernel`
-    computes it."""
+    ``out [N·CAP, BLOCK_N]`` (``-inf`` past ``V``), computed as the statistics kernel's candidates
+    are (``acc·(1/T)``, the same tiles and K order: the same bits)."""
     item = tl.program_id(0)
     tiles = tl.arange(0, BLOCK_T)
     counts = tl.load(counts_ptr + tiles, mask=tiles < num_tiles, other=0)

@@ -62,7 +62,8 @@ PRELUDE = textwrap.dedent(
         tmax = torch.empty(n, tiles) if store else vec
         kernel = stats_kernel.warmup(
             x, x, w, ints, count, labels, torch.empty(4, splits, n), vec, buf, tmax, n, v, h, h, h, splits, 1.0,
-            tiles, vec, BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k, TILES_PER_SPLIT=f.tiles_per_split,
+            tiles, vec, vec, ints, vec, BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k,
+            TILES_PER_SPLIT=f.tiles_per_split,
             GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=num_stages, USE_TMA=True, STORE_P=store,
             BUF_TMA=buf_tma, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False, DOT=dot, grid=(1,), **flags,
         )

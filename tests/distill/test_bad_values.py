@@ -1,6 +1,6 @@
 """No bad value on the distillation routes gives a finite number where NaN or an error is due.
 
-- ``run_head(log_normalizer=...)`` (verl's top-k distillation route): an entry of ±inf or NaN
+- ``run_head(given_statistics=...)`` (verl's top-k distillation route): an lse of ±inf or NaN
   gives its token NaN log-probs, with value checks on and off, on both backends; every other
   token is as with the good normaliser, which matches fp64.
 - The teacher's ids on that route (``distill_topk.forward_kl_topk``): −100 (the head's
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mcore_ppo.backends import import_optional
-from mcore_ppo.distill.topk import topk_and_log_normalizer
-from mcore_ppo.head_call import run_head
+from mcore_ppo.distill.topk import topk_and_statistics
+from mcore_ppo.head_call import run_head, statistics_of
 from mcore_ppo.integrations.verl import distill_topk
 from mcore_ppo.options import HiddenGrad, Layout, TokenOrder, call_options
 from mcore_ppo_testing.seeds import generator, next_seed
@@ -58,17 +58,17 @@ def _log_q_fp64(inputs: dict) -> torch.Tensor:
 @pytest.mark.parametrize("validate", [True, False], ids=["validate", "no-validate"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("value", [-math.inf, math.inf, math.nan], ids=["-inf", "+inf", "nan"])
-def test_non_finite_log_normalizer_gives_nan(value, backend, validate):
+def test_non_finite_given_statistics_gives_nan(value, backend, validate):
     inputs = _inputs(next_seed())
     options = call_options(None, ignore_index=IGNORE, backend=backend, return_entropy=False, validate=validate)
-    _, lse = topk_and_log_normalizer(inputs["hidden"], inputs["weight"], 1, temperature=inputs["temperature"],
-                                     impl="torch")  # fmt: skip
+    _, lse = topk_and_statistics(inputs["hidden"], inputs["weight"], 1, statistics=statistics_of(options),
+                                 temperature=inputs["temperature"], impl="torch")  # fmt: skip
 
     def log_q(normalizer: torch.Tensor) -> torch.Tensor:
         hidden = inputs["hidden"].clone().requires_grad_(True)
         out, _ = run_head(
             hidden, inputs["weight"], inputs["ids"], inputs["temperature"], options, tp_group=None, layout=LAYOUT,
-            ids=True, log_normalizer=normalizer,
+            ids=True, given_statistics=normalizer,
         )  # fmt: skip
         out.sum().backward()
         return out.detach(), hidden.grad
@@ -76,9 +76,9 @@ def test_non_finite_log_normalizer_gives_nan(value, backend, validate):
     good, good_grad = log_q(lse)
     torch.testing.assert_close(good.double(), _log_q_fp64(inputs), rtol=1e-5, atol=1e-5)
     bad_lse = lse.clone()
-    bad_lse[BAD_TOKEN] = value
+    bad_lse[0, BAD_TOKEN] = value
     bad, bad_grad = log_q(bad_lse)
-    assert torch.isnan(bad[BAD_TOKEN]).all(), f"log_normalizer {value} gave {bad[BAD_TOKEN]}"
+    assert torch.isnan(bad[BAD_TOKEN]).all(), f"given_statistics {value} gave {bad[BAD_TOKEN]}"
     others = torch.arange(TOKENS) != BAD_TOKEN
     torch.testing.assert_close(bad[others], good[others], rtol=0, atol=0)
     assert not torch.isfinite(bad_grad[BAD_TOKEN]).all()

@@ -14,7 +14,6 @@ cast, 2^-8 per element).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -501,14 +500,16 @@ def test_fold_into_main_grad_and_fp64_reference(monkeypatch):
     assert calls == []  # no kernel fold for fp64
 
 
+@pytest.mark.parametrize("terms", ["lse", "entropy", "entropy-sum-pi"])
 @pytest.mark.parametrize("dtype_name", ["fp64", "fp32"])
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON_ON_CPU)])
-def test_log_normalizer_of_the_topk_pass_stands_in_for_the_statistics(backend, dtype_name):
-    """The ids pass given the top-k pass's log-normalizer (verl's top-k distillation route: no
-    statistics pass of its own, the backward recomputes) against fp64, per-token temperature;
-    refused where the head would need its own statistics (entropy, Σπ²) or has one label."""
-    from mcore_ppo.distill.topk import topk_and_log_normalizer
-    from mcore_ppo.head_call import run_head
+def test_given_statistics_of_the_topk_pass_stand_in_for_the_statistics(backend, dtype_name, terms):
+    """The ids pass given the top-k pass's finished statistics (verl's top-k distillation route:
+    one pass over the vocab, no statistics pass of its own, the backward recomputes) against
+    fp64, per-token temperature: ``lse`` alone, with the entropy (its value and its gradient),
+    and with Σπ² too; refused for one label per token and where the rows do not fit the call."""
+    from mcore_ppo.distill.topk import topk_and_statistics
+    from mcore_ppo.head_call import run_head, statistics_of
     from mcore_ppo.options import HiddenGrad, Layout, TokenOrder, call_options
 
     dtype = DTYPES[dtype_name]
@@ -518,31 +519,44 @@ def test_log_normalizer_of_the_topk_pass_stands_in_for_the_statistics(backend, d
     weight = case["weight"].detach().requires_grad_(True)
     # As verl's route: the top-k pass's own "auto" choice unless the head runs on torch.
     impl, backend_object = ("torch", small_torch()) if backend == "torch" else ("auto", backend)
-    options = call_options(None, ignore_index=IGNORE, backend=backend_object, return_entropy=False, validate=True)
+    options = call_options(
+        None, ignore_index=IGNORE, backend=backend_object, return_entropy=terms != "lse",
+        return_sum_pi_squared=terms == "entropy-sum-pi", validate=True,
+    )  # fmt: skip
     layout = Layout(TokenOrder.MEGATRON, HiddenGrad.PARTIAL)
-    _, lse = topk_and_log_normalizer(hidden, weight, 8, temperature=temperature, impl=impl)
-    log_q, entropy = run_head(
-        hidden, weight, case["ids"], temperature, options, tp_group=None, layout=layout, ids=True, log_normalizer=lse
+    _, given = topk_and_statistics(
+        hidden, weight, 8, statistics=statistics_of(options), temperature=temperature, impl=impl
     )
-    assert entropy is None and not lse.requires_grad
-    (log_q * case["g"].to(log_q.dtype)).sum().backward()
-    out = {"log_q": log_q, "d_hidden": hidden.grad, "d_weight": weight.grad}
-    compare(out, reference_of(case, temperature, use_entropy=False), dtype, with_entropy=False)
-    refusals = [
-        (dataclasses.replace(options, return_entropy=True), case["ids"]),
-        (dataclasses.replace(options, return_sum_pi_squared=True), case["ids"]),
-        (options, case["ids"][:, 0]),  # one label per token
-    ]
-    for refused_options, labels in refusals:
-        with pytest.raises(ValueError, match="log_normalizer"):
-            run_head(hidden, weight, labels, temperature, refused_options, tp_group=None, layout=layout,
-                     log_normalizer=lse)  # fmt: skip
-    wrong = {ValueError: [lse[1:], lse[:, None]], TypeError: [lse.to(torch.float16), lse.tolist()]}
+    out = run_head(
+        hidden, weight, case["ids"], temperature, options, tp_group=None, layout=layout, ids=True,
+        given_statistics=given,
+    )  # fmt: skip
+    log_q, entropy = out[:2]
+    assert (entropy is None) == (terms == "lse") and not given.requires_grad
+    loss = (log_q * case["g"].to(log_q.dtype)).sum()
+    if entropy is not None:
+        loss = loss + (entropy * case["e"].to(entropy.dtype)).sum()
+    loss.backward()
+    result = {"log_q": log_q, "entropy": entropy, "d_hidden": hidden.grad, "d_weight": weight.grad}
+    compare(result, reference_of(case, temperature, use_entropy=entropy is not None), dtype,
+            with_entropy=entropy is not None)  # fmt: skip
+    if terms == "entropy-sum-pi":
+        z = case["hidden"].double() @ case["weight"].double().t() / temperature[:, None]
+        valid = (case["ids"] != IGNORE).any(dim=1)
+        want = torch.where(valid, torch.softmax(z, dim=1).square().sum(dim=1), 0.0)
+        assert_close(out[2], want, name="sum_pi_squared", dtype=dtype, rtol=OUT_RTOL)
+    with pytest.raises(ValueError, match="given_statistics"):  # one label per token
+        run_head(hidden, weight, case["ids"][:, 0], temperature, options, tp_group=None, layout=layout,
+                 given_statistics=given)  # fmt: skip
+    wrong = {
+        ValueError: [given[1:], given[:, 1:], given[None], torch.cat([given, given])],
+        TypeError: [given.to(torch.float16), given.tolist()],
+    }
     for error, values in wrong.items():
         for value in values:
-            with pytest.raises(error, match="log_normalizer must be"):
+            with pytest.raises(error, match="given_statistics must be"):
                 run_head(hidden, weight, case["ids"], temperature, options, tp_group=None, layout=layout,
-                         ids=True, log_normalizer=value)  # fmt: skip
+                         ids=True, given_statistics=value)  # fmt: skip
 
 
 def test_sparse_on_torch_is_a_backend_object_that_matches_fp64():

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import mcore_ppo
+from mcore_ppo.backends.triton_launch import Launcher
 from mcore_ppo.distill import MAX_TOPK, TopKConfig, fused_topk, topk_triton
 from mcore_ppo.distill import topk as topk_module
 from mcore_ppo.numerics import cdiv, inverse_temperature
@@ -186,6 +187,73 @@ def test_tiny_tail_is_exact():
     ref = topk_reference(hidden.float(), weight.float(), k)
     assert (ref.tail_log_mass < -60).all()
     torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("gap", [30.0, 100.0], ids=["gap30", "gap100"])
+def test_triton_tiny_tail_is_exact(gap, triton_path):
+    """The kernel's tail sums (each tile's rest, from the statistics' own exponentials rescaled
+    to the rest's max) keep full relative accuracy with the rest ``gap`` nats below the top: 30
+    rides on the statistics' exponentials, 100 (where those underflow fp32) takes the rest's
+    own; over 3 vocab splits, the top (9 ids) spread over the first two."""
+    gen = generator(next_seed())
+    vocab, k = 300, 9
+    hidden = torch.randn(6, HIDDEN, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, HIDDEN, generator=gen, dtype=torch.float64) / 4
+    # A constant last feature: the rows outside the top get logits exactly `gap` lower there.
+    top = torch.arange(vocab) % 100 < 3
+    hidden[:, -1] = 1.0
+    weight[:, -1] = torch.where(top, 0.0, -gap)
+    out = triton_topk(hidden.float(), weight.float(), k, 3)
+    ref = topk_reference(hidden.float(), weight.float(), k)
+    assert (ref.tail_log_mass < -gap + 8).all()
+    torch.testing.assert_close(out.tail_log_mass.double(), ref.tail_log_mass, rtol=0, atol=1e-4)
+    torch.testing.assert_close(out.log_probs.double(), ref.log_probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("impl", "dtype", "splits", "row_temperature"),
+    [("torch", torch.float64, None, True), ("torch", torch.float32, None, False), ("triton", torch.float32, 3, True),
+     ("triton", torch.float16, 2, False), ("triton", torch.float32, 1, False)],
+    ids=["torch-fp64-row-t", "torch-fp32", "triton-fp32-3splits-row-t", "triton-fp16-2splits", "triton-fp32-1split"],
+)  # fmt: skip
+@pytest.mark.parametrize("names", [(), ("entropy",), ("entropy", "sum_pi_squared")], ids=["lse", "H", "H-sumpi"])
+def test_statistics_of_the_topk_pass(impl, dtype, splits, row_temperature, names, triton_path):
+    """The head's statistics from the top-k's own pass (``topk_and_statistics``): ``lse``, the
+    entropy and Σπ² against fp64 over the same operands, one row far more peaked than the
+    others; the top-k itself as ``fused_topk``'s (the statistics change nothing of it)."""
+    from mcore_ppo.distill.topk import topk_and_statistics
+    from mcore_ppo.statistics import Statistics
+
+    if impl == "torch":
+        triton_path = []  # the fixture's kernel record is for the kernel path only
+    gen = generator(next_seed())
+    vocab, k = 500, 16
+    hidden = torch.randn(20, HIDDEN, generator=gen).to(dtype)
+    hidden[5] *= 40  # a row whose softmax is nearly one-hot
+    weight = torch.randn(vocab, HIDDEN, generator=gen).to(dtype)
+    temperature = token_temperatures((20,), gen) if row_temperature else 0.7
+    config = replace(TopKConfig(), splits=splits)
+    statistics = Statistics.named(names)
+    top, finished = topk_and_statistics(
+        hidden, weight, k, statistics=statistics, temperature=temperature, impl=impl, config=config
+    )
+    assert triton_path == []
+    alone = fused_topk(hidden, weight, k, temperature=temperature, impl=impl, config=config)
+    for name in ("ids", "log_probs", "tail_log_mass"):
+        torch.testing.assert_close(getattr(top, name), getattr(alone, name), rtol=0, atol=0)
+    t = temperature[:, None].double() if row_temperature else temperature
+    z = hidden.double() @ weight.double().t() / t
+    lse = torch.logsumexp(z, dim=1)
+    p = torch.softmax(z, dim=1)
+    expected = {"entropy": lse - (p * z).sum(dim=1), "sum_pi_squared": p.square().sum(dim=1)}
+    assert finished.shape == (1 + len(names), 20)
+    assert finished.dtype == (dtype if dtype == torch.float64 else torch.float32)
+    got_lse, values = statistics.from_finished(finished)
+    # fp32 rounding of logits of this size, relative to the largest.
+    atol = 1e-9 if dtype == torch.float64 else 2e-6 * z.abs().max().item()
+    torch.testing.assert_close(got_lse.double(), lse, rtol=0, atol=atol)
+    for name in names:
+        torch.testing.assert_close(values[name].double(), expected[name], rtol=1e-5, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 30.0, 1e3])
@@ -681,7 +749,7 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path):
     # Row 0: tile 0's candidates all in the top (full, with its rest at 5.0), the others' last not.
     values[0] = torch.tensor([-1.0, -1.0, 0.0, 0.0, 1.0])[:c]
     values[0, 0] = torch.tensor([3e38, 7.0, 7.0, 2.5, 2.5])[:c]
-    # Each tile's candidates as the tiles kernel writes them: the tie rule's order, distinct columns.
+    # Each tile's candidates as the statistics kernel writes them: the tie rule's order, distinct columns.
     values = values.sort(dim=2, descending=True, stable=True).values.contiguous()
     cols = (torch.arange(num_tiles)[:, None] * block_n + torch.arange(c)).expand(rows, -1, -1)
     rest_m = torch.randn(rows, num_tiles, generator=gen) - 1.0
@@ -746,7 +814,7 @@ def test_full_pairs_kernel_lists_by_tile(triton_path):
     hidden = torch.randn(rows, HIDDEN, generator=gen)
     weight = torch.randn(num_tiles * block_n - 5, HIDDEN, generator=gen)  # the last tile ragged
     inverse = inverse_temperature(0.5, hidden[0])
-    z = topk_triton._recompute_full_tiles(hidden, weight, full, cap, inverse, tiles, 16)
+    z = topk_triton._recompute_full_tiles(hidden, weight, full, cap, inverse, tiles, 16, Launcher().bound())
     logits = torch.nn.functional.pad(hidden.double() @ weight.double().t() / 0.5, (0, 5), value=-torch.inf)
     for r, t in flags.nonzero().tolist():
         expected = logits[r, t * block_n : (t + 1) * block_n]

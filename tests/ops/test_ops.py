@@ -2,7 +2,7 @@
 
 - ``torch.library.opcheck`` of both ops (schema, fake tensors, autograd registration, AOT
   dispatch with static and dynamic shapes) over the calls the head makes: one label or ``k``
-  ids, entropy on and off, Σπ², a per-token temperature, a given log-normalizer, with and
+  ids, entropy on and off, Σπ², a per-token temperature, given statistics (lse, entropy, Σπ²), with and
   without a backward, on the torch backend (fp32, fp64) and the triton backend (interpreter).
 - Saved-tensor hooks see every tensor the backward reads, the triton probability buffer
   included: an offloading hook that moves each one away and back leaves the gradients unchanged.
@@ -77,22 +77,23 @@ def _call(backend, *, return_entropy=True, return_sum_pi_squared=False) -> HeadC
     )  # fmt: skip
 
 
-def _forward_args(hidden, weight, labels, temperature, log_normalizer, call: HeadCall, grad_needed: bool):
+def _forward_args(hidden, weight, labels, temperature, given_statistics, call: HeadCall, grad_needed: bool):
     return (
-        hidden, weight, labels, temperature, call.temperature_value, log_normalizer, call.ignore_index,
+        hidden, weight, labels, temperature, call.temperature_value, given_statistics, call.ignore_index,
         call.vocab_start, call.vocab_size, call.backend, call.tp_group, call.hidden_grad.value, call.statistics.key,
         call.labels_in_range, grad_needed,
     )  # fmt: skip
 
 
 CASES = {
-    # name: (dtype, ids, entropy, Σπ², per-token temperature, log-normalizer)
+    # name: (dtype, ids, entropy, Σπ², per-token temperature, given statistics)
     "label": (torch.float32, False, True, False, False, False),
     "label-fp64": (torch.float64, False, True, False, False, False),
     "label-no-entropy-sum-pi": (torch.float32, False, False, True, False, False),
     "label-row-temperature": (torch.float32, False, True, True, True, False),
     "ids": (torch.float32, True, True, False, False, False),
-    "ids-log-normalizer": (torch.float32, True, False, False, False, True),
+    "ids-given-statistics": (torch.float32, True, False, False, False, True),
+    "ids-given-entropy-sum-pi": (torch.float32, True, True, True, False, True),
 }
 
 
@@ -103,7 +104,7 @@ def _backend_params(names):
 # The triton backend on the cases where its paths differ (fused or generic forward, buffer or not).
 OPCHECK = [(backend, case) for backend in ("torch",) for case in CASES] + [
     ("triton-recompute", "label"), ("triton-recompute", "label-no-entropy-sum-pi"),
-    ("triton-buffer", "label-row-temperature"), ("triton-buffer", "ids"), ("triton-buffer", "ids-log-normalizer"),
+    ("triton-buffer", "label-row-temperature"), ("triton-buffer", "ids"), ("triton-buffer", "ids-given-entropy-sum-pi"),
 ]  # fmt: skip
 
 
@@ -121,24 +122,29 @@ def test_opcheck_forward_and_backward(backend_name, case):
     hidden, weight, labels, temperature = _inputs(
         dtype, ids=ids, row_temperature=row_temperature, seed=next_seed(), ignored=backend_name != "triton-buffer"
     )
-    log_normalizer = None
+    given_statistics = None
     call = _call(backend, return_entropy=entropy, return_sum_pi_squared=sum_pi)
     if normalized:
         t = 0.7 if temperature is None else temperature[:, None]
-        lse = torch.logsumexp((hidden @ weight.T).double() / t, dim=1)
-        log_normalizer = lse.to(torch.promote_types(dtype, torch.float32))
+        z = (hidden @ weight.T).double() / t
+        lse = torch.logsumexp(z, dim=1)
+        p = torch.softmax(z, dim=1)
+        values = {"entropy": lse - (p * z).sum(dim=1), "sum_pi_squared": (p * p).sum(dim=1)}
+        rows = call.statistics.finished(lse, values)
+        given_statistics = rows.to(torch.promote_types(dtype, torch.float32))
     for grad_needed in (False, True):
         args = _forward_args(
             hidden.requires_grad_(grad_needed), weight.requires_grad_(grad_needed), labels, temperature,
-            log_normalizer, call, grad_needed,
+            given_statistics, call, grad_needed,
         )  # fmt: skip
         torch.library.opcheck(FORWARD, args)
     # The backward on what a real forward saved (the residual included), with each upstream gradient.
     with torch.no_grad():
-        log_prob, _, _, saved = FORWARD(*_forward_args(hidden, weight, labels, temperature, log_normalizer, call, True))
+        args = _forward_args(hidden, weight, labels, temperature, given_statistics, call, True)
+        log_prob, _, _, saved = FORWARD(*args)
     from mcore_ppo.ops import SavedLayout
 
-    layout = SavedLayout.of(labels, log_normalizer, call.statistics, HiddenGrad.PARTIAL, "")
+    layout = SavedLayout.of(labels, call.statistics, HiddenGrad.PARTIAL, "")
     _, lse, saved_entropy, local_labels, valid, local_ids, slot_ok, residual = layout.unpack(saved)
     g = torch.randn(log_prob.shape, generator=generator(next_seed()), dtype=log_prob.dtype)
     e = torch.randn(N, generator=generator(next_seed()), dtype=log_prob.dtype) if saved_entropy is not None else None

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from mcore_ppo import validation
-from mcore_ppo.distill.topk import MAX_TOPK, topk_and_log_normalizer
-from mcore_ppo.head_call import attempt, run_head
+from mcore_ppo.distill.topk import MAX_TOPK, topk_and_statistics
+from mcore_ppo.head_call import attempt, run_head, statistics_of
 from mcore_ppo.options import HeadOptions, Layout
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 from mcore_ppo.verdict import values_readable
@@ -182,25 +182,24 @@ def forward_kl_topk(
         ),
         None,
     )
-    # The student's own top-k first: its pass over the logits also gives each token's log-normalizer,
-    # which the head's ids pass then takes instead of a statistics pass of its own (one pass over
-    # the vocab in the forward, not two) when it needs no entropy and no Σπ² from it. A refused
-    # teacher argument is shared at that pass's verdict, before any of its collectives, so every
-    # TP rank raises there (the refused rank's k of 1 is never used).
+    # The student's own top-k first: its pass over the logits also reduces the head's statistics
+    # of each token (lse, and the entropy and Σπ² when asked for), which the head's ids pass then
+    # takes instead of a statistics pass of its own: one pass over the vocab in the forward, not
+    # two. A refused teacher argument is shared at that pass's verdict, before any of its
+    # collectives, so every TP rank raises there (the refused rank's k of 1 is never used).
     k = 1 if checked is None else checked[1].shape[1]
-    top, log_normalizer = topk_and_log_normalizer(
-        student.hidden, student.weight, k, temperature=student.temperature, tp_group=student.tp_group,
-        impl=student.topk_impl, validate=student.options.validate, prior_error=error,
+    top, given_statistics = topk_and_statistics(
+        student.hidden, student.weight, k, statistics=statistics_of(student.options),
+        temperature=student.temperature, tp_group=student.tp_group, impl=student.topk_impl,
+        validate=student.options.validate, prior_error=error,
     )  # fmt: skip
     if checked is None:  # not reached: the shared verdict raised this rank's refusal
         raise error if error is not None else RuntimeError("teacher inputs refused")
     teacher_logps, teacher_ids, clamp = checked
-    if student.options.return_entropy or student.options.return_sum_pi_squared:
-        log_normalizer = None
     ids = torch.cat([student.labels[:, None], teacher_ids], dim=1)
     outputs = run_head(
         student.hidden, student.weight, ids, student.temperature, student.options, tp_group=student.tp_group,
-        layout=student.layout, ids=True, log_normalizer=log_normalizer,
+        layout=student.layout, ids=True, given_statistics=given_statistics,
     )  # fmt: skip
     log_probs, entropy, *rest = outputs
     # verl's kernel contract: fp32 log-probs and entropy (the k-ids pass gives fp64 for fp64 inputs).
