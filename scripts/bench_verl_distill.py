@@ -109,8 +109,10 @@ def _peak(fn: Callable[[], object], device: str) -> float | None:
 # ------------------------------------------------------------------------------------------- step
 
 
-def step_impls(x, w, labels, t_ids, t_logps, temperature, clamp, chunk, backend):
-    """name -> fn() running one forward + backward, returning ``(per-token KL, d_hidden)``."""
+def step_impls(x, w, labels, t_ids, t_logps, temperature, clamp, chunk, backend, head_outputs=()):
+    """name -> fn() running one forward + backward, returning ``(per-token KL, d_hidden)``;
+    ``head_outputs``: what the fused route's head also outputs (``entropy``, ``sum_pi_squared``:
+    verl's ``calculate_entropy`` and ``calculate_sum_pi_squared`` on that micro-batch)."""
     from verl.trainer.distillation.fsdp import losses as fsdp_losses
     from verl.trainer.distillation.megatron import losses as megatron_losses
     from verl.workers.config import DistillationConfig, DistillationLossConfig
@@ -127,7 +129,10 @@ def step_impls(x, w, labels, t_ids, t_logps, temperature, clamp, chunk, backend)
         )
     )  # fmt: skip
     nested = [torch.nested.as_nested_tensor([t], layout=torch.jagged) for t in (t_logps, t_ids)]
-    options = call_options(None, ignore_index=None, backend=backend, return_entropy=False, validate=False)
+    options = call_options(
+        None, ignore_index=None, backend=backend, return_entropy="entropy" in head_outputs,
+        return_sum_pi_squared="sum_pi_squared" in head_outputs, validate=False,
+    )  # fmt: skip
     layout = Layout(TokenOrder.MEGATRON, HiddenGrad.PARTIAL)
 
     def run(forward):
@@ -189,9 +194,13 @@ def run_step(args, device: str, tp: int, report: dict) -> bool:
     w = (torch.randn(shard, args.hidden, generator=gen) / args.hidden**0.25).to(device, dtype).requires_grad_()
     labels = torch.randint(0, shard, (args.tokens,), generator=gen).to(device)
     t_ids, t_logps = (t.to(device) for t in teacher_topk(args.tokens, shard, args.k, gen))
-    impls = step_impls(x, w, labels, t_ids, t_logps, args.temperature, args.clamp, args.chunk, args.backend)
+    outputs = tuple(name for name in args.head_outputs.split(",") if name)
+    impls = step_impls(x, w, labels, t_ids, t_logps, args.temperature, args.clamp, args.chunk, args.backend, outputs)
     clock = _clock(device)
-    row: dict = {"tp": tp, "vocab_shard": shard, "k": args.k, "tokens": args.tokens, "hidden": args.hidden}
+    row: dict = {
+        "tp": tp, "vocab_shard": shard, "k": args.k, "tokens": args.tokens, "hidden": args.hidden,
+        "fused_head_outputs": list(outputs),
+    }  # fmt: skip
     results = {name: impls[name]() for name in IMPLS}  # warm-up, and the outputs compared
     ref_kl, ref_dh = results["verl_logits"]
     ok = True
@@ -367,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clamp", type=float, default=-10.0, help="verl's log_prob_min_clamp (its default)")
     parser.add_argument("--chunk", type=int, default=4096, help="verl's chunked_topk_chunk_size (its default)")
     parser.add_argument("--backend", default="auto", help="the plugin's head backend")
+    parser.add_argument(
+        "--head-outputs", default="", help="the fused route's head also outputs: entropy,sum_pi_squared"
+    )
     parser.add_argument("--start-len", type=int, default=4096)
     parser.add_argument("--max-len", type=int, default=262_144)
     parser.add_argument("--granularity", type=int, default=1024)

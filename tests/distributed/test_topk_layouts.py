@@ -17,6 +17,9 @@ k ∈ {1, 8, 64, 96 = V} (96 is more than a shard holds: the merge needs every r
 A per-token temperature (a tensor like the labels) under TP 2 (SP off and on) and TP 2 × CP 2
 (padded and packed), k ∈ {8, 96}.
 
+The head's statistics from the top-k's own pass (``topk_and_statistics``: verl's top-k
+distillation route) under TP 2 and 4 (SP off and on) and TP 2 × CP 2, both shard passes.
+
 The student side (``fused_log_probs_at``: log-probs at k ids per token, with gradients) under
 TP 2 (SP off and on) and TP 2 × CP 2 is at the end of the file.
 """
@@ -35,6 +38,7 @@ from head_cases import HIDDEN, IGNORE, LAYOUT_SHAPES, NH, TEMPERATURE, VOCAB, dr
 from mcore_ppo import TopKConfig, TorchBackend, TorchConfig, TritonBackend, TritonConfig, fused_log_probs_at, fused_topk
 from mcore_ppo.distill import topk_triton
 from mcore_ppo.parallel import roll_and_split_labels, roll_labels, split_for_cp
+from mcore_ppo.statistics import Statistics
 from mcore_ppo.verdict import PEER_REFUSED
 from mcore_ppo_testing.student_fold import record_folds
 from mcore_ppo_testing.student_reference import student_reference
@@ -211,6 +215,63 @@ def test_triton_path_tp2_matches_single_rank_and_fp64(sp, check, monkeypatch):
                     f"triton TP{tp} sp={sp}")  # fmt: skip
             if kind == "boosted" and k == 8:
                 check.equal("whole tiles recomputed on this rank", torch.tensor(sum(full) > 0), torch.tensor(True))
+    check.done()
+
+
+def statistics_reference(hidden, weight, temperature) -> dict[str, torch.Tensor]:
+    """fp64 ``lse``, entropy and Σπ² per token of ``[n, h]`` rows (``temperature`` a float or ``[n]``)."""
+    t = temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else temperature
+    z = hidden.double() @ weight.double().t() / t
+    lse = torch.logsumexp(z, dim=1)
+    p = torch.softmax(z, dim=1)
+    return {"lse": lse, "entropy": lse - (p * z).sum(dim=1), "sum_pi_squared": p.square().sum(dim=1)}
+
+
+#: What the student's top-k pass reduces beside its top-k on verl's route with entropy and Σπ² on.
+STUDENT_STATISTICS = Statistics.named(["entropy", "sum_pi_squared"])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize(("tp", "sp", "cp"), [(2, False, 1), (2, True, 1), (4, False, 1), (4, True, 1), (2, False, 2)],
+                         ids=["tp2", "tp2-sp", "tp4", "tp4-sp", "tp2xcp2"])  # fmt: skip
+def test_statistics_of_the_topk_pass_match_single_rank_and_fp64(impl, tp, sp, cp, check):
+    """``topk_and_statistics``: the head's statistics (``lse``, entropy, Σπ²) reduced by the
+    top-k's own pass on each vocab shard and combined over TP, per-token temperature, ``[n, h]``
+    rows (under CP each rank's load-balanced part of a packed sequence): against the single-rank
+    call on the same rows and fp64; the top-k as ``fused_topk``'s on the same rank."""
+    from mcore_ppo.distill.topk import topk_and_statistics
+
+    if impl == "triton":
+        pytest.importorskip("triton")
+        if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("the triton path runs CPU tensors only under TRITON_INTERPRET=1")
+    layout = tp_cp_groups(tp, cp)
+    torch.manual_seed(shared_seed())
+    seq = 8 * tp * cp
+    hidden, weight = draw("random", torch.float32, (seq,))
+    hidden[3] *= 30  # a nearly one-hot row
+    temperature = token_temperatures((seq,))
+    config = SMALL if impl == "torch" else None
+    kwargs = dict(statistics=STUDENT_STATISTICS, impl=impl, config=config)
+    single_top, single = topk_and_statistics(hidden, weight, 8, temperature=temperature, **kwargs)
+    if layout.tp_group is None or (cp > 1 and layout.cp_group is None):
+        check.done()
+        return
+    rows = torch.arange(seq)
+    if cp > 1:
+        rows = split_for_cp(rows[None], cp, layout.cp_rank, seq_dim=1, cu_seqlens=[0, seq // 2, seq])[0]
+    local_hidden, local_t = hidden[rows], temperature[rows]
+    check.case(f"{impl} tp={tp} sp={sp} cp={cp}")
+    top, finished = topk_and_statistics(
+        (local_hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else local_hidden).to(DEVICE),
+        weight.chunk(tp, dim=0)[layout.tp_rank].to(DEVICE), 8, temperature=local_t.to(DEVICE),
+        tp_group=layout.tp_group, sequence_parallel=sp, **kwargs,
+    )  # fmt: skip
+    ref = statistics_reference(local_hidden, weight, local_t)
+    for i, name in enumerate(("lse", "entropy", "sum_pi_squared")):
+        check.close(name, finished[i].cpu(), single[i][rows], tol=2e-6, kind=f"topk-pass {name} vs single-rank")
+        check.close(name, finished[i].cpu().double(), ref[name], tol=2e-6, kind=f"topk-pass {name} vs fp64")
+    check.equal("ids vs single-rank", top.ids.cpu(), single_top.ids[rows])
     check.done()
 
 

@@ -73,6 +73,20 @@ def _batch(seed: int, *, distill: bool = True, temperatures=TEMPERATURES, **flag
     )
 
 
+def _counted_statistics_passes(monkeypatch) -> list:
+    """A list that grows by one per statistics pass of the head (``shard._statistics_pass``)."""
+    from mcore_ppo import shard
+
+    passes, original = [], shard._statistics_pass
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(shard, "_statistics_pass", counted)
+    return passes
+
+
 def _assert_same(mine, theirs, what):
     differences = verl_distill.compare_runs(mine, theirs, out_tol=OUT_TOL, grad_tol=GRAD_TOL)
     for d in differences:
@@ -87,15 +101,21 @@ def _assert_same(mine, theirs, what):
     [(False, CLAMP, True, False), (True, CLAMP, False, True), (False, None, True, False)],
     ids=["with-log-probs-clamp", "distillation-only-clamp-tied", "no-clamp"],
 )
-def test_topk_distillation_on_the_fused_path_equals_verls_logits_path(distillation_only, clamp, entropy, tied, caplog):
+def test_topk_distillation_on_the_fused_path_equals_verls_logits_path(
+    distillation_only, clamp, entropy, tied, caplog, monkeypatch
+):
+    """The plugin's top-k KL against verl's logits path; the head runs no statistics pass of its
+    own (the student's top-k pass reduced them: one read of the vocab in the forward)."""
     model = _model(tied)
     seed = next_seed()
     configs = verl_distill.distill_configs(K, clamp, distillation_only=distillation_only)
     batch = _batch(seed, calculate_entropy=entropy, distillation_only=distillation_only)
     theirs = verl_distill.distill_step(model, batch, configs, use_fused_kernels=False, grad_seed=seed)
     forget_logged()
+    passes = _counted_statistics_passes(monkeypatch)
     with caplog.at_level(logging.INFO, logger="mcore_ppo"), verl_engine.plugin_on("torch"):
         mine = verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, grad_seed=seed)
+    assert passes == []
     expected = {"distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage"}
     expected |= {"entropy"} if entropy else set()
     expected |= set() if distillation_only else {"log_probs"}
@@ -193,10 +213,11 @@ def test_a_loss_that_needs_the_logits_is_refused_not_given_a_wrong_answer():
     [(False, True), (False, False), (True, True)],
     ids=["log-prob-pass", "no-entropy", "with-topk-distillation"],
 )
-def test_sum_pi_squared_on_the_fused_path_equals_verls_logits_path(distill, entropy, caplog):
+def test_sum_pi_squared_on_the_fused_path_equals_verls_logits_path(distill, entropy, caplog, monkeypatch):
     """``calculate_sum_pi_squared=True``: verl's fused path refuses it; with the plugin the head
     computes it (same key, nested layout and dtype as verl's ``vocab_parallel_sum_pi_squared`` on
-    the logits), alone and together with top-k distillation in the same pass."""
+    the logits), alone and together with top-k distillation in the same pass (the student's
+    top-k pass then reduces the entropy and Σπ²: the head runs no statistics pass of its own)."""
     from verl.utils import tensordict_utils as tu
 
     model = _model()
@@ -207,8 +228,10 @@ def test_sum_pi_squared_on_the_fused_path_equals_verls_logits_path(distill, entr
         verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, backward=False)
     theirs = verl_distill.distill_step(model, batch, configs, use_fused_kernels=False, grad_seed=seed)
     forget_logged()
+    passes = _counted_statistics_passes(monkeypatch)
     with caplog.at_level(logging.INFO, logger="mcore_ppo"), verl_engine.plugin_on("torch"):
         mine = verl_distill.distill_step(model, batch, configs, use_fused_kernels=True, grad_seed=seed)
+    assert (passes == []) == distill
     assert "sum_pi_squared" in theirs.outputs
     _assert_same(mine, theirs, f"sum_pi_squared (distill={distill}): plugin vs verl's logits path")
     spi = theirs.outputs["sum_pi_squared"].values()
