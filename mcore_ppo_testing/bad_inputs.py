@@ -2,7 +2,7 @@
 
 Every entry point (:data:`ENTRY_POINTS`: the function, ``[..., k]`` labels, the head module,
 verl's ``linear_cross_entropy``, the teacher's ``fused_topk``, NeMo-RL's adapter, a Megatron
-GPT through ``gpt_log_probs_and_entropy`` and ``run_head`` given a ``log_normalizer``, verl's
+GPT through ``gpt_log_probs_and_entropy`` and ``run_head`` given ``given_statistics``, verl's
 top-k distillation route) is called on the same :class:`Case` with keyword overrides;
 :data:`BAD_ARGUMENTS` lists, per argument, the overrides that make it bad, the exception type
 and a word its message must contain (the argument's name). ``tests/core/test_entry_points_contract.py``
@@ -137,10 +137,10 @@ def _nemo_rl(case: Case, **kw):
 _OPTION_KEYWORDS = ("ignore_index", "backend", "return_entropy", "validate", "return_sum_pi_squared", "precision")
 
 
-def log_normalizer(case: Case) -> torch.Tensor:
-    """fp32 ``[s·b]`` ``log Σ_v exp(z_v)`` of the case's tokens in the head's row order (sequence
-    major), from the whole weight (the shards all-gathered over the case's TP group) in fp64 by
-    plain torch ops: what verl's route hands ``run_head`` as ``log_normalizer``."""
+def finished_statistics(case: Case) -> dict[str, torch.Tensor]:
+    """fp32 ``[s·b]`` ``lse``, entropy and Σπ² of the case's tokens in the head's row order
+    (sequence major), from the whole weight (the shards all-gathered over the case's TP group) in
+    fp64 by plain torch ops: what verl's route hands ``run_head`` as ``given_statistics``."""
     import torch.distributed as dist
 
     from mcore_ppo.parallel.ranks import group_size
@@ -152,31 +152,36 @@ def log_normalizer(case: Case) -> torch.Tensor:
         weight = torch.cat(shards)
     rows = case.hidden.reshape(-1, case.hidden.shape[-1]).double()
     logits = rows @ weight.double().t() / case.temperature.t().reshape(-1, 1).double()
-    return torch.logsumexp(logits, dim=-1).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    values = {"lse": lse, "entropy": lse - (p * logits).sum(dim=-1), "sum_pi_squared": p.square().sum(dim=-1)}
+    return {name: value.float() for name, value in values.items()}
 
 
 def _normalizer(case: Case, **kw):
-    """``run_head`` with ``k`` ids and a ``log_normalizer``, as verl's top-k distillation route
-    calls it (entropy and Σπ² off). A callable ``log_normalizer`` override is applied to the good
-    one."""
-    from mcore_ppo.head_call import attempt, run_head
+    """``run_head`` with ``k`` ids and ``given_statistics`` (the rows its options ask for), as
+    verl's top-k distillation route calls it. A callable ``given_statistics`` override is
+    applied to the good rows."""
+    from mcore_ppo.head_call import attempt, run_head, statistics_of
     from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, megatron_layout
 
-    # Every rank computes the good normaliser in step (a collective), whatever is made bad after.
-    good = log_normalizer(case)
+    # Every rank computes the good statistics in step (a collective), whatever is made bad after.
+    values = finished_statistics(case)
     args = {"hidden": case.hidden, "weight": case.weight, "labels": case.ids, "temperature": case.temperature}
     args.update(kw)
-    given = args.pop("log_normalizer", good)
-    given = given(good) if callable(given) else given
+    override = args.pop("given_statistics", None)
     chosen = dict.fromkeys(_OPTION_KEYWORDS)
     chosen.update(backend="torch", return_entropy=False)
     chosen.update({name: args.pop(name) for name in _OPTION_KEYWORDS if name in args})
     (options, layout), error = attempt(
         lambda: (call_options(None, **chosen), megatron_layout(False)), (DEFAULT_OPTIONS, DEFAULT_LAYOUT)
     )
+    statistics = statistics_of(options)
+    given = statistics.finished(values["lse"], values)
+    given = override(given) if callable(override) else (given if override is None else override)
     return run_head(
         args.pop("hidden"), args.pop("weight"), args.pop("labels"), args.pop("temperature"), options,
-        tp_group=case.tp_group, layout=layout, ids=True, prior_error=error, log_normalizer=given,
+        tp_group=case.tp_group, layout=layout, ids=True, prior_error=error, given_statistics=given,
     )  # fmt: skip
 
 
@@ -337,16 +342,17 @@ BAD_ARGUMENTS = (
     BadArgument("k zero", lambda c, e: {"k": 0}, ValueError, ("k must",), frozenset({"topk"})),
     BadArgument("k a float", lambda c, e: {"k": 2.0}, TypeError, ("k must",), frozenset({"topk"})),
     BadArgument("ids with k = 0", lambda c, e: {"labels": c.ids[..., :0]}, ValueError, ("labels",), IDS),
-    BadArgument("log_normalizer of another dtype", lambda c, e: {"log_normalizer": lambda lse: lse.double()},
-                TypeError, ("log_normalizer",), frozenset({"normalizer"})),
-    BadArgument("log_normalizer one token short", lambda c, e: {"log_normalizer": lambda lse: lse[:-1]},
-                ValueError, ("log_normalizer",), frozenset({"normalizer"})),
-    BadArgument("log_normalizer not a tensor", lambda c, e: {"log_normalizer": lambda lse: lse.tolist()},
-                TypeError, ("log_normalizer",), frozenset({"normalizer"})),
-    BadArgument("log_normalizer with the entropy on", lambda c, e: {"return_entropy": True}, ValueError,
-                ("log_normalizer",), frozenset({"normalizer"})),
-    BadArgument("log_normalizer with Σπ² on", lambda c, e: {"return_sum_pi_squared": True}, ValueError,
-                ("log_normalizer",), frozenset({"normalizer"})),
+    BadArgument("given_statistics of another dtype", lambda c, e: {"given_statistics": lambda g: g.double()},
+                TypeError, ("given_statistics",), frozenset({"normalizer"})),
+    BadArgument("given_statistics one token short", lambda c, e: {"given_statistics": lambda g: g[:, :-1]},
+                ValueError, ("given_statistics",), frozenset({"normalizer"})),
+    BadArgument("given_statistics not a tensor", lambda c, e: {"given_statistics": lambda g: g.tolist()},
+                TypeError, ("given_statistics",), frozenset({"normalizer"})),
+    BadArgument("given_statistics without the entropy's row",
+                lambda c, e: {"return_entropy": True, "given_statistics": lambda g: g[:1]}, ValueError,
+                ("given_statistics",), frozenset({"normalizer"})),
+    BadArgument("given_statistics with a row too many", lambda c, e: {"given_statistics": lambda g: g[[0, 0]]},
+                ValueError, ("given_statistics",), frozenset({"normalizer"})),
 )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Shared device helpers: the grouped tile order and the ``x @ w.T`` tile GEMM.
+"""Shared device helpers: the grouped tile order, the ``x @ w.T`` tile GEMM, and the top-k's
+order keys (fp32 values as ordered int bits, and int64 keys of a value and its column).
 
 Compile-once rule for every kernel here: Triton compiles a kernel anew for each combination of
 integer arguments' divisibility by 16 and pointer arguments' 16-byte alignment it sees. Token
@@ -103,3 +104,35 @@ def tile_dot(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def ordered_bits(value):
+    """fp32 values as int32 in the same order (``-0.0`` as ``+0.0``, which compare equal)."""
+    bits = (value + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def value_of_bits(ordered):
+    """The fp32 value of :func:`ordered_bits`' int32 (the inverse map)."""
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def order_key(value, col):
+    """int64 keys ordered as the tie rule (larger fp32 value, then smaller column): the value's
+    order-preserving bits above ``2**31 - 1 - col``."""
+    return (ordered_bits(value).to(tl.int64) << 32) | (2147483647 - col.to(tl.int64))  # 2**31 - 1 - col
+
+
+@triton.jit
+def key_value(key):
+    """The fp32 value of an :func:`order_key`."""
+    return value_of_bits((key >> 32).to(tl.int32))
+
+
+@triton.jit
+def key_col(key):
+    """The column of an :func:`order_key`."""
+    return 2147483647 - (key & 0xFFFFFFFF)

@@ -210,27 +210,46 @@ def stats_kernel(
             m_i = m_new
         else:
             if TOPK_C:
-                # The tile's candidates in natural units, acc·(1/T) (what the full tiles'
-                # recompute forms, bit for bit), and its rest: every other entry, -inf here.
-                rest_z = _tile_candidates(
-                    acc, inv_t, col_ok, rows, row_ok, n0, V, n_tiles_v, cand_v_ptr, cand_c_ptr, BLOCK_N, TOPK_C,
-                    ROW_TEMP,
-                )  # fmt: skip
-            m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: every tile has a valid column
-            d = z2 - m_new[:, None]
-            e = tl.exp2(d)
-            if TOPK_C:
-                _tile_rest(rest_z, z2, e, m_new, rows, row_ok, n0 // BLOCK_N, N, n_tiles_v, rest_ptr)
-            if U_PLANE:
-                eu = tl.where(col_ok[None, :], e * d, 0.0)
-            alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
-            if U_PLANE:
-                shift = tl.where(s_i > 0, m_i - m_new, 0.0)
-                u_i = alpha * (u_i + s_i * shift) + tl.sum(eu, 1)
-            if Q_PLANE:
-                q_i = alpha * alpha * q_i + tl.sum(e * e, 1)
-            s_i = alpha * s_i + tl.sum(e, 1)
-            m_i = m_new
+                # The candidates out of the tile first; the rest's sums relative to its own max
+                # (its exact (m, s) for the tail), then rescaled to the running max and
+                # completed by the candidates' own terms: one exponential per entry.
+                z2, m_new, s_c, u_c, q_c, rest_m2 = _tile_candidates(
+                    z2, m_i, rows, row_ok, n0, V, n_tiles_v, cand_v_ptr, cand_c_ptr, BLOCK_M, BLOCK_N, TOPK_C
+                )
+                ref = tl.where(rest_m2 == float("-inf"), m_new, rest_m2)  # an empty rest: every e is 0
+                d = z2 - ref[:, None]
+                e = tl.exp2(d)
+                rest_s = tl.sum(e, 1)
+                rest = rows.to(tl.int64) * n_tiles_v + n0 // BLOCK_N
+                tl.store(rest_ptr + rest, rest_m2 * LN2, mask=row_ok)
+                tl.store(rest_ptr + N.to(tl.int64) * n_tiles_v + rest, rest_s, mask=row_ok)
+                # Relative to m_new the rest's terms scale by f = 2^g (g <= 0); where f underflows
+                # they are below 2^-126 of the max's own term: nothing an fp32 sum keeps.
+                g = ref - m_new
+                f = tl.exp2(g)
+                alpha = tl.exp2(m_i - m_new)
+                if U_PLANE:
+                    shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+                    u_r = tl.sum(tl.where(e > 0, e * d, 0.0), 1)  # 0·(-inf) at the candidates: 0
+                    u_i = alpha * (u_i + s_i * shift) + (f * (u_r + g * rest_s) + u_c)
+                if Q_PLANE:
+                    q_i = alpha * alpha * q_i + (f * f * tl.sum(e * e, 1) + q_c)
+                s_i = alpha * s_i + (f * rest_s + s_c)
+                m_i = m_new
+            else:
+                m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: every tile has a valid column
+                d = z2 - m_new[:, None]
+                e = tl.exp2(d)
+                if U_PLANE:
+                    eu = tl.where(col_ok[None, :], e * d, 0.0)
+                alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+                if U_PLANE:
+                    shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+                    u_i = alpha * (u_i + s_i * shift) + tl.sum(eu, 1)
+                if Q_PLANE:
+                    q_i = alpha * alpha * q_i + tl.sum(e * e, 1)
+                s_i = alpha * s_i + tl.sum(e, 1)
+                m_i = m_new
 
     # The partials' planes in one buffer, each [splits, N]: m, s, then each term at its plane.
     plane = N.to(tl.int64) * num_splits  # N is never specialised (num_splits = 1 is a constant)
@@ -248,49 +267,38 @@ def stats_kernel(
 
 @triton.jit
 def _tile_candidates(
-    acc, inv_t, col_ok, rows, row_ok, n0, V, n_tiles, cand_v_ptr, cand_c_ptr,
-    BLOCK_N: tl.constexpr, C: tl.constexpr, ROW_TEMP: tl.constexpr,
+    z2, m_i, rows, row_ok, n0, V, n_tiles, cand_v_ptr, cand_c_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
 ):  # fmt: skip
-    """The tile's ``C`` largest entries of ``z = acc·(1/T)`` per row (value, shard column),
-    largest first, equal values by the smaller column, into ``cand_v`` / ``cand_c``
-    ``[N, n_tiles, C]`` (fp32 / int32): ``C`` max-reductions over the tile. Returns ``z`` with
-    those entries (and the columns past ``V``) at ``-inf``: the tile's rest."""
-    if ROW_TEMP:  # inv_t per row
-        z = tl.where(col_ok[None, :], acc * inv_t[:, None], float("-inf"))
-    else:
-        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
-    local = tl.arange(0, BLOCK_N)
+    """The tile's ``C`` largest entries of ``z₂`` per row (the value ``z₂·ln 2`` in natural
+    units, the shard column), largest first, equal values by the smaller column, into
+    ``cand_v`` / ``cand_c`` ``[N, n_tiles, C]`` (fp32 / int32): ``C`` max-reductions, each
+    entry taken out of the tile in place (one tile of registers, as the statistics alone).
+
+    Returns ``(rest, m_new, s_c, u_c, q_c, rest_m2)``: the tile without its candidates (at
+    -inf), the running max with the tile, the candidates' own terms of the statistics relative
+    to ``m_new`` (``Σ 2^(c - m_new)``, its ``u`` and its ``q``: the caller's sums over the rest
+    complete them) and the rest's max (base 2, -inf for an empty rest)."""
+    local = tl.arange(0, BLOCK_N)[None, :]
     out = (rows.to(tl.int64) * n_tiles + n0 // BLOCK_N) * C
+    m_new = tl.maximum(m_i, tl.max(z2, 1))  # finite: every tile has a valid column
+    s_c = tl.zeros((BLOCK_M,), tl.float32)
+    u_c = tl.zeros((BLOCK_M,), tl.float32)
+    q_c = tl.zeros((BLOCK_M,), tl.float32)
     for j in tl.static_range(C):
-        top = tl.max(z, 1)
-        # The smallest column holding the max: the tie rule within the tile.
-        col = tl.min(tl.where(z == top[:, None], local[None, :], BLOCK_N), 1)
-        tl.store(cand_v_ptr + out + j, top, mask=row_ok)
+        top = tl.max(z2, 1)
+        # The smallest column holding it: the tie rule within the tile.
+        col = tl.min(tl.where(z2 == top[:, None], local, BLOCK_N), 1)
+        tl.store(cand_v_ptr + out + j, top * LN2, mask=row_ok)
         # Within the shard even when no column holds the max (a NaN row): every id valid.
         tl.store(cand_c_ptr + out + j, tl.minimum(n0 + col, V - 1), mask=row_ok)
-        z = tl.where(local[None, :] == col[:, None], float("-inf"), z)
-    return z
-
-
-@triton.jit
-def _tile_rest(rest_z, z2, e, m2, rows, row_ok, tile, N, n_tiles, rest_ptr):
-    """The tile's rest ``(m, s)`` into ``rest [2, N, n_tiles]``: ``m`` the max of ``rest_z``
-    (natural units, -inf for an empty rest), ``s = Σ exp(z - m)`` over it. ``s`` comes from the
-    statistics' own ``e = 2^(z₂ - m₂)`` (``m₂`` the running base-2 max), rescaled by
-    ``2^(m₂ - m·log2 e)``: no second exponential per entry. Where that gap passes 64 (the rest's
-    terms below ``2^-64`` of the max, near fp32's subnormals) the block takes
-    ``exp2(z₂ - m·log2 e)`` itself, so a small tail stays exact however far below the top."""
-    in_rest = rest_z != float("-inf")
-    rest_m = tl.max(rest_z, 1)
-    rest_m2 = tl.where(rest_m == float("-inf"), m2, rest_m * LOG2E)
-    gap = m2 - rest_m2
-    if tl.max(tl.where(row_ok, gap, 0.0), 0) > 64.0:
-        rest_s = tl.sum(tl.where(in_rest, tl.exp2(z2 - rest_m2[:, None]), 0.0), 1)
-    else:
-        rest_s = tl.sum(tl.where(in_rest, e, 0.0), 1) * tl.exp2(gap)
-    out = rows.to(tl.int64) * n_tiles + tile
-    tl.store(rest_ptr + out, rest_m, mask=row_ok)
-    tl.store(rest_ptr + N.to(tl.int64) * n_tiles + out, rest_s, mask=row_ok)
+        z2 = tl.where(local == col[:, None], float("-inf"), z2)
+        d = top - m_new
+        e = tl.exp2(d)
+        s_c += e
+        u_c += tl.where(e > 0, e * d, 0.0)
+        q_c += e * e
+    return z2, m_new, s_c, u_c, q_c, tl.max(z2, 1)
 
 
 @triton.jit

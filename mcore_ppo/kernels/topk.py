@@ -23,9 +23,10 @@ rounding of the exact ``1/T_i``) instead of the scalar ``inv_temp``, as the head
 import triton
 import triton.language as tl
 
-from mcore_ppo.kernels.common import tile_dot
+from mcore_ppo.kernels.common import key_col, key_value, order_key, ordered_bits, tile_dot, value_of_bits
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit(do_not_specialize=["N", "num_tiles", "CAP"])
@@ -77,7 +78,7 @@ def tile_rows_kernel(
     weight tile serves them all); the grid may hold more items than that, which return at once.
     Writes ``z`` of each pair's row over the tile's ``BLOCK_N`` columns to row ``slot`` of
     ``out [N·CAP, BLOCK_N]`` (``-inf`` past ``V``), computed as the statistics kernel's candidates
-    are (``acc·(1/T)``, the same tiles and K order: the same bits)."""
+    are (the same tiles, K order and roundings: the same bits)."""
     item = tl.program_id(0)
     tiles = tl.arange(0, BLOCK_T)
     counts = tl.load(counts_ptr + tiles, mask=tiles < num_tiles, other=0)
@@ -99,26 +100,14 @@ def tile_rows_kernel(
             x_ptr, w_ptr, x_ptr, w_ptr, rows, tl.minimum(offs_n, V - 1), 0, n0, H, stride_x, stride_w,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT, False,
         )  # fmt: skip
+        # z₂ = acc·(1/T)·log2 e, then z₂·ln 2: the statistics kernel's candidates, bit for bit.
         if ROW_TEMP:
-            inv_t = tl.load(inv_temp_ptr + rows)[:, None]
+            scale2 = (tl.load(inv_temp_ptr + rows) * LOG2E)[:, None]
         else:
-            inv_t = inv_temp
-        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
+            scale2 = inv_temp * LOG2E
+        z = tl.where(col_ok[None, :], (acc * scale2) * LN2, float("-inf"))
         dest = slots.to(tl.int64)[:, None] * BLOCK_N + local[None, :]
         tl.store(out_ptr + dest, z, mask=pair_ok[:, None])
-
-
-@triton.jit
-def _ordered_bits(value):
-    """fp32 values as int32 in the same order (``-0.0`` as ``+0.0``, which compare equal)."""
-    bits = (value + 0.0).to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton.jit
-def _value_of_bits(ordered):
-    """The fp32 value of :func:`_ordered_bits`' int32 (the inverse map)."""
-    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["N", "W", "K", "num_tiles", "CAP"])
@@ -168,7 +157,7 @@ def select_top_kernel(
     present = row_ok[:, None] & (pos < W)
     v = tl.load(cand_v_ptr + r * W + pos, mask=present, other=float("-inf"))
     # Absent slots rank below every entry (-inf's bits are above the smallest int32).
-    u = tl.where(present, _ordered_bits(v), -2147483648)
+    u = tl.where(present, ordered_bits(v), -2147483648)
     # lo: the K-th largest, by bisection; a row stops early at a threshold with exactly K
     # entries at or above it (the K-th is then their smallest), which random logits reach in
     # about half of the 32 steps.
@@ -192,7 +181,7 @@ def select_top_kernel(
         places = tl.sum(tied.to(tl.int32), 1) - excess
         chosen = (u > kth) | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= places[:, None]))
         cutoff = tl.max(tl.where(chosen & tied, pos, -1), 1)
-    bound = _value_of_bits(kth)
+    bound = value_of_bits(kth)
 
     # A tile can hide an entry of the top only if its rest reaches the bound and all its C
     # candidates are in the top: were one left out, every hidden entry would rank after it
@@ -204,7 +193,7 @@ def select_top_kernel(
     rm = tl.load(rest_m_ptr + r * num_tiles + tiles, mask=tile_ok, other=float("-inf"))
     rs = tl.load(rest_s_ptr + r * num_tiles + tiles, mask=tile_ok, other=0.0)
     last = tiles * C + (C - 1)
-    last_u = _ordered_bits(tl.load(cand_v_ptr + r * W + last, mask=tile_ok, other=float("-inf")))
+    last_u = ordered_bits(tl.load(cand_v_ptr + r * W + last, mask=tile_ok, other=float("-inf")))
     last_in_top = (last_u > kth) | ((last_u == kth) & (last <= cutoff[:, None]))
     full = (rm >= bound) & (rm > float("-inf")) & last_in_top & tile_ok
     full_count = tl.sum(full.to(tl.int32), 1)
@@ -236,11 +225,11 @@ def select_top_kernel(
     in_top = row_ok[:, None] & (offs < K)
     staged_v = tl.load(top_v_ptr + r * K + offs, mask=in_top, other=float("-inf"))
     staged_p = tl.load(top_c_ptr + r * K + offs, mask=in_top, other=0)
-    key = tl.where(in_top, _order_key(staged_v, staged_p), -9223372036854775807 - 1)
+    key = tl.where(in_top, order_key(staged_v, staged_p), -9223372036854775807 - 1)
     key = _descending(key, BY_SORT)
-    col = tl.load(cand_c_ptr + r * W + _key_col(key), mask=in_top, other=0)
+    col = tl.load(cand_c_ptr + r * W + key_col(key), mask=in_top, other=0)
     tl.debug_barrier()
-    tl.store(top_v_ptr + r * K + offs, _key_value(key), mask=in_top)
+    tl.store(top_v_ptr + r * K + offs, key_value(key), mask=in_top)
     tl.store(top_c_ptr + r * K + offs, col.to(tl.int64), mask=in_top)
 
 
@@ -255,23 +244,6 @@ def _descending(key, BY_SORT: tl.constexpr):
     rank = tl.sum((key[:, None, :] > key[:, :, None]).to(tl.int32), 2)
     match = rank[:, None, :] == slots[None, :, None]
     return tl.max(tl.where(match, key[:, None, :], -9223372036854775807 - 1), 2)
-
-
-@triton.jit
-def _order_key(value, col):
-    """int64 keys ordered as the tie rule (larger fp32 value, then smaller column): the value's
-    order-preserving bits above ``2**31 - 1 - col``."""
-    return (_ordered_bits(value).to(tl.int64) << 32) | (2147483647 - col.to(tl.int64))  # 2**31 - 1 - col
-
-
-@triton.jit
-def _key_value(key):
-    return _value_of_bits((key >> 32).to(tl.int32))
-
-
-@triton.jit
-def _key_col(key):
-    return 2147483647 - (key & 0xFFFFFFFF)
 
 
 @triton.jit(do_not_specialize=["N", "V", "K", "num_tiles", "CAP"])
@@ -316,7 +288,7 @@ def merge_full_kernel(
         col = tl.load(top_c_ptr + base + offs, mask=in_top, other=0)
         in_full = tl.load(full_ptr + r.to(tl.int64) * num_tiles + col // BLOCK_N, mask=in_top, other=1) != 0
         valid = in_top & ~in_full
-        key = tl.where(valid, _order_key(value, col), 0)
+        key = tl.where(valid, order_key(value, col), 0)
         m = tl.load(rest_m_ptr + r)
         s = tl.load(rest_s_ptr + r)
         j = offs - TOP
@@ -326,20 +298,20 @@ def merge_full_kernel(
             tile_col = tile * BLOCK_N + j
             from_tile = in_tile & (tile_col < V)
             z = tl.load(z_ptr + p * BLOCK_N + j, mask=from_tile, other=float("-inf"))
-            key = tl.where(from_tile, _order_key(z, tile_col), key)
+            key = tl.where(from_tile, order_key(z, tile_col), key)
             valid = valid | from_tile
             # The valid keys in descending order first: the others hold the smallest int64.
             key = tl.where(valid, key, -9223372036854775807 - 1)
             key = tl.reshape(_descending(tl.reshape(key, (1, BLOCK_U)), BY_SORT), (BLOCK_U,))
             valid = key != -9223372036854775807 - 1
             drop = valid & (offs >= K)
-            dropped = tl.where(drop, _key_value(key), float("-inf"))
+            dropped = tl.where(drop, key_value(key), float("-inf"))
             m_new = tl.maximum(m, tl.max(dropped, 0))
             ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp2((m - ref) * LOG2E) + tl.sum(tl.exp2((dropped - ref) * LOG2E), 0)
             m = m_new
             valid = valid & (offs < K)
-        tl.store(top_v_ptr + base + offs, _key_value(key), mask=in_top)
-        tl.store(top_c_ptr + base + offs, _key_col(key), mask=in_top)
+        tl.store(top_v_ptr + base + offs, key_value(key), mask=in_top)
+        tl.store(top_c_ptr + base + offs, key_col(key), mask=in_top)
         tl.store(rest_m_ptr + r, m)
         tl.store(rest_s_ptr + r, s)

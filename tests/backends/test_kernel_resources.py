@@ -101,6 +101,14 @@ COMPILE = PRELUDE + textwrap.dedent(
         for suffix, flags in variants.items():
             name = ("stats_kernel buffer" if store else "stats_kernel") + suffix
             shared[name] = stats_shared(f, torch.bfloat16, store, store, stages, "native", **flags)
+    # The teacher's top-k on the same kernel (TOPK_C candidates per tile) at the top-k's tiles,
+    # alone and beside the entropy and Σπ² (verl's student with both on).
+    from mcore_ppo.distill.topk_config import GPU_TILES
+    for c in (3, 5):
+        for suffix, s in {"": Statistics.named([]), " with_u_q": statistics[" with_q"]}.items():
+            shared[f"stats_kernel topk c{c}{suffix}"] = stats_shared(
+                GPU_TILES, torch.bfloat16, False, False, GPU_TILES.num_stages, "native", TOPK_C=c, **s.kernel_options()
+            )
     b = backend.backward_config
     for suffix, flags in {"": {}, " row_temp": {"ROW_TEMP": True}, " no_e": {"HAS_E": False}}.items():
         shared["dz_kernel" + suffix] = dz_shared(b, torch.bfloat16, True, min(b.num_stages, 3), "native", **flags)
@@ -147,7 +155,8 @@ def test_default_gemm_kernels_fit_hopper_shared_memory():
     """stats_kernel (statistics only, and with the probability buffer's TMA store) and
     dz_kernel (with its TMA store) at the default tiles and stages, bf16, TMA operands; each
     also with a per-token temperature (ROW_TEMP), with the entropy off (U_PLANE 0 / HAS_E off)
-    and, for stats_kernel, with Σπ²'s q sums (Q_PLANE)."""
+    and, for stats_kernel, with Σπ²'s q sums (Q_PLANE); stats_kernel with the teacher's top-k
+    (TOPK_C) at the top-k's tiles, with and without the entropy and Σπ²."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -155,7 +164,8 @@ def test_default_gemm_kernels_fit_hopper_shared_memory():
     stats = {
         f"stats_kernel{buffer}{flag}" for buffer in ("", " buffer") for flag in ("", " row_temp", " no_u", " with_q")
     }
-    assert set(shared) == stats | {"dz_kernel", "dz_kernel row_temp", "dz_kernel no_e"}
+    topk = {f"stats_kernel topk c{c}{suffix}" for c in (3, 5) for suffix in ("", " with_u_q")}
+    assert set(shared) == stats | topk | {"dz_kernel", "dz_kernel row_temp", "dz_kernel no_e"}
     print(shared)
     too_big = {name: size for name, size in shared.items() if size > HOPPER_SHARED_BYTES}
     assert not too_big, f"over {HOPPER_SHARED_BYTES} bytes of shared memory on sm_90: {too_big}"

@@ -3,7 +3,7 @@
 
 The table of ``mcore_ppo_testing.bad_inputs`` on the function, ``[..., k]`` labels, the head
 module, verl's ``linear_cross_entropy``, the teacher's ``fused_topk``, NeMo-RL's adapter,
-``run_head`` given a ``given_statistics`` and a Megatron GPT through ``gpt_log_probs_and_entropy``:
+``run_head`` given ``given_statistics`` and a Megatron GPT through ``gpt_log_probs_and_entropy``:
 
 - every bad argument raises ``TypeError`` or ``ValueError`` naming it (never another exception
   from deeper inside), before any backend work;

@@ -2,7 +2,7 @@
 
 The table of ``mcore_ppo_testing.bad_inputs`` (every argument of the function, ``[..., k]``
 labels, the head module, verl's ``linear_cross_entropy``, the teacher's ``fused_topk``,
-NeMo-RL's adapter, ``run_head`` given a ``given_statistics`` and a Megatron GPT through
+NeMo-RL's adapter, ``run_head`` given ``given_statistics`` and a Megatron GPT through
 ``gpt_log_probs_and_entropy``), each bad on the last TP rank only, at TP 2 and TP 4: that rank
 raises its own TypeError/ValueError naming the argument, every other rank a ValueError saying a
 peer refused its inputs; no rank is left waiting in a collective (a hang fails the test through
