@@ -166,10 +166,9 @@ def _triton_chunk(
     cols = torch.empty(n, num_tiles * c, dtype=torch.int32, device=device)
     rest = torch.empty(2, n, num_tiles, dtype=torch.float32, device=device)
     parts = torch.empty(reduced.n_planes, splits, n, dtype=torch.float32, device=device)
-    # Every row counts (no label: the kernel's label logit is never stored).
+    # Every row counts; the pass has no labels (the kernel reads none under TOPK_C).
     perm = torch.arange(n, dtype=torch.int32, device=device)
     count = torch.full((1,), n, dtype=torch.int32, device=device)
-    no_labels = torch.full((n,), -1, dtype=torch.int64, device=device)
     use_tma = operands_by_tma(tokens, weight, cfg)
     if use_tma and not (tokens.is_contiguous() and descriptor_ok(tokens)):
         tokens = tokens.contiguous()  # the kernel's row descriptor reads [n, h] contiguous rows
@@ -178,7 +177,7 @@ def _triton_chunk(
     launch(
         kernels.stats_kernel,
         (cdiv(n, cfg.block_m) * splits,),
-        (tokens, tokens, weight, perm, count, no_labels, parts, rest, rest, rest, n, v, h, tokens.stride(0),
+        (tokens, tokens, weight, perm, count, perm, parts, rest, rest, rest, n, v, h, tokens.stride(0),
          weight.stride(0), splits, inv_temp, num_tiles, inv_temp_rows, values, cols, rest),
         dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILES_PER_SPLIT=tiles_per_split,

@@ -25,6 +25,15 @@ lines in these kernels are the term's whole kernel side: ``U_PLANE`` the entropy
 the square of ``s``'s factor (unit-free like ``s``; default 0: off), whose output the finish
 kernels write into row ``Q_OUT`` of the detached outputs.
 
+``TOPK_C`` (default 0: off; not with ``STORE_P``) is the teacher's and the student's top-k
+(:mod:`mcore_ppo.kernels.topk` selects from what it writes): per (row, tile) the tile's ``C``
+largest entries, taken out of the tile in place by ``C`` max-reductions (value ``z₂·ln 2``,
+shard column; equal values by the smaller column), into ``cand_v`` / ``cand_c`` ``[N, tiles, C]``,
+and the rest's ``(m, s)`` relative to its own max into ``rest [2, N, tiles]`` (the tail's terms
+summed as they are, however far below the top). The rest's sums, rescaled to the running max and
+completed by the candidates' own terms, are the statistics: one ``exp2`` per logit for both. The
+pass has no labels.
+
 ``merge_splits_kernel``: per token, merges the split partials (online-softmax rescaling, as
 :meth:`mcore_ppo.statistics.Statistics.merge`) into the shard's planes; ignored tokens get
 ``(m, s, u, q) = (0, 1, 0, 1)`` (each term's ``empty``) so that downstream ``log`` stays finite.
@@ -174,11 +183,13 @@ def stats_kernel(
             DOT,
             USE_TMA,
         )
-        # The label first, so that acc is dead (overwritten by z2) before the statistics.
-        has_label = (labels >= n0) & (labels < n0 + BLOCK_N)
-        if tl.max(has_label.to(tl.int32), 0) > 0:  # ~1 tile in 5 at V=152k: skip the select elsewhere
-            hit = offs_n[None, :] == labels[:, None]
-            y_i += tl.sum(tl.where(hit, acc, 0.0), 1)
+        # The label first, so that acc is dead (overwritten by z2) before the statistics. The
+        # top-k pass has none (its registers go to the candidates: no spill on sm_90).
+        if not TOPK_C:
+            has_label = (labels >= n0) & (labels < n0 + BLOCK_N)
+            if tl.max(has_label.to(tl.int32), 0) > 0:  # ~1 tile in 5 at V=152k: skip the select elsewhere
+                hit = offs_n[None, :] == labels[:, None]
+                y_i += tl.sum(tl.where(hit, acc, 0.0), 1)
         z2 = tl.where(col_ok[None, :], acc * scale2, float("-inf"))
         if STORE_P:
             # Budgeted buffer (docs/kernels.md): 2^(z₂ - tile max) in bf16 (p keeps bf16 *relative*
@@ -261,8 +272,9 @@ def stats_kernel(
     if Q_PLANE:
         tl.store(part + Q_PLANE * plane, q_i, mask=row_ok)
     split_hi = split_lo + TILES_PER_SPLIT * BLOCK_N
-    mine = row_ok & (labels >= split_lo) & (labels < split_hi)
-    tl.store(y_ptr + rows, y_i * inv_t, mask=mine)
+    if not TOPK_C:
+        mine = row_ok & (labels >= split_lo) & (labels < split_hi)
+        tl.store(y_ptr + rows, y_i * inv_t, mask=mine)
 
 
 @triton.jit

@@ -55,7 +55,7 @@ PRELUDE = textwrap.dedent(
     vec = torch.empty(n)
 
 
-    def stats_shared(f, dtype, store, buf_tma, num_stages, dot, **flags):
+    def stats_compiled(f, dtype, store, buf_tma, num_stages, dot, **flags):
         x, w = torch.empty(n, h, dtype=dtype), torch.empty(v, h, dtype=dtype)
         splits, tiles = triton.cdiv(v, f.tiles_per_split * f.block_n), triton.cdiv(v, f.block_n)
         buf = torch.empty(n, v, dtype=dtype) if store else vec
@@ -67,7 +67,11 @@ PRELUDE = textwrap.dedent(
             GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=num_stages, USE_TMA=True, STORE_P=store,
             BUF_TMA=buf_tma, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False, DOT=dot, grid=(1,), **flags,
         )
-        return kernel.metadata.shared
+        return kernel
+
+
+    def stats_shared(*args, **flags):
+        return stats_compiled(*args, **flags).metadata.shared
 
 
     def dz_shared(b, dtype, dz_tma, num_stages, dot, **flags):
@@ -170,3 +174,48 @@ def test_default_gemm_kernels_fit_hopper_shared_memory():
     too_big = {name: size for name, size in shared.items() if size > HOPPER_SHARED_BYTES}
     assert not too_big, f"over {HOPPER_SHARED_BYTES} bytes of shared memory on sm_90: {too_big}"
     assert all(size > 64 * 1024 for size in shared.values())  # the operand stages are really there
+
+
+SPILLS = PRELUDE + textwrap.dedent(
+    """
+    # ptxas's own report (-v) on the PTX of each compile: bytes spilled per thread.
+    import re, subprocess, tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    from mcore_ppo.distill.topk_config import GPU_TILES
+
+
+    def spilled(f, **flags):
+        kernel = stats_compiled(f, torch.bfloat16, False, False, f.num_stages, "native", **flags)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(kernel.asm["ptx"])
+            ptx.flush()
+            report = subprocess.run(
+                [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", ptx.name, "-o", "/dev/null"],
+                capture_output=True, text=True, check=True,
+            ).stderr
+        return int(re.search(r"(\\d+) bytes spill stores", report)[1])
+
+
+    backend = TritonBackend()
+    spills = {"stats_kernel": spilled(backend.forward_config_for(v))}
+    with_u_q = Statistics.named(["entropy", "sum_pi_squared"]).kernel_options()
+    for c in (3, 5):
+        spills[f"topk c{c}"] = spilled(GPU_TILES, TOPK_C=c, **Statistics.named([]).kernel_options())
+        spills[f"topk c{c} with_u_q"] = spilled(GPU_TILES, TOPK_C=c, **with_u_q)
+    print(json.dumps(spills))
+    """
+)
+
+
+def test_statistics_kernel_with_the_topk_keeps_its_registers():
+    """stats_kernel at the head's default tiles and with the top-k (TOPK_C 3 and 5, alone and
+    beside the entropy and Σπ²) at the top-k's tiles, compiled for sm_90: ptxas spills no
+    register (the candidates are taken out of the tile in place, the pass has no labels: one
+    tile of fp32 registers, as the statistics alone; a spill in the epilogue costs every tile)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", SPILLS], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    spills = json.loads(done.stdout.strip().splitlines()[-1])
+    print(spills)
+    assert set(spills) == {"stats_kernel", *(f"topk c{c}{s}" for c in (3, 5) for s in ("", " with_u_q"))}
+    assert spills == dict.fromkeys(spills, 0), f"register spills on sm_90 (bytes per thread): {spills}"

@@ -517,8 +517,11 @@ def test_given_statistics_of_the_topk_pass_stand_in_for_the_statistics(backend, 
     temperature = 0.5 + torch.rand(case["ids"].shape[0], generator=generator(next_seed()), dtype=torch.float64)
     hidden = case["hidden"].detach().requires_grad_(True)
     weight = case["weight"].detach().requires_grad_(True)
-    # As verl's route: the top-k pass's own "auto" choice unless the head runs on torch.
-    impl, backend_object = ("torch", small_torch()) if backend == "torch" else ("auto", backend)
+    # The top-k pass on the head's own kind of kernels (the triton one under the interpreter,
+    # but for fp64, which it does not take).
+    impl, backend_object = ("torch", small_torch()) if backend == "torch" else ("triton", backend)
+    if dtype == torch.float64:
+        impl = "torch"
     options = call_options(
         None, ignore_index=IGNORE, backend=backend_object, return_entropy=terms != "lse",
         return_sum_pi_squared=terms == "entropy-sum-pi", validate=True,

@@ -757,7 +757,7 @@ def test_distillation_figures_come_from_the_tables():
     claims = Claims(text(REPO / "docs" / "distillation.md"), "docs/distillation.md")
     rows = teacher().dicts()
     m = claims.find(
-        rf"its fused top-k takes {RANGE}× one GEMM at TP 1 and (?P<lo8>{NUMBER})–(?P<hi8>{NUMBER})× at TP 8 "
+        rf"its fused top-k took {RANGE}× one GEMM at TP 1 and (?P<lo8>{NUMBER})–(?P<hi8>{NUMBER})× at TP 8 "
         rf"\(V (?P<v1>{NUMBER}) and (?P<v2>{NUMBER}), k (?P<k1>\d+)–(?P<k2>\d+)\)"
     )
     check_range(m, [r["triton × gemm, gpu"] for r in rows if r["tp"] == "1"], "teacher TP 1")
@@ -766,7 +766,7 @@ def test_distillation_figures_come_from_the_tables():
     assert (int(m["k1"]), int(m["k2"])) == (min(int(r["k"]) for r in rows), max(int(r["k"]) for r in rows))
 
     m = claims.find(
-        rf"the tiles kernel alone takes (?P<tiles>{NUMBER}) ms against the GEMM's (?P<gemm>{NUMBER}) with 3 "
+        rf"that kernel alone took (?P<tiles>{NUMBER}) ms against the GEMM's (?P<gemm>{NUMBER}) with 3 "
         r"candidates per tile"
     )
     profile = text(BENCH / "gpu_runs" / "h200_2026-12-02e" / "2_profile_tp8_k8.log")
