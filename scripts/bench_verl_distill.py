@@ -6,8 +6,14 @@ Two modes (``--mode step,longest``, both by default):
 
 - ``step``: the student's whole ``forward_kl_topk`` step, forward and backward of the per-token
   KL's sum to ``hidden`` and the output weight, at ``--k`` (128), global V ``--vocab``
-  (151,936), per ``--tp`` (1, 8) one rank's work on one GPU (its vocab shard ``V/tp``, teacher
-  ids in the shard), ``--tokens`` tokens of bf16 hidden size ``--hidden``. Implementations:
+  (151,936), per ``--tp`` (1, 8) one rank's work on one GPU, ``--tokens`` tokens of bf16 hidden
+  size ``--hidden``. At TP > 1 the process is rank 0 of a TP group of torch's fake process group
+  (``torch.testing._internal.distributed.fake_pg``: every collective returns at once) and
+  Megatron's ``parallel_state`` over it: the rank holds its vocab shard ``V/tp``, the labels and
+  the teacher's ids are global ids in ``[0, V)`` (about ``1/tp`` of them in the shard, as a real
+  rank sees them), and every route runs its TP code, the merges of the other ranks' parts
+  included; what is left out is the collectives' own time. Its outputs are then not the KL (the
+  other ranks' parts are missing), so the KL is compared at TP 1 only. Implementations:
 
   - ``fused``: the plugin's route (``mcore_ppo.integrations.verl.distill_topk.forward_kl_topk``:
     one head pass for verl's label and the teacher's ``k`` ids, ``fused_topk`` for the student's
@@ -17,7 +23,8 @@ Two modes (``--mode step,longest``, both by default):
     log-softmax, its saved probabilities and its backward);
   - ``verl_chunked``: verl's ``use_chunked_topk`` (``verl.trainer.distillation.fsdp.losses.
     compute_forward_kl_topk`` with ``DistillationLossConfig(use_chunked_topk=True)``, chunks of
-    ``--chunk`` tokens) on the same logits.
+    ``--chunk`` tokens) on the same logits; TP 1 only (verl's FSDP loss: it takes the whole
+    vocab's logits, not a TP shard).
 
   Timed in the order A B C C B A (medians of ``--reps`` calls per visit, both visits pooled),
   the host's work queued behind a GPU spin (the GPU's time, as inside a model step); peak memory
@@ -109,10 +116,12 @@ def _peak(fn: Callable[[], object], device: str) -> float | None:
 # ------------------------------------------------------------------------------------------- step
 
 
-def step_impls(x, w, labels, t_ids, t_logps, temperature, clamp, chunk, backend, head_outputs=()):
+def step_impls(x, w, labels, t_ids, t_logps, temperature, clamp, chunk, backend, head_outputs=(), tp_group=None):
     """name -> fn() running one forward + backward, returning ``(per-token KL, d_hidden)``;
     ``head_outputs``: what the fused route's head also outputs (``entropy``, ``sum_pi_squared``:
-    verl's ``calculate_entropy`` and ``calculate_sum_pi_squared`` on that micro-batch)."""
+    verl's ``calculate_entropy`` and ``calculate_sum_pi_squared`` on that micro-batch);
+    ``tp_group``: the TP group of the fused route (verl's own reads Megatron's); without one, all
+    three routes, with one ``verl_chunked`` is left out (module doc)."""
     from verl.trainer.distillation.fsdp import losses as fsdp_losses
     from verl.trainer.distillation.megatron import losses as megatron_losses
     from verl.workers.config import DistillationConfig, DistillationLossConfig
@@ -142,7 +151,7 @@ def step_impls(x, w, labels, t_ids, t_logps, temperature, clamp, chunk, backend,
 
     def fused(h):
         student = distill_topk.Student(
-            h, w, labels, temperature, None, layout, options, "torch" if backend == "torch" else "auto", None
+            h, w, labels, temperature, tp_group, layout, options, "torch" if backend == "torch" else "auto", None
         )
         kl = distill_topk.forward_kl_topk(student, t_logps[None], t_ids[None], clamp)[0]
         kl.sum().backward()
@@ -162,10 +171,11 @@ def step_impls(x, w, labels, t_ids, t_logps, temperature, clamp, chunk, backend,
         kl.sum().backward()
         return kl.detach().reshape(-1), h.grad
 
-    return {name: (lambda f=f: run(f)) for name, f in zip(IMPLS, (fused, verl_logits, verl_chunked), strict=True)}
+    routes = (fused, verl_logits, verl_chunked) if tp_group is None else (fused, verl_logits)
+    return {name: (lambda f=f: run(f)) for name, f in zip(IMPLS, routes, strict=False)}
 
 
-def floor_impls(x, w, k: int, temperature: float, backend: str) -> dict[str, Callable[[], object]]:
+def floor_impls(x, w, k: int, temperature: float, backend: str, tp_group=None) -> dict[str, Callable[[], object]]:
     """The yardsticks timed beside the routes: ``gemm4``, the four-GEMM floor of a recompute
     design (the logits GEMM in the forward and again in the backward, then ``dz @ W`` and
     ``dzᵀ @ x``; bf16 inputs, fp32 logits), and ``student_topk``, the fused route's own pass for
@@ -181,44 +191,57 @@ def floor_impls(x, w, k: int, temperature: float, backend: str) -> dict[str, Cal
 
     def student_topk():
         impl = "torch" if backend == "torch" else "auto"
-        return fused_topk(x, w.detach(), k, temperature=temperature, impl=impl, validate=False).ids
+        return fused_topk(x, w.detach(), k, temperature=temperature, tp_group=tp_group, impl=impl, validate=False).ids
 
     return {"gemm4": gemm4, "student_topk": student_topk}
 
 
 def run_step(args, device: str, tp: int, report: dict) -> bool:
+    """One ``--tp`` row of step mode, run inside :func:`rank_of` ``(device, tp)``; False when a
+    route's KL is off verl's logits path's by more than ``KL_TOL`` (compared at TP 1)."""
+    from megatron.core import parallel_state
+
+    if args.vocab % tp:
+        raise ValueError(f"--vocab {args.vocab} does not split over TP {tp}")
+    tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     gen = torch.Generator().manual_seed(args.seed + tp)
-    shard = args.vocab // tp
+    shard = args.vocab // tp  # rank 0's: the vocab's rows [0, V/tp)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x = (torch.randn(args.tokens, args.hidden, generator=gen) / args.hidden**0.25).to(device, dtype)
     w = (torch.randn(shard, args.hidden, generator=gen) / args.hidden**0.25).to(device, dtype).requires_grad_()
-    labels = torch.randint(0, shard, (args.tokens,), generator=gen).to(device)
-    t_ids, t_logps = (t.to(device) for t in teacher_topk(args.tokens, shard, args.k, gen))
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=gen).to(device)
+    t_ids, t_logps = (t.to(device) for t in teacher_topk(args.tokens, args.vocab, args.k, gen))
     outputs = tuple(name for name in args.head_outputs.split(",") if name)
-    impls = step_impls(x, w, labels, t_ids, t_logps, args.temperature, args.clamp, args.chunk, args.backend, outputs)
+    impls = step_impls(
+        x, w, labels, t_ids, t_logps, args.temperature, args.clamp, args.chunk, args.backend, outputs, tp_group
+    )
+    names = tuple(impls)
     clock = _clock(device)
     row: dict = {
         "tp": tp, "vocab_shard": shard, "k": args.k, "tokens": args.tokens, "hidden": args.hidden,
-        "fused_head_outputs": list(outputs),
+        "fused_head_outputs": list(outputs), "teacher_ids_in_shard": float((t_ids < shard).float().mean()),
+        "labels_in_shard": float((labels < shard).float().mean()),
     }  # fmt: skip
-    results = {name: impls[name]() for name in IMPLS}  # warm-up, and the outputs compared
+    results = {name: impls[name]() for name in names}  # warm-up, and the outputs compared
     ref_kl, ref_dh = results["verl_logits"]
     ok = True
-    parts = floor_impls(x, w, args.k, args.temperature, args.backend)
+    parts = floor_impls(x, w, args.k, args.temperature, args.backend, tp_group)
     for fn in parts.values():
         fn()  # warm-up
-    order = (*parts, *IMPLS, *reversed(IMPLS), *reversed(parts))
-    times: dict[str, list[float]] = {name: [] for name in (*IMPLS, *parts)}
+    order = (*parts, *names, *reversed(names), *reversed(parts))
+    times: dict[str, list[float]] = {name: [] for name in (*names, *parts)}
     for name in order:
         times[name] += clock(parts[name] if name in parts else impls[name], args.reps)
     floor = statistics.median(times["gemm4"])
     row["gemm4_ms"] = floor
     row["student_topk_ms"] = statistics.median(times["student_topk"])
-    for name in IMPLS:
+    for name in names:
         kl, dh = results[name]
-        kl_err = float(((kl.float() - ref_kl.float()).abs() / (1 + ref_kl.float().abs())).max())
-        dh_err = float((dh.float() - ref_dh.float()).norm() / ref_dh.float().norm())
-        ok &= kl_err <= KL_TOL
+        kl_err = dh_err = None  # one rank of a fake group: not the KL (module doc)
+        if tp_group is None:
+            kl_err = float(((kl.float() - ref_kl.float()).abs() / (1 + ref_kl.float().abs())).max())
+            dh_err = float((dh.float() - ref_dh.float()).norm() / ref_dh.float().norm())
+            ok &= kl_err <= KL_TOL
         gc.collect()
         row[name] = {
             "ms": statistics.median(times[name]),
@@ -316,12 +339,16 @@ def markdown(report: dict) -> str:
             "|---" * 9 + "|",
         ]
         for row in report["step"]:
-            for name in IMPLS:
+            if "error" in row:
+                lines.append(f"| {row['tp']} | failed: see the JSON |" + " |" * 7)
+                continue
+            for name in (name for name in IMPLS if name in row):
                 r = row[name]
                 peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+                kl = r["kl_max_rel_vs_verl_logits"]
                 lines.append(
                     f"| {row['tp']} | {row['vocab_shard']} | {row['k']} | {row['tokens']} | {name} | {r['ms']:.2f} | "
-                    f"{r['ratio_to_gemm4']:.2f} | {peak} | {r['kl_max_rel_vs_verl_logits']:.1e} |"
+                    f"{r['ratio_to_gemm4']:.2f} | {peak} | {'-' if kl is None else f'{kl:.1e}'} |"
                 )
             lines.append(
                 f"| {row['tp']} | {row['vocab_shard']} | {row['k']} | {row['tokens']} | four-GEMM floor "
@@ -334,18 +361,24 @@ def markdown(report: dict) -> str:
 
 
 @contextlib.contextmanager
-def one_rank(device: str):
-    """A one-rank process group and Megatron's parallel_state at TP 1 (verl's KL reads its TP
-    group); the CPU shims on the CPU."""
+def rank_of(device: str, tp: int = 1):
+    """Rank 0 of a world of ``tp`` ranks and Megatron's parallel_state at TP ``tp`` (verl's KL
+    reads its TP group); the CPU shims on the CPU. One rank is a real process group (nccl, gloo);
+    more are torch's fake process group, whose collectives return at once (module doc)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from mcore_ppo_testing.real_verl import use_ray_standin
 
     use_ray_standin()
-    rendezvous = Path(tempfile.mkdtemp()) / "rendezvous"
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=0,
-                            world_size=1)  # fmt: skip
+    if tp == 1:
+        rendezvous = Path(tempfile.mkdtemp()) / "rendezvous"
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=0,
+                                world_size=1)  # fmt: skip
+    else:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     if device == "cpu":
         from mcore_ppo_testing.cpu_shims import cpu_shims
 
@@ -353,7 +386,7 @@ def one_rank(device: str):
     else:
         shims = contextlib.nullcontext()
     with shims:
-        parallel_state.initialize_model_parallel(1)
+        parallel_state.initialize_model_parallel(tp, create_gloo_process_groups=False)
         try:
             yield
         finally:
@@ -403,19 +436,20 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "bench_verl_distill.json").write_text(json.dumps(report, indent=2))
         (args.out / "bench_verl_distill.md").write_text(markdown(report))
 
-    with one_rank(device):
-        if "step" in modes:
-            for tp in (int(t) for t in args.tp.split(",")):
-                try:
+    if "step" in modes:
+        for tp in (int(t) for t in args.tp.split(",")):
+            try:
+                with rank_of(device, tp):
                     ok &= run_step(args, device, tp, report)
-                except Exception:
-                    traceback.print_exc()
-                    report["step"].append({"tp": tp, "error": traceback.format_exc(limit=3)})
-                    ok = False
-                save()
-        if "longest" in modes:
-            run_longest(args, device, report)
+            except Exception:
+                traceback.print_exc()
+                report["step"].append({"tp": tp, "error": traceback.format_exc(limit=3)})
+                ok = False
             save()
+    if "longest" in modes:
+        with rank_of(device):
+            run_longest(args, device, report)
+        save()
     print(markdown(report))
     return 0 if ok else 1
 
