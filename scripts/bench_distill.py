@@ -7,6 +7,14 @@ A B C D D C B A (medians of ``--reps`` calls per visit, both visits pooled):
 
 - ``gemm``: one cuBLAS GEMM ``hidden @ W_shard.T`` with bf16 inputs and an fp32 output (the floor);
 - ``triton``: ``fused_topk(..., impl="triton")`` (the fused kernel + the candidates' selection);
+- ``triton_statistics``: ``topk_and_statistics(..., statistics=<entropy, Σπ²>, impl="triton")``,
+  the same pass with the head's ``lse``, entropy and Σπ² of every token also reduced and
+  finished (what verl's route hands the head with those outputs on);
+- ``triton_rank`` (TP > 1): ``fused_topk(..., tp_group=)`` as rank 0 of a TP group of torch's
+  fake process group (``torch.testing._internal.distributed.fake_pg``, a world of the largest
+  ``--tp``; its collectives return at once): the shard's pass and the merge of the ranks'
+  candidates, all of a rank's GPU work but the all-gather's own time. The fake all-gather gives
+  no other rank's candidates, so its ids are not compared with fp64;
 - ``torch``: ``fused_topk(..., impl="torch")`` (chunked cuBLAS GEMMs + ``torch.topk``);
 - ``naive``: full fp32 logits per token chunk of ``--naive-chunk`` tokens, ``log_softmax``,
   ``torch.topk``, tail ``log(1 - Σ p_topk)`` (what a plain PyTorch teacher does).
@@ -57,8 +65,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcore_ppo.backends.triton_host import GemmConfig, mm_fp32
 from mcore_ppo.distill import topk_triton
-from mcore_ppo.distill.topk import fused_topk
+from mcore_ppo.distill.topk import fused_topk, topk_and_statistics
 from mcore_ppo.distill.topk_config import TopKConfig
+from mcore_ppo.statistics import Statistics
 from mcore_ppo_testing.bench import GIB, event_times, fp32_gemm_path
 from mcore_ppo_testing.topk_reference import full_pairs
 
@@ -176,16 +185,27 @@ def _setting(name: str, text: str):
     return int(text)
 
 
+# The head's optional outputs that verl's route can ask of the student's top-k pass.
+HEAD_STATISTICS = Statistics.named(["entropy", "sum_pi_squared"])
+
+
 def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
+    """Every implementation at one (V, tp, k): times, peak memory, errors against fp64."""
     v = vocab // tp
     shard = w[:v]
     temperature = args.temperature
     impls = {
         "gemm": lambda: gemm_fp32(x, shard),
         "triton": lambda: fused_topk(x, shard, k, temperature=temperature, impl="triton"),
+        "triton_statistics": lambda: topk_and_statistics(
+            x, shard, k, statistics=HEAD_STATISTICS, temperature=temperature, impl="triton"
+        )[0],
         "torch": lambda: fused_topk(x, shard, k, temperature=temperature, impl="torch"),
         "naive": lambda: naive_topk(x, shard, k, temperature, args.naive_chunk),
     }
+    if tp > 1:
+        group = fake_tp_group(tp, max(int(t) for t in args.tp.split(",")))
+        impls["triton_rank"] = lambda: fused_topk(x, shard, k, temperature=temperature, impl="triton", tp_group=group)
     variants = parse_variants(args.triton_variants)
     settings = {}
     for name, config in variants:
@@ -232,7 +252,7 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
             # The variant's config as its fields: the JSON holds plain values.
             entry["settings"] = dataclasses.asdict(settings[name])
         entry["peak_extra_gib"] = peak_extra_bytes(impls[name]) / GIB
-        if name != "gemm":
+        if name not in ("gemm", "triton_rank"):
             out = impls[name]()
             entry.update(errors(tuple(out), ref, rows))
             del out
@@ -244,6 +264,18 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
     if args.profile and k == max(args.k_list):
         result["triton_profile"] = profile_once(impls["triton"])
     return result
+
+
+def fake_tp_group(tp: int, world: int) -> torch.distributed.ProcessGroup:
+    """Ranks ``[0, tp)`` of a fake world of ``world`` ranks (made on the first call) whose
+    rank 0 this process is: every collective returns at once, so a TP call runs all of one
+    rank's own work."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return dist.new_group(list(range(tp)))
 
 
 def markdown(results: list[dict]) -> str:
