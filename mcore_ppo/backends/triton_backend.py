@@ -41,8 +41,8 @@ import torch
 
 from mcore_ppo.backends import registry
 from mcore_ppo.backends.base import Capabilities, GradientRequest, HeadForward, SavedTokens, ShardStatistics
-from mcore_ppo.backends.torch_backend import TorchBackend
-from mcore_ppo.backends.triton_config import FP32_TILES, TritonConfig
+from mcore_ppo.backends.torch_backend import TorchBackend, TorchConfig
+from mcore_ppo.backends.triton_config import FP32_TILES, IEEE_BLOCKS, TritonConfig
 from mcore_ppo.backends.triton_forward import fused_head_forward, statistics_launch
 from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer, vocab_chunk
 from mcore_ppo.backends.triton_host import (
@@ -113,6 +113,8 @@ class TritonBackend:
             fused_forward=self.config.fused_forward, weight_grad_in_weight_dtype=True, writes_weight_grad=True
         )
         self._reference = TorchBackend()
+        tokens, vocab = IEEE_BLOCKS
+        self._cublas_ieee = TorchBackend(TorchConfig(token_chunk=tokens, vocab_chunk=vocab, precision="ieee"))
         self._plans: dict[tuple, LaunchPlan] = {}
         self.op_key = registry.register(self)  # the key the head's ops name it by
 
@@ -125,19 +127,38 @@ class TritonBackend:
             )
         return None
 
-    def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-        # fp64 (gradcheck), empty problems and meta tensors (shape inference) go to the chunked reference.
+    def _ieee_by_cublas(self, hidden: torch.Tensor) -> bool:
+        """fp32 CUDA operands under IEEE dots go to cuBLAS (:attr:`TritonConfig.ieee_gemms`):
+        where cuBLAS's fp32 GEMMs are IEEE, they are the fastest IEEE dots there are."""
+        return (
+            hidden.dtype == torch.float32
+            and hidden.is_cuda
+            and self.config.ieee_gemms == "cublas"
+            and Numerics.of(torch.float32, self.config.precision).dot == "ieee"
+            and not torch.backends.cuda.matmul.allow_tf32
+        )
+
+    def _delegate(self, hidden: torch.Tensor, weight: torch.Tensor) -> TorchBackend | None:
+        """The torch backend these inputs run on instead of the kernels: the chunked reference
+        for fp64 (gradcheck), empty problems and meta tensors (shape inference), the cuBLAS route
+        for IEEE fp32 dots (:meth:`_ieee_by_cublas`); None for the kernels' own."""
+        if _takes_reference(hidden, weight):
+            return self._reference
+        return self._cublas_ieee if self._ieee_by_cublas(hidden) else None
+
+    def _fallback(self, hidden: torch.Tensor, weight: torch.Tensor) -> TorchBackend | None:
+        """:meth:`_delegate`, once the inputs are known to run here (ValueError otherwise)."""
         reason = self.unsupported(hidden)
         if reason is not None:
             raise ValueError(f"backend='triton' cannot run these inputs: {reason}")
         if hidden.dtype == torch.float64:
             log_once(logging.INFO, ("triton-fallback", "fp64"), "mcore_ppo: triton backend -> torch reference: fp64")
-        return _takes_reference(hidden, weight)
+        return self._delegate(hidden, weight)
 
     def fused_forward_for(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         """The one-label forward runs in :meth:`head_forward` (unless ``fused_forward=False``)
-        for every input but those the torch reference takes (fp64, empty, meta)."""
-        return self.config.fused_forward and not _takes_reference(hidden, weight)
+        for every input but those a torch backend takes (:meth:`_delegate`)."""
+        return self.config.fused_forward and self._delegate(hidden, weight) is None
 
     def residual_spec(
         self,
@@ -151,8 +172,8 @@ class TritonBackend:
     ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         """The residual's ``(shape, dtype)`` by :data:`BUFFER_RESIDUAL` when the buffer fits the
         budget, else :data:`ROW_ORDER_RESIDUAL` for :meth:`head_forward` and nothing for
-        :meth:`shard_statistics`; nothing without a backward or for the reference's inputs."""
-        if not grad_needed or _takes_reference(hidden, weight):
+        :meth:`shard_statistics`; nothing without a backward or for a torch backend's inputs."""
+        if not grad_needed or self._delegate(hidden, weight) is not None:
             return ()
         n, v = hidden.shape[0], weight.shape[0]
         store, n_tiles_v = buffer_decision(self.config, self.forward_config_for(v, hidden.dtype), n, v, hidden.dtype)
@@ -175,8 +196,9 @@ class TritonBackend:
         """fp32 statistics over this shard (its max, the terms of ``statistics``, the label
         logit), and with ``grad_needed`` and a budget that fits, the probability buffer as
         residual (:data:`BUFFER_RESIDUAL`); see the Backend protocol."""
-        if self._fallback(hidden, weight):
-            return self._reference.shard_statistics(
+        delegate = self._fallback(hidden, weight)
+        if delegate is not None:
+            return delegate.shard_statistics(
                 hidden, weight, local_labels, valid, temperature, grad_needed=False, statistics=statistics
             )
         hidden, weight = rowmajor(hidden), rowmajor(weight)
@@ -216,7 +238,7 @@ class TritonBackend:
         from the sums (``finish_kernel``): no torch op between the launches. None (the caller runs
         the generic path) where :meth:`shard_statistics` would fall back to the reference. The
         same launches carry every term of ``statistics`` (their planes are kernel constexprs)."""
-        if self._fallback(hidden, weight):
+        if self._fallback(hidden, weight) is not None:
             return None
 
         hidden, weight = rowmajor(hidden), rowmajor(weight)
@@ -286,8 +308,9 @@ class TritonBackend:
     ) -> torch.Tensor:
         """The logits at ``k`` local ids per token (``gather_dot_kernel``; the reference's for
         fp64 and empty inputs); see the Backend protocol."""
-        if self._fallback(hidden, weight):
-            return self._reference.gather_logits(hidden, weight, local_ids, temperature)
+        delegate = self._fallback(hidden, weight)
+        if delegate is not None:
+            return delegate.gather_logits(hidden, weight, local_ids, temperature)
         return gather_logits(self.config, self.launcher.bound(), hidden, weight, local_ids, temperature)
 
     def shard_gradients(
@@ -303,10 +326,11 @@ class TritonBackend:
         from fp32 accumulation): from the forward's buffer when ``saved`` carries one, else by
         recomputing the logits; see the Backend protocol. A ``request.sparse`` is added to
         ``dz`` before the GEMMs (:mod:`mcore_ppo.backends.triton_ids`)."""
-        if self._fallback(hidden, weight):
-            if request.weight_grad_unset:  # the reference adds into d_W
+        delegate = self._fallback(hidden, weight)
+        if delegate is not None:
+            if request.weight_grad_unset:  # the torch backend adds into d_W
                 request.weight_grad.zero_()
-            return self._reference.shard_gradients(hidden, weight, saved, request, temperature=temperature)
+            return delegate.shard_gradients(hidden, weight, saved, request, temperature=temperature)
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         buffered = len(saved.residual) == len(BUFFER_RESIDUAL)
         plan = None

@@ -36,6 +36,12 @@ FP32_TILES = {
         GPU_BACKWARD,
     ),
 }
+#: Where IEEE fp32 dots of CUDA operands are formed (:attr:`TritonConfig.ieee_gemms`).
+IEEE_GEMMS = ("cublas", "kernels")
+#: ``(token_chunk, vocab_chunk)`` of the cuBLAS route of IEEE fp32 dots: at qwen7b's TP 8 shard
+#: (4,096 tokens, one H200) the forward took 1.17× cuBLAS's one IEEE GEMM at 4,096 × 8,192,
+#: 1.23× at the torch backend's default 2,048 × 4,096 (128 MiB of fp32 logits per block).
+IEEE_BLOCKS = (4096, 8192)
 #: Small tiles for the CPU interpreter (``TRITON_INTERPRET=1``, tests).
 INTERPRETER_FORWARD = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 INTERPRETER_BACKWARD = replace(INTERPRETER_FORWARD, tiles_per_split=1)
@@ -82,6 +88,12 @@ class TritonConfig:
             ``"auto"`` and ``"ieee"`` IEEE fp32 dots, ``"fp32_faithful"`` three TF32 products
             per dot (``tf32x3``), in the forward and in the backward's recompute; 16-bit
             operands are unaffected (their products are exact).
+        ieee_gemms: where IEEE fp32 dots of CUDA operands are formed. ``"cublas"``: cuBLAS's
+            fp32 GEMMs in blocks of :data:`IEEE_BLOCKS` (the torch backend's chunked pass, no
+            ``[n, V]`` logits), where cuBLAS's fp32 GEMMs are IEEE (torch's default: TF32 not
+            allowed by ``torch.backends.cuda.matmul``), else the kernels' own; ``"kernels"``:
+            the kernels' SIMT dots always (3-4× cuBLAS's GEMM time: cuBLAS runs IEEE fp32 at
+            its roofline, the kernels' tiles do not).
     """
 
     forward_config: GemmConfig | None = None
@@ -101,6 +113,7 @@ class TritonConfig:
     gather_rows: tuple[int, int, int] = (16, 256, 4)
     gather_scan_slots: int = 64
     precision: str = "auto"
+    ieee_gemms: str = "cublas"
 
     def __post_init__(self) -> None:
         for name in ("forward_config", "backward_config"):
@@ -119,6 +132,10 @@ class TritonConfig:
         check_positive_int("onehot_add_elements", self.onehot_add_elements)
         check_positive_int("gather_scan_slots", self.gather_scan_slots)
         check_precision(self.precision)
+        if not isinstance(self.ieee_gemms, str):
+            raise TypeError(f"ieee_gemms must be a str, one of {IEEE_GEMMS}, got {type(self.ieee_gemms).__name__}")
+        if self.ieee_gemms not in IEEE_GEMMS:
+            raise ValueError(f"ieee_gemms must be one of {IEEE_GEMMS}, got {self.ieee_gemms!r}")
         if not self.forward_tiles_per_split or any(t < 1 for t in self.forward_tiles_per_split):
             raise ValueError(f"forward_tiles_per_split must be ints >= 1, got {self.forward_tiles_per_split}")
 

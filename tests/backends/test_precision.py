@@ -206,3 +206,53 @@ def test_a_precision_compiles_in_one_graph(hidden_dtype):
         results.append((lp.detach(), ent.detach(), x.grad, w.grad))
     for eager, traced in zip(*results, strict=True):
         torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-7, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.skipif(import_optional("triton") is None, reason="needs the triton package (the backend's module)")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_ieee_dots_of_cuda_operands_go_to_cublas(precision):
+    """fp32 CUDA operands under IEEE dots run on cuBLAS (the torch backend's chunked pass over
+    :data:`~mcore_ppo.backends.triton_config.IEEE_BLOCKS`) while cuBLAS's fp32 GEMMs are IEEE;
+    with TF32 allowed process-wide, under ``ieee_gemms="kernels"``, for 3×TF32 dots and for
+    16-bit operands the kernels run. Decided on fake CUDA tensors (no GPU needed); the GPU test
+    (tests/gpu/test_gpu_precision.py) runs both routes."""
+    from mcore_ppo.backends import TritonBackend, TritonConfig
+    from mcore_ppo.backends.triton_config import IEEE_BLOCKS
+
+    cublas = TritonBackend(TritonConfig(precision=precision))
+    kernels = TritonBackend(TritonConfig(precision=precision, ieee_gemms="kernels"))
+    assert (cublas._cublas_ieee.config.token_chunk, cublas._cublas_ieee.config.vocab_chunk) == IEEE_BLOCKS
+    ieee = Numerics.of(torch.float32, precision).dot == "ieee"
+    matmul = torch.backends.cuda.matmul
+    allowed = matmul.allow_tf32  # a property of torch's (monkeypatch cannot restore it)
+    matmul.allow_tf32 = False
+    try:
+        _check_routes(cublas, kernels, ieee)
+    finally:
+        matmul.allow_tf32 = allowed
+
+
+def _check_routes(cublas, kernels, ieee: bool) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x32, w32 = torch.empty(8, 16, device="cuda"), torch.empty(40, 16, device="cuda")
+        x16, w16 = x32.bfloat16(), w32.bfloat16()
+        assert (cublas._delegate(x32, w32) is cublas._cublas_ieee) == ieee
+        assert cublas.fused_forward_for(x32, w32) == (not ieee)
+        assert cublas.residual_spec(x32, w32, fused=False, grad_needed=True, statistics=mcore_ppo.statistics.DEFAULT,
+                                    row_temperature=False) == () or not ieee  # fmt: skip
+        assert cublas._delegate(x16, w16) is None and cublas.fused_forward_for(x16, w16)
+        assert kernels._delegate(x32, w32) is None and kernels.fused_forward_for(x32, w32)
+        torch.backends.cuda.matmul.allow_tf32 = True  # restored by the caller
+        assert cublas._delegate(x32, w32) is None, "TF32 cuBLAS GEMMs are not IEEE: the kernels' dots run"
+    with FakeTensorMode():  # CPU operands (the interpreter) keep the kernels' dots
+        assert cublas._delegate(torch.empty(8, 16), torch.empty(40, 16)) is None
+
+
+@pytest.mark.parametrize("bad,error", [("cuBLAS", ValueError), ("torch", ValueError), (None, TypeError)])
+def test_bad_ieee_gemms_is_refused_naming_it(bad, error):
+    from mcore_ppo.backends import TritonConfig
+
+    with pytest.raises(error, match="ieee_gemms"):
+        TritonConfig(ieee_gemms=bad)

@@ -99,7 +99,8 @@ def _fast_path_cases(launcher):
 
     for n, h, v, dtype, ignored, offset, budget, workspace in CASES:
         chunks = {} if workspace is None else {"workspace_bytes": workspace}
-        config = TritonConfig(buffer_budget_bytes=budget, **chunks)
+        # fp32 operands through the kernels' own IEEE dots (the default takes cuBLAS's).
+        config = TritonConfig(buffer_budget_bytes=budget, ieee_gemms="kernels", **chunks)
         backend = TritonBackend(config, launcher=launcher)
         x, w, labels, g, e = _make(n, h, v, dtype, ignored, seed=n + offset, offset=offset)
         normal = _run(TritonBackend(replace(config, kept_kernels=False)), x, w, labels, g, e)

@@ -4,7 +4,9 @@ Run on a GPU (``pytest tests/gpu/test_gpu_precision.py``); skipped without CUDA.
 
 - ``auto`` and ``ieee``: IEEE fp32 dots; outputs and gradients within the head's fp32 bound,
   1e-5 of the fp64 result (relative to the tensor's largest value), in both backward modes
-  (buffer and recompute).
+  (buffer and recompute), through cuBLAS (the default ``ieee_gemms="cublas"``: the torch
+  backend's chunked pass, bit for bit) and through the kernels' own dots (``"kernels"``, and
+  the default when TF32 is allowed process-wide).
 - ``fp32_faithful`` (three TF32 products per dot in the triton kernels): as accurate as the
   IEEE path on the same data, 2e-6 or less. The entropy's fp32 rounding alone (a difference
   of sums of terms up to |z|) reaches a few 1e-6 relative at logits of scale 3, the same for
@@ -64,18 +66,47 @@ def test_fp32_precisions_match_fp64(mode):
     ref = _run(x, w, labels, g, e, backend="torch")  # fp64 inputs: the fp64 head
     budget = 1 << 34 if mode == "buffer" else 0
     errors = {}
-    for precision in ("ieee", "auto", "fp32_faithful"):
-        backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget, precision=precision))
+    for precision, gemms in (("ieee", "cublas"), ("ieee", "kernels"), ("auto", "cublas"), ("fp32_faithful", "cublas")):
+        backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget, precision=precision, ieee_gemms=gemms))
         out = _run(x.float(), w.float(), labels, g, e, backend=backend)
-        errors[precision] = {name: _relative(out[name], ref[name]) for name in ref}
+        errors[precision if gemms == "cublas" else f"{precision} {gemms}"] = {
+            name: _relative(out[name], ref[name]) for name in ref
+        }
     where = f"({mode}, seed {seed}): {errors}"
-    for precision in ("ieee", "auto"):
+    for precision in ("ieee", "ieee kernels", "auto"):
         assert all(err <= FP32_RTOL for err in errors[precision].values()), f"{precision} {where}"
     for name in ("log_prob", "entropy"):
         bound = max(FAITHFUL_RTOL, 1.5 * errors["ieee"][name])
         assert errors["fp32_faithful"][name] <= bound, f"fp32_faithful {name} > {bound:.2e} {where}"
     for name in ("d_hidden", "d_weight"):
         assert errors["fp32_faithful"][name] <= FP32_RTOL, f"fp32_faithful {name} {where}"
+
+
+def test_ieee_dots_run_on_cublas_unless_tf32_is_allowed():
+    """The default IEEE route is the torch backend's pass over the cuBLAS blocks, bit for bit
+    (outputs and gradients); with TF32 allowed process-wide, cuBLAS's fp32 GEMMs are not IEEE
+    and the kernels' own dots run, bit for bit those of ``ieee_gemms="kernels"``."""
+    from mcore_ppo.backends import TorchBackend, TorchConfig
+    from mcore_ppo.backends.triton_config import IEEE_BLOCKS
+
+    seed = next_seed()
+    x, w, labels, g, e = (t.float() if t.is_floating_point() else t for t in _inputs(seed))
+    default = TritonBackend(TritonConfig(precision="ieee"))
+    blocks = TorchBackend(TorchConfig(token_chunk=IEEE_BLOCKS[0], vocab_chunk=IEEE_BLOCKS[1]))
+    kernels = TritonBackend(TritonConfig(precision="ieee", ieee_gemms="kernels"))
+    by_default, by_torch = _run(x, w, labels, g, e, backend=default), _run(x, w, labels, g, e, backend=blocks)
+    for name in by_default:
+        assert torch.equal(by_default[name], by_torch[name]), (name, seed)
+    matmul = torch.backends.cuda.matmul
+    allowed = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        with_tf32, by_kernels = _run(x, w, labels, g, e, backend=default), _run(x, w, labels, g, e, backend=kernels)
+    finally:
+        matmul.allow_tf32 = allowed
+    for name in ("log_prob", "entropy"):  # the backward's GEMMs are cuBLAS's: TF32 there
+        assert torch.equal(with_tf32[name], by_kernels[name]), (name, seed)
+        assert not torch.equal(with_tf32[name], by_default[name]), (name, seed)
 
 
 def test_faithful_runs_its_own_kernels():
