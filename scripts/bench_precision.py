@@ -12,11 +12,14 @@ pooled; CUDA-event GPU time, host latency hidden behind a spin):
 - ``fp32_ieee_gemm``: cuBLAS's IEEE fp32 GEMM of the fp32 operands (TF32 off);
 - ``faithful``: the head's forward (a training call: inputs require grad) with
   ``precision="fp32_faithful"``;
-- ``ieee``: the same with ``precision="ieee"`` (fewer calls: it is slow).
+- ``ieee``: the same with ``precision="ieee"`` (cuBLAS's GEMMs in blocks, the default route);
+- ``ieee_kernels``: the same through the kernels' own IEEE dots (``ieee_gemms="kernels"``;
+  fewer calls: it is slow).
 
 Printed and written (``--out DIR``: ``bench_precision.json``): the times, and
-``faithful_rel_err`` / ``ieee_rel_err`` (the log-probs' and the entropy's largest error over
-the tensor's largest fp64 value), ``faithful_over_bf16_gemm`` and ``ieee_over_fp32_ieee_gemm``.
+``faithful_rel_err`` / ``ieee_rel_err`` / ``ieee_kernels_rel_err`` (the log-probs' and the
+entropy's largest error over the tensor's largest fp64 value), ``faithful_over_bf16_gemm``,
+``ieee_over_fp32_ieee_gemm`` and ``ieee_kernels_over_fp32_ieee_gemm``.
 With ``--sweep``, ``tiles_sweep``: for each precision and a few forward and backward tiles
 (:data:`SWEEP`), with the probability buffer and without (the backward recomputes the
 logits), the forward's and the forward + backward's GPU time and the gradients' error against
@@ -112,7 +115,7 @@ def _sweep(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, reps: int) ->
             name = f"{precision} fwd {forward_tiles or 'default'} bwd {backward_tiles or 'default'} {mode}"
             config = TritonConfig(
                 precision=precision, buffer_budget_bytes=budget, forward_config=gemm(forward_tiles, tiles_per_split=2),
-                backward_config=gemm(backward_tiles, tiles_per_split=1),
+                backward_config=gemm(backward_tiles, tiles_per_split=1), ieee_gemms="kernels",  # the tiles' own dots
             )  # fmt: skip
             backend = TritonBackend(config)
             xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
@@ -177,21 +180,26 @@ def main() -> int:
     labels = torch.randint(0, v, (args.tokens,), device="cuda", generator=gen)
     x16, w16 = x.bfloat16(), w.bfloat16()
     torch.backends.cuda.matmul.allow_tf32 = False
-    heads = {name: TritonBackend(TritonConfig(precision=name)) for name in ("fp32_faithful", "ieee")}
+    heads = {
+        "faithful": TritonBackend(TritonConfig(precision="fp32_faithful")),
+        "ieee": TritonBackend(TritonConfig(precision="ieee")),
+        "ieee_kernels": TritonBackend(TritonConfig(precision="ieee", ieee_gemms="kernels")),
+    }
 
-    def head(precision: str):
+    def head(name: str):
         xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
-        return lambda: mcore_ppo.fused_log_probs_and_entropy(xg, wg, labels, backend=heads[precision])
+        return lambda: mcore_ppo.fused_log_probs_and_entropy(xg, wg, labels, backend=heads[name])
 
     calls = {
         "bf16_gemm": (lambda: torch.mm(x16, w16.t()), args.reps),
         "fp32_ieee_gemm": (lambda: torch.mm(x, w.t()), args.reps),
-        "faithful": (head("fp32_faithful"), args.reps),
-        "ieee": (head("ieee"), max(1, args.reps // 3)),
+        "faithful": (head("faithful"), args.reps),
+        "ieee": (head("ieee"), args.reps),
+        "ieee_kernels": (head("ieee_kernels"), max(1, args.reps // 3)),
     }
     ref_lp, ref_ent = fp64_forward(x, w, labels)
     errors = {}
-    for name in ("faithful", "ieee"):
+    for name in heads:
         lp, ent = calls[name][0]()
         errors[name] = {"log_prob": relative(lp, ref_lp), "entropy": relative(ent, ref_ent)}
     for fn, _ in calls.values():  # warm every variant equally before any is timed
@@ -212,9 +220,11 @@ def main() -> int:
         "visits_ms": times,
         "faithful_rel_err": max(errors["faithful"].values()),
         "ieee_rel_err": max(errors["ieee"].values()),
+        "ieee_kernels_rel_err": max(errors["ieee_kernels"].values()),
         "errors": errors,
         "faithful_over_bf16_gemm": ms["faithful"] / ms["bf16_gemm"],
         "ieee_over_fp32_ieee_gemm": ms["ieee"] / ms["fp32_ieee_gemm"],
+        "ieee_kernels_over_fp32_ieee_gemm": ms["ieee_kernels"] / ms["fp32_ieee_gemm"],
         "fp32_ieee_gemm_over_bf16_gemm": ms["fp32_ieee_gemm"] / ms["bf16_gemm"],
         "tiles_sweep": sweep,
     }
