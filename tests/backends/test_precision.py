@@ -240,8 +240,10 @@ def _check_routes(cublas, kernels, ieee: bool) -> None:
         x16, w16 = x32.bfloat16(), w32.bfloat16()
         assert (cublas._delegate(x32, w32) is cublas._cublas_ieee) == ieee
         assert cublas.fused_forward_for(x32, w32) == (not ieee)
-        assert cublas.residual_spec(x32, w32, fused=False, grad_needed=True, statistics=mcore_ppo.statistics.DEFAULT,
-                                    row_temperature=False) == () or not ieee  # fmt: skip
+        spec = cublas.residual_spec(
+            x32, w32, fused=not ieee, grad_needed=True, statistics=mcore_ppo.statistics.DEFAULT, row_temperature=False
+        )
+        assert (spec == ()) == ieee, "the cuBLAS route keeps no residual: its backward recomputes"
         assert cublas._delegate(x16, w16) is None and cublas.fused_forward_for(x16, w16)
         assert kernels._delegate(x32, w32) is None and kernels.fused_forward_for(x32, w32)
         torch.backends.cuda.matmul.allow_tf32 = True  # restored by the caller
