@@ -68,11 +68,15 @@ def test_matches_fp64_on_cuda(dtype, backend, k):
 
 
 def _backend(mode: str, n: int, itemsize: int):
+    """The triton backend in ``mode``, fp32 operands through its kernels' own IEEE dots (the
+    default sends them to cuBLAS, the torch backend's pass: no fold to test there)."""
     from mcore_ppo.backends import TritonBackend, TritonConfig
 
     if mode == "recompute":  # no buffer; a workspace of 4096 columns: 8 vocab chunks of 32k
-        return TritonBackend(TritonConfig(buffer_budget_bytes=0, workspace_bytes=n * itemsize * 4096))
-    return TritonBackend(TritonConfig(buffer_budget_bytes=1 << 34))
+        return TritonBackend(
+            TritonConfig(buffer_budget_bytes=0, workspace_bytes=n * itemsize * 4096, ieee_gemms="kernels")
+        )
+    return TritonBackend(TritonConfig(buffer_budget_bytes=1 << 34, ieee_gemms="kernels"))
 
 
 @pytest.mark.parametrize("share", ["whole", "one_of_8"])
