@@ -16,6 +16,8 @@ entries it returns, so the selection sorts instead.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mcore_ppo.parallel.combine import combine_log_sum_exp, rescale_factor
@@ -25,19 +27,53 @@ from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 __all__ = ["fold_into_statistics", "merge_topk_over_ranks", "select_topk"]
 
 
+#: Ids below this fit the low half of an fp32 entry's order key (:func:`_order_keys`).
+_KEY_IDS = 1 << 32
+_LOW_BITS = _KEY_IDS - 1
+
+
+def _order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One int64 per fp32 entry whose order is the tie rule's: the value's bits, made monotonic
+    as a signed int (negative floats' low 31 bits flipped; -0 counted as +0), in the high half,
+    and ``2^32 - 1 - id`` (the smaller id the larger key) in the low half. Distinct ids give
+    distinct keys, so ``torch.topk`` of the keys has no tie to break."""
+    bits = (values + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0 becomes +0
+    high = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return high * _KEY_IDS + (_LOW_BITS - ids)
+
+
+def _key_values(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, ids)`` of :func:`_order_keys`' keys."""
+    high = keys >> 32  # arithmetic: the signed high half
+    bits = torch.where(high < 0, high ^ 0x7FFFFFFF, high)
+    return bits.to(torch.int32).view(torch.float32), _LOW_BITS - (keys & _LOW_BITS)
+
+
 def select_topk(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``k`` largest of ``values [n, c]`` per row, by the tie rule (module doc).
 
     ``ids [n, c]`` are distinct within a row (global vocab ids). Returns ``(top_values [n, k'],
-    top_ids [n, k'], dropped_values [n, c - k'])`` with ``k' = min(k, c)``, the top entries in
-    descending order, equal values by ascending id.
+    top_ids [n, k'], dropped_values)`` with ``k' = min(k, c)``, the top entries in descending
+    order, equal values by ascending id; ``dropped_values`` holds the other entries' values:
+    ``[n, c - k']`` of them, or for fp32 values ``[n, c]`` with ``-inf`` in the kept entries'
+    places (both add the same to a log-sum-exp or :func:`fold_into_statistics`).
+
+    fp32 values with ids below 2^32 (any vocabulary) are selected by ``torch.topk`` of one
+    int64 key per entry (:func:`_order_keys`): no sort of the ``c`` entries, no gather. Other
+    dtypes sort.
     """
+    kept = min(k, values.shape[-1])
+    if values.dtype == torch.float32 and kept < values.shape[-1]:
+        keys = _order_keys(values, ids)
+        top_keys = keys.topk(kept, dim=-1, sorted=True).values
+        top_values, top_ids = _key_values(top_keys)
+        dropped = torch.where(keys < top_keys[..., -1:], values, torch.full_like(values, -math.inf))
+        return top_values, top_ids.to(ids.dtype), dropped
     by_id = ids.argsort(dim=-1)  # ids are distinct: no tie to break here
     values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
     # A stable sort keeps ascending ids among equal values.
     values, order = values.sort(stable=True, dim=-1, descending=True)
     ids = ids.gather(-1, order)
-    kept = min(k, values.shape[-1])
     return values[..., :kept], ids[..., :kept], values[..., kept:]
 
 
