@@ -11,7 +11,8 @@ exact to rounding however small it is.
 
 Tie rule, the same on every rank and run: larger value first, and among equal values the smaller
 global id (:func:`select_topk`). ``torch.topk`` alone does not promise which of several equal
-entries it returns, so the selection sorts instead.
+entries it returns, so the selection ranks fp32 entries by keys that hold the id too (no two
+equal) and sorts other dtypes.
 """
 
 from __future__ import annotations
