@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import platform
@@ -69,6 +70,7 @@ from mcore_ppo.distill.topk import fused_topk, topk_and_statistics
 from mcore_ppo.distill.topk_config import TopKConfig
 from mcore_ppo.statistics import Statistics
 from mcore_ppo_testing.bench import GIB, event_times, fp32_gemm_path
+from mcore_ppo_testing.fake_ranks import init_fake_world
 from mcore_ppo_testing.topk_reference import full_pairs
 
 
@@ -266,15 +268,14 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
     return result
 
 
+@functools.cache
 def fake_tp_group(tp: int, world: int) -> torch.distributed.ProcessGroup:
     """Ranks ``[0, tp)`` of a fake world of ``world`` ranks (made on the first call) whose
-    rank 0 this process is: every collective returns at once, so a TP call runs all of one
-    rank's own work."""
+    rank 0 this process is (:mod:`mcore_ppo_testing.fake_ranks`); one group per ``tp``."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        init_fake_world(world)
     return dist.new_group(list(range(tp)))
 
 

@@ -376,9 +376,9 @@ def rank_of(device: str, tp: int = 1):
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=0,
                                 world_size=1)  # fmt: skip
     else:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from mcore_ppo_testing.fake_ranks import init_fake_world
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+        init_fake_world(tp)
     if device == "cpu":
         from mcore_ppo_testing.cpu_shims import cpu_shims
 
