@@ -37,7 +37,9 @@ def _order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """One int64 per fp32 entry whose order is the tie rule's: the value's bits, made monotonic
     as a signed int (negative floats' low 31 bits flipped; -0 counted as +0), in the high half,
     and ``2^32 - 1 - id`` (the smaller id the larger key) in the low half. Distinct ids give
-    distinct keys, so ``torch.topk`` of the keys has no tie to break."""
+    distinct keys, so ``torch.topk`` of the keys has no tie to break. The same transform as the
+    kernels' ``ordered_bits`` / ``order_key`` (``mcore_ppo/kernels/common.py``), in torch ops:
+    this package may not import the kernels."""
     bits = (values + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0 becomes +0
     high = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return high * _KEY_IDS + (_LOW_BITS - ids)
@@ -68,7 +70,7 @@ def select_topk(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.
         keys = _order_keys(values, ids)
         top_keys = keys.topk(kept, dim=-1, sorted=True).values
         top_values, top_ids = _key_values(top_keys)
-        dropped = torch.where(keys < top_keys[..., -1:], values, torch.full_like(values, -math.inf))
+        dropped = values.masked_fill(keys >= top_keys[..., -1:], -math.inf)
         return top_values, top_ids.to(ids.dtype), dropped
     by_id = ids.argsort(dim=-1)  # ids are distinct: no tie to break here
     values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
