@@ -207,4 +207,4 @@ def forbid_vocab_passes(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
         for name in ("head_forward", "shard_statistics", "shard_gradients", "gather_logits"):
             monkeypatch.setattr(triton_backend.TritonBackend, name, forbidden)
     monkeypatch.setattr(topk.topk_triton, "shard_topk_triton", forbidden)
-    monkeypatch.setattr(topk, "_shard_topk", forbidden)
+    monkeypatch.setattr(topk.topk_torch, "shard_topk_torch", forbidden)

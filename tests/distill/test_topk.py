@@ -24,7 +24,7 @@ import torch
 
 import mcore_ppo
 from mcore_ppo.backends.triton_launch import Launcher
-from mcore_ppo.distill import MAX_TOPK, TopKConfig, fused_topk, topk_triton
+from mcore_ppo.distill import MAX_TOPK, TopKConfig, fused_topk, topk_torch, topk_triton
 from mcore_ppo.distill import topk as topk_module
 from mcore_ppo.numerics import cdiv, inverse_temperature
 from mcore_ppo_testing.seeds import generator, next_seed
@@ -436,7 +436,7 @@ def triton_path(monkeypatch):
         # tests are tests/gpu/test_gpu_topk.py.
         pytest.skip("the kernel runs CPU tensors only under TRITON_INTERPRET=1")
     record = KernelRecord()
-    shard_topk, recompute = topk_module._shard_topk, topk_triton._recompute_full_tiles
+    shard_topk, recompute = topk_torch.shard_topk_torch, topk_triton._recompute_full_tiles
 
     def torch_spy(tokens, *args, **kwargs):
         record.torch_rows.append(tokens.shape[0])
@@ -446,7 +446,7 @@ def triton_path(monkeypatch):
         record.full_tiles.append(full_pairs(full))
         return recompute(tokens, weight, full, *args, **kwargs)
 
-    monkeypatch.setattr(topk_module, "_shard_topk", torch_spy)
+    monkeypatch.setattr(topk_torch, "shard_topk_torch", torch_spy)
     monkeypatch.setattr(topk_triton, "_recompute_full_tiles", recompute_spy)
     return record
 
