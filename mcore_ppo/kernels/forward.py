@@ -422,30 +422,43 @@ def _log(x, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _finish_rows(
-    lse,
-    entropy,
+    m,
+    s,
+    u,
+    q,
     rows,
     valid,
     in_n,
     y_ptr,
     labels_ptr,
     stride_l,
+    lse_ptr,
+    ent_ptr,
     lp_ptr,
     ent_out_ptr,
     vocab_size,
     max_entropy,
-    sum_pi_squared,
     detached_ptr,
     N,
+    LIBDEVICE: tl.constexpr,
+    SAVE: tl.constexpr,
     U_PLANE: tl.constexpr,
     CHECK_RANGE: tl.constexpr,
     Q_PLANE: tl.constexpr,
     Q_OUT: tl.constexpr,
 ):
-    """The outputs of rows ``rows``: ``log p = min(y - lse, 0)`` (NaN for a label outside
-    ``[0, vocab_size)`` with ``CHECK_RANGE``), ``H`` clamped to ``[0, max_entropy]``, with
-    ``Q_PLANE`` Σπ² clamped to ``[1/V, 1]`` into row ``Q_OUT`` of ``detached_ptr`` (``[rows,
-    N]``), each 0 where not ``valid`` (NaN kept by the clamps, as torch's clamp keeps it)."""
+    """The outputs of rows ``rows`` from their merged max ``m`` and sums ``s``, ``u``, ``q``
+    (``u``, ``q`` read only with ``U_PLANE``, ``Q_PLANE``), as
+    :meth:`mcore_ppo.statistics.Statistics.finish` forms them: ``lse = m + log s``, ``H = log s
+    - u/s`` (both stored with ``SAVE``, for the backward), ``Σπ² = q/s²``; then ``log p = min(y -
+    lse, 0)`` (NaN for a label outside ``[0, vocab_size)`` with ``CHECK_RANGE``), ``H`` clamped to
+    ``[0, max_entropy]``, with ``Q_PLANE`` Σπ² clamped to ``[1/V, 1]`` into row ``Q_OUT`` of
+    ``detached_ptr`` (``[rows, N]``), each 0 where not ``valid`` (NaN kept by the clamps, as
+    torch's clamp keeps it)."""
+    log_s = _log(s, LIBDEVICE)
+    lse = m + log_s
+    if SAVE:
+        tl.store(lse_ptr + rows, lse, mask=in_n)
     y = tl.load(y_ptr + rows, mask=in_n, other=0.0)
     log_p = y - lse
     log_p = tl.where(log_p > 0.0, 0.0, log_p)
@@ -455,10 +468,14 @@ def _finish_rows(
         log_p = tl.where(valid & ((label < 0) | (label >= vocab_size)), float("nan"), log_p)
     tl.store(lp_ptr + rows, log_p, mask=in_n)
     if U_PLANE:
+        entropy = log_s - tl.math.div_rn(u, s)
+        if SAVE:
+            tl.store(ent_ptr + rows, entropy, mask=in_n)
         h = tl.where(entropy < 0.0, 0.0, entropy)
         h = tl.where(h > max_entropy, max_entropy, h)
         tl.store(ent_out_ptr + rows, tl.where(valid, h, 0.0), mask=in_n)
     if Q_PLANE:
+        sum_pi_squared = tl.math.div_rn(q, s * s)
         floor = 1.0 / vocab_size.to(tl.float32)
         sp = tl.where(sum_pi_squared < floor, floor, sum_pi_squared)
         sp = tl.where(sp > 1.0, 1.0, sp)
@@ -506,10 +523,8 @@ def merge_finish_kernel(
     Q_OUT: tl.constexpr = 0,
 ):
     """One shard holding the whole vocab: the merge of :func:`merge_splits_kernel` and then the
-    head's outputs in the same pass, as :meth:`mcore_ppo.statistics.Statistics.finish` forms
-    them from the merged planes: ``lse = m + log s``, ``H = log s - u/s`` (stored with ``SAVE``,
-    for the backward), ``Σπ² = q/s²``, then :func:`_finish_rows`. Ignored tokens get ``lse = H =
-    0`` and zero outputs."""
+    head's outputs from the merged planes in the same pass (:func:`_finish_rows`). Ignored
+    tokens get ``lse = H = 0`` and zero outputs."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = offs_t < N
     count = tl.load(count_ptr)
@@ -519,21 +534,11 @@ def merge_finish_kernel(
         parts_ptr, offs_t, valid, N, num_splits, BLOCK_T, BLOCK_S, U_PLANE, Q_PLANE
     )
     s = tl.where(valid, s_all, 1.0)
-    log_s = _log(s, LIBDEVICE)
-    lse = m_safe + log_s
-    if SAVE:
-        tl.store(lse_ptr + rows, lse, mask=in_n)
-    entropy = lse
-    if U_PLANE:
-        entropy = log_s - tl.math.div_rn(tl.where(valid, u_all, 0.0), s)
-        if SAVE:
-            tl.store(ent_ptr + rows, entropy, mask=in_n)
-    sum_pi_squared = s
-    if Q_PLANE:
-        sum_pi_squared = tl.math.div_rn(tl.where(valid, q_all, 1.0), s * s)
+    u = tl.where(valid, u_all, 0.0)
+    q = tl.where(valid, q_all, 1.0)
     _finish_rows(
-        lse, entropy, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
-        max_entropy, sum_pi_squared, detached_ptr, N, U_PLANE, CHECK_RANGE, Q_PLANE, Q_OUT,
+        m_safe, s, u, q, rows, valid, in_n, y_ptr, labels_ptr, stride_l, lse_ptr, ent_ptr, lp_ptr, ent_out_ptr,
+        vocab_size, max_entropy, detached_ptr, N, LIBDEVICE, SAVE, U_PLANE, CHECK_RANGE, Q_PLANE, Q_OUT,
     )  # fmt: skip
 
 
@@ -618,9 +623,8 @@ def finish_kernel(
 ):
     """Over TP, after the all-reduce SUM: the head's outputs from the group's max ``M`` and the
     summed planes of :func:`merge_to_max_kernel`, per token in place order, as
-    :func:`merge_finish_kernel` forms them from one shard's: ``lse = M + log S``, ``H = log S -
-    U/S`` (stored with ``SAVE``), ``Σπ² = Q/S²``, then :func:`_finish_rows` with ``valid = label
-    != ignore_index``. Ignored tokens get ``lse = H = 0``."""
+    :func:`merge_finish_kernel` forms them from one shard's (:func:`_finish_rows`, with ``valid =
+    label != ignore_index``). Ignored tokens get ``lse = H = 0``."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_n = rows < N
     label = tl.load(labels_ptr + rows.to(tl.int64) * stride_l, mask=in_n, other=0).to(tl.int64)
@@ -628,21 +632,13 @@ def finish_kernel(
     plane = N.to(tl.int64)
     m = tl.load(max_ptr + rows, mask=valid, other=0.0)
     s = tl.load(sums_ptr + plane + rows, mask=valid, other=1.0)
-    log_s = _log(s, LIBDEVICE)
-    lse = m + log_s
-    if SAVE:
-        tl.store(lse_ptr + rows, lse, mask=in_n)
-    entropy = lse
+    u = s  # read only with U_PLANE
     if U_PLANE:
         u = tl.load(sums_ptr + U_PLANE * plane + rows, mask=valid, other=0.0)
-        entropy = log_s - tl.math.div_rn(u, s)
-        if SAVE:
-            tl.store(ent_ptr + rows, entropy, mask=in_n)
-    sum_pi_squared = s
+    q = s  # read only with Q_PLANE
     if Q_PLANE:
         q = tl.load(sums_ptr + Q_PLANE * plane + rows, mask=valid, other=1.0)
-        sum_pi_squared = tl.math.div_rn(q, s * s)
     _finish_rows(
-        lse, entropy, rows, valid, in_n, sums_ptr, labels_ptr, stride_l, lp_ptr, ent_out_ptr, vocab_size,
-        max_entropy, sum_pi_squared, detached_ptr, N, U_PLANE, CHECK_RANGE, Q_PLANE, Q_OUT,
+        m, s, u, q, rows, valid, in_n, sums_ptr, labels_ptr, stride_l, lse_ptr, ent_ptr, lp_ptr, ent_out_ptr,
+        vocab_size, max_entropy, detached_ptr, N, LIBDEVICE, SAVE, U_PLANE, CHECK_RANGE, Q_PLANE, Q_OUT,
     )  # fmt: skip
