@@ -208,8 +208,8 @@ class TritonBackend:
         perm, count = compact_rows(valid, launch)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
         parts, residual = statistics_launch(plan, launch, hidden, weight, local_labels, perm, count, y, temperature)
-        m, sums = merge_splits(parts, perm, count, launch, statistics=statistics)
-        return ShardStatistics(m, sums, y, residual)
+        merged = merge_splits(parts, perm, count, launch, options=plan.merge_options)
+        return ShardStatistics(merged[0], merged[1:], y, residual)
 
     def head_forward(
         self,

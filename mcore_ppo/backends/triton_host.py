@@ -124,25 +124,27 @@ def merge_splits(
     count: torch.Tensor,
     launch: Callable,
     *,
-    statistics: Statistics,
+    options: dict,
     site: object = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token ``(m [n], sums [terms, n])`` from the forward's per-split partials ``parts
-    [planes, splits, n]`` (the packed layout of :mod:`mcore_ppo.statistics`: the max, then one
-    plane per term of ``statistics``). ``launch``: the call's bound launcher; ``site``: the
-    caller's launch site key, when its plan fixes every argument's specialisation."""
+) -> torch.Tensor:
+    """Per-token ``[planes, n]`` (the max ``m``, then each term's sum relative to it) from the
+    forward's per-split partials ``parts [planes, splits, n]`` (the packed layout of
+    :mod:`mcore_ppo.statistics`). ``options``: the kernel's constexprs, :func:`merge_options`
+    of the pass's statistics (a plan holds them); ``launch``: the call's bound launcher;
+    ``site``: the caller's launch site key, when its plan fixes every argument's
+    specialisation."""
     from mcore_ppo.kernels import merge_splits_kernel
 
     planes, num_splits, n = parts.shape
     merged = torch.empty(planes, n, dtype=torch.float32, device=parts.device)
-    launch(
-        merge_splits_kernel,
-        (cdiv(n, MERGE_BLOCK_T),),
-        (parts, perm, count, merged, n, num_splits),
-        {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, **statistics.kernel_options()},
-        site,
-    )
-    return merged[0], merged[1:]
+    launch(merge_splits_kernel, (cdiv(n, MERGE_BLOCK_T),), (parts, perm, count, merged, n, num_splits), options, site)
+    return merged
+
+
+def merge_options(statistics: Statistics) -> dict:
+    """The constexprs of the kernels that merge a pass's vocab splits (``merge_splits_kernel``,
+    ``merge_to_max_kernel``): the blocks and each term's plane."""
+    return {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S, **statistics.kernel_options()}
 
 
 def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:

@@ -23,6 +23,7 @@ from mcore_ppo.backends.triton_host import (
     interpreting,
     kernel_flags,
     log_buffer_decision,
+    merge_options,
     operands_by_tma,
     with_tma_store,
 )
@@ -50,6 +51,7 @@ class LaunchPlan:
     direct: bool
     stats_grid: tuple[int]
     stats_options: dict
+    merge_options: dict  # merge_splits_kernel's and merge_to_max_kernel's constexprs
     finish_options: dict  # by (labels_in_range, grad_needed): the launch options of merge_finish_kernel
     tp_options: dict  # over TP: split_max_kernel's ("max"), merge_to_max_kernel's ("merge"), finish_kernel's (as above)
 
@@ -106,15 +108,15 @@ class LaunchPlan:
             }
             for checked in (False, True)
         }  # fmt: skip
-        merge_options = {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S}
+        merged = merge_options(statistics)
         tp_options = {
-            "max": merge_options,
-            "merge": {**merge_options, **planes},
+            "max": {"BLOCK_T": MERGE_BLOCK_T, "BLOCK_S": MERGE_BLOCK_S},
+            "merge": merged,
             **{key: {k: o for k, o in opts.items() if k != "BLOCK_S"} for key, opts in finish_options.items()},
         }
         return LaunchPlan(
             n, h, v, numerics, cfg, num_splits, n_tiles_v, statistics, store, use_tma, buf_tma, direct,
-            (cdiv(n, cfg.block_m) * num_splits,), stats_options, finish_options, tp_options,
+            (cdiv(n, cfg.block_m) * num_splits,), stats_options, merged, finish_options, tp_options,
         )  # fmt: skip
 
 

@@ -25,12 +25,12 @@ from typing import NamedTuple
 import torch
 
 from mcore_ppo.backends.triton_host import (
-    MERGE_BLOCK_S,
-    MERGE_BLOCK_T,
     GemmConfig,
     descriptor_ok,
     interpreting,
     kernel_flags,
+    merge_options,
+    merge_splits,
     operands_by_tma,
 )
 from mcore_ppo.backends.triton_launch import BoundLauncher, Launcher
@@ -188,13 +188,7 @@ def _triton_chunk(
     )  # fmt: skip
     planes = None
     if statistics is not None:
-        planes = torch.empty(statistics.n_planes, n, dtype=torch.float32, device=device)
-        launch(
-            kernels.merge_splits_kernel,
-            (cdiv(n, MERGE_BLOCK_T),),
-            (parts, perm, count, planes, n, splits),
-            dict(BLOCK_T=MERGE_BLOCK_T, BLOCK_S=MERGE_BLOCK_S, **statistics.kernel_options()),
-        )
+        planes = merge_splits(parts, perm, count, launch, options=merge_options(statistics))
     tiles = _Tiles(values, cols, rest[0], rest[1])
     inverse = (inv_temp, inv_temp_rows, row_temp)  # the recompute takes the same roundings
     top = _select_from_tiles(tokens, weight, tiles, min(k, v), inverse, cfg, config, launch)

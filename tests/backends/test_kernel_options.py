@@ -108,7 +108,7 @@ def _planes(stats) -> tuple[torch.Tensor, ...]:
 
 
 def test_merge_splits_without_u():
-    from mcore_ppo.backends.triton_host import compact_rows, merge_splits
+    from mcore_ppo.backends.triton_host import compact_rows, merge_options, merge_splits
     from mcore_ppo.backends.triton_launch import Launcher
 
     gen = generator(next_seed())
@@ -118,7 +118,7 @@ def test_merge_splits_without_u():
     valid = (torch.rand(n, generator=gen) < 0.8).to(DEVICE)
     launch = Launcher().bound()
     perm, count = compact_rows(valid, launch)
-    m, sums = merge_splits(parts, perm, count, launch, statistics=DEFAULT)
-    m2, sums2 = merge_splits(parts[:2].contiguous(), perm, count, launch, statistics=Statistics.named([]))
-    assert sums.shape == (2, n) and sums2.shape == (1, n)
+    m, *sums = merge_splits(parts, perm, count, launch, options=merge_options(DEFAULT))
+    m2, *sums2 = merge_splits(parts[:2].contiguous(), perm, count, launch, options=merge_options(Statistics.named([])))
+    assert len(sums) == 2 and len(sums2) == 1 and sums[0].shape == (n,)
     assert torch.equal(m, m2) and torch.equal(sums[0], sums2[0])
