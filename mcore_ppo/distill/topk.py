@@ -41,7 +41,7 @@ from mcore_ppo.options import DEFAULT_LAYOUT, DEFAULT_OPTIONS, call_options, meg
 from mcore_ppo.parallel.groups import resolve_tp_group
 from mcore_ppo.parallel.mappings import all_gather_first_dim
 from mcore_ppo.parallel.ranks import ProcessGroup, group_rank, group_size
-from mcore_ppo.parallel.topk import merge_topk_over_ranks
+from mcore_ppo.parallel.topk import merge_topk_over_ranks, select_topk_lse
 from mcore_ppo.shard import autocast_off
 from mcore_ppo.statistics import Statistics
 from mcore_ppo.tokens import from_rows, hidden_rows, to_rows
@@ -243,7 +243,14 @@ def _fused_topk(
             statistics=statistics,
         )  # fmt: skip
         top_values, top_ids, lse, tail_lse = merge_topk_over_ranks(
-            shard.values, shard.ids, shard.rest_max, shard.rest_sum, k, tp_group, presorted=use_triton
+            shard.values,
+            shard.ids,
+            shard.rest_max,
+            shard.rest_sum,
+            k,
+            tp_group,
+            presorted=use_triton,
+            select=topk_triton.select_merged if use_triton else select_topk_lse,
         )
         finished = None
         if statistics is not None:

@@ -34,7 +34,7 @@ from mcore_ppo.backends.triton_host import (
     operands_by_tma,
 )
 from mcore_ppo.backends.triton_launch import BoundLauncher, Launcher
-from mcore_ppo.distill.topk_config import TopKConfig
+from mcore_ppo.distill.topk_config import DEFAULT_CONFIG, TopKConfig
 from mcore_ppo.numerics import Numerics, cdiv, chunks, inverse_temperature, next_power_of_two, rowmajor
 from mcore_ppo.statistics import Statistics
 
@@ -264,6 +264,40 @@ def _select_from_tiles(
             top_values, top_cols, full, full_rows, full_list, recomputed, rest_m, rest_s, weight, cfg, by_sort, launch
         )
     return top_values, top_cols, rest_m, rest_s
+
+
+def select_merged(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ranks' merge by the selection kernel (:data:`mcore_ppo.parallel.topk.SelectTop`):
+    each row's top ``k`` of ``values [n, W]`` (fp32) and their ``ids [n, W]`` (int64), and the
+    log-sum-exp of the rest, for candidates side by side rank by rank, each rank's in the tie
+    rule's order (this pass's output). Among equal values the kernel takes them by position,
+    which is then the ids' order (a rank's ids are below the next rank's). One launch: the whole
+    row as one tile with no rest, so no tile is full."""
+    from mcore_ppo.kernels.topk import select_top_kernel
+
+    n, width = values.shape
+    device = values.device
+    top_values = torch.empty(n, k, dtype=torch.float32, device=device)
+    top_ids = torch.empty(n, k, dtype=torch.int64, device=device)
+    no_rest_max = torch.full((n, 1), -math.inf, dtype=torch.float32, device=device)
+    no_rest_sum = torch.zeros(n, 1, dtype=torch.float32, device=device)
+    full = torch.empty(n, 1, dtype=torch.int8, device=device)
+    full_rows = torch.empty(n, dtype=torch.int32, device=device)
+    full_list = torch.empty(n, 1, dtype=torch.int32, device=device)
+    rest = torch.empty(2, n, dtype=torch.float32, device=device)
+    block_w = next_power_of_two(width)
+    block_r = DEFAULT_CONFIG.select_rows()
+    _LAUNCHER.bound()(
+        select_top_kernel,
+        (cdiv(n, block_r),),
+        (values, ids, no_rest_max, no_rest_sum, top_values, top_ids, full, full_rows, full_list, rest[0], rest[1],
+         n, width, k, 1, 1),
+        dict(
+            C=width, BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=1, TOP=next_power_of_two(k),
+            BY_SORT=DEFAULT_CONFIG.keys_by_sort(), num_warps=max(1, min(4, block_w // 512)),
+        ),
+    )  # fmt: skip
+    return top_values, top_ids, rest[0] + torch.log(rest[1])
 
 
 def candidates_per_tile(num_tiles: int, c_out: int, config: TopKConfig) -> int:

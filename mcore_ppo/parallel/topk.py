@@ -18,6 +18,7 @@ equal) and sorts other dtypes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -25,7 +26,13 @@ from mcore_ppo.parallel.combine import combine_log_sum_exp, rescale_factor
 from mcore_ppo.parallel.mappings import all_gather_first_dim
 from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
-__all__ = ["fold_into_statistics", "merge_topk_over_ranks", "select_topk"]
+__all__ = ["SelectTop", "fold_into_statistics", "merge_topk_over_ranks", "select_topk", "select_topk_lse"]
+
+#: A selection of the ranks' merge: ``(values [n, c], ids [n, c], k)`` to ``(top_values [n, k'],
+#: top_ids [n, k'], dropped_lse [n])`` by the tie rule (module doc), ``dropped_lse`` the
+#: log-sum-exp of the entries left out (``-inf`` where none is). :func:`select_topk_lse` is the
+#: reference; a backend may bring its own for candidates it knows to be in the tie rule's order.
+SelectTop = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 #: Ids below this fit the low half of an fp32 entry's order key (:func:`_order_keys`).
@@ -80,6 +87,13 @@ def select_topk(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.
     return values[..., :kept], ids[..., :kept], values[..., kept:]
 
 
+def select_topk_lse(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`select_topk` with the entries it leaves out summed: ``(top_values, top_ids,
+    dropped_lse [n])`` (:data:`SelectTop`)."""
+    top_values, top_ids, dropped = select_topk(values, ids, k)
+    return top_values, top_ids, torch.logsumexp(dropped, dim=-1)  # -inf over no entry
+
+
 def fold_into_statistics(m: torch.Tensor, s: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m, s)`` of a set of entries extended by ``values [n, c]`` (``-inf`` entries add nothing).
 
@@ -123,6 +137,7 @@ def merge_topk_over_ranks(
     group: ProcessGroup | None,
     *,
     presorted: bool = False,
+    select: SelectTop = select_topk_lse,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The global top ``k`` and the log-sum-exps of everything and of the tail, on every rank.
 
@@ -134,6 +149,8 @@ def merge_topk_over_ranks(
         group: the TP group (None: one rank).
         presorted: the candidates are already in the tie rule's order (one rank only needs no
             selection then: with ``c == k`` they are the top ``k``).
+        select: how the top ``k`` of every rank's candidates side by side (``[n, world·c]``,
+            rank by rank) is taken (:data:`SelectTop`).
 
     Returns:
         ``(top_values [n, k], top_ids [n, k], lse [n], tail_lse [n])``: the top entries by the
@@ -141,13 +158,16 @@ def merge_topk_over_ranks(
         outside the top ``k`` (``-inf`` when there are none), identical on every rank.
     """
     all_values, all_ids = _gather_candidates(values, ids, group)
+    dropped_lse = None
     if presorted and group_size(group) == 1:
-        top_values, top_ids, dropped = all_values[:, :k], all_ids[:, :k], all_values[:, k:]
+        top_values, top_ids = all_values[:, :k], all_ids[:, :k]
+        if all_values.shape[-1] > k:
+            dropped_lse = torch.logsumexp(all_values[:, k:], dim=-1)
     else:
-        top_values, top_ids, dropped = select_topk(all_values, all_ids, k)
+        top_values, top_ids, dropped_lse = select(all_values, all_ids, k)
     # The rest of every shard, combined exactly as the head combines its statistics.
     rest_lse = combine_log_sum_exp(rest_max, rest_sum, group)
     # Candidates dropped by the merge are the same on every rank: fold them in after the combine.
-    tail_lse = rest_lse if dropped.shape[-1] == 0 else torch.logaddexp(rest_lse, torch.logsumexp(dropped, dim=-1))
+    tail_lse = rest_lse if dropped_lse is None else torch.logaddexp(rest_lse, dropped_lse)
     lse = torch.logaddexp(torch.logsumexp(top_values, dim=-1), tail_lse)
     return top_values, top_ids, lse, tail_lse

@@ -788,6 +788,41 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path):
         assert torch.allclose(got, expected, rtol=1e-6, atol=0) or (got == expected), (r, got, expected)
 
 
+@pytest.mark.parametrize(("world", "c", "k"), [(2, 8, 5), (4, 6, 24), (3, 16, 1), (4, 8, 13)])
+@pytest.mark.parametrize("by_sort", [False, True])
+def test_rank_merge_by_the_selection_kernel(world, c, k, by_sort, triton_path, monkeypatch):
+    """The ranks' merge through the selection kernel (``topk_triton.select_merged``) against the
+    reference selection (``select_topk_lse``): every rank's ``c`` candidates side by side, each
+    rank's in the tie rule's order and its ids above the previous rank's, values from a few
+    levels (ties within and across ranks, ±0.0, -inf padding of a tiny shard): the same ids and
+    values in the same order, the dropped entries' log-sum-exp to fp32 rounding (``-inf`` when
+    every candidate is kept)."""
+    from mcore_ppo.parallel.topk import select_topk_lse
+
+    monkeypatch.setattr(topk_triton, "DEFAULT_CONFIG", replace(topk_triton.DEFAULT_CONFIG, sort_keys=by_sort))
+    seed = next_seed()
+    gen = generator(seed)
+    n, shard = 9, 1000
+    pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5, 2.5, -2.5, 7.0, 30.0, -torch.inf])
+    values = pool[torch.randint(0, len(pool), (world, n, c), generator=gen)]
+    values = torch.where(torch.rand(world, n, c, generator=gen) < 0.3, torch.randn(world, n, c, generator=gen), values)
+    ids = torch.stack([torch.stack([torch.randperm(shard, generator=gen)[:c] for _ in range(n)]) for _ in range(world)])
+    ids = ids + torch.arange(world)[:, None, None] * shard
+    # Each rank's candidates in the tie rule's order: larger value first, equal values by smaller id.
+    order = torch.sort(ids, dim=-1).indices
+    values, ids = values.gather(-1, order), ids.gather(-1, order)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    values, ids = values.gather(-1, order), ids.gather(-1, order)
+    side_by_side = [t.permute(1, 0, 2).reshape(n, world * c).contiguous() for t in (values.float(), ids)]
+    got = topk_triton.select_merged(*side_by_side, k)
+    want = select_topk_lse(*side_by_side, k)
+    assert torch.equal(got[1], want[1]), f"seed {seed}: ids"
+    assert torch.equal(got[0], want[0]), f"seed {seed}: values"
+    torch.testing.assert_close(got[2], want[2], rtol=2e-6, atol=0, msg=f"seed {seed}: dropped lse")
+    everything = topk_triton.select_merged(*side_by_side, world * c)
+    assert torch.equal(everything[2], torch.full((n,), -torch.inf)), seed
+
+
 def test_full_pairs_kernel_lists_by_tile(triton_path):
     """The full pairs grouped by tile, rows ascending, each as its slot ``r·cap + j`` (``j`` the
     tile's place among the row's full tiles, as the selection kernel writes it into ``full``),
