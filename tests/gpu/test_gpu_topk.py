@@ -219,3 +219,31 @@ def test_per_token_temperature(n, h, v, k, dtype):
     number = fused_topk(x, w, k, temperature=0.75, labels=labels, impl="triton")
     assert torch.equal(constant.ids, number.ids)
     torch.testing.assert_close(constant.log_probs, number.log_probs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("world", "k"), [(8, 8), (8, 128), (2, 64)])
+def test_rank_merge_kernel_matches_the_reference_selection(world, k):
+    """The ranks' merge through the selection kernel (``topk_triton.select_merged``, the Triton
+    path's at TP > 1) against ``select_topk_lse`` on the GPU, at the TP 8 merge's width
+    (``world · k`` candidates per token): each rank's candidates in the tie rule's order, ids
+    above the previous rank's, rounded values (ties within and across ranks). Same ids and
+    values in order; the dropped entries' log-sum-exp to fp32 rounding."""
+    from mcore_ppo.distill import topk_triton
+    from mcore_ppo.parallel.topk import select_topk_lse
+
+    seed = next_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n, shard = 2048, 18992
+    values = (torch.randn(world, n, k, device="cuda", generator=gen) * 8).round() / 4
+    ids = torch.rand(world, n, shard, device="cuda", generator=gen).argsort(dim=-1)[..., :k]
+    ids = ids + torch.arange(world, device="cuda")[:, None, None] * shard
+    order = ids.sort(dim=-1).indices
+    values, ids = values.gather(-1, order), ids.gather(-1, order)
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    values, ids = values.gather(-1, order), ids.gather(-1, order)
+    side_by_side = [t.permute(1, 0, 2).reshape(n, world * k).contiguous() for t in (values, ids)]
+    got = topk_triton.select_merged(*side_by_side, k)
+    want = select_topk_lse(*side_by_side, k)
+    assert torch.equal(got[1], want[1]), f"seed {seed}: ids"
+    assert torch.equal(got[0], want[0]), f"seed {seed}: values"
+    torch.testing.assert_close(got[2], want[2], rtol=2e-6, atol=0, msg=f"seed {seed}: dropped lse")
