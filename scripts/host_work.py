@@ -13,8 +13,9 @@ then a cProfile of such calls. The backward's steady time includes what autograd
 for any custom Function (``autograd_noop_backward_ms_steady``: a no-op Function's backward);
 ``backward_node_host_ms_steady`` is the rest, the head's own.
 
-The head runs with ``validate=False`` (``--validate`` turns it on): the value checks read labels
-and temperatures back, one host sync per call, which would wait for the spin.
+The head runs with the API's default options (``validate=True``, ``--no-validate`` turns it
+off): on CUDA its checks read no device value back (the verdict over TP is shared once per call
+signature), so a steady call does not wait for the spin.
 
 It also records, per call, the aten ops the host issued (a ``TorchDispatchMode``), the kernel
 launches of the triton backend (counted by its launcher, ``backend.launcher.launches``), the GPU
@@ -285,15 +286,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30, help="timed calls per measurement")
     parser.add_argument(
         "--validate",
-        action="store_true",
-        help="run with the head's value checks on (validate=True: one host sync per call, so the "
-        "time includes the wait for the GPU spin); default validate=False",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the head's validate option (the API's default, on: no host sync on CUDA)",
     )
     parser.add_argument(
         "--graphed",
         action="store_true",
         help="time the head captured by torch.cuda.make_graphed_callables (static inputs: each call "
-        "replays the captured kernels; CUDA only, validate=False); files get a _graphed suffix",
+        "replays the captured kernels; CUDA only); files get a _graphed suffix",
     )
     parser.add_argument(
         "--tp-combine",
@@ -332,8 +333,8 @@ def main() -> None:
         return fused_log_probs_and_entropy(x, w, labels, temperature=0.7, options=options)
 
     if args.graphed:
-        if not cuda or args.validate:
-            parser.error("--graphed needs CUDA and validate=False")
+        if not cuda:
+            parser.error("--graphed needs CUDA")
         graphed = torch.cuda.make_graphed_callables(head, (x, w, labels))
 
         def call():

@@ -37,7 +37,8 @@ def test_null_backend_is_a_backend_that_the_head_runs_forward_and_backward():
 
 def test_host_work_above_the_backend_on_the_cpu(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "host_work.py"), "--backend", "null", "--reps", "3",
+        # validate off: on the CPU the value checks read the labels (aten ops of their own).
+        [sys.executable, str(REPO / "scripts" / "host_work.py"), "--backend", "null", "--reps", "3", "--no-validate",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
