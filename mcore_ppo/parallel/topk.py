@@ -115,16 +115,23 @@ def _gather_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's ``[n, c]`` candidates side by side, ``[n, world·c]``, in one all-gather.
 
-    Values and ids travel together as fp64: fp32 and fp64 values and ids below 2**53 (any
-    vocabulary) convert exactly.
+    Values and ids travel together in one tensor: fp32 values with their ids' int32 bits beside
+    them (a collective moves bytes, so the bits arrive as sent; ids fit: no device holds a shard
+    of 2**31 rows), other
+    values as fp64 with the ids converted (exact below 2**53).
     """
     world = group_size(group)
     if world == 1:
         return values, ids
     n, c = values.shape
-    packed = torch.stack([values.to(torch.float64), ids.to(torch.float64)]).unsqueeze(0)
-    gathered = all_gather_first_dim(packed, group)  # [world, 2, n, c]
+    if values.dtype == torch.float32:
+        packed = torch.stack([values, ids.to(torch.int32).view(torch.float32)])
+    else:
+        packed = torch.stack([values.to(torch.float64), ids.to(torch.float64)])
+    gathered = all_gather_first_dim(packed.unsqueeze(0), group)  # [world, 2, n, c]
     gathered = gathered.permute(1, 2, 0, 3).reshape(2, n, world * c)
+    if values.dtype == torch.float32:
+        return gathered[0], gathered[1].view(torch.int32).to(ids.dtype)
     return gathered[0].to(values.dtype), gathered[1].to(ids.dtype)
 
 
