@@ -117,8 +117,7 @@ def _gather_candidates(
 
     Values and ids travel together in one tensor: fp32 values with their ids' int32 bits beside
     them (a collective moves bytes, so the bits arrive as sent; ids fit: no device holds a shard
-    of 2**31 rows), other
-    values as fp64 with the ids converted (exact below 2**53).
+    of 2**31 rows), other values as fp64 with the ids converted (exact below 2**53).
     """
     world = group_size(group)
     if world == 1:
