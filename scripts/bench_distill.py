@@ -265,6 +265,8 @@ def run_config(args, vocab: int, tp: int, k: int, x, w, report: dict) -> dict:
     result["triton_candidates"] = candidate_stats(x, shard, k, temperature)
     if args.profile and k == max(args.k_list):
         result["triton_profile"] = profile_once(impls["triton"])
+        if "triton_rank" in impls:
+            result["triton_rank_profile"] = profile_once(impls["triton_rank"])
     return result
 
 
@@ -321,7 +323,9 @@ def main() -> int:
         help="extra teacher-kernel configurations to time: one variant per comma, its settings joined by ';', "
         "e.g. 'candidates=3;block_n=256,candidates=4'",
     )
-    parser.add_argument("--profile", action="store_true", help="profile one fused call at the largest k")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one fused call at the largest k (and one TP rank's at TP > 1)"
+    )
     parser.add_argument(
         "--student",
         action="store_true",
@@ -373,8 +377,9 @@ def main() -> int:
                 print(f"[{time.time() - started:6.1f}s] V {vocab} tp {tp} k {k}: {summary}", flush=True)
                 if "triton_candidates" in result:
                     print(f"    candidates {result['triton_candidates']}", flush=True)
-                if "triton_profile" in result:
-                    print(result["triton_profile"], flush=True)
+                for profiled in ("triton_profile", "triton_rank_profile"):
+                    if profiled in result:
+                        print(result[profiled], flush=True)
                 (args.out / "bench_distill.json").write_text(json.dumps(report, indent=1))
                 torch.cuda.empty_cache()
     table = markdown([r for r in report["results"] if r["impls"]])
