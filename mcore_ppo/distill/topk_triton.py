@@ -287,6 +287,8 @@ def select_merged(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torc
     rest = torch.empty(2, n, dtype=torch.float32, device=device)
     block_w = next_power_of_two(width)
     block_r = DEFAULT_CONFIG.select_rows()
+    if not n:
+        return top_values, top_ids, rest[0]
     _LAUNCHER.bound()(
         select_top_kernel,
         (cdiv(n, block_r),),
