@@ -55,3 +55,22 @@ def test_host_work_above_the_backend_on_the_cpu(tmp_path):
     # The head's op and nothing else: a null backend dispatches no aten op of its own but allocations.
     assert report["per_call_counts"]["nograd_forward"]["ops"] == {"head_forward.default": 1}
     assert "by own time" in (tmp_path / "host_profile.txt").read_text()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_call_files_lists_the_product_files_of_one_call(backend):
+    """``scripts/call_files.py``: the files a call's forward and backward enter, the op boundary
+    and the backend's own among them, the kernels' module left out."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "call_files.py"), "--backend", backend, "--json"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    files = json.loads(done.stdout)
+    own = f"backends/{backend}_backend.py"
+    for phase in ("forward", "backward"):
+        assert {"ops.py", "shard.py", own} <= set(files[phase]), (phase, files[phase])
+        assert not any(name.startswith("kernels/") for name in files[phase]), files[phase]
+    assert "head_call.py" in files["forward"] and "head_call.py" not in files["backward"]
