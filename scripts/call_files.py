@@ -2,10 +2,12 @@
 """The product files one head call passes through, forward and backward (kernels excluded).
 
 Runs ``fused_log_probs_and_entropy`` once to warm up (plans, compiled kernels), then records with
-``sys.setprofile`` / ``threading.setprofile`` which ``mcore_ppo`` files a second call enters: its
-forward, then its backward (autograd's engine may run it in another thread). On a machine
-without CUDA the triton backend runs under ``TRITON_INTERPRET=1`` (set here if unset); the
-kernels' own module is left out (under the interpreter its Python would be counted).
+``sys.setprofile`` which ``mcore_ppo`` files a second call enters: its forward, then its backward
+(set from inside it: autograd's engine runs it in a thread of its own for CUDA tensors). On CUDA
+the operands are bf16 (fp32 ones would take cuBLAS's IEEE route, the torch backend's pass); on a
+machine without CUDA they are fp32 and the triton backend runs under ``TRITON_INTERPRET=1`` (set
+here if unset). The kernels' own module is left out (under the interpreter its Python would be
+counted).
 
 Usage: ``python scripts/call_files.py [--backend triton|torch] [--json]``
 """
@@ -16,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,8 +40,9 @@ def main() -> None:
     kernels = root / "kernels"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(32, 64, generator=gen).to(device).requires_grad_()
-    weight = torch.randn(128, 64, generator=gen).to(device).requires_grad_()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hidden = torch.randn(32, 64, generator=gen).to(device, dtype).requires_grad_()
+    weight = torch.randn(128, 64, generator=gen).to(device, dtype).requires_grad_()
     labels = torch.randint(0, 128, (32,), generator=gen).to(device)
 
     def call():
@@ -61,11 +63,14 @@ def main() -> None:
     loss = call()
     sys.setprofile(None)
     phase = "backward"
-    threading.setprofile(record)
-    sys.setprofile(record)
+    # The backward's nodes run in autograd's own thread for CUDA tensors (a thread that neither
+    # sys.setprofile nor threading.setprofile reaches): the profile is set from inside the
+    # backward, by a pre-hook of its first node, and unset once the gradients are accumulated.
+    loss.grad_fn.register_prehook(lambda *_: sys.setprofile(record))
+    for leaf in (hidden, weight):
+        leaf.register_post_accumulate_grad_hook(lambda _: sys.setprofile(None))
     loss.backward()
     sys.setprofile(None)
-    threading.setprofile(None)
     result = {name: sorted(files) for name, files in seen.items()}
     if args.json:
         print(json.dumps(result, indent=1))

@@ -53,10 +53,16 @@ def _case(n=21, h=16, v=45):
     return hidden, weight, local, valid, temperature, g, e
 
 
+def _kernels(budget: int) -> triton_backend.TritonBackend:
+    """The triton backend with this buffer budget, on its kernels' own dots for fp32 CUDA operands
+    too (their default IEEE route is cuBLAS's, the torch backend's pass)."""
+    return triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget, ieee_gemms="kernels"))
+
+
 @pytest.mark.parametrize("budget", [0, 1 << 30], ids=["recompute", "buffer"])
 def test_row_temperature_statistics_and_gradients_match_torch(budget):
     hidden, weight, local, valid, temperature, g, e = _case()
-    ours, oracle = triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget)), TorchBackend()
+    ours, oracle = _kernels(budget), TorchBackend()
     stats = ours.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=True, statistics=DEFAULT)
     want = oracle.shard_statistics(hidden, weight, local, valid, temperature, grad_needed=False, statistics=DEFAULT)
     assert bool(stats.residual) == bool(budget)
@@ -79,7 +85,7 @@ def test_row_temperature_statistics_and_gradients_match_torch(budget):
 def test_entropy_off_keeps_m_s_y_and_buffer(budget, per_token):
     hidden, weight, local, valid, temperature, g, _ = _case()
     t = temperature if per_token else 0.8
-    ours = triton_backend.TritonBackend(triton_backend.TritonConfig(buffer_budget_bytes=budget))
+    ours = _kernels(budget)
     on = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, statistics=DEFAULT)
     off = ours.shard_statistics(hidden, weight, local, valid, t, grad_needed=True, statistics=Statistics.named([]))
     assert off.sums.shape[0] == 1 and on.sums.shape[0] == 2

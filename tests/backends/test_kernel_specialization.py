@@ -72,9 +72,10 @@ def launches(monkeypatch):
 
 def _backend(budget: int, *, tma: bool) -> triton_backend.TritonBackend:
     """The triton backend with this probability-buffer budget, every launch through Triton's
-    own dispatch; ``tma``: operands, dz and buffer tiles through the copy engine (the GPU's
-    default configs already do; the interpreter's small tiles are switched to it)."""
-    config = triton_backend.TritonConfig(buffer_budget_bytes=budget, kept_kernels=False)
+    own dispatch, fp32 CUDA operands on the kernels' own dots (not cuBLAS's route); ``tma``:
+    operands, dz and buffer tiles through the copy engine (the GPU's default configs already do;
+    the interpreter's small tiles are switched to it)."""
+    config = triton_backend.TritonConfig(buffer_budget_bytes=budget, kept_kernels=False, ieee_gemms="kernels")
     forward, _ = config.resolved_forward()
     if tma and not forward.use_tma:
         backward, _ = config.resolved_backward()

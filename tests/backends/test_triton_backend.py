@@ -49,10 +49,13 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def triton(*, tma: bool = False, **settings) -> triton_backend.TritonBackend:
     """A triton backend built with ``settings`` (:class:`TritonConfig` fields). The recompute
-    path unless a budget is given (these tiny problems would all fit the default buffer budget).
-    ``tma``: operands, dz and buffer tiles through the copy engine (the GPU's default configs
-    already are; the interpreter's small tiles are switched to it)."""
+    path unless a budget is given (these tiny problems would all fit the default buffer budget);
+    the kernels' own IEEE dots for fp32 CUDA operands (cuBLAS's route is the torch backend's,
+    tested in ``tests/gpu/test_gpu_precision.py``). ``tma``: operands, dz and buffer tiles
+    through the copy engine (the GPU's default configs already are; the interpreter's small
+    tiles are switched to it)."""
     settings.setdefault("buffer_budget_bytes", 0)
+    settings.setdefault("ieee_gemms", "kernels")
     config = triton_backend.TritonConfig(**settings)
     forward, _ = config.resolved_forward()
     if tma and not forward.use_tma:

@@ -59,6 +59,9 @@ def spy(monkeypatch):
     # one of the backend whose plan was taken last (each forward takes its plan just before).
     from mcore_ppo.backends import triton_forward
 
+    # The buffer is the kernels': fp32 CUDA operands run on their own IEEE dots here (by default
+    # they take cuBLAS's route, the torch backend's pass, which keeps no buffer).
+    monkeypatch.setattr(triton_backend.TritonBackend, "_ieee_by_cublas", lambda self, hidden: False)
     stats = triton_forward.statistics_launch
     forward_plan = triton_backend.TritonBackend._forward_plan
     from_buffer = triton_backend.gradients_from_buffer

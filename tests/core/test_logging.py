@@ -56,11 +56,14 @@ def test_calls_log_nothing_after_the_first(caplog_info):
     assert len(_messages(caplog_info)) == first
 
 
-def test_triton_buffer_decision_logged_once_per_kind(caplog_info):
+def test_triton_buffer_decision_logged_once_per_kind(caplog_info, monkeypatch):
     from mcore_ppo.backends import triton_backend
 
     if not triton_backend.is_available():
         pytest.skip("triton cannot run here")
+    # The buffer is the kernels': fp32 CUDA operands run on their own IEEE dots here (by default
+    # they take cuBLAS's route, the torch backend's pass, which decides no buffer).
+    monkeypatch.setattr(triton_backend.TritonBackend, "_ieee_by_cublas", lambda self, hidden: False)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only under the interpreter
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(40, 16, generator=gen).to(device)

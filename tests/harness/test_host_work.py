@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,7 @@ def test_host_work_above_the_backend_on_the_cpu(tmp_path):
         [sys.executable, str(REPO / "scripts" / "host_work.py"), "--backend", "null", "--reps", "3", "--no-validate",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},  # the CPU's shapes even on a GPU machine
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "host_work.json").read_text())
