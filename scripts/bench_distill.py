@@ -154,7 +154,7 @@ def profile_once(fn) -> str:
 def parse_variants(text: str) -> list[tuple[str, TopKConfig]]:
     """``name=value`` items, ``;``-joined within a variant, each variant one :class:`TopKConfig`:
     a field of its GPU tiles (``block_n=128``, ``num_stages=4``, ``use_tma=0``) or of the config
-    itself (``candidates=4``, ``splits=2``, ``sort_keys=0``, ``full_tiles_per_candidate=0.5``,
+    itself (``candidates=4``, ``splits=2``, ``sort_keys=0``, ``full_tile_cost=250``,
     ``candidate_range=3-6``)."""
     tile_fields = {f.name for f in dataclasses.fields(GemmConfig)}
     config_fields = {f.name for f in dataclasses.fields(TopKConfig)} - {"tiles", "interpreter_tiles"}
@@ -177,7 +177,7 @@ def parse_variants(text: str) -> list[tuple[str, TopKConfig]]:
 
 def _setting(name: str, text: str):
     """One TopKConfig field's value from its text."""
-    if name == "full_tiles_per_candidate":
+    if name == "full_tile_cost":
         return float(text)
     if name == "sort_keys":
         return bool(int(text))

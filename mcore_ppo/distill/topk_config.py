@@ -42,19 +42,21 @@ class TopKConfig:
             small tiles, tests). fp32 inputs halve either one's K tile (shared memory).
         max_registers: ptxas register cap per thread of the statistics kernel's top-k launch; None: ptxas decides.
         candidates: candidates each tile keeps per row (``C``); None: chosen per call from
-            ``candidate_range`` and ``full_tiles_per_candidate``. Each one costs a max-reduction
-            per tile (~4 % of a GEMM on the H200); a row recomputes the tiles holding more than
-            ``C`` of its top ``k`` (each such *full* tile per row ~8-19 % of a GEMM at TP 8, its
-            recompute and merge), at most ``k // C`` of them (the slots of their recompute).
-        candidate_range: ``(low, high)``, the range ``C`` is chosen in: from ``low`` (or
-            ``k + 1`` below it, where no tile can fill) one more while that saves more than
-            ``full_tiles_per_candidate`` expected full tiles per row (random logits: a row's top
-            spread over the tiles as ``Poisson(k / tiles)``). On the H200 (bf16, V 151,936,
-            n 16,384, GPU time) ``(3, 5)`` picks what timing picked: 3 at TP 1 (594 tiles) for
-            every k, and at TP 8 (75 tiles) 3 / 4 / 5 for k 8 / 64 / 128 (1.22 / 1.32 / 1.43×
-            one GEMM, against 1.31 / 1.36 / 1.43× for 5 everywhere and 1.22 / 1.34 / 2.34× for 3).
-        full_tiles_per_candidate: expected full tiles per row that one more candidate must save
-            to be taken: the cost ratio of a candidate to a full tile (0.04 / 0.15 ≈ 0.25).
+            ``candidate_range`` and ``full_tile_cost``. Each one costs every tile a max-reduction
+            (~3 % of a GEMM on an H100, ~4 % on an H200); a row recomputes the tiles holding more
+            than ``C`` of its top ``k`` (each such *full* tile per row ~15 / tiles of the shard's
+            GEMM: its recompute, merge and larger selection), at most ``k // C`` of them (the
+            slots of their recompute).
+        candidate_range: ``(low, high)``, the range ``C`` is chosen in: from ``low`` (at most
+            ``k``, where a tile fills only by ties) one more while that saves more than
+            ``tiles / full_tile_cost`` expected full tiles per row (random logits: a row's top
+            spread over the tiles as ``Poisson(k / tiles)``). On one H100 (bf16, V 151,936,
+            n 16,384, GPU time) ``(1, 5)`` picks 1 / 2 candidates at TP 1 (594 tiles) for k 8 /
+            128 (1.13 / 1.23× one GEMM, against 1.18 / 1.22× for 3), and at TP 8 (75 tiles)
+            2 / 4 / 5 for k 8 / 64 / 128 (k 8: 1.19× against 1.21× for 3; k 128: 5.35× for 2).
+        full_tile_cost: the cost of one expected full tile per row in candidates, times the
+            shard's tile count (a full tile recomputes ``1 / tiles`` of its row's GEMM, a
+            candidate costs every tile; measured: ~15 / tiles against ~0.03).
         recompute_rows: rows per work item of the full-tile recompute on a GPU (one weight tile
             serves that many gathered rows).
         interpreter_recompute_rows: the same under the interpreter.
@@ -81,8 +83,8 @@ class TopKConfig:
     interpreter_tiles: GemmConfig = INTERPRETER_TILES
     max_registers: int | None = None
     candidates: int | None = None
-    candidate_range: tuple[int, int] = (3, 5)
-    full_tiles_per_candidate: float = 0.25
+    candidate_range: tuple[int, int] = (1, 5)
+    full_tile_cost: float = 500.0
     recompute_rows: int = 64
     interpreter_recompute_rows: int = 16
     interpreter_select_rows: int = 16
@@ -104,12 +106,12 @@ class TopKConfig:
         if self.sort_keys is not None:
             check_bool("sort_keys", self.sort_keys)
         object.__setattr__(self, "candidate_range", _check_range(self.candidate_range))
-        saving = self.full_tiles_per_candidate
-        if isinstance(saving, bool) or not isinstance(saving, (int, float)):
-            raise TypeError(f"full_tiles_per_candidate must be a number, got {type_name(saving)}")
-        if not math.isfinite(saving) or saving < 0:
-            raise ValueError(f"full_tiles_per_candidate must be finite and >= 0, got {saving}")
-        object.__setattr__(self, "full_tiles_per_candidate", float(saving))
+        cost = self.full_tile_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)):
+            raise TypeError(f"full_tile_cost must be a number, got {type_name(cost)}")
+        if not math.isfinite(cost) or cost <= 0:
+            raise ValueError(f"full_tile_cost must be finite and > 0, got {cost}")
+        object.__setattr__(self, "full_tile_cost", float(cost))
 
     def gemm(self, dtype: torch.dtype) -> GemmConfig:
         """The tiles of this device (the interpreter's or a GPU's), for ``dtype`` operands."""

@@ -304,18 +304,20 @@ def select_merged(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torc
 
 def candidates_per_tile(num_tiles: int, c_out: int, config: TopKConfig) -> int:
     """``C`` for a shard of ``num_tiles`` logit tiles and a top ``c_out``: ``config.candidates``
-    when set; else from the low end of ``config.candidate_range`` (or ``c_out + 1`` below it:
-    then no tile fills), one more while it saves more than ``config.full_tiles_per_candidate``
-    expected full tiles per row (:func:`expected_full_tiles`)."""
+    when set; else from the low end of ``config.candidate_range`` (at most ``c_out``: then a
+    tile fills only by ties), one more while it saves more than ``num_tiles / config.full_tile_cost``
+    expected full tiles per row (:func:`expected_full_tiles`): a candidate costs every tile, a
+    full tile one tile of its row."""
     if config.candidates is not None:
         return config.candidates
-    return _chosen_candidates(num_tiles, c_out, config.candidate_range, config.full_tiles_per_candidate)
+    return _chosen_candidates(num_tiles, c_out, config.candidate_range, num_tiles / config.full_tile_cost)
 
 
 @functools.lru_cache(maxsize=256)
 def _chosen_candidates(num_tiles: int, c_out: int, bounds: tuple[int, int], saving: float) -> int:
     low, high = bounds
-    c = min(low, c_out + 1)  # more than c_out: no tile can fill, nothing to recompute
+    high = min(high, c_out)  # c_out candidates: a tile fills only by ties at the top's last value
+    c = min(low, high)
     while c < high and expected_full_tiles(num_tiles, c_out, c) - expected_full_tiles(num_tiles, c_out, c + 1) > saving:
         c += 1
     return c

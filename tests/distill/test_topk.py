@@ -669,11 +669,11 @@ def test_triton_random_structures(case, triton_path):
 
 
 def test_candidates_per_tile_follow_the_expected_full_tiles():
-    """``C`` grows from 3 while one more candidate saves over 0.25 expected full tiles per row:
-    3 at TP 1 of a 152k vocab (594 tiles of 256) for every k, 3 / 4 / 5 at TP 8 (75 tiles) for
-    k 8 / 64 / 128, never above 5; ``k + 1`` below 3 (no tile can fill). The expectation is
-    Poisson's tail, checked against a direct sum; ``TopKConfig(candidates=)`` forces a count,
-    and the range and the saving are the config's."""
+    """``C`` grows from 1 while one more candidate saves over ``tiles / 500`` expected full
+    tiles per row (a candidate costs every tile, a full tile one tile of its row): 1 / 2 / 2 at
+    TP 1 of a 152k vocab (594 tiles of 256) for k 8 / 64 / 128, 2 / 4 / 5 at TP 8 (75 tiles),
+    never above 5 nor above k. The expectation is Poisson's tail, checked against a direct sum;
+    ``TopKConfig(candidates=)`` forces a count, and the range and the cost are the config's."""
     defaults = TopKConfig()
 
     def choose(num_tiles, k, config=defaults):
@@ -682,12 +682,12 @@ def test_candidates_per_tile_follow_the_expected_full_tiles():
     def cap(num_tiles, k, config=defaults):
         return topk_triton.full_tiles_cap(num_tiles, k, config)
 
-    assert [choose(594, k) for k in (8, 64, 128)] == [3, 3, 3]
-    assert [choose(75, k) for k in (8, 64, 128)] == [3, 4, 5]
-    assert choose(1, 128) == 3 and choose(2, 128) == 3  # every tile fills whatever C: the cheapest
-    assert choose(594, 1) == 2 and choose(594, 2) == 3
-    assert cap(594, 128) == 42 and cap(75, 128) == 25
-    assert cap(594, 1) == 0
+    assert [choose(594, k) for k in (8, 64, 128)] == [1, 2, 2]
+    assert [choose(75, k) for k in (8, 64, 128)] == [2, 4, 5]
+    assert choose(1, 128) == 1 and choose(2, 128) == 1  # every tile fills whatever C: the cheapest
+    assert choose(75, 1) == 1 and choose(3, 2) == 2 and choose(3, 4) == 4  # never above k
+    assert cap(594, 128) == 64 and cap(75, 128) == 25 and cap(594, 8) == 8
+    assert cap(594, 1) == 1  # C = k: a tile fills only by a tie at the top's last value
     lam = 128 / 75
     tail = 1 - sum(math.exp(-lam) * lam**i / math.factorial(i) for i in range(6))
     assert topk_triton.expected_full_tiles(75, 128, 5) == pytest.approx(75 * tail, rel=1e-12)
@@ -696,15 +696,15 @@ def test_candidates_per_tile_follow_the_expected_full_tiles():
     assert choose(594, 128, forced) == 4 and cap(594, 128, forced) == 32
     assert choose(75, 128, TopKConfig(candidate_range=(3, 4))) == 4  # never above the range's top
     assert choose(75, 8, TopKConfig(candidate_range=(4, 6))) == 4  # from its low end
-    # A saving so large that no candidate pays for itself: the low end; none needed: the top.
-    assert choose(75, 128, TopKConfig(full_tiles_per_candidate=100.0)) == 3
-    assert choose(75, 128, TopKConfig(full_tiles_per_candidate=0.0, candidate_range=(3, 9))) == 9
+    # A full tile so cheap that no candidate pays for itself: the low end; so dear: the top.
+    assert choose(75, 128, TopKConfig(full_tile_cost=1e-3)) == 1
+    assert choose(75, 128, TopKConfig(full_tile_cost=1e12, candidate_range=(3, 9))) == 9
 
 
-@pytest.mark.parametrize("candidates", [2, 3, 4, 5])
+@pytest.mark.parametrize("candidates", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("structure", ["integer", "boosted"])
 def test_triton_candidates_per_tile(structure, candidates, triton_path):
-    """Every candidate count the choice can make (and 2), on the interpreter's small shards:
+    """Every candidate count the choice can make, on the interpreter's small shards:
     ties across tiles and tiles that fill (whole-tile recompute), ids and values against fp64."""
     gen = generator(next_seed())
     if structure == "integer":
@@ -717,6 +717,20 @@ def test_triton_candidates_per_tile(structure, candidates, triton_path):
     assert triton_path == [] and sum(len(pairs) for pairs in triton_path.full_tiles) > 0
     ref = topk_reference(hidden.double(), weight.double(), 12)
     check_against_reference(out, ref, torch.float32, exact_ids=structure == "integer")
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_triton_as_many_candidates_as_places(k, triton_path):
+    """``C = k`` (what the choice takes for k below its low end): a tile then fills only when
+    its rest ties the top's last value, and the tile is recomputed and its rest summed all the
+    same. Small-integer logits, where most of a row's largest values tie across tiles and within
+    them: ids in the tie rule's order, log-probs and tails against fp64."""
+    hidden, weight = integer_case((6,), 200, 6, generator(next_seed()))
+    config = TopKConfig(candidate_range=(1, 1) if k == 1 else (k, 5))
+    assert topk_triton.candidates_per_tile(7, k, config) == k
+    out = triton_topk(hidden.float(), weight.float(), k, 2, config)
+    assert triton_path == [] and sum(len(pairs) for pairs in triton_path.full_tiles) > 0
+    check_against_reference(out, topk_reference(hidden, weight, k), torch.float32, exact_ids=True)
 
 
 @pytest.mark.parametrize("by_sort", [True, False], ids=["tl.sort", "by-count"])
@@ -1103,7 +1117,7 @@ def test_config_validation():
     defaults = TopKConfig()
     assert (defaults.token_chunk, defaults.vocab_chunk, defaults.tiles) == (2048, 4096, GPU_TILES)
     assert (defaults.tiles.block_m, defaults.tiles.block_n, defaults.tiles.use_tma) == (128, 256, True)
-    assert (defaults.candidates, defaults.candidate_range, defaults.full_tiles_per_candidate) == (None, (3, 5), 0.25)
+    assert (defaults.candidates, defaults.candidate_range, defaults.full_tile_cost) == (None, (1, 5), 500.0)
     assert (defaults.recompute_rows, defaults.scratch_bytes, defaults.splits) == (64, 512 * 2**20, None)
     assert TopKConfig(candidate_range=[2, 4]).candidate_range == (2, 4)
     with pytest.raises(AttributeError):
@@ -1129,9 +1143,10 @@ def test_config_validation():
         (TypeError, "candidate_range must be an int", dict(candidate_range=(3.0, 5))),
         (ValueError, "candidate_range must be >= 1", dict(candidate_range=(0, 5))),
         (ValueError, "candidate_range must have low <= high, got (5, 3)", dict(candidate_range=(5, 3))),
-        (TypeError, "full_tiles_per_candidate must be a number, got str", dict(full_tiles_per_candidate="0.25")),
-        (ValueError, "full_tiles_per_candidate must be finite and >= 0", dict(full_tiles_per_candidate=-0.1)),
-        (ValueError, "full_tiles_per_candidate must be finite and >= 0", dict(full_tiles_per_candidate=math.inf)),
+        (TypeError, "full_tile_cost must be a number, got str", dict(full_tile_cost="500")),
+        (TypeError, "full_tile_cost must be a number, got bool", dict(full_tile_cost=True)),
+        (ValueError, "full_tile_cost must be finite and > 0", dict(full_tile_cost=0.0)),
+        (ValueError, "full_tile_cost must be finite and > 0", dict(full_tile_cost=math.inf)),
         (TypeError, "sort_keys must be a bool, got int", dict(sort_keys=1)),
     ]
     for error, match, fields in cases:
