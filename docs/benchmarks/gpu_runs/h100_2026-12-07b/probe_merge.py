@@ -26,7 +26,10 @@ torch.manual_seed(0)
 n, world, shard = 16384, 8, 18992
 for k in (8, 128):
     vals = torch.randn(world, n, k, device="cuda").sort(dim=-1, descending=True).values * 3
-    ids = torch.randint(0, shard, (world, n, k), device="cuda") + torch.arange(world, device="cuda")[:, None, None] * shard
+    ids = (
+        torch.randint(0, shard, (world, n, k), device="cuda")
+        + torch.arange(world, device="cuda")[:, None, None] * shard
+    )
     W = world * k
 
     def old_pack(vals=vals, ids=ids, W=W):
