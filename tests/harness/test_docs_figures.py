@@ -753,36 +753,55 @@ def test_kernels_figures_come_from_the_tables():
     check(m["ours"], liger["ours no-grad fwd ms"], "our no-grad forward")
 
 
+_TOPK_STAGES = ("select_top_kernel", "tile_rows_kernel", "full_pairs_kernel", "merge_full_kernel")
+
+
+def _profile_ms(profile: str, kernel: str) -> float:
+    """The first "Self CUDA" time of ``kernel`` in a torch.profiler table, in ms."""
+    value, unit = re.search(rf"{kernel}(?:\s+\S+){{5}}\s+([\d.]+)(ms|us)", profile).groups()
+    return float(value) / (1.0 if unit == "ms" else 1000.0)
+
+
 def test_distillation_figures_come_from_the_tables():
     claims = Claims(text(REPO / "docs" / "distillation.md"), "docs/distillation.md")
-    rows = teacher().dicts()
+    record = BENCH / "gpu_runs" / "h100_2026-12-07b"
+    # bench_distill.md has "× GEMM" twice: from idle, then of the GPU time beside "GPU ms".
+    runs = table(record / "6_bench_distill.md", "impl", "GPU ms")
+    gpu_ratio, impl, tp, k = (runs.col(name) for name in ("GPU ms", "impl", "tp", "k"))
+    default = [row for row in runs.rows if row[impl] == "triton"]
     m = claims.find(
-        rf"its fused top-k took {RANGE}× one GEMM at TP 1 and (?P<lo8>{NUMBER})–(?P<hi8>{NUMBER})× at TP 8 "
-        rf"\(V (?P<v1>{NUMBER}) and (?P<v2>{NUMBER}), k (?P<k1>\d+)–(?P<k2>\d+)\)"
+        rf"the top-k in the head's statistics pass took {RANGE}× one GEMM at TP 1 and "
+        rf"(?P<lo8>{NUMBER})–(?P<hi8>{NUMBER})× at the TP 8 shard \(k (?P<k1>\d+)–(?P<k2>\d+), the default"
     )
-    check_range(m, [r["triton × gemm, gpu"] for r in rows if r["tp"] == "1"], "teacher TP 1")
-    check_range(m, [r["triton × gemm, gpu"] for r in rows if r["tp"] == "8"], "teacher TP 8", "lo8", "hi8")
-    assert {dec(m["v1"]), dec(m["v2"])} == {dec(r["v"]) for r in rows}
-    assert (int(m["k1"]), int(m["k2"])) == (min(int(r["k"]) for r in rows), max(int(r["k"]) for r in rows))
+    check_range(m, [row[gpu_ratio + 1] for row in default if row[tp] == "1"], "top-k TP 1")
+    check_range(m, [row[gpu_ratio + 1] for row in default if row[tp] == "8"], "top-k TP 8", "lo8", "hi8")
+    assert (int(m["k1"]), int(m["k2"])) == (min(int(r[k]) for r in default), max(int(r[k]) for r in default))
 
     m = claims.find(
-        rf"that kernel alone took (?P<tiles>{NUMBER}) ms against the GEMM's (?P<gemm>{NUMBER}) with 3 "
-        r"candidates per tile"
+        rf"at TP 1, k 128 with 3 candidates the statistics kernel alone took (?P<stats>{NUMBER}) ms against the "
+        rf"GEMM's (?P<gemm>{NUMBER}) \(two token chunks\), the selection, recompute, listing and merge "
+        rf"(?P<rest>{NUMBER}) ms more"
     )
-    profile = text(BENCH / "gpu_runs" / "h200_2026-12-02e" / "2_profile_tp8_k8.log")
-    check(m["tiles"], re.search(r"topk_tiles_kernel(?:\s+\S+){5}\s+([\d.]+)ms", profile)[1], "tiles kernel, TP 8, k 8")
-    k8 = teacher().one(v="151,936", tp=8, k=8)
-    check(m["gemm"], k8["gemm gpu ms"], "GEMM at TP 8")
+    profile = text(record / "2_distill.log")
+    tp1_k128 = profile[profile.index("tp 1 k 128") :]
+    own = {name: _profile_ms(tp1_k128, name) for name in ("stats_kernel", *_TOPK_STAGES)}
+    check(m["stats"], own.pop("stats_kernel"), "stats kernel, TP 1, k 128")
+    check(m["rest"], sum(own.values()), "selection, recompute, listing and merge, TP 1, k 128")
+    first = table(record / "2_bench_distill.md", "impl", "GPU ms")
+    check(m["gemm"], next(r for r in first.rows if r[impl] == "gemm" and r[k] == "128" and r[tp] == "1")[gpu_ratio],
+          "GEMM at TP 1, k 128")  # fmt: skip
+
+    # The candidates the rule chooses for a 152k vocab (594 tiles of 256 at TP 1, 75 at TP 8).
     m = claims.find(
-        rf"3 / 4 / 5 at TP 8 for `k` 8 / 64 / 128 \((?P<k8>{NUMBER}), (?P<k64>{NUMBER}) and (?P<k128>{NUMBER}) "
-        r"expected full tiles per token\)"
+        r"152k vocab that is (?P<c1>\d+ / \d+ / \d+) at TP 1 \(594 tiles\) for `k` 8 / 64 / 128, and "
+        r"(?P<c8>\d+ / \d+ / \d+) at TP 8 \(75 tiles\)"
     )
-    candidates = table(BENCH / "distillation_h200.md", "V 151,936", "k 128", under="Candidates per tile")
-    poisson = next(r for r in candidates.dicts() if r["v 151,936"].startswith("TP 8 full tiles"))
-    for group, k, c in (("k8", "k 8", 3), ("k64", "k 64", 4), ("k128", "k 128", 5)):
-        check(m[group], numbers(poisson[k])[c - 3], f"expected full tiles at TP 8, {k}, {c} candidates")
-    m = claims.find(rf"the full tiles' recompute and merge \((?P<full>{NUMBER}) per token\)")
-    check(m["full"], teacher().one(v="151,936", tp=8, k=128)["full tiles per token"], "full tiles at TP 8, k 128")
+    from mcore_ppo.distill.topk_config import DEFAULT_CONFIG
+    from mcore_ppo.distill.topk_triton import candidates_per_tile
+
+    for group, tiles in (("c1", 594), ("c8", 75)):
+        chosen = " / ".join(str(candidates_per_tile(tiles, k, DEFAULT_CONFIG)) for k in (8, 64, 128))
+        assert m[group] == chosen, f"candidates at {tiles} tiles: the text says {m[group]}, the rule gives {chosen}"
 
     m = claims.find(
         rf"at k = 64 is (?P<a>{NUMBER})× the four-GEMM floor at TP 1 and (?P<b>{NUMBER})× at TP 8 "
