@@ -219,3 +219,58 @@ def test_statistics_kernel_with_the_topk_keeps_its_registers():
     print(spills)
     assert set(spills) == {"stats_kernel", *(f"topk c{c}{s}" for c in (3, 5) for s in ("", " with_u_q"))}
     assert spills == dict.fromkeys(spills, 0), f"register spills on sm_90 (bytes per thread): {spills}"
+
+
+TOPK_LAUNCHES = PRELUDE + textwrap.dedent(
+    """
+    # Every launch of the teacher's top-k, made by its own host code on CPU tensors (no data is
+    # read on the host: the launches depend on shapes only), each compiled for sm_90 instead of
+    # launched: the statistics kernel with TOPK_C, the selection, the full tiles' listing,
+    # recompute and merge, and the ranks' merge by the selection kernel.
+    from mcore_ppo.distill import topk_triton
+    from mcore_ppo.distill.topk_config import DEFAULT_CONFIG
+
+    compiled = []
+
+
+    class CompileOnly:
+        def bound(self):
+            return self
+
+        def __call__(self, kernel, grid, args, kwargs, site=None):
+            compiled.append((kernel.fn.__name__, kernel.warmup(*args, grid=grid, **kwargs).metadata.shared))
+
+
+    topk_triton._LAUNCHER = CompileOnly()
+    h = 3584
+    tokens = torch.empty(300, h, dtype=torch.bfloat16)
+    head = Statistics.named(["entropy", "sum_pi_squared"])
+    for v, k, statistics in ((151936, 8, None), (151936, 128, None), (18992, 8, head), (18992, 128, None)):
+        topk_triton.shard_topk_triton(
+            tokens, torch.empty(v, h, dtype=torch.bfloat16), k, 1.0, vocab_start=0, config=DEFAULT_CONFIG,
+            statistics=statistics,
+        )
+    for world, k in ((8, 8), (2, 64), (8, 128)):
+        values, ids = torch.empty(300, world * k), torch.empty(300, world * k, dtype=torch.int64)
+        topk_triton.select_merged(values, ids, k)
+    print(json.dumps(compiled))
+    """
+)
+
+
+def test_topk_kernels_compile_for_hopper_at_their_launches():
+    """The teacher's top-k as its host code launches it (TP 1 and the TP 8 shard of a 152k vocab,
+    k 8 and 128: 1, 2 and 5 candidates per tile; with the head's entropy and Σπ²; the ranks'
+    merge of 8 ranks at k 8 and 128 and of 2 at k 64), every kernel compiled for sm_90 within
+    Hopper's shared memory. The interpreter runs none of Triton's GPU lowering: a kernel it runs
+    may still fail to compile for a GPU. (This compiles with the installed Triton; a compiler
+    bug of another version shows only on a machine that has it.)"""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", TOPK_LAUNCHES], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    names = {name for name, _ in compiled}
+    assert names >= {"stats_kernel", "select_top_kernel", "full_pairs_kernel", "tile_rows_kernel", "merge_full_kernel"}
+    assert sum(name == "select_top_kernel" for name, _ in compiled) >= 7  # 4 shard passes, 3 ranks' merges
+    too_big = {name: size for name, size in compiled if size > HOPPER_SHARED_BYTES}
+    assert not too_big, f"over {HOPPER_SHARED_BYTES} bytes of shared memory on sm_90: {too_big}"
