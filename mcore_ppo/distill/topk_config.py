@@ -1,4 +1,5 @@
-"""Settings of the teacher's top-k: one frozen :class:`TopKConfig`, given to each call.
+"""Settings of the teacher's top-k: one frozen :class:`TopKConfig`, given to each call, and the
+rule that chooses its candidates per tile from them (:func:`candidates_per_tile`).
 
 :func:`mcore_ppo.fused_topk` takes it as ``config=`` (None: the defaults); nothing here is read
 again while a call runs. Defaults were chosen by measurement on one H200 (bf16, a 152k vocab,
@@ -7,6 +8,7 @@ again while a call runs. Defaults were chosen by measurement on one H200 (bf16, 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -157,3 +159,41 @@ def _check_range(value: object) -> tuple[int, int]:
 
 #: What ``config=None`` means.
 DEFAULT_CONFIG = TopKConfig()
+
+
+def candidates_per_tile(num_tiles: int, c_out: int, config: TopKConfig) -> int:
+    """``C`` for a shard of ``num_tiles`` logit tiles and a top ``c_out``: ``config.candidates``
+    when set; else from the low end of ``config.candidate_range`` (at most ``c_out``: then a
+    tile fills only by ties), one more while it saves more than ``num_tiles / config.full_tile_cost``
+    expected full tiles per row (:func:`expected_full_tiles`): a candidate costs every tile, a
+    full tile one tile of its row."""
+    if config.candidates is not None:
+        return config.candidates
+    return _chosen_candidates(num_tiles, c_out, config.candidate_range, config.full_tile_cost)
+
+
+@functools.lru_cache(maxsize=256)
+def _chosen_candidates(num_tiles: int, c_out: int, bounds: tuple[int, int], full_tile_cost: float) -> int:
+    low, high = bounds
+    saving = num_tiles / full_tile_cost  # expected full tiles per row one candidate must save
+    high = min(high, c_out)  # c_out candidates: a tile fills only by ties at the top's last value
+    c = min(low, high)
+    while c < high and expected_full_tiles(num_tiles, c_out, c) - expected_full_tiles(num_tiles, c_out, c + 1) > saving:
+        c += 1
+    return c
+
+
+def expected_full_tiles(num_tiles: int, c_out: int, candidates: int) -> float:
+    """Expected full tiles per row on random logits, ``tiles · P(X > C)`` for
+    ``X ~ Poisson(c_out / tiles)``: the tiles holding more of the row's top than they keep."""
+    lam = c_out / num_tiles
+    term = cdf = math.exp(-lam)
+    for i in range(1, candidates + 1):
+        term *= lam / i
+        cdf += term
+    return num_tiles * max(0.0, 1.0 - cdf)
+
+
+def full_tiles_cap(num_tiles: int, c_out: int, config: TopKConfig) -> int:
+    """The most full tiles a row can have: each holds ``C`` entries of the top ``c_out``."""
+    return min(num_tiles, c_out // candidates_per_tile(num_tiles, c_out, config))

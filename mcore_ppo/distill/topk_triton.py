@@ -10,8 +10,8 @@ One rank's shard pass in three steps, each row's result exact (the same ids as t
 3. the few *full* tiles (every candidate in the top, its rest reaching the top's last value: it
    may hide more of the top) recomputed whole and merged in.
 
-``C`` comes from :func:`candidates_per_tile`: the expected full tiles per row on random logits
-against the cost of one more candidate (:class:`~mcore_ppo.distill.topk_config.TopKConfig`).
+``C`` comes from :func:`~mcore_ppo.distill.topk_config.candidates_per_tile`: the expected full
+tiles per row on random logits against the cost of one more candidate.
 No host sync anywhere: a row has at most ``k // C`` full tiles, so their recompute has fixed
 slots and runs whether or not a tile is full.
 """
@@ -34,7 +34,7 @@ from mcore_ppo.backends.triton_host import (
     operands_by_tma,
 )
 from mcore_ppo.backends.triton_launch import BoundLauncher, Launcher
-from mcore_ppo.distill.topk_config import DEFAULT_CONFIG, TopKConfig
+from mcore_ppo.distill.topk_config import DEFAULT_CONFIG, TopKConfig, candidates_per_tile, full_tiles_cap
 from mcore_ppo.numerics import Numerics, cdiv, chunks, inverse_temperature, next_power_of_two, rowmajor
 from mcore_ppo.statistics import Statistics
 
@@ -300,43 +300,6 @@ def select_merged(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torc
         ),
     )  # fmt: skip
     return top_values, top_ids, rest[0] + torch.log(rest[1])
-
-
-def candidates_per_tile(num_tiles: int, c_out: int, config: TopKConfig) -> int:
-    """``C`` for a shard of ``num_tiles`` logit tiles and a top ``c_out``: ``config.candidates``
-    when set; else from the low end of ``config.candidate_range`` (at most ``c_out``: then a
-    tile fills only by ties), one more while it saves more than ``num_tiles / config.full_tile_cost``
-    expected full tiles per row (:func:`expected_full_tiles`): a candidate costs every tile, a
-    full tile one tile of its row."""
-    if config.candidates is not None:
-        return config.candidates
-    return _chosen_candidates(num_tiles, c_out, config.candidate_range, num_tiles / config.full_tile_cost)
-
-
-@functools.lru_cache(maxsize=256)
-def _chosen_candidates(num_tiles: int, c_out: int, bounds: tuple[int, int], saving: float) -> int:
-    low, high = bounds
-    high = min(high, c_out)  # c_out candidates: a tile fills only by ties at the top's last value
-    c = min(low, high)
-    while c < high and expected_full_tiles(num_tiles, c_out, c) - expected_full_tiles(num_tiles, c_out, c + 1) > saving:
-        c += 1
-    return c
-
-
-def expected_full_tiles(num_tiles: int, c_out: int, candidates: int) -> float:
-    """Expected full tiles per row on random logits, ``tiles · P(X > C)`` for
-    ``X ~ Poisson(c_out / tiles)``: the tiles holding more of the row's top than they keep."""
-    lam = c_out / num_tiles
-    term = cdf = math.exp(-lam)
-    for i in range(1, candidates + 1):
-        term *= lam / i
-        cdf += term
-    return num_tiles * max(0.0, 1.0 - cdf)
-
-
-def full_tiles_cap(num_tiles: int, c_out: int, config: TopKConfig) -> int:
-    """The most full tiles a row can have: each holds ``C`` entries of the top ``c_out``."""
-    return min(num_tiles, c_out // candidates_per_tile(num_tiles, c_out, config))
 
 
 def _recompute_full_tiles(

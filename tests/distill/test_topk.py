@@ -24,7 +24,7 @@ import torch
 
 import mcore_ppo
 from mcore_ppo.backends.triton_launch import Launcher
-from mcore_ppo.distill import MAX_TOPK, TopKConfig, fused_topk, topk_torch, topk_triton
+from mcore_ppo.distill import MAX_TOPK, TopKConfig, fused_topk, topk_config, topk_torch, topk_triton
 from mcore_ppo.distill import topk as topk_module
 from mcore_ppo.numerics import cdiv, inverse_temperature
 from mcore_ppo_testing.seeds import generator, next_seed
@@ -492,9 +492,9 @@ def test_triton_token_chunks(triton_path):
     whole = triton_topk(hidden, weight, 12, 2, five, temperature=temperature)
     tiles_config = five.interpreter_tiles
     tiles = cdiv(300, tiles_config.block_n)
-    per_row = tiles * (8 * topk_triton.candidates_per_tile(tiles, 12, five) + 8) + 2 * tiles_config.block_n * 4
+    per_row = tiles * (8 * topk_config.candidates_per_tile(tiles, 12, five) + 8) + 2 * tiles_config.block_n * 4
     per_row += tiles * 4
-    assert topk_triton.full_tiles_cap(tiles, 12, five) == 2
+    assert topk_config.full_tiles_cap(tiles, 12, five) == 2
     one_block = replace(five, scratch_bytes=per_row * tiles_config.block_m)  # one row block per launch
     triton_path.full_tiles.clear()
     chunked = triton_topk(hidden, weight, 12, 2, one_block, temperature=temperature)
@@ -579,7 +579,7 @@ def test_triton_all_equal_logits_recompute_only_the_first_tiles(k, triton_path):
     weight = torch.randn(vocab, 8, generator=generator(next_seed()))
     out = triton_topk(hidden, weight, k, 2)
     assert triton_path == []
-    first = k // topk_triton.candidates_per_tile(10, k, TopKConfig())
+    first = k // topk_config.candidates_per_tile(10, k, TopKConfig())
     assert sorted(map(tuple, triton_path.full_tiles[0])) == [(row, tile) for row in range(5) for tile in range(first)]
     assert torch.equal(out.ids, torch.arange(k).expand(5, k))
     torch.testing.assert_close(out.log_probs.double(), torch.full((5, k), -math.log(vocab), dtype=torch.float64))
@@ -677,10 +677,10 @@ def test_candidates_per_tile_follow_the_expected_full_tiles():
     defaults = TopKConfig()
 
     def choose(num_tiles, k, config=defaults):
-        return topk_triton.candidates_per_tile(num_tiles, k, config)
+        return topk_config.candidates_per_tile(num_tiles, k, config)
 
     def cap(num_tiles, k, config=defaults):
-        return topk_triton.full_tiles_cap(num_tiles, k, config)
+        return topk_config.full_tiles_cap(num_tiles, k, config)
 
     assert [choose(594, k) for k in (8, 64, 128)] == [1, 2, 2]
     assert [choose(75, k) for k in (8, 64, 128)] == [2, 4, 5]
@@ -690,8 +690,8 @@ def test_candidates_per_tile_follow_the_expected_full_tiles():
     assert cap(594, 1) == 1  # C = k: a tile fills only by a tie at the top's last value
     lam = 128 / 75
     tail = 1 - sum(math.exp(-lam) * lam**i / math.factorial(i) for i in range(6))
-    assert topk_triton.expected_full_tiles(75, 128, 5) == pytest.approx(75 * tail, rel=1e-12)
-    assert topk_triton.expected_full_tiles(594, 128, 3) == pytest.approx(0.045, abs=5e-4)  # 0.042 measured
+    assert topk_config.expected_full_tiles(75, 128, 5) == pytest.approx(75 * tail, rel=1e-12)
+    assert topk_config.expected_full_tiles(594, 128, 3) == pytest.approx(0.045, abs=5e-4)  # 0.042 measured
     forced = TopKConfig(candidates=4)
     assert choose(594, 128, forced) == 4 and cap(594, 128, forced) == 32
     assert choose(75, 128, TopKConfig(candidate_range=(3, 4))) == 4  # never above the range's top
@@ -727,7 +727,7 @@ def test_triton_as_many_candidates_as_places(k, triton_path):
     them: ids in the tie rule's order, log-probs and tails against fp64."""
     hidden, weight = integer_case((6,), 200, 6, generator(next_seed()))
     config = TopKConfig(candidate_range=(1, 1) if k == 1 else (k, 5))
-    assert topk_triton.candidates_per_tile(7, k, config) == k
+    assert topk_config.candidates_per_tile(7, k, config) == k
     out = triton_topk(hidden.float(), weight.float(), k, 2, config)
     assert triton_path == [] and sum(len(pairs) for pairs in triton_path.full_tiles) > 0
     check_against_reference(out, topk_reference(hidden, weight, k), torch.float32, exact_ids=True)
@@ -755,7 +755,7 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path):
     from mcore_ppo.kernels.topk import select_top_kernel
 
     config = TopKConfig(candidates=5)
-    c = topk_triton.candidates_per_tile(5, 7, config)
+    c = topk_config.candidates_per_tile(5, 7, config)
     gen = generator(next_seed())
     pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, -1e-38, 2.5, 2.5, -2.5, 7.0])
     rows, num_tiles, k, block_n = 6, 5, 7, 32
@@ -772,7 +772,7 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path):
     rest_s = torch.rand(rows, num_tiles, generator=gen) + 1.0
     rest_s[1, 2] = 0.0
     out = [torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)]
-    cap = topk_triton.full_tiles_cap(num_tiles, k, config)
+    cap = topk_config.full_tiles_cap(num_tiles, k, config)
     out += [torch.empty(rows, num_tiles, dtype=torch.int8), torch.empty(rows, dtype=torch.int32)]
     out += [torch.full((rows, cap), -1, dtype=torch.int32), torch.empty(rows), torch.empty(rows)]
     width = num_tiles * c

@@ -796,11 +796,10 @@ def test_distillation_figures_come_from_the_tables():
         r"152k vocab that is (?P<c1>\d+ / \d+ / \d+) at TP 1 \(594 tiles\) for `k` 8 / 64 / 128, and "
         r"(?P<c8>\d+ / \d+ / \d+) at TP 8 \(75 tiles\)"
     )
-    from mcore_ppo.distill.topk_config import DEFAULT_CONFIG
-    from mcore_ppo.distill.topk_triton import candidates_per_tile
+    from mcore_ppo.distill.topk_config import DEFAULT_CONFIG, candidates_per_tile
 
     for group, tiles in (("c1", 594), ("c8", 75)):
-        chosen = " / ".join(str(candidates_per_tile(tiles, k, DEFAULT_CONFIG)) for k in (8, 64, 128))
+        chosen = " / ".join(str(candidates_per_tile(tiles, top, DEFAULT_CONFIG)) for top in (8, 64, 128))
         assert m[group] == chosen, f"candidates at {tiles} tiles: the text says {m[group]}, the rule gives {chosen}"
 
     m = claims.find(
