@@ -10,10 +10,15 @@ cached per-shape plan already fixes everything Triton specialises on can skip th
   the plan leaves open, such as a dtype or an integer whose class varies) goes through
   ``kernel[grid](...)`` the first time it is seen on a device. What that returns is the
   :class:`triton.compiler.CompiledKernel` Triton's dispatch chose for these arguments; it is
-  kept, and later launches of the (device, site) call it through its public launch surface:
-  ``compiled[grid]`` once per grid (the runner is kept too), then
-  ``runner(*args, *constexpr_tail, stream=...)``. That runner runs the launch hooks
-  (profilers) and builds the launch metadata itself.
+  kept, and later launches of the (device, site) call its ``run`` with its ``function`` and
+  ``packed_metadata``, the call Triton's own dispatch (and inductor's launcher) makes, on the
+  grid and the positional and constexpr arguments: ``run(*grid, stream, function,
+  packed_metadata, None, None, None, *args, *constexpr_tail)``. The three Nones are the
+  launch metadata and the enter and exit hooks: while no launch hook is registered
+  (``triton.knobs.runtime``'s hook chains are empty) Triton's runner would build the metadata
+  for nobody and call two empty chains around the launch. With a hook registered (a
+  profiler), the launch goes through ``compiled[grid]`` (kept per grid), whose runner builds
+  the metadata and calls the hooks.
 
 The specialisation key is never computed here: a site key is the caller's promise that it is no
 coarser than Triton's (the tests check every site against Triton's own dispatch:
@@ -57,6 +62,7 @@ from mcore_ppo.logs import log_once
 
 try:
     import triton
+    from triton import knobs
     from triton.compiler import CompiledKernel
     from triton.runtime.driver import driver as triton_driver
     from triton.runtime.jit import JITFunction
@@ -64,10 +70,11 @@ try:
 except ModuleNotFoundError as err:  # pragma: no cover - exercised only without triton
     if err.name != "triton":
         raise
-    triton = CompiledKernel = JITFunction = triton_driver = TensorDescriptor = None
+    triton = knobs = CompiledKernel = JITFunction = triton_driver = TensorDescriptor = None
 
 # Triton versions whose dispatch and CompiledKernel launch surface the kept-kernel path was
-# checked against (JITFunction.run, .warmup, .pre_run_hooks; CompiledKernel.__getitem__).
+# checked against (JITFunction.run, .warmup, .pre_run_hooks; CompiledKernel.run, .function,
+# .packed_metadata, .__getitem__; knobs.runtime's launch hook chains).
 SUPPORTED_TRITON = ("3.6.", "3.7.")
 # Sites kept per kernel (a process meets a few per plan; a new one past the bound clears the table).
 SITES_PER_KERNEL = 256
@@ -125,15 +132,39 @@ def constexpr_tail(kernel, n_args: int, kwargs: dict) -> tuple | None:
     return tuple(tail)
 
 
-class Kept:
-    """A site's kept compiled kernel: its constexpr tail and one runner per grid."""
+def unhooked() -> bool:
+    """No launch hook is registered with Triton (``knobs.runtime.launch_enter_hook`` and
+    ``launch_exit_hook`` unset or empty chains): a launch may pass None for the hooks and their
+    metadata."""
+    return _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook)
 
-    __slots__ = ("compiled", "runners", "tail")
+
+def _no_hook(hook) -> bool:
+    return hook is None or (isinstance(hook, knobs.HookChain) and not hook.calls)
+
+
+class Kept:
+    """A site's kept compiled kernel: its constexpr tail, one runner per grid (launches with
+    hooks) and the three grid dimensions per grid."""
+
+    __slots__ = ("compiled", "grids", "runners", "tail")
 
     def __init__(self, compiled, tail: tuple):
         self.compiled = compiled
         self.tail = tail
         self.runners: dict[tuple, Callable] = {}
+        self.grids: dict[tuple, tuple[int, int, int]] = {}
+
+    def launch(self, grid: tuple[int, ...], args: tuple, stream) -> None:
+        """The compiled kernel's ``run`` on ``grid`` without launch hooks (module doc)."""
+        dims = self.grids.get(grid)
+        if dims is None:
+            dims = self.grids[grid] = (*grid, 1, 1)[:3]
+        compiled = self.compiled
+        compiled.run(
+            dims[0], dims[1], dims[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+            *args, *self.tail,
+        )  # fmt: skip
 
     def runner(self, grid: tuple[int, ...]) -> Callable:
         """``compiled[grid]``, made once per grid (CompiledKernel.__getitem__ reads grid[0..2])."""
@@ -240,8 +271,12 @@ class Launcher:
         return kernel[grid](*args, **kwargs)
 
     def launch_kept(self, kept: Kept, kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, site, stream) -> None:
-        """The site's kept compiled kernel, through its runner for ``grid``."""
-        kept.runner(grid)(*args, *kept.tail, stream=stream)
+        """The site's kept compiled kernel: its ``run`` while no launch hook is registered, else
+        its runner for ``grid`` (module doc)."""
+        if unhooked():
+            kept.launch(grid, args, stream)
+        else:
+            kept.runner(grid)(*args, *kept.tail, stream=stream)
 
     def new_table(self, kernel) -> tuple[Any, dict]:
         """``kernel``'s (new, empty) table of kept compiled kernels."""
@@ -281,4 +316,5 @@ __all__ = [
     "interpreting",
     "set_scratch_allocator",
     "supported_triton",
+    "unhooked",
 ]

@@ -76,19 +76,30 @@ def interpreter(monkeypatch):
 
 
 class Compiled(CompiledKernel):
-    """A ``CompiledKernel`` (so the launcher keeps it) that records ``self[grid](*args, stream=)``
-    and each grid it made a runner for."""
+    """A ``CompiledKernel`` (so the launcher keeps it) that records its launches: ``run`` as
+    Triton's dispatch calls it, and ``self[grid](*args, stream=)`` with each grid it made a
+    runner for (``hooked`` lists the launches that came through a runner)."""
+
+    function = "cu_function"
+    packed_metadata = (4, 1, 0)
 
     def __init__(self, name: str = "compiled"):  # no binary to load: none of the base's state
         self.name = name
         self.calls: list[tuple] = []
         self.runners: list[tuple] = []
+        self.hooked: list[tuple] = []
+
+    def run(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, metadata, enter, exit_, *args):
+        assert (function, packed_metadata) == (self.function, self.packed_metadata)
+        assert metadata is None and enter is None and exit_ is None  # launched without hooks
+        self.calls.append(((grid_0, grid_1, grid_2), args, stream))
 
     def __getitem__(self, grid):
         self.runners.append(grid)
 
         def runner(*args, stream=None):
             self.calls.append((grid, args, stream))
+            self.hooked.append((grid, args, stream))
 
         return runner
 
@@ -154,8 +165,28 @@ def test_first_launch_per_site_is_normal_then_the_kept_kernel_with_the_constexpr
     ]
     assert launcher.launches == 3
     assert launcher.fast_level(kernel) == {(0, site): "compiled"}
-    assert compiled.runners == [(3, 2, 1)]  # one runner per grid, kept
+    assert compiled.runners == [] and compiled.hooked == []  # no launch hook: run, no runner
     assert not kernel.warmups  # a plain launcher does not ask Triton's dispatch
+
+
+def test_with_a_launch_hook_the_kept_kernel_launches_through_its_runner(monkeypatch):
+    """A profiler's hook (Triton's hook chains) gets every kept launch: the runner calls it."""
+    chain = triton.knobs.HookChain()
+    chain.add(lambda metadata: None)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", chain)
+    launcher, _ = _launcher()
+    kernel = Kernel()
+    for n in (4, 5, 6):
+        launcher.launch(kernel, (3,), (X, OUT, n, 0.5), {"BLOCK": 16}, "site")
+    compiled = kernel.returns
+    assert compiled.hooked == [((3, 1, 1), (X, OUT, n, 0.5, 16, False), 1000) for n in (5, 6)]
+    assert compiled.runners == [(3, 1, 1)]  # one runner per grid, kept
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", triton.knobs.HookChain())
+    launcher.launch(kernel, (3,), (X, OUT, 7, 0.5), {"BLOCK": 16}, "site")
+    assert len(compiled.hooked) == 2 and compiled.calls[-1] == ((3, 1, 1), (X, OUT, 7, 0.5, 16, False), 1000)
+    assert triton_launch.unhooked()
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", lambda metadata: None)  # a plain function
+    assert not triton_launch.unhooked()
 
 
 def test_a_bound_launcher_asks_the_device_and_stream_once_and_installs_the_scratch_allocator():
