@@ -247,7 +247,7 @@ def _select_from_tiles(
         select_top_kernel,
         (cdiv(n, block_r),),
         (values, cols, tiles.rest_m, tiles.rest_s, top_values, top_cols, full, full_rows, full_list, rest_m, rest_s,
-         n, width, c_out, num_tiles, max(cap, 1)),
+         n, width, c_out, num_tiles, max(cap, 1), width, 0),
         dict(
             C=candidates_per_tile(num_tiles, c_out, config), BLOCK_R=block_r, BLOCK_W=block_w,
             BLOCK_T=next_power_of_two(num_tiles), TOP=next_power_of_two(c_out), BY_SORT=by_sort,
@@ -268,14 +268,21 @@ def _select_from_tiles(
 
 def select_merged(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ranks' merge by the selection kernel (:data:`mcore_ppo.parallel.topk.SelectTop`):
-    each row's top ``k`` of ``values [n, W]`` (fp32) and their ``ids [n, W]`` (int64), and the
-    log-sum-exp of the rest, for candidates side by side rank by rank, each rank's in the tie
-    rule's order (this pass's output). Among equal values the kernel takes them by position,
-    which is then the ids' order (a rank's ids are below the next rank's). One launch: the whole
-    row as one tile with no rest, so no tile is full."""
+    each row's top ``k`` of ``values [n, ranks, c]`` (fp32) and their ``ids [n, ranks, c]``
+    (int32 or int64, the same strides), and the log-sum-exp of the rest, for every rank's
+    candidates in the tie rule's order (this pass's output). The kernel reads them where they
+    are (each rank's ``c`` contiguous; the all-gather's layout, no copy into rows) and, among
+    equal values, takes them by position, which is then the ids' order (a rank's ids are below
+    the next rank's). One launch: the whole row as one tile with no rest, so no tile is full."""
     from mcore_ppo.kernels.topk import select_top_kernel
 
-    n, width = values.shape
+    n, ranks, per_rank = values.shape
+    if values.stride(2) != 1 or ids.stride() != values.stride():
+        raise ValueError(
+            "select_merged needs each rank's candidates contiguous and ids laid out as values, got strides "
+            f"{values.stride()} and {ids.stride()}"
+        )
+    width = ranks * per_rank
     device = values.device
     top_values = torch.empty(n, k, dtype=torch.float32, device=device)
     top_ids = torch.empty(n, k, dtype=torch.int64, device=device)
@@ -293,10 +300,10 @@ def select_merged(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torc
         select_top_kernel,
         (cdiv(n, block_r),),
         (values, ids, no_rest_max, no_rest_sum, top_values, top_ids, full, full_rows, full_list, rest[0], rest[1],
-         n, width, k, 1, 1),
+         n, width, k, 1, 1, values.stride(0), values.stride(1)),
         dict(
             C=width, BLOCK_R=block_r, BLOCK_W=block_w, BLOCK_T=1, TOP=next_power_of_two(k),
-            BY_SORT=DEFAULT_CONFIG.keys_by_sort(), num_warps=max(1, min(4, block_w // 512)),
+            BY_SORT=DEFAULT_CONFIG.keys_by_sort(), PART=per_rank, num_warps=max(1, min(4, block_w // 512)),
         ),
     )  # fmt: skip
     return top_values, top_ids, rest[0] + torch.log(rest[1])

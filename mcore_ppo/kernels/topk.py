@@ -110,7 +110,9 @@ def tile_rows_kernel(
         tl.store(out_ptr + dest, z, mask=pair_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["N", "W", "K", "num_tiles", "CAP"])
+# The strides unspecialised: told their divisibility, Triton 3.6 vectorises the candidates' loads
+# into a layout whose tl.cumsum it fails to lower (scripts/compile_check.sh).
+@triton.jit(do_not_specialize=["N", "W", "K", "num_tiles", "CAP", "stride_row", "stride_part"])
 def select_top_kernel(
     cand_v_ptr,
     cand_c_ptr,
@@ -128,16 +130,25 @@ def select_top_kernel(
     K,
     num_tiles,
     CAP,
+    stride_row,
+    stride_part,
     C: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_T: tl.constexpr,
     TOP: tl.constexpr,
     BY_SORT: tl.constexpr = True,
+    PART: tl.constexpr = 0,
 ):
     """Each row's top ``K`` of its ``W`` candidates (``cand_v`` / ``cand_c`` ``[N, W]``, tile by
     tile, each tile's ``C`` in the tie rule's order), with the tiles' rests ``(rest_m, rest_s)``
     ``[N, num_tiles]``. ``BLOCK_R`` rows per program, each row whole in registers.
+
+    The candidates are read at ``row · stride_row + position`` (``stride_row = W``: rows
+    contiguous), or with ``PART`` as ``[N, W / PART, PART]`` at ``row · stride_row + (position //
+    PART) · stride_part + position % PART``: the ranks' candidates where the all-gather left
+    them (each rank's ``PART`` of a row contiguous), with no copy into rows. ``cand_c`` may be
+    int32 or int64; ``top_c`` is int64.
 
     The ``K``-th largest value is found by bisection over its order-preserving int32 bits (at
     most 32 counting passes); equal values at it are taken by position, which for equal values
@@ -155,7 +166,7 @@ def select_top_kernel(
     r = rows.to(tl.int64)[:, None]
     pos = tl.arange(0, BLOCK_W)[None, :]
     present = row_ok[:, None] & (pos < W)
-    v = tl.load(cand_v_ptr + r * W + pos, mask=present, other=float("-inf"))
+    v = tl.load(cand_v_ptr + _at(r, pos, stride_row, stride_part, PART), mask=present, other=float("-inf"))
     # Absent slots rank below every entry (-inf's bits are above the smallest int32).
     u = tl.where(present, ordered_bits(v), -2147483648)
     # lo: the K-th largest, by bisection; a row stops early at a threshold with exactly K
@@ -193,7 +204,8 @@ def select_top_kernel(
     rm = tl.load(rest_m_ptr + r * num_tiles + tiles, mask=tile_ok, other=float("-inf"))
     rs = tl.load(rest_s_ptr + r * num_tiles + tiles, mask=tile_ok, other=0.0)
     last = tiles * C + (C - 1)
-    last_u = ordered_bits(tl.load(cand_v_ptr + r * W + last, mask=tile_ok, other=float("-inf")))
+    last_v = tl.load(cand_v_ptr + _at(r, last, stride_row, stride_part, PART), mask=tile_ok, other=float("-inf"))
+    last_u = ordered_bits(last_v)
     last_in_top = (last_u > kth) | ((last_u == kth) & (last <= cutoff[:, None]))
     full = (rm >= bound) & (rm > float("-inf")) & last_in_top & tile_ok
     full_count = tl.sum(full.to(tl.int32), 1)
@@ -227,10 +239,18 @@ def select_top_kernel(
     staged_p = tl.load(top_c_ptr + r * K + offs, mask=in_top, other=0)
     key = tl.where(in_top, order_key(staged_v, staged_p), -9223372036854775807 - 1)
     key = _descending(key, BY_SORT)
-    col = tl.load(cand_c_ptr + r * W + key_col(key), mask=in_top, other=0)
+    col = tl.load(cand_c_ptr + _at(r, key_col(key), stride_row, stride_part, PART), mask=in_top, other=0)
     tl.debug_barrier()
     tl.store(top_v_ptr + r * K + offs, key_value(key), mask=in_top)
     tl.store(top_c_ptr + r * K + offs, col.to(tl.int64), mask=in_top)
+
+
+@triton.jit
+def _at(r, pos, stride_row, stride_part, PART: tl.constexpr):
+    """The offset of row ``r``'s candidate at ``pos`` (:func:`select_top_kernel`'s layouts)."""
+    if PART:
+        return r * stride_row + (pos // PART).to(tl.int64) * stride_part + pos % PART
+    return r * stride_row + pos
 
 
 @triton.jit

@@ -28,10 +28,12 @@ from mcore_ppo.parallel.ranks import ProcessGroup, group_size
 
 __all__ = ["SelectTop", "fold_into_statistics", "merge_topk_over_ranks", "select_topk", "select_topk_lse"]
 
-#: A selection of the ranks' merge: ``(values [n, c], ids [n, c], k)`` to ``(top_values [n, k'],
-#: top_ids [n, k'], dropped_lse [n])`` by the tie rule (module doc), ``dropped_lse`` the
-#: log-sum-exp of the entries left out (``-inf`` where none is). :func:`select_topk_lse` is the
-#: reference; a backend may bring its own for candidates it knows to be in the tie rule's order.
+#: A selection of the ranks' merge: ``(values [n, ranks, c], ids [n, ranks, c], k)`` (every
+#: rank's candidates, as the all-gather left them: views, each rank's ``c`` contiguous; fp32
+#: values come with int32 ids) to ``(top_values [n, k'], top_ids [n, k'] int64, dropped_lse
+#: [n])`` by the tie rule (module doc), ``dropped_lse`` the log-sum-exp of the entries left out
+#: (``-inf`` where none is). :func:`select_topk_lse` is the reference; a backend may bring its
+#: own for candidates it knows to be in the tie rule's order.
 SelectTop = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -88,9 +90,10 @@ def select_topk(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.
 
 
 def select_topk_lse(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`select_topk` with the entries it leaves out summed: ``(top_values, top_ids,
+    """:func:`select_topk` of every rank's candidates side by side (``[n, ranks, c]``, or rows
+    ``[n, c]``) with the entries it leaves out summed: ``(top_values, top_ids (int64),
     dropped_lse [n])`` (:data:`SelectTop`)."""
-    top_values, top_ids, dropped = select_topk(values, ids, k)
+    top_values, top_ids, dropped = select_topk(values.flatten(1), ids.flatten(1).to(torch.int64), k)
     return top_values, top_ids, torch.logsumexp(dropped, dim=-1)  # -inf over no entry
 
 
@@ -113,25 +116,25 @@ def fold_into_statistics(m: torch.Tensor, s: torch.Tensor, values: torch.Tensor)
 def _gather_candidates(
     values: torch.Tensor, ids: torch.Tensor, group: ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's ``[n, c]`` candidates side by side, ``[n, world·c]``, in one all-gather.
+    """Every rank's ``[n, c]`` candidates side by side, ``[n, world, c]``, in one all-gather.
 
     Values and ids travel together in one tensor: fp32 values with their ids' int32 bits beside
     them (a collective moves bytes, so the bits arrive as sent; ids fit: no device holds a shard
-    of 2**31 rows), other values as fp64 with the ids converted (exact below 2**53).
+    of 2**31 rows), returned as views of what the all-gather wrote (int32 ids); other values as
+    fp64 with the ids converted (exact below 2**53), converted back.
     """
     world = group_size(group)
     if world == 1:
-        return values, ids
-    n, c = values.shape
+        return values.unsqueeze(1), ids.unsqueeze(1)
     if values.dtype == torch.float32:
         packed = torch.stack([values, ids.to(torch.int32).view(torch.float32)])
     else:
         packed = torch.stack([values.to(torch.float64), ids.to(torch.float64)])
     gathered = all_gather_first_dim(packed.unsqueeze(0), group)  # [world, 2, n, c]
-    gathered = gathered.permute(1, 2, 0, 3).reshape(2, n, world * c)
+    by_row = gathered.permute(1, 2, 0, 3)  # [2, n, world, c]: a view
     if values.dtype == torch.float32:
-        return gathered[0], gathered[1].view(torch.int32).to(ids.dtype)
-    return gathered[0].to(values.dtype), gathered[1].to(ids.dtype)
+        return by_row[0], by_row[1].view(torch.int32)
+    return by_row[0].to(values.dtype), by_row[1].to(ids.dtype)
 
 
 def merge_topk_over_ranks(
@@ -155,22 +158,21 @@ def merge_topk_over_ranks(
         group: the TP group (None: one rank).
         presorted: the candidates are already in the tie rule's order (one rank only needs no
             selection then: with ``c == k`` they are the top ``k``).
-        select: how the top ``k`` of every rank's candidates side by side (``[n, world·c]``,
-            rank by rank) is taken (:data:`SelectTop`).
+        select: how the top ``k`` of every rank's candidates side by side (``[n, world, c]``)
+            is taken (:data:`SelectTop`).
 
     Returns:
         ``(top_values [n, k], top_ids [n, k], lse [n], tail_lse [n])``: the top entries by the
         tie rule, ``log Σ_j exp(z_j)`` over the whole vocab, and the same sum over the entries
         outside the top ``k`` (``-inf`` when there are none), identical on every rank.
     """
-    all_values, all_ids = _gather_candidates(values, ids, group)
     dropped_lse = None
     if presorted and group_size(group) == 1:
-        top_values, top_ids = all_values[:, :k], all_ids[:, :k]
-        if all_values.shape[-1] > k:
-            dropped_lse = torch.logsumexp(all_values[:, k:], dim=-1)
+        top_values, top_ids = values[:, :k], ids[:, :k]
+        if values.shape[-1] > k:
+            dropped_lse = torch.logsumexp(values[:, k:], dim=-1)
     else:
-        top_values, top_ids, dropped_lse = select(all_values, all_ids, k)
+        top_values, top_ids, dropped_lse = select(*_gather_candidates(values, ids, group), k)
     # The rest of every shard, combined exactly as the head combines its statistics.
     rest_lse = combine_log_sum_exp(rest_max, rest_sum, group)
     # Candidates dropped by the merge are the same on every rank: fold them in after the combine.

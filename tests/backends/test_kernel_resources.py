@@ -251,8 +251,9 @@ TOPK_LAUNCHES = PRELUDE + textwrap.dedent(
             statistics=statistics,
         )
     for world, k in ((8, 8), (2, 64), (8, 128)):
-        values, ids = torch.empty(300, world * k), torch.empty(300, world * k, dtype=torch.int64)
-        topk_triton.select_merged(values, ids, k)
+        # As the all-gather leaves them: [world, 2, n, k], fp32 values beside their ids' int32 bits.
+        gathered = torch.empty(world, 2, 300, k).permute(1, 2, 0, 3)
+        topk_triton.select_merged(gathered[0], gathered[1].view(torch.int32), k)
     print(json.dumps(compiled))
     """
 )

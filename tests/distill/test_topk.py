@@ -778,7 +778,7 @@ def test_selection_kernel_tie_rule_bound_and_rest(by_sort, triton_path):
     width = num_tiles * c
     select_top_kernel[(2,)](
         values.reshape(rows, width), cols.reshape(rows, width).to(torch.int32).contiguous(), rest_m, rest_s, *out,
-        rows, width, k, num_tiles, cap, C=c, BLOCK_R=4, BLOCK_W=32, BLOCK_T=8, TOP=8, BY_SORT=by_sort,
+        rows, width, k, num_tiles, cap, width, 0, C=c, BLOCK_R=4, BLOCK_W=32, BLOCK_T=8, TOP=8, BY_SORT=by_sort,
     )  # fmt: skip
     top_v, top_c, full, full_rows, full_list, m, s = out
     assert 0 < full_rows.sum() < rows * num_tiles  # full tiles and others
@@ -827,14 +827,24 @@ def test_rank_merge_by_the_selection_kernel(world, c, k, by_sort, triton_path, m
     values, ids = values.gather(-1, order), ids.gather(-1, order)
     order = torch.sort(values, dim=-1, descending=True, stable=True).indices
     values, ids = values.gather(-1, order), ids.gather(-1, order)
-    side_by_side = [t.permute(1, 0, 2).reshape(n, world * c).contiguous() for t in (values.float(), ids)]
+    # As the all-gather leaves them: [world, 2, n, c], fp32 values beside their ids' int32 bits.
+    gathered = torch.stack([values.float(), ids.to(torch.int32).view(torch.float32)], 1).permute(1, 2, 0, 3)
+    side_by_side = (gathered[0], gathered[1].view(torch.int32))
     got = topk_triton.select_merged(*side_by_side, k)
     want = select_topk_lse(*side_by_side, k)
+    assert got[1].dtype == want[1].dtype == torch.int64
     assert torch.equal(got[1], want[1]), f"seed {seed}: ids"
     assert torch.equal(got[0], want[0]), f"seed {seed}: values"
     torch.testing.assert_close(got[2], want[2], rtol=2e-6, atol=0, msg=f"seed {seed}: dropped lse")
     everything = topk_triton.select_merged(*side_by_side, world * c)
     assert torch.equal(everything[2], torch.full((n,), -torch.inf)), seed
+    # Rows already side by side (one part per row, int64 ids): the same selection.
+    rows = [t.permute(1, 0, 2).reshape(n, 1, world * c).contiguous() for t in (values.float(), ids)]
+    again = topk_triton.select_merged(*rows, k)
+    assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1]), seed
+    torch.testing.assert_close(again[2], got[2], rtol=2e-6, atol=0)
+    with pytest.raises(ValueError, match="ids laid out as values"):
+        topk_triton.select_merged(rows[0], side_by_side[1], k)
 
 
 def test_full_pairs_kernel_lists_by_tile(triton_path):

@@ -241,7 +241,9 @@ def test_rank_merge_kernel_matches_the_reference_selection(world, k):
     values, ids = values.gather(-1, order), ids.gather(-1, order)
     order = values.sort(dim=-1, descending=True, stable=True).indices
     values, ids = values.gather(-1, order), ids.gather(-1, order)
-    side_by_side = [t.permute(1, 0, 2).reshape(n, world * k).contiguous() for t in (values, ids)]
+    # As the all-gather leaves them: [world, 2, n, k], fp32 values beside their ids' int32 bits.
+    gathered = torch.stack([values, ids.to(torch.int32).view(torch.float32)], 1).permute(1, 2, 0, 3)
+    side_by_side = (gathered[0], gathered[1].view(torch.int32))
     got = topk_triton.select_merged(*side_by_side, k)
     want = select_topk_lse(*side_by_side, k)
     assert torch.equal(got[1], want[1]), f"seed {seed}: ids"
