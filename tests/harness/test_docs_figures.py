@@ -791,6 +791,20 @@ def test_distillation_figures_come_from_the_tables():
     check(m["gemm"], next(r for r in first.rows if r[impl] == "gemm" and r[k] == "128" and r[tp] == "1")[gpu_ratio],
           "GEMM at TP 1, k 128")  # fmt: skip
 
+    m = claims.find(
+        rf"As rank 0 of a TP 8 group on one GPU \(the ranks' merge included, no all-gather\) it took {RANGE}× "
+        rf"for k (?P<k1>\d+)–(?P<k2>\d+)"
+    )
+    ratios, ks = [], []
+    for visit in ("C1", "C2"):  # the tree's two visits in that record (A C C A)
+        ranked = table(BENCH / "gpu_runs" / "h100_2026-12-07c" / f"7_bench_distill_{visit}.md", "impl", "GPU ms")
+        for row in ranked.rows:
+            if row[ranked.col("impl")] == "triton_rank":
+                ratios.append(row[ranked.col("GPU ms") + 1])
+                ks.append(int(row[ranked.col("k")]))
+    check_range(m, ratios, "top-k as rank 0 of TP 8")
+    assert (int(m["k1"]), int(m["k2"])) == (min(ks), max(ks))
+
     # The candidates the rule chooses for a 152k vocab (594 tiles of 256 at TP 1, 75 at TP 8).
     m = claims.find(
         r"152k vocab that is (?P<c1>\d+ / \d+ / \d+) at TP 1 \(594 tiles\) for `k` 8 / 64 / 128, and "
