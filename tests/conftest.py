@@ -17,14 +17,12 @@ import contextlib
 import gc
 import os
 import socket
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_ppo_testing import gpu_share, seeds
+from mcore_ppo_testing import seeds
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -146,43 +144,7 @@ def summary_section():
     return add
 
 
-# The tests that ran out of GPU memory beside other workers and ran again alone (gpu_share).
-_RETRIED_ALONE: list[str] = []
-
-
-def _gpu_share(config) -> gpu_share.GpuShare | None:
-    """The GPU shared by this run's xdist workers (mcore_ppo_testing.gpu_share); None without
-    CUDA or outside an xdist worker. Its locks live in a folder named by the run's id, which
-    every worker of the run sees; a pytest started inside a test is no worker of this run (its
-    inherited environment is not asked), so it never waits on its parent's locks."""
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is None or not torch.cuda.is_available():
-        return None
-    folder = Path(tempfile.gettempdir()) / f"mcore_ppo_gpu_share_{workerinput['testrunuid']}"
-    folder.mkdir(exist_ok=True)
-    return gpu_share.GpuShare(folder)
-
-
-_GPU_SHARE = pytest.StashKey[gpu_share.GpuShare | None]()
-
-
-def pytest_configure(config) -> None:
-    config.stash[_GPU_SHARE] = _gpu_share(config)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-    share = item.config.stash[_GPU_SHARE]
-    if share is None:
-        return (yield)
-    return (yield from gpu_share.run_call(item, share, _RETRIED_ALONE))
-
-
 def pytest_terminal_summary(terminalreporter) -> None:
-    if _RETRIED_ALONE:
-        terminalreporter.section("ran out of GPU memory beside other workers, then ran alone")
-        for nodeid in _RETRIED_ALONE:
-            terminalreporter.write_line(nodeid)
     for title, lines in _SUMMARY_SECTIONS.items():
         terminalreporter.section(title)
         for line in lines:
@@ -196,15 +158,12 @@ def pytest_sessionfinish(session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["mcore_ppo_summary_sections"] = dict(_SUMMARY_SECTIONS)
-        workeroutput["mcore_ppo_retried_alone"] = list(_RETRIED_ALONE)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     """pytest-xdist's controller: a worker's report sections join this process's."""
-    output = getattr(node, "workeroutput", {})
-    _SUMMARY_SECTIONS.update(output.get("mcore_ppo_summary_sections", {}))
-    _RETRIED_ALONE.extend(output.get("mcore_ppo_retried_alone", []))
+    _SUMMARY_SECTIONS.update(getattr(node, "workeroutput", {}).get("mcore_ppo_summary_sections", {}))
 
 
 @pytest.hookimpl(trylast=True)
