@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_ppo_testing import seeds
+from mcore_ppo_testing import megatron_tracker, seeds
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,6 +43,15 @@ def _fresh_backends():
     clear_backend_cache()
     yield
     clear_backend_cache()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mtp_tracker():
+    """Megatron keeps its MTP losses in a class-level dict (``MTPLossLoggingHelper.tracker``)
+    whose tensors are sized by the first model's MTP depth: a later model with more MTP layers
+    in the same process (an xdist worker) would index past them. Each test starts without it."""
+    megatron_tracker.clear_mtp_tracker()
+    yield
 
 
 @pytest.fixture(scope="module")

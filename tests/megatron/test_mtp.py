@@ -19,12 +19,14 @@ import pytest
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from mcore_ppo import gpt_log_probs_and_entropy, install_fused_head
 from mcore_ppo_testing.gpt_builder import build_gpt_model
 from mcore_ppo_testing.gpt_reference import pop_parameter_grads, synthetic_batch
 from mcore_ppo_testing.hooked_gpt import forward_path
 from mcore_ppo_testing.layer_specs import local_gpt_spec
+from mcore_ppo_testing.megatron_tracker import clear_mtp_tracker
 from mcore_ppo_testing.reference import sum_pi_squared_reference
 
 VOCAB, HIDDEN, HEADS, SEQ, DEPTHS = 64, 16, 2, 12, 2
@@ -175,3 +177,12 @@ def test_mtp_on_the_fallback_path_is_refused():
     batch = _batch(3)
     with forward_path(model, "fallback"), pytest.raises(NotImplementedError, match="multi-token prediction"):
         gpt_log_probs_and_entropy(model, batch.input_ids, batch.position_ids, None, batch.labels)
+
+
+def test_a_deeper_mtp_model_after_a_shallower_one_finds_a_fresh_tracker():
+    """Megatron's MTP tracker is sized by the first model's depth; the suite's fixture empties it
+    before each test, so an xdist worker's later, deeper model does not index past it."""
+    assert MTPLossLoggingHelper.tracker == {}  # the fixture ran before this test
+    MTPLossLoggingHelper.tracker["loss_values"] = torch.zeros(1)  # what a one-layer MTP model leaves
+    clear_mtp_tracker()
+    assert MTPLossLoggingHelper.tracker == {}
