@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_ppo_testing import megatron_tracker, seeds
+from mcore_ppo_testing import gpu_memory, megatron_tracker, seeds
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -52,6 +52,19 @@ def _fresh_mtp_tracker():
     in the same process (an xdist worker) would index past them. Each test starts without it."""
     megatron_tracker.clear_mtp_tracker()
     yield
+
+
+# Each test's peak of allocated GPU memory in this process: (GiB, test id) (gpu_memory).
+_GPU_PEAKS: list[tuple[float, str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory(request):
+    """The test's GPU memory peak recorded, and its process's cached blocks given back after it
+    (mcore_ppo_testing.gpu_memory); nothing where CUDA is not initialised."""
+    gpu_memory.start_test()
+    yield
+    gpu_memory.end_test(request.node.nodeid, _GPU_PEAKS)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +167,10 @@ def summary_section():
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    if _GPU_PEAKS:
+        terminalreporter.section("largest GPU memory peaks (allocated, per test)")
+        for line in gpu_memory.largest_peaks(_GPU_PEAKS):
+            terminalreporter.write_line(line)
     for title, lines in _SUMMARY_SECTIONS.items():
         terminalreporter.section(title)
         for line in lines:
@@ -167,12 +184,15 @@ def pytest_sessionfinish(session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["mcore_ppo_summary_sections"] = dict(_SUMMARY_SECTIONS)
+        workeroutput["mcore_ppo_gpu_peaks"] = list(_GPU_PEAKS)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     """pytest-xdist's controller: a worker's report sections join this process's."""
-    _SUMMARY_SECTIONS.update(getattr(node, "workeroutput", {}).get("mcore_ppo_summary_sections", {}))
+    output = getattr(node, "workeroutput", {})
+    _SUMMARY_SECTIONS.update(output.get("mcore_ppo_summary_sections", {}))
+    _GPU_PEAKS.extend(tuple(peak) for peak in output.get("mcore_ppo_gpu_peaks", []))
 
 
 @pytest.hookimpl(trylast=True)
