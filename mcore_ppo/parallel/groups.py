@@ -3,12 +3,16 @@
 Order of precedence, the same for TP and CP: an explicit group passed by the caller, else
 Megatron's ``parallel_state`` when it has been initialised, else a single rank (``None``).
 ``None`` always means "one rank, no communication", so callers never special-case
-``torch.distributed`` being absent. Megatron is imported only when a group is resolved with
-``torch.distributed`` initialised; the size and rank helpers (:mod:`mcore_ppo.parallel.ranks`, re-exported
-here) need torch alone.
+``torch.distributed`` being absent. Megatron is never imported here: its groups are asked only
+where its ``parallel_state`` module is already loaded (whoever initialised Megatron's groups
+imported it), so a process with ``torch.distributed`` and without megatron-core (FSDP, a
+trainer of its own) resolves one rank. The size and rank helpers
+(:mod:`mcore_ppo.parallel.ranks`, re-exported here) need torch alone.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch.distributed as dist
 
@@ -25,12 +29,17 @@ __all__ = [
 ]
 
 
+_PARALLEL_STATE = "megatron.core.parallel_state"
+
+
 def _megatron_parallel_state():
-    """Megatron's ``parallel_state`` module if model parallelism has been initialised, else None."""
+    """Megatron's ``parallel_state`` module if model parallelism has been initialised, else None
+    (module doc: never imported here)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from megatron.core import parallel_state
-
+    parallel_state = sys.modules.get(_PARALLEL_STATE)
+    if parallel_state is None:  # never loaded: Megatron's groups were not initialised in this process
+        return None
     return parallel_state if parallel_state.model_parallel_is_initialized() else None
 
 

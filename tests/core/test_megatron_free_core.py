@@ -4,7 +4,9 @@ A fresh interpreter gets a ``sys.meta_path`` finder that refuses ``megatron`` an
 ``megatron.*`` module, as in an environment where megatron-core is not installed. It imports
 the kernels, the backends, the autograd Function, the head's call path, parallel's combine and groups,
 and the package itself; runs a small torch-backend forward and backward on the CPU through the
-public API; and checks that no Megatron module was loaded. The Megatron integration (the head
+public API, then the head and the teacher's top-k again with a one-rank ``torch.distributed``
+group initialised (no Megatron groups to ask: one rank); and checks that no Megatron module was
+loaded. The Megatron integration (the head
 module) must fail there with an ImportError that names Megatron, not with anything else.
 """
 
@@ -68,6 +70,24 @@ SCRIPT = textwrap.dedent(
     full = torch.log_softmax(hidden.detach().transpose(0, 1) @ weight.detach().t() / 0.7, dim=-1)
     expected = full.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(labels == -100, 0.0)
     torch.testing.assert_close(log_probs.detach(), expected)
+
+    # With torch.distributed initialised (FSDP, a trainer of its own) and no Megatron: one rank,
+    # for the head and the teacher's top-k alike.
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        again, _ = mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, temperature=0.7, backend="torch")
+        torch.testing.assert_close(again, log_probs)
+        top = mcore_ppo.fused_topk(hidden.detach().reshape(-1, 8), weight.detach(), 3, impl="torch")
+        assert top.ids.shape == (12, 3)
+    finally:
+        dist.destroy_process_group()
 
     loaded = sorted(name for name in sys.modules if name == "megatron" or name.startswith("megatron."))
     assert not loaded, loaded
