@@ -39,6 +39,9 @@ TEMPERATURE_TYPES = "a number (int or float) or a floating-point torch.Tensor"
 #: (a comparison in a narrow dtype wraps: -100 is 156 in uint8). These convert to int64 exactly;
 #: uint64 does not (values from 2**63 on would wrap negative, possibly onto ``ignore_index``).
 LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32)
+# The operands' dtypes the head computes in (fp8 and the other storage formats have no promotion
+# to fp32 in torch's ops and no dot of their own in the kernels).
+HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -186,6 +189,9 @@ def check_tensors(hidden: object, weight: object, labels: object, precision: str
             raise TypeError(f"{name} must be a torch.Tensor, got {type_name(value)}")
     if not hidden.dtype.is_floating_point:
         raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
+    if hidden.dtype not in HIDDEN_DTYPES:
+        accepted = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
+        raise TypeError(f"hidden must be {accepted}, got dtype {hidden.dtype} (cast it and the weight)")
     upcast = precision != "auto" and weight.dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16)
     if weight.dtype != hidden.dtype and not upcast:
         # The head computes in its inputs' dtype inside autocast regions too.

@@ -131,6 +131,13 @@ def test_integer_hidden(data, dtype, no_compute):
         head(data["h2"].to(dtype), data["w"].to(dtype), data["l2"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_hidden(data, dtype, no_compute):
+    """fp8 operands are refused by name (torch has no promotion of them for its ops)."""
+    with pytest.raises(TypeError, match=rf"^hidden must be bfloat16, float16, float32, float64, got dtype {dtype}"):
+        head(data["h2"].to(dtype), data["w"].to(dtype), data["l2"])
+
+
 @pytest.mark.parametrize("name", ["hidden", "weight", "labels"])
 def test_not_a_tensor(data, name, no_compute):
     args = {"hidden": data["h2"], "weight": data["w"], "labels": data["l2"]}
