@@ -1,7 +1,8 @@
 """Communication layer of mcore_ppo: TP/CP groups, the statistics combine, the one
 ``d_hidden`` reduction, SP gather/scatter, and the CP label roll and split. Knows nothing
 of PPO, and imports with torch alone: Megatron's ``parallel_state`` is consulted only inside
-:func:`resolve_tp_group` / :func:`resolve_cp_group`, when ``torch.distributed`` is initialised."""
+:func:`resolve_tp_group` / :func:`resolve_cp_group`, when ``torch.distributed`` is initialised
+and Megatron's module is already loaded (never imported here)."""
 
 from mcore_ppo.parallel.combine import combine_log_sum_exp, reduce_shard_statistics
 from mcore_ppo.parallel.context_parallel import (
