@@ -45,7 +45,8 @@ HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """``value`` is an int and not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -65,7 +66,7 @@ def check_bool(name: str, value: object) -> bool:
 
 def check_positive_int(name: str, value: object) -> int:
     """``value`` is an int (bool is not) >= 1; returns it."""
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type_name(value)}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
@@ -148,7 +149,7 @@ def bad_temperatures(temperature: torch.Tensor) -> torch.Tensor:
 def check_ignore_index(ignore_index: object) -> int:
     """``ignore_index`` is an int (bool is not accepted) that fits in int64, the dtype labels are
     compared in; returns it."""
-    if not _is_int(ignore_index):
+    if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {type_name(ignore_index)}")
     if not _INT64_MIN <= ignore_index <= _INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64 (labels are compared in int64), got {ignore_index}")

@@ -116,6 +116,32 @@ def test_refusals(params, match):
     _nemo_rl_call(hidden, weight, target, sampling_params=TrainingSamplingParams(top_k=-1, temperature=0.9))
 
 
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        ({"sampling_params": {"temperature": 0.5}}, TypeError, r"^sampling_params must be NeMo-RL's TrainingSampling"),
+        ({"inference_only": "yes"}, TypeError, r"^inference_only must be a bool, got str"),
+        ({"vocab_start_index": "0"}, TypeError, r"^vocab_start_index must be an int, got str"),
+        ({"vocab_end_index": float(VOCAB)}, TypeError, r"^vocab_end_index must be an int, got float"),
+        ({"unpacked_seqlen": 0}, ValueError, r"^unpacked_seqlen must be >= 1, got 0"),
+        ({"unpacked_seqlen": 4.0}, TypeError, r"^unpacked_seqlen must be an int"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_refused_by_name(overrides, error, match):
+    """Each argument is checked for what it must be, naming it; a mapping in place of the
+    sampling params would otherwise leave its temperature unread (T = 1, a plausible number)."""
+    hidden, weight, _ = _tensors(0, 4, 1)
+    args = {
+        "tensor_parallel_hidden_states": hidden, "output_weight_layer": weight, "runtime_gather_output": None,
+        "target": torch.zeros(1, 4, dtype=torch.long), "vocab_start_index": 0, "vocab_end_index": VOCAB,
+        "tp_group": None,
+    }  # fmt: skip
+    if "unpacked_seqlen" in overrides:
+        args["cu_seqlens_padded"] = torch.tensor([0, 4])
+    with pytest.raises(error, match=match):
+        from_parallel_hidden_states_to_logprobs(**{**args, **overrides})
+
+
 @pytest.mark.parametrize("precision", ["fp32_faithful", "ieee"])
 def test_precision_with_a_bf16_trunk_and_an_fp32_head(test_seed, precision):
     """NeMo-RL's fp32 LM head on a bf16 trunk: bf16 hidden states with an fp32 weight under a

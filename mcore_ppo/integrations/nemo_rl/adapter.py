@@ -116,6 +116,12 @@ def from_parallel_hidden_states_to_logprobs(
         validation.check_tensor("output_weight_layer", weight, "float")
         validation.check_tensor("tensor_parallel_hidden_states", hidden, "any")
         validation.check_tensor("target", target, "index")
+        validation.check_bool("inference_only", inference_only)
+        for name, value in (("vocab_start_index", vocab_start_index), ("vocab_end_index", vocab_end_index)):
+            if not validation.is_int(value):
+                raise TypeError(f"{name} must be an int, got {validation.type_name(value)}")
+        if unpacked_seqlen is not None:
+            validation.check_positive_int("unpacked_seqlen", unpacked_seqlen)
         shard = weight.shape[0]
         rank = group_rank(tp_group)
         if (vocab_start_index, vocab_end_index) != (rank * shard, (rank + 1) * shard):
@@ -176,6 +182,12 @@ def from_parallel_hidden_states_to_logprobs(
 def _temperature(sampling_params: Any, temperature: float | None) -> float:
     """The temperature to use; ValueError for top-k/top-p filtering (NeMo-RL's own tests of it)."""
     if sampling_params is not None:
+        if not hasattr(sampling_params, "temperature"):
+            # A mapping or another object would leave its temperature unread: a silent T = 1.
+            raise TypeError(
+                "sampling_params must be NeMo-RL's TrainingSamplingParams (an object with temperature, top_k and "
+                f"top_p attributes), got {validation.type_name(sampling_params)}"
+            )
         top_k, top_p = getattr(sampling_params, "top_k", None), getattr(sampling_params, "top_p", 1.0)
         if (top_k is not None and top_k > 0) or (top_p is not None and top_p != 1.0):
             raise ValueError(
