@@ -27,6 +27,28 @@ def check_loss_agg_mode(mode: str) -> str:
     return mode
 
 
+def _check_number(name: str, value: object, *, optional: bool = False) -> None:
+    """``value`` is a finite int or float (a bool is not), or None where ``optional``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a number or None" if optional else "a number"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _check_int(name: str, value: object, *, least: int | None = None, optional: bool = False) -> None:
+    """``value`` is an int (a bool is not) of at least ``least``, or None where ``optional``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+
+
 @dataclass
 class PPOActorConfig:
     """Options of :class:`~mcore_ppo.actor.MegatronPPOActor` (names as in verl's actor config).
@@ -79,6 +101,16 @@ class PPOActorConfig:
     policy_loss: bool = True
 
     def __post_init__(self) -> None:
+        # Types first (a string from a config file would otherwise fail inside a comparison or,
+        # for a coefficient, only in the loss), then each option's range.
+        for name in ("clip_ratio", "entropy_coeff", "temperature", "distill_coeff"):
+            _check_number(name, getattr(self, name))
+        for name in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "max_grad_norm"):
+            _check_number(name, getattr(self, name), optional=True)
+        _check_int("micro_batch_size", self.micro_batch_size, least=1, optional=True)
+        _check_int("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, least=1, optional=True)
+        _check_int("ignore_index", self.ignore_index)
+        _check_int("pad_token_id", self.pad_token_id, least=0)
         check_loss_agg_mode(self.loss_agg_mode)
         if not 0.0 <= self.low < 1.0 or self.high < 0.0:
             raise ValueError(

@@ -224,3 +224,37 @@ def test_actor_names_resolve_lazily():
         assert getattr(actor, name) is getattr(__import__(module, fromlist=[name]), name)
     with pytest.raises(AttributeError, match="no_such_name"):
         actor.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "option, value, error, match",
+    [
+        ("clip_ratio", "0.2", TypeError, r"^clip_ratio must be a number, got str"),
+        ("clip_ratio_low", "0.2", TypeError, r"^clip_ratio_low must be a number or None, got str"),
+        ("clip_ratio_high", float("nan"), ValueError, r"^clip_ratio_high must be finite, got nan"),
+        ("clip_ratio_c", True, TypeError, r"^clip_ratio_c must be a number or None, got bool"),
+        ("entropy_coeff", "0", TypeError, r"^entropy_coeff must be a number, got str"),
+        ("entropy_coeff", float("inf"), ValueError, r"^entropy_coeff must be finite"),
+        ("max_grad_norm", "1.0", TypeError, r"^max_grad_norm must be a number or None, got str"),
+        ("temperature", "1", TypeError, r"^temperature must be a number, got str"),
+        ("micro_batch_size", 0, ValueError, r"^micro_batch_size must be >= 1, got 0"),
+        ("micro_batch_size", 2.0, TypeError, r"^micro_batch_size must be an int or None, got float"),
+        ("max_tokens_per_micro_batch", 0, ValueError, r"^max_tokens_per_micro_batch must be >= 1, got 0"),
+        ("ignore_index", -100.0, TypeError, r"^ignore_index must be an int, got float"),
+        ("pad_token_id", -1, ValueError, r"^pad_token_id must be >= 0, got -1"),
+    ],
+)
+def test_actor_options_of_the_wrong_kind_are_refused_by_name(option, value, error, match):
+    """PPOActorConfig checks each option's type before its range: a string from a config file
+    is refused by name, not in a comparison or, for a coefficient, only inside the loss."""
+    with pytest.raises(error, match=match):
+        PPOActorConfig(**{option: value})
+    PPOActorConfig(**{option: _ACCEPTED[option]})  # the same option with a value of its kind passes
+
+
+# A value of each option's kind and range (ints where a float is taken, too).
+_ACCEPTED = {
+    "clip_ratio": 0.3, "clip_ratio_low": 0.1, "clip_ratio_high": 1, "clip_ratio_c": 3, "entropy_coeff": -0.01,
+    "max_grad_norm": None, "temperature": 2, "micro_batch_size": 1, "max_tokens_per_micro_batch": 4096,
+    "ignore_index": -1, "pad_token_id": 0,
+}  # fmt: skip
