@@ -246,3 +246,35 @@ def test_type_errors_qualify_non_builtin_types():
         match=r"^temperature must be a number \(int or float\) or a floating-point torch.Tensor, got numpy.float32",
     ):
         head(hidden, weight, labels, temperature=np.float32(0.7))
+
+
+@pytest.mark.parametrize(
+    "fields, error, match",
+    [
+        (
+            {"gather_rows": [16, 256, 4]},
+            TypeError,
+            r"^gather_rows must be a tuple \(BLOCK_J, BLOCK_H, num_warps\), got list",
+        ),
+        (
+            {"gather_rows": (16, 256)},
+            ValueError,
+            r"^gather_rows must be \(BLOCK_J, BLOCK_H, num_warps\), got \(16, 256\)",
+        ),
+        ({"gather_rows": (16, 255, 4)}, ValueError, r"^gather_rows\[1\] \(BLOCK_H\) must be a power of two, got 255"),
+        ({"gather_rows": (16, 256, 0)}, ValueError, r"^gather_rows\[2\] \(num_warps\) must be >= 1, got 0"),
+        ({"gather_rows": (16.0, 256, 4)}, TypeError, r"^gather_rows\[0\] \(BLOCK_J\) must be an int, got float"),
+        ({"gather_scan_slots": 48}, ValueError, r"^gather_scan_slots must be a power of two, got 48"),
+        ({"plan_cache_size": 0}, ValueError, r"^plan_cache_size must be >= 1, got 0"),
+        ({"kept_kernels": 1}, TypeError, r"^kept_kernels must be a bool, got int"),
+        ({"ieee_gemms": "blas"}, ValueError, r"^ieee_gemms must be one of"),
+    ],
+)
+def test_triton_config_refuses_its_fields_by_name(fields, error, match):
+    """A Triton block size that is not a power of two would fail inside Triton's compiler at the
+    first launch; the config refuses it, and every other field of the wrong kind, when built."""
+    from mcore_ppo import TritonConfig
+
+    with pytest.raises(error, match=match):
+        TritonConfig(**fields)
+    TritonConfig(gather_rows=(8, 128, 2), gather_scan_slots=32)  # powers of two pass
