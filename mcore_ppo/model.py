@@ -187,14 +187,16 @@ def gpt_log_probs_and_entropy(
         logits on the last stage).
 
     Raises:
-        TypeError, ValueError: a bad ``temperature``, ``return_entropy`` or ``return_sum_pi_squared``,
-            on every rank of the model's TP group before the model runs (the refusing rank its
-            own error, the others a ValueError saying a peer refused, shared as the head's
-            verdict is: ``docs/design.md`` §5); the head's checks of the labels and a
+        TypeError, ValueError: a bad ``temperature``, ``return_entropy`` or
+            ``return_sum_pi_squared``, or ``input_ids`` / ``position_ids`` that are not integer
+            tensors, on every rank of the model's TP group before the model runs (the refusing
+            rank its own error, the others a ValueError saying a peer refused, shared as the
+            head's verdict is: ``docs/design.md`` §5); the head's checks of the labels and a
             temperature tensor after the model, before the head's first collective.
     """
     temperature, error = attempt(
-        lambda: _checked_arguments(temperature, return_entropy, return_sum_pi_squared), temperature
+        lambda: _checked_arguments(temperature, return_entropy, return_sum_pi_squared, input_ids, position_ids),
+        temperature,
     )
     switches = {"return_entropy": return_entropy, "return_sum_pi_squared": return_sum_pi_squared}
     gpt = unwrap_gpt_model(model)
@@ -235,10 +237,18 @@ def gpt_log_probs_and_entropy(
 
 
 def _checked_arguments(
-    temperature: object, return_entropy: object, return_sum_pi_squared: object
+    temperature: object, return_entropy: object, return_sum_pi_squared: object, input_ids: object, position_ids: object
 ) -> float | torch.Tensor | None:
     """:func:`gpt_log_probs_and_entropy`'s own checks (a tensor temperature is the head's to
-    check); the temperature, a number checked."""
+    check); the temperature, a number checked. The token and position ids' dtypes are checked
+    here (the model's embedding would raise deep inside Megatron); their values are the model's
+    (reading them would cost a host sync)."""
+    for name, ids in (("input_ids", input_ids), ("position_ids", position_ids)):
+        if ids is not None:
+            if not isinstance(ids, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(ids).__name__}")
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
     if temperature is not None and not isinstance(temperature, torch.Tensor):
         temperature = check_temperature(temperature)
     for name, value in (("return_entropy", return_entropy), ("return_sum_pi_squared", return_sum_pi_squared)):

@@ -146,6 +146,19 @@ def test_install_rejects_foreign_output_layer_and_bad_options():
         gpt_log_probs_and_entropy(model, labels=batch.labels, **batch.model_inputs())
 
 
+@pytest.mark.parametrize("name", ["input_ids", "position_ids"])
+def test_float_token_or_position_ids_are_refused_by_name(name):
+    """Ids of a floating dtype are refused naming them, before the model runs (its embedding
+    would raise deep inside Megatron)."""
+    model = _model()
+    install_fused_head(model)
+    batch = _batch("padded", 0)
+    inputs = batch.model_inputs()
+    inputs[name] = inputs[name].float()
+    with pytest.raises(TypeError, match=rf"^{name} must be an integer tensor, got dtype torch.float32"):
+        gpt_log_probs_and_entropy(model, labels=batch.labels, **inputs)
+
+
 def test_install_through_wrappers_and_carries_forward_pre_hooks():
     """Hooks registered on the old output layer (Megatron DDP's param-gather wait) fire on the head,
     and a DDP-like wrapper's handle table is re-keyed so its disable_forward_pre_hook still works."""
