@@ -42,7 +42,7 @@ from mcore_ppo.head_call import attempt, share_refusal
 from mcore_ppo.install import install_fused_head, unwrap_gpt_model
 from mcore_ppo.logs import log_once
 from mcore_ppo.parallel.groups import ProcessGroup, resolve_tp_group
-from mcore_ppo.validation import VALIDATE_DEFAULT, check_temperature
+from mcore_ppo.validation import VALIDATE_DEFAULT, check_temperature, check_tensor
 
 __all__ = [
     "check_supported_config",
@@ -245,10 +245,7 @@ def _checked_arguments(
     (reading them would cost a host sync)."""
     for name, ids in (("input_ids", input_ids), ("position_ids", position_ids)):
         if ids is not None:
-            if not isinstance(ids, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(ids).__name__}")
-            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-                raise TypeError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
+            check_tensor(name, ids, "index")
     if temperature is not None and not isinstance(temperature, torch.Tensor):
         temperature = check_temperature(temperature)
     for name, value in (("return_entropy", return_entropy), ("return_sum_pi_squared", return_sum_pi_squared)):

@@ -83,6 +83,14 @@ def resolve_validate(validate: object) -> bool:
     return validate
 
 
+def check_power_of_two(name: str, value: object) -> int:
+    """``value`` is an int >= 1 and a power of two (a Triton block size or warp count); returns it."""
+    check_positive_int(name, value)
+    if value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    return value
+
+
 def check_temperature(temperature: object) -> float:
     """``temperature`` is a Python int or float, finite, in ``[MIN_TEMPERATURE, inf)``; returns it as float."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):

@@ -128,8 +128,7 @@ class PPOActorConfig:
             raise ValueError("give exactly one of micro_batch_size and max_tokens_per_micro_batch")
         if not (math.isfinite(self.distill_coeff) and self.distill_coeff >= 0):
             raise ValueError(f"distill_coeff must be finite and >= 0, got {self.distill_coeff}")
-        if isinstance(self.distill_topk, bool) or not isinstance(self.distill_topk, int):
-            raise TypeError(f"distill_topk must be an int, got {type(self.distill_topk).__name__}")
+        _check_int("distill_topk", self.distill_topk)
         if not 1 <= self.distill_topk <= _MAX_TOPK:
             raise ValueError(f"distill_topk must be in [1, {_MAX_TOPK}], got {self.distill_topk}")
         if self.distill_kl_mode not in TOPK_KL_MODES:

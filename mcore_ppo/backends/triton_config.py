@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from mcore_ppo.backends.triton_host import ElementwiseConfig, GemmConfig, budget_bytes
 from mcore_ppo.backends.triton_launch import interpreting
 from mcore_ppo.numerics import check_precision
-from mcore_ppo.validation import check_bool, check_positive_int
+from mcore_ppo.validation import check_bool, check_positive_int, check_power_of_two
 
 #: The forward on a GPU: TMA operands and 3 stages were the fastest at every V/tp measured
 #: (profile_head --sweep-forward); tiles per split follow the shard (``forward_tiles_per_split``).
@@ -48,13 +48,6 @@ INTERPRETER_BACKWARD = replace(INTERPRETER_FORWARD, tiles_per_split=1)
 #: The environment variable of the budget of the backend that ``backend="triton"`` / ``"auto"``
 #: build (read once, when it is built): bytes, or with a unit (``1GiB``, ``512MB``).
 BUFFER_BUDGET_ENV = "MCORE_PPO_BUFFER_BUDGET_BYTES"
-
-
-def _check_power_of_two(name: str, value: object) -> None:
-    """``value`` is an int >= 1 and a power of two (a Triton block size or warp count)."""
-    check_positive_int(name, value)
-    if value & (value - 1):
-        raise ValueError(f"{name} must be a power of two, got {value}")
 
 
 @dataclass(frozen=True)
@@ -137,16 +130,16 @@ class TritonConfig:
         for name in ("min_forward_splits", "workspace_bytes", "plan_cache_size", "onehot_block_k"):
             check_positive_int(name, getattr(self, name))
         check_positive_int("onehot_add_elements", self.onehot_add_elements)
-        _check_power_of_two("gather_scan_slots", self.gather_scan_slots)
+        check_power_of_two("gather_scan_slots", self.gather_scan_slots)
         if not isinstance(self.gather_rows, tuple):
             raise TypeError(
                 f"gather_rows must be a tuple (BLOCK_J, BLOCK_H, num_warps), got {type(self.gather_rows).__name__}"
             )
         if len(self.gather_rows) != 3:
             raise ValueError(f"gather_rows must be (BLOCK_J, BLOCK_H, num_warps), got {self.gather_rows!r}")
-        _check_power_of_two("gather_rows[0] (BLOCK_J)", self.gather_rows[0])
-        _check_power_of_two("gather_rows[1] (BLOCK_H)", self.gather_rows[1])
-        _check_power_of_two("gather_rows[2] (num_warps)", self.gather_rows[2])
+        check_power_of_two("gather_rows[0] (BLOCK_J)", self.gather_rows[0])
+        check_power_of_two("gather_rows[1] (BLOCK_H)", self.gather_rows[1])
+        check_power_of_two("gather_rows[2] (num_warps)", self.gather_rows[2])
         check_precision(self.precision)
         if not isinstance(self.ieee_gemms, str):
             raise TypeError(f"ieee_gemms must be a str, one of {IEEE_GEMMS}, got {type(self.ieee_gemms).__name__}")

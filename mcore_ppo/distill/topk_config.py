@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_ppo.backends.triton_host import GemmConfig, for_dtype, interpreting
-from mcore_ppo.validation import check_bool, check_positive_int, type_name
+from mcore_ppo.validation import check_bool, check_positive_int, check_power_of_two, type_name
 
 #: The fused kernel's tiles on a GPU: the head's 128 × 256 logits, TMA operands, one tile per
 #: program (a program keeps nothing across tiles, and Triton does not pipeline one tile into the
@@ -142,9 +142,7 @@ def _check_tiles(name: str, value: object) -> None:
     for field in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tiles_per_split"):
         check_positive_int(f"{name}.{field}", getattr(value, field))
     for field in ("block_m", "block_n", "block_k"):
-        size = getattr(value, field)
-        if size & (size - 1):
-            raise ValueError(f"{name}.{field} must be a power of two (a Triton block), got {size}")
+        check_power_of_two(f"{name}.{field}", getattr(value, field))
     check_bool(f"{name}.use_tma", value.use_tma)
 
 
