@@ -71,8 +71,8 @@ def fused_log_probs_and_entropy(
             same TP all-reduce; fp32, in ``[1/V, 1]``, 0 for ignored tokens, detached (no
             gradient flows from it). Works with ``return_entropy=False``.
         precision: how fp32 ``hidden`` and ``weight`` are multiplied: ``"auto"`` (default) and
-            ``"ieee"`` IEEE fp32; ``"fp32_faithful"`` three TF32 products per dot on the triton
-            backend, fp32 accuracy at tensor-core speed (docs/kernels.md, "Numerics"). 16-bit
+            ``"ieee"`` IEEE fp32; ``"fp32_faithful"`` three fp16 products per product on the
+            triton backend, fp32 accuracy at tensor-core speed (docs/kernels.md, "Numerics"). 16-bit
             inputs are unaffected.
 
     Returns:

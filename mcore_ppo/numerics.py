@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import torch
 
 #: How fp32 operands of the head's GEMMs are multiplied (``precision=``). ``"auto"`` (default):
-#: IEEE fp32 dots, exact and slow on tensor-core GPUs. ``"fp32_faithful"``: three TF32 products
-#: per dot (Triton's ``tf32x3``: fp32 accuracy at tensor-core speed on the triton backend).
-#: ``"ieee"``: IEEE fp32 dots, said explicitly (the reference). 16-bit operands' products are
-#: exact in the fp32 accumulator whatever is chosen, so the choice changes only fp32 operands.
+#: IEEE fp32 dots, exact and slow on tensor-core GPUs. ``"fp32_faithful"``: fp32 accuracy at
+#: tensor-core speed on the triton backend: each operand as its fp16 parts, three fp16 products
+#: per product (:mod:`mcore_ppo.kernels.split`). ``"ieee"``: IEEE fp32 dots, said explicitly
+#: (the reference). 16-bit operands' products are exact in the fp32 accumulator whatever is
+#: chosen, so the choice changes only fp32 operands.
 PRECISIONS = ("auto", "fp32_faithful", "ieee")
 
 
@@ -32,16 +33,25 @@ class Numerics:
     dtype and the backend's ``precision``, and part of the triton backend's launch plan.
 
     Attributes:
-        operand_dtype: the dtype both operands enter the dot in (the inputs' own).
+        operand_dtype: the dtype both operands enter the dot in: the inputs' own, or fp16 for
+            fp32 inputs' parts.
         dot: ``"native"`` (tensor cores in ``operand_dtype``: exact products of 16-bit values,
-            fp64 on the torch path), ``"tf32x3"`` or ``"ieee"`` (fp32 operands).
+            fp64 on the torch path), ``"ieee"`` (fp32 operands) or ``"fp16x3"`` (fp32 operands
+            as their fp16 parts, :mod:`mcore_ppo.kernels.split`: the GEMM kernels read the
+            parts, ``[rows, 3h]``, with promoted accumulation).
 
-    The probability buffer and the backward's ``dz`` keep the operands' dtype (a 16-bit ``dz``
-    rounds once, as the 16-bit gradients do anyway).
+    The probability buffer and the backward's ``dz`` keep the inputs' dtype (a 16-bit ``dz``
+    rounds once, as the 16-bit gradients do anyway); fp32 inputs' parts keep no buffer (fp16
+    probabilities would round the fp32 backward) and recompute ``dz`` in fp32 from the parts.
     """
 
     operand_dtype: torch.dtype
     dot: str
+
+    @property
+    def parts(self) -> bool:
+        """The GEMM kernels read the operands' fp16 parts (``dot == "fp16x3"``)."""
+        return self.dot == "fp16x3"
 
     @staticmethod
     @functools.cache
@@ -49,7 +59,9 @@ class Numerics:
         """The numerics of operands of ``dtype`` under ``precision`` (:data:`PRECISIONS`)."""
         if dtype != torch.float32:
             return Numerics(dtype, "native")
-        return Numerics(dtype, "tf32x3" if precision == "fp32_faithful" else "ieee")
+        if precision == "fp32_faithful":
+            return Numerics(torch.float16, "fp16x3")
+        return Numerics(dtype, "ieee")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -41,8 +41,8 @@ class HeadOptions:
             signature over an accelerator's. False: the values are not read anywhere (NaN
             rule) and the verdict is shared once per signature on every group.
         precision: how fp32 operands are multiplied (:data:`mcore_ppo.numerics.PRECISIONS`):
-            ``"auto"`` IEEE fp32 dots; ``"fp32_faithful"`` three TF32 products per dot on the
-            triton backend (fp32 accuracy at tensor-core speed); ``"ieee"`` IEEE, said
+            ``"auto"`` IEEE fp32 dots; ``"fp32_faithful"`` three fp16 products per product (the
+            operands' fp16 parts) on the triton backend (fp32 accuracy at tensor-core speed); ``"ieee"`` IEEE, said
             explicitly. 16-bit operands are unaffected (their products are exact). None
             (default): a named backend's ``"auto"``, a backend object's own config.
 

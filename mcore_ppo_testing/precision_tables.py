@@ -9,13 +9,16 @@ def _g(value: float) -> str:
 
 
 def precision_table(report: dict) -> str:
-    """fp32 inputs under each precision beside the bf16 one-GEMM floor and cuBLAS's IEEE GEMM."""
+    """fp32 inputs under each precision beside the bf16 one-GEMM floor and cuBLAS's IEEE GEMM
+    (``fp32_faithful``'s products named by the report's ``faithful_dot``; reports before it
+    have none: Triton's 3×TF32 dots)."""
     ms, errors = report["ms"], report["errors"]
+    faithful = {"fp16x3": "fp16 parts"}.get(report.get("faithful_dot"), "3×TF32")
     bf16, ieee_gemm = ms["bf16_gemm"], ms["fp32_ieee_gemm"]
     rows = [
         ("cuBLAS bf16 GEMM (the floor)", ms["bf16_gemm"], None),
         ("cuBLAS IEEE fp32 GEMM", ms["fp32_ieee_gemm"], None),
-        ('head, `precision="fp32_faithful"` (3×TF32)', ms["faithful"], errors["faithful"]),
+        (f'head, `precision="fp32_faithful"` ({faithful})', ms["faithful"], errors["faithful"]),
         ('head, `precision="ieee"`', ms["ieee"], errors["ieee"]),
     ]
     lines = [

@@ -3,7 +3,7 @@
 beside the bf16 one-GEMM floor and cuBLAS's IEEE fp32 GEMM of the same shape, in one run.
 
 One rank's shard (``--shape``, ``--tp``: the vocab is ``V / tp``), ``--tokens`` tokens of fp32
-hidden states and an fp32 weight drawn in fp32 (not bf16 values upcast, whose products 3×TF32
+hidden states and an fp32 weight drawn in fp32 (not bf16 values upcast, whose products the fp16 parts
 would form exactly). Timed, in the order A B C D D C B A (medians of each visit's calls,
 pooled; CUDA-event GPU time, host latency hidden behind a spin):
 
@@ -16,9 +16,10 @@ pooled; CUDA-event GPU time, host latency hidden behind a spin):
 - ``ieee_kernels``: the same through the kernels' own IEEE dots (``ieee_gemms="kernels"``;
   fewer calls: it is slow).
 
-Printed and written (``--out DIR``: ``bench_precision.json``): the times, and
-``faithful_rel_err`` / ``ieee_rel_err`` / ``ieee_kernels_rel_err`` (the log-probs' and the
-entropy's largest error over the tensor's largest fp64 value), ``faithful_over_bf16_gemm``,
+Printed and written (``--out DIR``: ``bench_precision.json``): the times, ``faithful_dot``
+(how ``fp32_faithful`` forms its products), and ``faithful_rel_err`` / ``ieee_rel_err`` /
+``ieee_kernels_rel_err`` (the log-probs' and the entropy's largest error over the tensor's
+largest fp64 value), ``faithful_over_bf16_gemm``,
 ``ieee_over_fp32_ieee_gemm`` and ``ieee_kernels_over_fp32_ieee_gemm``.
 With ``--sweep``, ``tiles_sweep``: for each precision and a few forward and backward tiles
 (:data:`SWEEP`), with the probability buffer and without (the backward recomputes the
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mcore_ppo
 from mcore_ppo.backends import TritonBackend, TritonConfig
+from mcore_ppo.numerics import Numerics
 from mcore_ppo_testing.bench import SHAPES, event_times
 
 
@@ -216,6 +218,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
         "shape": {"model": args.shape, "tp": args.tp, "n": args.tokens, "h": h, "v": v, "seed": args.seed},
+        "faithful_dot": Numerics.of(torch.float32, "fp32_faithful").dot,
         "ms": ms,
         "visits_ms": times,
         "faithful_rel_err": max(errors["faithful"].values()),

@@ -45,11 +45,7 @@ from mcore_ppo.backends.torch_backend import TorchBackend, TorchConfig
 from mcore_ppo.backends.triton_config import FP32_TILES, IEEE_BLOCKS, TritonConfig
 from mcore_ppo.backends.triton_forward import fused_head_forward, statistics_launch
 from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer, vocab_chunk
-from mcore_ppo.backends.triton_host import (
-    GemmConfig,
-    compact_rows,
-    merge_splits,
-)
+from mcore_ppo.backends.triton_host import GemmConfig, compact_rows, fp16_parts, merge_splits
 from mcore_ppo.backends.triton_ids import gather_logits
 from mcore_ppo.backends.triton_launch import Launcher, interpreting
 from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
@@ -178,7 +174,7 @@ class TritonBackend:
         n, v = hidden.shape[0], weight.shape[0]
         store, n_tiles_v = buffer_decision(self.config, self.forward_config_for(v, hidden.dtype), n, v, hidden.dtype)
         order = (((n,), torch.int32), ((1,), torch.int32))
-        if store:
+        if store and not self._parts(hidden):
             return (((n, v), hidden.dtype), ((n, n_tiles_v), torch.float32), *order)
         return order if fused else ()
 
@@ -201,13 +197,15 @@ class TritonBackend:
             return delegate.shard_statistics(
                 hidden, weight, local_labels, valid, temperature, grad_needed=False, statistics=statistics
             )
-        hidden, weight = rowmajor(hidden), rowmajor(weight)
-        row_temp = isinstance(temperature, torch.Tensor)
-        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp)
         launch = self.launcher.bound()
+        hidden, weight, unscale = self._operands(hidden, weight, launch)
+        row_temp = isinstance(temperature, torch.Tensor)
+        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp, unscale is not None)
         perm, count = compact_rows(valid, launch)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
-        parts, residual = statistics_launch(plan, launch, hidden, weight, local_labels, perm, count, y, temperature)
+        parts, residual = statistics_launch(
+            plan, launch, hidden, weight, local_labels, perm, count, y, temperature, unscale=unscale
+        )
         merged = merge_splits(parts, perm, count, launch, options=plan.merge_options)
         return ShardStatistics(merged[0], merged[1:], y, residual)
 
@@ -241,13 +239,14 @@ class TritonBackend:
         if self._fallback(hidden, weight) is not None:
             return None
 
-        hidden, weight = rowmajor(hidden), rowmajor(weight)
-        plan = self._forward_plan(hidden, weight, grad_needed, statistics, isinstance(temperature, torch.Tensor))
         launch = self.launcher.bound()
+        hidden, weight, unscale = self._operands(hidden, weight, launch)
+        row_temp = isinstance(temperature, torch.Tensor)
+        plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp, unscale is not None)
         return fused_head_forward(
             plan, launch, hidden, weight, labels, temperature, ignore_index=ignore_index, vocab_start=vocab_start,
             vocab_size=vocab_size, labels_in_range=labels_in_range, grad_needed=grad_needed,
-            max_entropy=max_entropy, combine=combine,
+            max_entropy=max_entropy, combine=combine, unscale=unscale,
         )  # fmt: skip
 
     def _forward_plan(
@@ -257,23 +256,45 @@ class TritonBackend:
         grad_needed: bool,
         statistics: Statistics,
         row_temp: bool,
+        parts: bool = False,
     ) -> LaunchPlan:
         """The forward's per-shape decisions, made once per key (shapes, dtype, strides, 16-byte
-        alignment of the operands, device, gradient and options)."""
+        alignment of the operands, device, gradient and options). ``hidden`` and ``weight``: the
+        kernels' operands, with ``parts`` fp32 inputs' fp16 parts (:meth:`_operands`)."""
         key = (
             tuple(hidden.shape), weight.shape[0], hidden.dtype, hidden.stride(0), weight.stride(0),
             hidden.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0, hidden.device, grad_needed,
-            statistics, row_temp,
+            statistics, row_temp, parts,
         )  # fmt: skip
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= self.config.plan_cache_size:
                 self._plans.clear()
+            dtype = torch.float32 if parts else hidden.dtype  # the inputs' (their tiles)
             plan = self._plans[key] = LaunchPlan.build(
-                self.config, self.forward_config_for(weight.shape[0], hidden.dtype), hidden, weight, grad_needed,
-                statistics, row_temp,
+                self.config, self.forward_config_for(weight.shape[0], dtype), hidden, weight, grad_needed,
+                statistics, row_temp, parts,
             )  # fmt: skip
         return plan
+
+    def _parts(self, hidden: torch.Tensor) -> bool:
+        """fp32 inputs under ``precision="fp32_faithful"``: the GEMM kernels read their fp16 parts."""
+        return Numerics.of(hidden.dtype, self.config.precision).parts
+
+    def _operands(
+        self, hidden: torch.Tensor, weight: torch.Tensor, launch: Callable
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``(hidden, weight, unscale)``: the forward kernels' operands, row-major; for
+        :meth:`_parts` inputs their fp16 parts ``[rows, 3h]`` and the rows' scale-backs
+        (:func:`~mcore_ppo.backends.triton_host.fp16_parts`), else None."""
+        hidden, weight = rowmajor(hidden), rowmajor(weight)
+        if not self._parts(hidden):
+            return hidden, weight, None
+        (x_parts, x_unscale), (w_parts, w_unscale) = (
+            fp16_parts(hidden, launch, columns=False),
+            fp16_parts(weight, launch, columns=True),
+        )
+        return x_parts, w_parts, (x_unscale, w_unscale)
 
     def forward_config_for(self, v: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
         """The forward's tile config for a shard of ``v`` vocab rows of operands of ``dtype``
@@ -334,7 +355,8 @@ class TritonBackend:
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         buffered = len(saved.residual) == len(BUFFER_RESIDUAL)
         plan = None
-        if buffered or saved.fused_forward:
+        # (fp32 inputs' parts: the forward's plan was keyed by the parts; Triton's own dispatch.)
+        if (buffered or saved.fused_forward) and not self._parts(hidden):
             # The forward's plan (cached under the same key when its statistics were the
             # entropy's alone; the backward reads only shapes and tiles from it): its tiles are
             # the buffer's, and head_forward's per-token tensors, fresh allocations of its n, let

@@ -19,21 +19,24 @@ from mcore_ppo.validation import check_bool, check_positive_int, check_power_of_
 GPU_FORWARD = GemmConfig(num_stages=3, tiles_per_split=2, use_tma=True)
 GPU_BACKWARD = GemmConfig(tiles_per_split=1, use_tma=True)
 #: The GPU defaults' tiles for fp32 operands, by dot (``block_k`` before :func:`for_dtype`
-#: halves it), measured at the qwen7b TP 8 shard (``scripts/bench_precision.py --sweep``,
-#: docs/kernels.md#numerics) with 2 tiles per split; the forward's tiles per split then follow
-#: the shard as the 16-bit default's do (there: 2 for 3×TF32 dots, 4 for the compute-bound IEEE
-#: dots; fewer partials where the shard is large). IEEE fp32 dots run on
-#: the SIMT units, where 64 × 64 tiles cut the forward 22× and the backward's recompute 10×
-#: against the 16-bit tiles; 3×TF32 dots gain 7 % in the forward at 128 × 128 and are
-#: unchanged in the backward.
+#: halves it for fp32 operand tiles), with 2 tiles per split; the forward's tiles per split
+#: then follow the shard as the 16-bit default's do (there: 4 for the compute-bound IEEE dots;
+#: fewer partials where the shard is large). IEEE fp32 dots run on the SIMT units, where
+#: 64 × 64 tiles cut the forward 22× and the backward's recompute 10× against the 16-bit tiles
+#: (qwen7b TP 8 shard, ``scripts/bench_precision.py --sweep``, docs/kernels.md#numerics). fp32
+#: inputs' fp16 parts (``fp16x3``) hold a second fp32 tile (the promoted slice's product)
+#: beside the accumulator: 128 × 128 tiles, where the 16-bit default's 128 × 256 would spill,
+#: and K slices of 128 (a promotion per 128 products): on one H100 at the qwen7b TP 8 shard a
+#: GEMM of the parts took 3.94× the bf16 GEMM at 128 × 128 × 128 in 3 stages, 4.86× at K 64
+#: (gpu_runs/h100_2026-12-07d).
 FP32_TILES = {
     "ieee": (
         GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, tiles_per_split=2, use_tma=True),
         GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, tiles_per_split=1, use_tma=True),
     ),
-    "tf32x3": (
-        GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2, tiles_per_split=2, use_tma=True),
-        GPU_BACKWARD,
+    "fp16x3": (
+        GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, tiles_per_split=2, use_tma=True),
+        GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, tiles_per_split=1, use_tma=True),
     ),
 }
 #: Where IEEE fp32 dots of CUDA operands are formed (:attr:`TritonConfig.ieee_gemms`).
@@ -85,9 +88,10 @@ class TritonConfig:
             slots × 256 columns per step compile to ~120 registers on sm_90 without spills.
         gather_scan_slots: slots per step of the gather's scan over a token's ids (a power of two).
         precision: how fp32 operands are multiplied (:data:`mcore_ppo.numerics.PRECISIONS`):
-            ``"auto"`` and ``"ieee"`` IEEE fp32 dots, ``"fp32_faithful"`` three TF32 products
-            per dot (``tf32x3``), in the forward and in the backward's recompute; 16-bit
-            operands are unaffected (their products are exact).
+            ``"auto"`` and ``"ieee"`` IEEE fp32 dots, ``"fp32_faithful"`` the operands' fp16
+            parts, three fp16 products per product (:mod:`mcore_ppo.kernels.split`), in the
+            forward and in the backward's recompute; 16-bit operands are unaffected (their
+            products are exact).
         ieee_gemms: where IEEE fp32 dots of CUDA operands are formed. ``"cublas"``: cuBLAS's
             fp32 GEMMs in blocks of :data:`IEEE_BLOCKS` (the torch backend's chunked pass, no
             ``[n, V]`` logits), where cuBLAS's fp32 GEMMs are IEEE (torch's default: TF32 not

@@ -36,11 +36,13 @@ def statistics_launch(
     y: torch.Tensor,
     temperature: float | torch.Tensor,
     *,
+    unscale: tuple[torch.Tensor, torch.Tensor] | None = None,
     site: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The forward kernel's launch: the per-split partials ``[planes, splits, n]`` (the max, then
     one plane per term of the plan's statistics) and the label logits into ``y``; the
-    probability buffer as residual when the plan stores it. ``site``: the caller's
+    probability buffer as residual when the plan stores it. ``unscale``: the operands' rows'
+    scale-backs when they are fp32 inputs' fp16 parts (the plan's ``PARTS``). ``site``: the caller's
     ``local_labels``, ``perm``, ``count`` and ``y`` are the fresh int64 / int32 / int32 / fp32
     tensors of :func:`fused_head_forward`, so the plan fixes every argument's specialisation
     (the launch skips the per-argument key)."""
@@ -61,10 +63,11 @@ def statistics_launch(
         gathered = gathered_rows(
             hidden, perm, count, launch, skip_direct_blocks=skip, site=(plan, "gather") if site else None
         )
-    # The last three are the top-k's outputs (TOPK_C), never written here.
+    x_unscale, w_unscale = (y, y) if unscale is None else unscale  # never read without PARTS
+    # The three after inv_temp_rows are the top-k's outputs (TOPK_C), never written here.
     args = (
         hidden, gathered, weight, perm, count, local_labels, parts, y, buf, tmax, n, v, plan.h, hidden.stride(0),
-        weight.stride(0), plan.num_splits, inv_temp, plan.n_tiles_v, inv_temp_rows, y, count, y,
+        weight.stride(0), plan.num_splits, inv_temp, plan.n_tiles_v, inv_temp_rows, y, count, y, x_unscale, w_unscale,
     )  # fmt: skip
     launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, (plan, "stats") if site else None)
     return parts, (buf, tmax, perm, count) if plan.store else ()
@@ -85,10 +88,11 @@ def fused_head_forward(
     grad_needed: bool,
     max_entropy: float,
     combine: Callable | None,
+    unscale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> HeadForward:
     """:meth:`TritonBackend.head_forward <mcore_ppo.backends.triton_backend.TritonBackend.head_forward>`
     on row-major operands whose ``plan`` is taken (the statistics are the plan's), through the
-    call's bound ``launch`` (module doc)."""
+    call's bound ``launch`` (module doc); ``unscale``: as for :func:`statistics_launch`."""
     from mcore_ppo import kernels
 
     n, device, statistics = plan.n, hidden.device, plan.statistics
@@ -112,7 +116,7 @@ def fused_head_forward(
         (plan, "tokens", labels.dtype, stride_l, ignore_index, vocab_start),
     )  # fmt: skip
     parts, residual = statistics_launch(
-        plan, launch, hidden, weight, local_labels, perm, count, y, temperature, site=True
+        plan, launch, hidden, weight, local_labels, perm, count, y, temperature, unscale=unscale, site=True
     )
     log_prob = torch.empty(n, dtype=torch.float32, device=device)
     entropy_out = torch.empty(n, dtype=torch.float32, device=device) if statistics.entropy else None

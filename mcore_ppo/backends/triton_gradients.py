@@ -26,6 +26,7 @@ from mcore_ppo.backends.triton_host import (
     addmm_fp32,
     compact_rows,
     for_dtype,
+    fp16_parts,
     gathered_rows,
     gemm_into,
     kernel_flags,
@@ -71,8 +72,7 @@ def gradients_by_recompute(
 
     numerics = Numerics.of(hidden.dtype, config.precision)
     cfg = for_dtype(backward_config, numerics.operand_dtype)
-    n, h = hidden.shape
-    v = weight.shape[0]
+    n, v = hidden.shape[0], weight.shape[0]
     device = hidden.device
     if saved.residual:  # the forward's row order, when it kept it
         perm, count = saved.residual
@@ -81,27 +81,39 @@ def gradients_by_recompute(
     has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
     entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
+    # The GEMM operands: the inputs, or fp32 inputs' fp16 parts, which the forward's logits
+    # came from (dz then meets the forward's lse on the same logits; fp32 dz for the fp32 GEMMs).
+    if numerics.parts:
+        (x_dot, x_unscale), (w_dot, w_unscale) = (
+            fp16_parts(hidden, launch, columns=False),
+            fp16_parts(weight, launch, columns=True),
+        )
+    else:
+        x_dot, w_dot, x_unscale, w_unscale = hidden, weight, lse, lse  # the scale-backs: never read
     # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).
-    use_tma = operands_by_tma(hidden, weight, cfg)
+    use_tma = operands_by_tma(x_dot, w_dot, cfg)
     site = None if plan is None else (plan, "recompute")
-    x_c = None
-    if use_tma or weight_grad is not None:
+    x_c = x_dot_c = None
+    if (use_tma and not numerics.parts) or weight_grad is not None:
         x_c = gathered_rows(hidden, perm, count, launch, site=site and (*site, "gather"))
+    if use_tma:  # the dz kernel's rows, by descriptor: the gathered inputs, or gathered parts
+        parts_site = site and (*site, "gather_parts")
+        x_dot_c = gathered_rows(x_dot, perm, count, launch, site=parts_site) if numerics.parts else x_c
     hidden_grad_c = None  # fp32 [n, h]: the first chunk's GEMM writes it, the others add
     chunk = vocab_chunk(config, backward_config, n, v, hidden.element_size())
     workspace = torch.empty(n, chunk, dtype=hidden.dtype, device=device)
-    flags = kernel_flags(hidden, cfg, numerics)
+    flags = kernel_flags(x_dot, cfg, numerics)
     # Host descriptors, encoded per launch by Triton: one launch per chunk of thousands of
     # single-tile programs, where a descriptor built in each program would cost more GPU time.
-    x_desc = host_descriptor(x_c, (cfg.block_m, cfg.block_k)) if use_tma else hidden
-    w_desc = host_descriptor(weight, (cfg.block_n, cfg.block_k)) if use_tma else weight
+    x_desc = host_descriptor(x_dot_c, (cfg.block_m, cfg.block_k)) if use_tma else x_dot
+    w_desc = host_descriptor(w_dot, (cfg.block_n, cfg.block_k)) if use_tma else w_dot
     dz_tma, cfg = with_tma_store(config.dz_store_tma, workspace, cfg)
     options = {
         "HAS_G": has_g, "HAS_E": has_e, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
         "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "USE_TMA": use_tma,
         "DZ_TMA": dz_tma, **flags, **({"ROW_TEMP": True} if row_temp else {}),
     }  # fmt: skip
-    x_arg = x_c if use_tma else hidden
+    x_arg = x_dot_c if use_tma else x_dot
     onehot = merged_onehot(config, launch, request.sparse, perm, count, temperature, lse)
     # The chunks' rows of W and d_W as views made in one call each (a slice per chunk costs
     # more host time); the same views as weight[v0 : v0 + vc].
@@ -112,8 +124,9 @@ def gradients_by_recompute(
         dz = workspace[:, :vc] if vc < chunk else workspace
         dz_desc = host_descriptor(dz, (cfg.block_m, cfg.block_n)) if dz_tma else dz
         args = (
-            x_arg, weight, x_desc, w_desc, perm, count, local_labels, lse, entropy, g, e, dz, dz_desc, n, vc, v0,
-            h, hidden.stride(0), weight.stride(0), workspace.stride(0), inv_temp, inv_temp_rows,
+            x_arg, w_dot, x_desc, w_desc, perm, count, local_labels, lse, entropy, g, e, dz, dz_desc, n, vc, v0,
+            x_dot.shape[1], x_dot.stride(0), w_dot.stride(0), workspace.stride(0), inv_temp, inv_temp_rows,
+            x_unscale, w_unscale,
         )  # fmt: skip
         # The forward's plan fixes the operands' (and the chunk's) specialisation; the
         # upstream gradients' presence and the labels' dtype vary by call.
@@ -129,7 +142,7 @@ def gradients_by_recompute(
         if weight_grad is not None:
             gemm_into(g_chunks[index], dz.t(), x_c, overwrite=request.weight_grad_unset)
     # Before the rows of d_hidden get a second buffer: every reference to the workspace and x_c.
-    del workspace, x_c, x_arg, dz, dz_desc, x_desc, args, w_chunks, g_chunks
+    del workspace, x_c, x_dot_c, x_arg, x_dot, w_dot, dz, dz_desc, x_desc, w_desc, args, w_chunks, g_chunks
     hidden_grad = None
     if hidden_grad_c is not None:
         hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, launch, site=site and (*site, "scatter"))

@@ -21,7 +21,7 @@ import torch
 
 from mcore_ppo.backends.triton_launch import interpreting
 from mcore_ppo.logs import log_once
-from mcore_ppo.numerics import Numerics, cdiv
+from mcore_ppo.numerics import Numerics, cdiv, next_power_of_two
 from mcore_ppo.statistics import Statistics
 
 COMPACT_BLOCK = 4096  # rows per step of the one-program compaction: 4 dependent steps at n = 16384
@@ -155,13 +155,36 @@ def for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
 
 
 def kernel_flags(hidden: torch.Tensor, config: GemmConfig, numerics: Numerics) -> dict[str, bool | str]:
-    """The GEMM kernels' operand flags: a ragged hidden size, the interpreter's fp32 upcast of
-    16-bit tiles (its bf16 arithmetic is wrong), and the dot ``numerics`` asks for."""
+    """The GEMM kernels' operand flags: a ragged hidden size (of ``hidden``, the operand the
+    kernels read), the interpreter's fp32 upcast of 16-bit tiles (its bf16 arithmetic is
+    wrong), and the dot ``numerics`` asks for (fp32 inputs' parts: the native fp16 dot with
+    ``PARTS``)."""
+    if numerics.parts:
+        dot = {"DOT": "native", "PARTS": True}
+    else:
+        dot = {"DOT": numerics.dot}
     return {
         "EVEN_K": hidden.shape[1] % config.block_k == 0,
         "UPCAST": interpreting() and numerics.operand_dtype != torch.float32,
-        "DOT": numerics.dot,
+        **dot,
     }
+
+
+def fp16_parts(tensor: torch.Tensor, launch: Callable, *, columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row-major fp32 ``[rows, h]`` operand as its fp16 parts ``[rows, 3h]`` and each row's
+    scale-back ``[rows]`` (:mod:`mcore_ppo.kernels.split`; ``columns``: the weight's order), in
+    one launch through ``launch`` (the call's bound launcher)."""
+    from mcore_ppo.kernels import split_kernel
+
+    rows, h = tensor.shape
+    parts = torch.empty(rows, 3 * h, dtype=torch.float16, device=tensor.device)
+    unscale = torch.empty(rows, dtype=torch.float32, device=tensor.device)
+    if rows:
+        launch(
+            split_kernel, (rows,), (tensor, parts, unscale, h, tensor.stride(0)),
+            {"COLUMNS": columns, "BLOCK_H": min(ROW_BLOCK, max(16, next_power_of_two(h))), "num_warps": 4},
+        )  # fmt: skip
+    return parts, unscale
 
 
 def tma_capable(tensor: torch.Tensor) -> bool:
@@ -356,10 +379,13 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def log_buffer_decision(grad_needed: bool, store: bool, buffer_bytes: int, budget: int) -> None:
-    """One INFO line per kind of buffer decision (not per call): on, or off and why."""
+def log_buffer_decision(grad_needed: bool, store: bool, buffer_bytes: int, budget: int, parts: bool = False) -> None:
+    """One INFO line per kind of buffer decision (not per call): on, or off and why
+    (``parts``: the GEMMs read fp32 inputs' fp16 parts)."""
     if store:
         key, why = "on", f"{buffer_bytes} bytes fit the budget of {budget}"
+    elif parts and grad_needed:
+        key, why = "off: fp32 parts", "fp32_faithful keeps no buffer (its backward recomputes dz in fp32)"
     elif not grad_needed:
         key, why = "off: no gradient", "no gradient will be needed (no-grad forward)"
     elif budget == 0:

@@ -70,18 +70,21 @@ class LaunchPlan:
         grad_needed: bool,
         statistics: Statistics,
         row_temp: bool,
+        parts: bool = False,
     ) -> LaunchPlan:
         """The plan of a backend with ``config`` whose forward tiles for this shard are
-        ``forward_config`` (:meth:`TritonBackend.forward_config_for`)."""
+        ``forward_config`` (:meth:`TritonBackend.forward_config_for`). ``hidden`` and ``weight``
+        are the operands the kernels read: with ``parts``, fp32 inputs' fp16 parts
+        (:func:`~mcore_ppo.backends.triton_host.fp16_parts`), which keep no probability buffer."""
         n, h = hidden.shape
         v = weight.shape[0]
-        numerics = Numerics.of(hidden.dtype, config.precision)
+        numerics = Numerics.of(torch.float32 if parts else hidden.dtype, config.precision)
         cfg = for_dtype(forward_config, numerics.operand_dtype)
         num_splits = cdiv(v, cfg.tiles_per_split * cfg.block_n)
         fits, n_tiles_v = buffer_decision(config, forward_config, n, v, hidden.dtype)
-        store = grad_needed and fits
+        store = grad_needed and fits and not parts
         buffer_bytes = n * (v * hidden.element_size() + n_tiles_v * 4)
-        log_buffer_decision(grad_needed, store, buffer_bytes, config.buffer_budget_bytes)
+        log_buffer_decision(grad_needed, store, buffer_bytes, config.buffer_budget_bytes, parts)
         use_tma = operands_by_tma(hidden, weight, cfg)
         buf_tma = False
         if store:

@@ -178,7 +178,7 @@ def _triton_chunk(
         kernels.stats_kernel,
         (cdiv(n, cfg.block_m) * splits,),
         (tokens, tokens, weight, perm, count, perm, parts, rest, rest, rest, n, v, h, tokens.stride(0),
-         weight.stride(0), splits, inv_temp, num_tiles, inv_temp_rows, values, cols, rest),
+         weight.stride(0), splits, inv_temp, num_tiles, inv_temp_rows, values, cols, rest, rest, rest),
         dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILES_PER_SPLIT=tiles_per_split,
             GROUP_M=cfg.group_m, USE_TMA=use_tma, STORE_P=False, BUF_TMA=False, DIRECT_ROWS=False,

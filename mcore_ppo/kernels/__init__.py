@@ -8,6 +8,8 @@
 - :mod:`.compact`: valid rows first, and their count, on the device in one launch; rows
   gathered into that order (ignored ones zeroed) and scattered back; the forward's per-token
   preparation from the global labels (``tokens_kernel``).
+- :mod:`.split`: fp32 operands as fp16 parts along K, the GEMM operands of the fp32-faithful
+  precision.
 """
 
 from mcore_ppo.kernels.backward import dz_from_buffer_kernel, dz_kernel
@@ -20,6 +22,7 @@ from mcore_ppo.kernels.forward import (
     split_max_kernel,
     stats_kernel,
 )
+from mcore_ppo.kernels.split import split_kernel
 
 __all__ = [
     "compact_kernel",
@@ -31,6 +34,7 @@ __all__ = [
     "merge_splits_kernel",
     "merge_to_max_kernel",
     "scatter_rows_kernel",
+    "split_kernel",
     "split_max_kernel",
     "stats_kernel",
     "tokens_kernel",

@@ -37,6 +37,8 @@ LN2 = tl.constexpr(0.6931471805599453)
         "g_ptr",
         "e_ptr",
         "inv_temp_ptr",
+        "x_unscale_ptr",
+        "w_unscale_ptr",
     ],
 )
 def dz_kernel(
@@ -62,6 +64,8 @@ def dz_kernel(
     stride_dz,
     inv_temp,
     inv_temp_ptr,
+    x_unscale_ptr,
+    w_unscale_ptr,
     HAS_G: tl.constexpr,
     HAS_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -74,6 +78,7 @@ def dz_kernel(
     USE_TMA: tl.constexpr,
     DZ_TMA: tl.constexpr,
     ROW_TEMP: tl.constexpr = False,
+    PARTS: tl.constexpr = False,
 ):
     """``dz[:, j - v0] / T`` for columns ``j`` in ``[v0, v0 + VC)`` of the shard; see the module doc."""
     pid = tl.program_id(0)
@@ -107,6 +112,8 @@ def dz_kernel(
         H,
         stride_x,
         stride_w,
+        x_unscale_ptr,
+        w_unscale_ptr,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -114,6 +121,7 @@ def dz_kernel(
         UPCAST,
         DOT,
         USE_TMA,
+        PARTS,
     )
     lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * LOG2E
     if ROW_TEMP:

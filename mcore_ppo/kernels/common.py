@@ -37,11 +37,34 @@ def _dot(a, b, acc, DOT: tl.constexpr):
     """``acc + a @ b.T`` with the dot ``DOT`` names (the native one compiles as it always did)."""
     if DOT == "ieee":
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    elif DOT == "tf32x3":
-        acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32x3")
     else:
         acc = tl.dot(a, tl.trans(b), acc)
     return acc
+
+
+@triton.jit
+def _add_rn(acc, part, INTERPRETED: tl.constexpr):
+    """``acc + part`` in fp32, rounded to nearest, as an instruction the compiler cannot fold
+    into the tensor-core accumulation: Triton rewrites ``acc + dot(a, b)`` into
+    ``dot(a, b, acc)``, which is what this add exists to avoid (``PARTS`` in :func:`tile_dot`).
+    The interpreter has no inline PTX; its numpy adds round to nearest already."""
+    if INTERPRETED:
+        return acc + part
+    return tl.inline_asm_elementwise(
+        "add.rn.f32 $0, $1, $2;", "=r,r,r", [acc, part], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _step(a, b, acc, UPCAST: tl.constexpr, DOT: tl.constexpr, PARTS: tl.constexpr):
+    """One K slice of :func:`tile_dot` into ``acc``: chained in the tensor cores, or with
+    ``PARTS`` formed from zero and added in fp32 (promoted accumulation)."""
+    if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if PARTS:
+        return _add_rn(acc, _dot(a, b, tl.zeros(acc.shape, tl.float32), DOT), UPCAST)
+    return _dot(a, b, acc, DOT)
 
 
 @triton.jit
@@ -57,6 +80,8 @@ def tile_dot(
     H,
     stride_x,
     stride_w,
+    x_unscale_ptr,
+    w_unscale_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,6 +89,7 @@ def tile_dot(
     UPCAST: tl.constexpr,
     DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PARTS: tl.constexpr = False,
 ):
     """fp32 ``x[rows] @ w[cols].T`` for one ``[BLOCK_M, BLOCK_N]`` tile.
 
@@ -73,18 +99,22 @@ def tile_dot(
     ``(row0, col0)`` of the descriptors (rows already compacted by the host); the copy engine
     zero-fills out-of-bounds rows, columns and ``k``.
 
-    ``DOT``: ``"native"`` (the operands' own tensor-core dot), ``"tf32x3"`` or ``"ieee"`` (fp32
-    operands: :class:`mcore_ppo.numerics.Numerics`).
+    ``DOT``: ``"native"`` (the operands' own tensor-core dot) or ``"ieee"`` (fp32 operands:
+    :class:`mcore_ppo.numerics.Numerics`).
+
+    ``PARTS``: the operands are fp32 ones' fp16 parts (:mod:`mcore_ppo.kernels.split`, ``H`` is
+    three times the hidden size), each K slice's product is formed from zero and added to the
+    tile in fp32, and the tile is scaled back by ``x_unscale[rows]`` and ``w_unscale[cols]``
+    (``rows``: the original row of each tile row, on both paths). The tensor cores' fp32
+    accumulation truncates: summed over thousands of K in them, the logits shrink by a few
+    1e-6 of their size (docs/kernels.md#numerics); over one slice, by ~1e-8.
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             a = x_desc.load([row0, k * BLOCK_K])
             b = w_desc.load([col0, k * BLOCK_K])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = _dot(a, b, acc, DOT)
+            acc = _step(a, b, acc, UPCAST, DOT, PARTS)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
@@ -97,12 +127,11 @@ def tile_dot(
                 k_ok = offs_k < H - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-            if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = _dot(a, b, acc, DOT)
+            acc = _step(a, b, acc, UPCAST, DOT, PARTS)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+    if PARTS:
+        acc = acc * tl.load(x_unscale_ptr + rows)[:, None] * tl.load(w_unscale_ptr + cols)[None, :]
     return acc
 
 

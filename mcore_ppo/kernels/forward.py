@@ -67,6 +67,8 @@ LN2 = tl.constexpr(0.6931471805599453)
         "cand_v_ptr",
         "cand_c_ptr",
         "rest_ptr",
+        "x_unscale_ptr",
+        "w_unscale_ptr",
     ],
 )
 def stats_kernel(
@@ -92,6 +94,8 @@ def stats_kernel(
     cand_v_ptr,
     cand_c_ptr,
     rest_ptr,
+    x_unscale_ptr,
+    w_unscale_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -108,6 +112,7 @@ def stats_kernel(
     U_PLANE: tl.constexpr = 2,
     Q_PLANE: tl.constexpr = 0,
     TOPK_C: tl.constexpr = 0,
+    PARTS: tl.constexpr = False,
 ):
     """Per-(split, row) partials (m, s and the terms whose planes are nonzero) and the label
     logit ``y``; with ``TOPK_C`` also each (row, tile)'s top-k candidates and rest (module doc)."""
@@ -175,6 +180,8 @@ def stats_kernel(
             H,
             stride_x,
             stride_w,
+            x_unscale_ptr,
+            w_unscale_ptr,
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
@@ -182,6 +189,7 @@ def stats_kernel(
             UPCAST,
             DOT,
             USE_TMA,
+            PARTS,
         )
         # The label first, so that acc is dead (overwritten by z2) before the statistics. The
         # top-k pass has none (its registers go to the candidates: no spill on sm_90).

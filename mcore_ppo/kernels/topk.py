@@ -97,8 +97,8 @@ def tile_rows_kernel(
         offs_n = n0 + local
         col_ok = offs_n < V
         acc = tile_dot(
-            x_ptr, w_ptr, x_ptr, w_ptr, rows, tl.minimum(offs_n, V - 1), 0, n0, H, stride_x, stride_w,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT, False,
+            x_ptr, w_ptr, x_ptr, w_ptr, rows, tl.minimum(offs_n, V - 1), 0, n0, H, stride_x, stride_w, x_ptr,
+            w_ptr, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT, False,
         )  # fmt: skip
         # z₂ = acc·(1/T)·log2 e, then z₂·ln 2: the statistics kernel's candidates, bit for bit.
         if ROW_TEMP:

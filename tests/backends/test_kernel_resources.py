@@ -62,7 +62,7 @@ PRELUDE = textwrap.dedent(
         tmax = torch.empty(n, tiles) if store else vec
         kernel = stats_kernel.warmup(
             x, x, w, ints, count, labels, torch.empty(4, splits, n), vec, buf, tmax, n, v, h, h, h, splits, 1.0,
-            tiles, vec, vec, ints, vec, BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k,
+            tiles, vec, vec, ints, vec, vec, vec, BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_K=f.block_k,
             TILES_PER_SPLIT=f.tiles_per_split,
             GROUP_M=f.group_m, num_warps=f.num_warps, num_stages=num_stages, USE_TMA=True, STORE_P=store,
             BUF_TMA=buf_tma, DIRECT_ROWS=True, EVEN_K=True, UPCAST=False, DOT=dot, grid=(1,), **flags,
@@ -80,6 +80,7 @@ PRELUDE = textwrap.dedent(
             x, w, TensorDescriptor.from_tensor(x, [b.block_m, b.block_k]),
             TensorDescriptor.from_tensor(w, [b.block_n, b.block_k]), ints, count, labels, vec, vec, vec, vec,
             dz, TensorDescriptor.from_tensor(dz, [b.block_m, b.block_n]), n, chunk, 0, h, h, h, chunk, 1.0, vec,
+            vec, vec,
             **{"HAS_G": True, "HAS_E": True, **flags}, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
             GROUP_M=b.group_m, num_warps=b.num_warps, num_stages=num_stages, USE_TMA=True, DZ_TMA=dz_tma,
             EVEN_K=True, UPCAST=False, DOT=dot, grid=(1,),
@@ -123,31 +124,38 @@ COMPILE = PRELUDE + textwrap.dedent(
 
 COMPILE_FP32 = PRELUDE + textwrap.dedent(
     """
-    # fp32 operands under the default tiles: their dot's (FP32_TILES), K halved by for_dtype;
-    # fp32 buffer and dz tiles are stored through pointers (no TMA store).
+    # fp32 operands under the default tiles: their dot's (FP32_TILES). IEEE dots: K halved by
+    # for_dtype; fp32 buffer and dz tiles are stored through pointers (no TMA store).
+    # fp32_faithful: the GEMMs read the inputs' fp16 parts with PARTS (no buffer).
     shared = {}
-    for precision, dot in (("ieee", "ieee"), ("fp32_faithful", "tf32x3")):
-        backend = TritonBackend(TritonConfig(precision=precision))
-        f = for_dtype(backend.forward_config_for(v, torch.float32), torch.float32)
-        b = for_dtype(backend.backward_config_for(torch.float32), torch.float32)
-        for store in (False, True):
-            name = f"{dot} stats_kernel" + (" buffer" if store else "")
-            shared[name] = stats_shared(f, torch.float32, store, False, f.num_stages, dot)
-        shared[f"{dot} dz_kernel"] = dz_shared(b, torch.float32, False, b.num_stages, dot)
+    backend = TritonBackend(TritonConfig(precision="ieee"))
+    f = for_dtype(backend.forward_config_for(v, torch.float32), torch.float32)
+    b = for_dtype(backend.backward_config_for(torch.float32), torch.float32)
+    for store in (False, True):
+        name = "ieee stats_kernel" + (" buffer" if store else "")
+        shared[name] = stats_shared(f, torch.float32, store, False, f.num_stages, "ieee")
+    shared["ieee dz_kernel"] = dz_shared(b, torch.float32, False, b.num_stages, "ieee")
+    backend = TritonBackend(TritonConfig(precision="fp32_faithful"))
+    f, b = backend.forward_config_for(v, torch.float32), backend.backward_config_for(torch.float32)
+    shared["fp16x3 stats_kernel"] = stats_shared(f, torch.float16, False, False, f.num_stages, "native", PARTS=True)
+    shared["fp16x3 dz_kernel"] = dz_shared(b, torch.float16, False, b.num_stages, "native", PARTS=True)
     print(json.dumps(shared))
     """
 )
 
 
 def test_fp32_default_gemm_kernels_fit_hopper_shared_memory():
-    """The fp32 operands' default tiles (``triton_config.FP32_TILES``: IEEE and 3×TF32 dots),
-    stats_kernel with and without the probability buffer and dz_kernel, compiled for sm_90."""
+    """The fp32 operands' default tiles (``triton_config.FP32_TILES``: IEEE dots, and the fp16
+    parts of ``fp32_faithful``), stats_kernel (with and without the probability buffer for
+    IEEE dots) and dz_kernel, compiled for sm_90."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE_FP32], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(shared) == {
-        f"{dot} {k}" for dot in ("ieee", "tf32x3") for k in ("stats_kernel", "stats_kernel buffer", "dz_kernel")
+        *(f"ieee {k}" for k in ("stats_kernel", "stats_kernel buffer", "dz_kernel")),
+        "fp16x3 stats_kernel",
+        "fp16x3 dz_kernel",
     }
     print(shared)
     too_big = {name: size for name, size in shared.items() if size > HOPPER_SHARED_BYTES}
@@ -184,8 +192,8 @@ SPILLS = PRELUDE + textwrap.dedent(
     from mcore_ppo.distill.topk_config import GPU_TILES
 
 
-    def spilled(f, **flags):
-        kernel = stats_compiled(f, torch.bfloat16, False, False, f.num_stages, "native", **flags)
+    def spilled(f, dtype=torch.bfloat16, **flags):
+        kernel = stats_compiled(f, dtype, False, False, f.num_stages, "native", **flags)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(kernel.asm["ptx"])
             ptx.flush()
@@ -202,14 +210,18 @@ SPILLS = PRELUDE + textwrap.dedent(
     for c in (3, 5):
         spills[f"topk c{c}"] = spilled(GPU_TILES, TOPK_C=c, **Statistics.named([]).kernel_options())
         spills[f"topk c{c} with_u_q"] = spilled(GPU_TILES, TOPK_C=c, **with_u_q)
+    # fp32_faithful: the fp32 inputs' fp16 parts, the promoted slice's product beside the tile.
+    faithful = TritonBackend(TritonConfig(precision="fp32_faithful")).forward_config_for(v, torch.float32)
+    spills["fp16x3 stats_kernel"] = spilled(faithful, torch.float16, PARTS=True)
     print(json.dumps(spills))
     """
 )
 
 
 def test_statistics_kernel_with_the_topk_keeps_its_registers():
-    """stats_kernel at the head's default tiles and with the top-k (TOPK_C 3 and 5, alone and
-    beside the entropy and Σπ²) at the top-k's tiles, compiled for sm_90: ptxas spills no
+    """stats_kernel at the head's default tiles, on fp32_faithful's fp16 parts at its tiles, and
+    with the top-k (TOPK_C 3 and 5, alone and beside the entropy and Σπ²) at the top-k's tiles,
+    compiled for sm_90: ptxas spills no
     register (the candidates are taken out of the tile in place, the pass has no labels: one
     tile of fp32 registers, as the statistics alone; a spill in the epilogue costs every tile)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -217,7 +229,11 @@ def test_statistics_kernel_with_the_topk_keeps_its_registers():
     assert done.returncode == 0, done.stderr[-4000:]
     spills = json.loads(done.stdout.strip().splitlines()[-1])
     print(spills)
-    assert set(spills) == {"stats_kernel", *(f"topk c{c}{s}" for c in (3, 5) for s in ("", " with_u_q"))}
+    assert set(spills) == {
+        "stats_kernel",
+        "fp16x3 stats_kernel",
+        *(f"topk c{c}{s}" for c in (3, 5) for s in ("", " with_u_q")),
+    }
     assert spills == dict.fromkeys(spills, 0), f"register spills on sm_90 (bytes per thread): {spills}"
 
 

@@ -4,8 +4,9 @@ the backward's recompute, that every precision stays within fp32 rounding of the
 reference on both backends, and that a bad or conflicting precision is refused naming it.
 
 On the CPU the triton backend runs in Triton's interpreter, whose dots are numpy's fp32
-products for every ``input_precision``: these tests check the plumbing and the results' fp32
-accuracy; the 3×TF32 products themselves are checked on the GPU
+products: these tests check the plumbing, the fp16 parts of ``fp32_faithful``
+(:mod:`mcore_ppo.kernels.split`: exact up to fp32 rounding, inf and NaN carried) and the
+results' fp32 accuracy; the tensor cores' products are checked on the GPU
 (``tests/gpu/test_gpu_precision.py``)."""
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ TRITON_ON_CPU = pytest.mark.skipif(
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_numerics_change_only_fp32_operands(precision):
     """16-bit products are exact in the fp32 accumulator: every precision keeps their native
-    dot. fp32 operands take IEEE dots unless ``fp32_faithful`` asks for three TF32 products."""
+    dot. fp32 operands take IEEE dots unless ``fp32_faithful`` asks for their fp16 parts."""
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         assert Numerics.of(dtype, precision) == Numerics(dtype, "native")
-    expected = "tf32x3" if precision == "fp32_faithful" else "ieee"
-    assert Numerics.of(torch.float32, precision) == Numerics(torch.float32, expected)
+        assert not Numerics.of(dtype, precision).parts
+    expected = Numerics(torch.float16, "fp16x3") if precision == "fp32_faithful" else Numerics(torch.float32, "ieee")
+    assert Numerics.of(torch.float32, precision) == expected
+    assert expected.parts == (precision == "fp32_faithful")
 
 
 @pytest.mark.parametrize("bad,error", [("tf32", ValueError), ("IEEE", ValueError), (3, TypeError), (True, TypeError)])
@@ -132,11 +135,14 @@ def test_every_precision_matches_fp64(mode, precision):
         )
 
 
-@pytest.mark.parametrize("precision,dot", [("auto", "ieee"), ("ieee", "ieee"), ("fp32_faithful", "tf32x3")])
+@pytest.mark.parametrize(
+    "precision,dot", [("auto", ("ieee", False)), ("ieee", ("ieee", False)), ("fp32_faithful", ("native", True))]
+)
 @TRITON_ON_CPU
 def test_the_precision_reaches_every_gemm_kernel(precision, dot, monkeypatch):
     """Every GEMM kernel launch of an fp32 call (the forward's statistics pass, the backward's
-    recompute) is given the precision's dot; a bf16 call's keep the native one."""
+    recompute) is given the precision's dot (``fp32_faithful``: the native dot on the inputs'
+    fp16 parts, ``PARTS``, after their split); a bf16 call's keep the native one."""
     from mcore_ppo.backends import TritonBackend, TritonConfig
     from mcore_ppo.backends.triton_launch import Launcher
 
@@ -144,17 +150,24 @@ def test_the_precision_reaches_every_gemm_kernel(precision, dot, monkeypatch):
     real = Launcher.launch
 
     def spy(self, kernel, grid, args, kwargs, site=None, where=None):
+        name = getattr(kernel, "__name__", str(kernel))
         if "DOT" in kwargs:
-            seen.append((getattr(kernel, "__name__", str(kernel)), kwargs["DOT"]))
+            seen.append((name, (kwargs["DOT"], kwargs.get("PARTS", False))))
+        elif name == "split_kernel":
+            seen.append((name, None))
         return real(self, kernel, grid, args, kwargs, site, where)
 
     monkeypatch.setattr(Launcher, "launch", spy)
     backend = TritonBackend(TritonConfig(buffer_budget_bytes=0, precision=precision))
-    for dtype, expected in ((torch.float32, dot), (torch.bfloat16, "native")):
+    for dtype, expected in ((torch.float32, dot), (torch.bfloat16, ("native", False))):
         seen.clear()
         _run(*_case(dtype, generator(next_seed())), backend=backend)
-        assert len(seen) >= 2, seen  # the statistics pass and at least one recompute chunk
-        assert {d for _, d in seen} == {expected}, seen
+        gemms = [d for name, d in seen if name != "split_kernel"]
+        assert len(gemms) >= 2, seen  # the statistics pass and at least one recompute chunk
+        assert set(gemms) == {expected}, seen
+        # The parts are split for the forward's GEMMs and again for the backward's recompute.
+        splits = [name for name, _ in seen if name == "split_kernel"]
+        assert len(splits) == (4 if expected[1] else 0), seen
 
 
 @pytest.mark.parametrize("precision", ["fp32_faithful", "ieee"])
@@ -213,8 +226,8 @@ def test_a_precision_compiles_in_one_graph(hidden_dtype):
 def test_ieee_dots_of_cuda_operands_go_to_cublas(precision):
     """fp32 CUDA operands under IEEE dots run on cuBLAS (the torch backend's chunked pass over
     :data:`~mcore_ppo.backends.triton_config.IEEE_BLOCKS`) while cuBLAS's fp32 GEMMs are IEEE;
-    with TF32 allowed process-wide, under ``ieee_gemms="kernels"``, for 3×TF32 dots and for
-    16-bit operands the kernels run. Decided on fake CUDA tensors (no GPU needed); the GPU test
+    with TF32 allowed process-wide, under ``ieee_gemms="kernels"``, for ``fp32_faithful``'s fp16
+    parts and for 16-bit operands the kernels run. Decided on fake CUDA tensors (no GPU needed); the GPU test
     (tests/gpu/test_gpu_precision.py) runs both routes."""
     from mcore_ppo.backends import TritonBackend, TritonConfig
     from mcore_ppo.backends.triton_config import IEEE_BLOCKS
@@ -258,3 +271,92 @@ def test_bad_ieee_gemms_is_refused_naming_it(bad, error):
 
     with pytest.raises(error, match="ieee_gemms"):
         TritonConfig(ieee_gemms=bad)
+
+
+@TRITON_ON_CPU
+def test_fp16_parts_hold_each_fp32_value():
+    """``split_kernel`` (:mod:`mcore_ppo.kernels.split`): per row a power-of-two scale-back, and
+    parts that add back to each value within ``2^-22`` of it, over rows from fp32's smallest
+    scales to its largest, rows spanning 40 binades, zero rows, subnormal rows, in both orders;
+    a row holding inf keeps scale 1 and carries it, a NaN is carried by its own parts (never a
+    finite stand-in)."""
+    from mcore_ppo.backends.triton_host import fp16_parts
+    from mcore_ppo.backends.triton_launch import Launcher
+
+    seed = next_seed()
+    gen = generator(seed)
+    h = 72  # not a power of two: the last block is masked
+    rows = [torch.randn(h, generator=gen, dtype=torch.float64) * 10.0**scale for scale in range(-36, 37, 6)]
+    spread = torch.randn(h, generator=gen, dtype=torch.float64) * 2.0 ** torch.linspace(-40, 0, h, dtype=torch.float64)
+    rows += [spread, torch.zeros(h), torch.full((h,), 1e-40), torch.full((h,), 3.0e38)]
+    values = torch.stack(rows).float()
+    special = values[:2].clone()
+    special[0, 5], special[1, 7] = math.inf, math.nan
+    launch = Launcher(kept=False).bound()
+    for columns in (False, True):
+        parts, unscale = fp16_parts(values, launch, columns=columns)
+        assert parts.dtype == torch.float16 and parts.shape == (values.shape[0], 3 * h)
+        mantissa, _ = torch.frexp(unscale)
+        assert torch.all(mantissa == 0.5), f"scale-backs are powers of two (seed {seed}): {unscale}"
+        big, small = (parts[:, :h], parts[:, 2 * h :]) if not columns else (parts[:, :h], parts[:, h : 2 * h])
+        assert torch.equal(parts[:, 2 * h :] if columns else parts[:, h : 2 * h], big), "the big part twice"
+        back = (big.double() + small.double()) * unscale.double()[:, None]
+        exact = values.double()
+        # 2^-22 of each value; below fp16's normal range (values 2^-28 of their row's largest
+        # and smaller) the parts keep 2^-25 of the scaled row, 2^-39 of its largest value.
+        bound = 2.0**-22 * exact.abs() + 2.0**-39 * exact.abs().amax(1, keepdim=True)
+        assert torch.all((back - exact).abs() <= bound), f"columns={columns}, seed {seed}"
+        parts, unscale = fp16_parts(special, launch, columns=columns)
+        assert unscale[0] == 1.0 and not torch.isfinite(parts[0, [5, 2 * h + 5]]).all()
+        assert torch.isnan(parts[1, [7, h + 7, 2 * h + 7]]).all()
+
+
+@TRITON_ON_CPU
+@pytest.mark.parametrize("mode", ["forward", "recompute"])
+def test_fp32_faithful_over_rows_of_every_scale(mode):
+    """``fp32_faithful`` on the triton backend, hidden rows of scales 1e-4 to 1e4 (a zero row
+    among them) with a per-token temperature of the same scale (logits of order one at every
+    scale), weight rows of scales 1e-3 to 10, each row's values spanning 2^20: within fp32
+    rounding of the fp64 head of the same values, outputs and gradients; a token whose hidden
+    row holds an inf or a NaN gets NaN outputs, its neighbours their own values."""
+    from mcore_ppo.backends import TritonBackend, TritonConfig
+
+    seed = next_seed()
+    gen = generator(seed)
+    hidden, weight, labels, g, e = _case(torch.float64, gen)
+    n, h = hidden.shape
+    scales = 10.0 ** torch.linspace(-4, 4, n, dtype=torch.float64)
+    hidden = hidden * scales[:, None] * 2.0 ** -torch.randint(0, 20, (n, h), generator=gen).double()
+    hidden[3] = 0.0
+    temperature = (scales * 1.5).float()
+    weight = weight * 10.0 ** torch.linspace(-3, 1, weight.shape[0], dtype=torch.float64)[:, None] / 3
+    budget = 1 << 30 if mode == "forward" else 0  # the forward's own backward, or a recompute
+    backend = TritonBackend(TritonConfig(buffer_budget_bytes=budget, precision="fp32_faithful"))
+    outputs = []
+    for x, w, kwargs in (
+        (hidden.float(), weight.float(), {"backend": backend}),
+        (hidden.float().double(), weight.float().double(), {"backend": "torch"}),
+    ):
+        x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        lp, ent = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=temperature, **kwargs)
+        ((lp.double() * g).sum() + (ent.double() * e).sum()).backward()
+        outputs.append({"log_prob": lp, "entropy": ent, "d_hidden": x.grad, "d_weight": w.grad})
+    out, ref = outputs
+    for name in ("log_prob", "entropy", "d_weight"):
+        assert_close(
+            out[name].double(), ref[name], name=f"{name} ({mode}, seed {seed})", dtype=torch.float32, rtol=1e-5
+        )
+    # d_hidden's rows follow 1/T: each row against its own largest value.
+    row_error = (out["d_hidden"].double() - ref["d_hidden"]).abs().amax(1)
+    assert torch.all(row_error <= 1e-5 * ref["d_hidden"].abs().amax(1)), f"d_hidden ({mode}, seed {seed})"
+    special = hidden.float()
+    special[1, 4], special[2, 9] = math.inf, math.nan
+    lp, ent = mcore_ppo.fused_log_probs_and_entropy(
+        special, weight.float(), labels, temperature=temperature, backend=backend
+    )
+    for token in (1, 2):
+        if labels[token] != -100:
+            assert torch.isnan(lp[token]), f"token {token}: {lp[token]} (seed {seed})"
+        assert not torch.isfinite(ent[token]), f"token {token}: {ent[token]} (seed {seed})"
+    kept = [i for i in range(n) if i not in (1, 2)]
+    torch.testing.assert_close(lp[kept].double(), ref["log_prob"][kept].detach(), rtol=1e-5, atol=1e-5)

@@ -232,10 +232,10 @@ def test_forward_tiles_per_split_follow_the_shard(monkeypatch):
 
 def test_fp32_operands_take_their_dots_tiles(monkeypatch):
     """On a GPU, fp32 operands under the default tiles take their dot's (IEEE: small tiles, the
-    SIMT units' accumulators do not spill; 3×TF32: 128 × 128), forward and backward, at every
+    SIMT units' accumulators do not spill; fp32_faithful's fp16 parts: 128 × 128), forward and backward, at every
     shard; 16-bit operands keep the default's, and a config the caller gives is used as given."""
     monkeypatch.setattr(triton_config, "interpreting", lambda: False)  # the GPU's defaults
-    for precision, dot in (("auto", "ieee"), ("ieee", "ieee"), ("fp32_faithful", "tf32x3")):
+    for precision, dot in (("auto", "ieee"), ("ieee", "ieee"), ("fp32_faithful", "fp16x3")):
         backend = triton_backend.TritonBackend(triton_backend.TritonConfig(precision=precision))
         forward, backward = triton_config.FP32_TILES[dot]
         for v in MEASURED_SHARDS:
@@ -245,8 +245,8 @@ def test_fp32_operands_take_their_dots_tiles(monkeypatch):
             splits = -(-v // (cfg.tiles_per_split * cfg.block_n))
             assert cfg.tiles_per_split == 2 or splits >= backend.config.min_forward_splits, (precision, v)
             assert backend.forward_config_for(v, torch.bfloat16).block_n == triton_config.GPU_FORWARD.block_n
-        # At the shard the tiles were measured on, 3×TF32 dots keep the measured 2 tiles per split.
-        assert dot != "tf32x3" or backend.forward_config_for(19008, torch.float32).tiles_per_split == 2
+        # At the shard the tiles were measured on, the fp16 parts keep the measured 2 tiles per split.
+        assert dot != "fp16x3" or backend.forward_config_for(19008, torch.float32).tiles_per_split == 2
         assert backend.backward_config_for(torch.float32) == backward
         assert backend.backward_config_for(torch.bfloat16) == triton_config.GPU_BACKWARD
         given = replace(triton_config.GPU_FORWARD, block_m=32)

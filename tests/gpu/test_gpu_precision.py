@@ -7,11 +7,13 @@ Run on a GPU (``pytest tests/gpu/test_gpu_precision.py``); skipped without CUDA.
   (buffer and recompute), through cuBLAS (the default ``ieee_gemms="cublas"``: the torch
   backend's chunked pass, bit for bit) and through the kernels' own dots (``"kernels"``, and
   the default when TF32 is allowed process-wide).
-- ``fp32_faithful`` (three TF32 products per dot in the triton kernels): as accurate as the
-  IEEE path on the same data, 2e-6 or less. The entropy's fp32 rounding alone (a difference
+- ``fp32_faithful`` (the operands' fp16 parts, three fp16 products per product, promoted
+  accumulation, in the triton kernels): as accurate as the IEEE path on the same data, 2e-6 or
+  less; also at a hidden size where the tensor cores' own accumulation would shrink the logits
+  past that, and over rows of every scale. The entropy's fp32 rounding alone (a difference
   of sums of terms up to |z|) reaches a few 1e-6 relative at logits of scale 3, the same for
   cuBLAS's IEEE logits and the head's: the bound is ``max(2e-6, 1.5 × IEEE's error)``, per
-  output. Its bits differ from the IEEE path's: the 3×TF32 kernels ran, not the IEEE ones.
+  output. Its bits differ from the IEEE path's: the parts' kernels ran, not the IEEE ones.
 - The torch backend under ``fp32_faithful``: torch's own fp32 matmul, the fp32 bound.
 """
 
@@ -110,7 +112,7 @@ def test_ieee_dots_run_on_cublas_unless_tf32_is_allowed():
 
 
 def test_faithful_runs_its_own_kernels():
-    """The 3×TF32 forward is not the IEEE one: same inputs, different fp32 roundings."""
+    """The fp16 parts' forward is not the IEEE one: same inputs, different fp32 roundings."""
     x, w, labels, _, _ = _inputs(next_seed())
     x, w = x.float(), w.float()
     faithful = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, precision="fp32_faithful")[0]
@@ -125,3 +127,49 @@ def test_torch_backend_accepts_faithful():
     out = _run(x.float(), w.float(), labels, g, e, backend="torch", precision="fp32_faithful")
     for name in ref:
         assert _relative(out[name], ref[name]) <= FP32_RTOL, (name, seed)
+
+
+def _faithful_errors(x, w, labels, temperature) -> dict:
+    """The largest error over the largest fp64 value of ``fp32_faithful``'s and IEEE's log-probs
+    and entropy (forward only), against the fp64 head of the same fp32 values."""
+    ref = mcore_ppo.fused_log_probs_and_entropy(x.double(), w.double(), labels, temperature=temperature.double())
+    errors = {}
+    for precision in ("fp32_faithful", "ieee"):
+        out = mcore_ppo.fused_log_probs_and_entropy(x, w, labels, temperature=temperature, precision=precision)
+        errors[precision] = [_relative(o, r) for o, r in zip(out, ref, strict=True)]
+    return errors
+
+
+def test_faithful_logits_carry_no_accumulation_shrink():
+    """At hidden size 4,096 (K = 12,288 over the parts) the tensor cores' truncating fp32
+    accumulation, left to sum a whole row, shrinks every logit by ~2e-5 of its size (one
+    H100: log-probs 2e-5 from fp64); the promoted slices keep ``fp32_faithful`` within
+    ``max(2e-6, 1.5 × IEEE's error)``."""
+    seed = next_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n, h, v = 512, 4096, 16384
+    x = torch.randn(n, h, device="cuda", generator=gen)
+    w = torch.randn(v, h, device="cuda", generator=gen) * (3 / math.sqrt(h))
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    errors = _faithful_errors(x, w, labels, torch.full((n,), 0.8, device="cuda"))
+    for out, ieee in zip(errors["fp32_faithful"], errors["ieee"], strict=True):
+        assert out <= max(FAITHFUL_RTOL, 1.5 * ieee), f"seed {seed}: {errors}"
+
+
+def test_faithful_over_rows_of_every_scale():
+    """Hidden rows of scales 1e-4 to 1e4 with a per-token temperature of the same scale (logits
+    of order one), weight rows of scales 1e-3 to 10, values spanning 2^20 within each row, a
+    zero row: ``fp32_faithful`` within ``max(2e-6, 1.5 × IEEE's error)`` of fp64."""
+    seed = next_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n, h, v = 512, 1024, 16384
+    scales = 10.0 ** torch.linspace(-4, 4, n, device="cuda")
+    spread = 2.0 ** -torch.randint(0, 20, (n, h), device="cuda", generator=gen).float()
+    x = torch.randn(n, h, device="cuda", generator=gen) * scales[:, None] * spread
+    x[7] = 0.0
+    w = torch.randn(v, h, device="cuda", generator=gen) * (3 / math.sqrt(h))
+    w = w * 10.0 ** torch.linspace(-3, 1, v, device="cuda")[:, None] / 3
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    errors = _faithful_errors(x, w, labels, scales * 1.5)
+    for out, ieee in zip(errors["fp32_faithful"], errors["ieee"], strict=True):
+        assert out <= max(FAITHFUL_RTOL, 1.5 * ieee), f"seed {seed}: {errors}"

@@ -39,7 +39,7 @@ Switching it on (off unless asked):
 - ``MCORE_PPO_VERL=0`` keeps it off in both cases; :func:`install` / :func:`uninstall` do it
   from code. ``MCORE_PPO_VERL_BACKEND`` picks the head's backend (default ``auto``), and
   ``MCORE_PPO_VERL_PRECISION`` how it multiplies an fp32 weight (unset: ``fp32_faithful`` for
-  an fp32 weight, 3×TF32 on the triton backend; ``ieee``; ``auto``: IEEE; docs/kernels.md).
+  an fp32 weight, three fp16 products per product on the triton backend; ``ieee``; ``auto``: IEEE; docs/kernels.md).
 - ``MCORE_PPO_VERL_MTP=1`` (off by default) keeps verl's fused path on with multi-token
   prediction, which verl turns off: :mod:`mcore_ppo.integrations.verl.mtp`.
 
