@@ -12,7 +12,8 @@ import torch
 #: How fp32 operands of the head's GEMMs are multiplied (``precision=``). ``"auto"`` (default):
 #: IEEE fp32 dots, exact and slow on tensor-core GPUs. ``"fp32_faithful"``: fp32 accuracy at
 #: tensor-core speed on the triton backend: each operand as its fp16 parts, three fp16 products
-#: per product (:mod:`mcore_ppo.kernels.split`). ``"ieee"``: IEEE fp32 dots, said explicitly
+#: per product (:mod:`mcore_ppo.kernels.split`; the weight's parts, 1.5× the fp32 weight's bytes,
+#: are held while each forward and backward runs). ``"ieee"``: IEEE fp32 dots, said explicitly
 #: (the reference). 16-bit operands' products are exact in the fp32 accumulator whatever is
 #: chosen, so the choice changes only fp32 operands.
 PRECISIONS = ("auto", "fp32_faithful", "ieee")

@@ -25,18 +25,18 @@ GPU_BACKWARD = GemmConfig(tiles_per_split=1, use_tma=True)
 #: 64 × 64 tiles cut the forward 22× and the backward's recompute 10× against the 16-bit tiles
 #: (qwen7b TP 8 shard, ``scripts/bench_precision.py --sweep``, docs/kernels.md#numerics). fp32
 #: inputs' fp16 parts (``fp16x3``) hold a second fp32 tile (the promoted slice's product)
-#: beside the accumulator: 128 × 128 tiles, where the 16-bit default's 128 × 256 would spill,
-#: and K slices of 128 (a promotion per 128 products): on one H100 at the qwen7b TP 8 shard a
-#: GEMM of the parts took 3.94× the bf16 GEMM at 128 × 128 × 128 in 3 stages, 4.86× at K 64
-#: (gpu_runs/h100_2026-12-07d).
+#: beside the accumulator: 128 × 128 tiles, where the 16-bit default's 128 × 256 would spill;
+#: K slices of 64 in 3 stages, the tiling measured in the head (one H100, qwen7b TP 8 shard:
+#: 5.4-5.6× the bf16 GEMM, gpu_runs/h100_2026-12-07d). There a GEMM of the parts alone took
+#: 3.94× the bf16 GEMM at K slices of 128 against 4.86× at 64: not yet measured in the head.
 FP32_TILES = {
     "ieee": (
         GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, tiles_per_split=2, use_tma=True),
         GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, tiles_per_split=1, use_tma=True),
     ),
     "fp16x3": (
-        GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, tiles_per_split=2, use_tma=True),
-        GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, tiles_per_split=1, use_tma=True),
+        GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tiles_per_split=2, use_tma=True),
+        GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tiles_per_split=1, use_tma=True),
     ),
 }
 #: Where IEEE fp32 dots of CUDA operands are formed (:attr:`TritonConfig.ieee_gemms`).
