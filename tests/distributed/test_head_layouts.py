@@ -1,6 +1,6 @@
 """The head under TP 2, 4 and 8 (8 where the world has 8 ranks), SP off and on, in every layout,
 against the single-rank result; and under ``precision="fp32_faithful"`` / ``"ieee"`` with an fp32
-weight and an fp32 or bf16 hidden (the triton backend's 3×TF32 dots on NCCL runs).
+weight and an fp32 or bf16 hidden (the triton backend's fp16 parts on NCCL runs).
 
 For each TP size, dtype (fp64, fp32) and layout ([s,b,h]+[b,s] with b=3, packed [t,1,h]+[1,t],
 [n,h]+[n]), every rank computes the single-rank result on the global data, then runs the head
