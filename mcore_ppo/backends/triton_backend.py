@@ -45,7 +45,7 @@ from mcore_ppo.backends.torch_backend import TorchBackend, TorchConfig
 from mcore_ppo.backends.triton_config import FP32_TILES, IEEE_BLOCKS, TritonConfig
 from mcore_ppo.backends.triton_forward import fused_head_forward, statistics_launch
 from mcore_ppo.backends.triton_gradients import gradients_by_recompute, gradients_from_buffer, vocab_chunk
-from mcore_ppo.backends.triton_host import GemmConfig, compact_rows, fp16_parts, merge_splits
+from mcore_ppo.backends.triton_host import GemmConfig, compact_rows, merge_splits, operand_parts
 from mcore_ppo.backends.triton_ids import gather_logits
 from mcore_ppo.backends.triton_launch import Launcher, interpreting
 from mcore_ppo.backends.triton_plan import LaunchPlan, buffer_decision
@@ -286,15 +286,11 @@ class TritonBackend:
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """``(hidden, weight, unscale)``: the forward kernels' operands, row-major; for
         :meth:`_parts` inputs their fp16 parts ``[rows, 3h]`` and the rows' scale-backs
-        (:func:`~mcore_ppo.backends.triton_host.fp16_parts`), else None."""
+        (:func:`~mcore_ppo.backends.triton_host.operand_parts`), else None."""
         hidden, weight = rowmajor(hidden), rowmajor(weight)
         if not self._parts(hidden):
             return hidden, weight, None
-        (x_parts, x_unscale), (w_parts, w_unscale) = (
-            fp16_parts(hidden, launch, columns=False),
-            fp16_parts(weight, launch, columns=True),
-        )
-        return x_parts, w_parts, (x_unscale, w_unscale)
+        return operand_parts(hidden, weight, launch)
 
     def forward_config_for(self, v: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
         """The forward's tile config for a shard of ``v`` vocab rows of operands of ``dtype``

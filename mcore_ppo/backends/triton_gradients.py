@@ -26,11 +26,11 @@ from mcore_ppo.backends.triton_host import (
     addmm_fp32,
     compact_rows,
     for_dtype,
-    fp16_parts,
     gathered_rows,
     gemm_into,
     kernel_flags,
     mm_fp32,
+    operand_parts,
     operands_by_tma,
     scatter_rows,
     upstream_gradients,
@@ -84,10 +84,7 @@ def gradients_by_recompute(
     # The GEMM operands: the inputs, or fp32 inputs' fp16 parts, which the forward's logits
     # came from (dz then meets the forward's lse on the same logits; fp32 dz for the fp32 GEMMs).
     if numerics.parts:
-        (x_dot, x_unscale), (w_dot, w_unscale) = (
-            fp16_parts(hidden, launch, columns=False),
-            fp16_parts(weight, launch, columns=True),
-        )
+        x_dot, w_dot, (x_unscale, w_unscale) = operand_parts(hidden, weight, launch)
     else:
         x_dot, w_dot, x_unscale, w_unscale = hidden, weight, lse, lse  # the scale-backs: never read
     # Compacted order throughout: dz rows, d_hidden rows, and x_c for d_W (ignored rows zero).

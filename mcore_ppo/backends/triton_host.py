@@ -187,6 +187,18 @@ def fp16_parts(tensor: torch.Tensor, launch: Callable, *, columns: bool) -> tupl
     return parts, unscale
 
 
+def operand_parts(
+    hidden: torch.Tensor, weight: torch.Tensor, launch: Callable
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``(hidden parts, weight parts, (hidden unscale, weight unscale))``: both row-major fp32
+    GEMM operands as :func:`fp16_parts`, each in its own order, through ``launch``."""
+    (x_parts, x_unscale), (w_parts, w_unscale) = (
+        fp16_parts(hidden, launch, columns=False),
+        fp16_parts(weight, launch, columns=True),
+    )
+    return x_parts, w_parts, (x_unscale, w_unscale)
+
+
 def tma_capable(tensor: torch.Tensor) -> bool:
     """The copy engine is there: Hopper or newer, or the interpreter (which emulates it)."""
     return interpreting() or (tensor.is_cuda and _capability(_device_index(tensor))[0] >= 9)
