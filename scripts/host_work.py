@@ -37,6 +37,9 @@ Usage (GPU):  python scripts/host_work.py [--shape qwen7b] [--tp 8] [--tokens 16
 Without CUDA it times the torch backend on small CPU tensors. ``--backend null``
 (:class:`mcore_ppo_testing.null_backend.NullBackend`: allocations, no compute) times the head's
 host work above its backend alone, on any machine: the part a CPU can measure and cut.
+``--backend triton-stub`` (:mod:`mcore_ppo_testing.stub_launch`) times the triton backend's host
+code too, its kernels never run, on CPU bf16 tensors of the CPU's default small shapes (the
+label values unread, as on CUDA).
 """
 
 from __future__ import annotations
@@ -281,7 +284,10 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8, help="the vocab shard is V / tp (one rank's work)")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per call")
     parser.add_argument(
-        "--backend", default="auto", help="the head's backend; null: no compute, the host work above the backend"
+        "--backend",
+        default="auto",
+        help="the head's backend; null: no compute, the host work above the backend; triton-stub (CPU): the "
+        "triton backend's host code, its kernels never run",
     )
     parser.add_argument("--reps", type=int, default=30, help="timed calls per measurement")
     parser.add_argument(
@@ -305,11 +311,14 @@ def main() -> None:
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
+    run_context = contextlib.ExitStack()  # what holds for the whole run (closed at its end)
     hidden_size, vocab = SHAPES[args.shape]
     if cuda:
         device, dtype, n, h, v = "cuda", torch.bfloat16, args.tokens, hidden_size, vocab // args.tp
     else:
         device, dtype, n, h, v = "cpu", torch.float32, 64, 32, 128
+        if args.backend == "triton-stub":
+            dtype = torch.bfloat16  # the GPU's operands (the CPU's GEMMs of the backward stay small)
     gen = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn(n, h, device=device, dtype=dtype, generator=gen) * 0.5).requires_grad_(True)
     w = (torch.randn(v, h, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_(True)
@@ -324,6 +333,14 @@ def main() -> None:
 
         backend = NullBackend()
         options = HeadOptions(backend=backend, validate=args.validate)
+    elif args.backend == "triton-stub":
+        if cuda:
+            parser.error("--backend triton-stub is the CPU's stand-in for the triton backend's host work")
+        from mcore_ppo_testing.stub_launch import cuda_like_checks, stub_triton_backend
+
+        backend = stub_triton_backend()
+        options = HeadOptions(backend=backend, validate=args.validate)
+        run_context.enter_context(cuda_like_checks())
     else:
         backend = resolve_backend(args.backend, torch.device(device))
         options = HeadOptions(backend=args.backend, validate=args.validate)
@@ -431,6 +448,7 @@ def main() -> None:
         (args.out / f"host_profile{suffix}.txt").write_text(text.getvalue())
     else:
         print(text.getvalue())
+    run_context.close()
 
 
 if __name__ == "__main__":

@@ -180,9 +180,13 @@ def fp16_parts(tensor: torch.Tensor, launch: Callable, *, columns: bool) -> tupl
     parts = torch.empty(rows, 3 * h, dtype=torch.float16, device=tensor.device)
     unscale = torch.empty(rows, dtype=torch.float32, device=tensor.device)
     if rows:
+        stride = tensor.stride(0)
+        # The fp32 operand's alignment and the two integers (their values stand for their classes)
+        # fix the specialisation; the outputs are fresh.
+        site = ("split", columns, h, stride, tensor.data_ptr() % 16 == 0)
         launch(
-            split_kernel, (rows,), (tensor, parts, unscale, h, tensor.stride(0)),
-            {"COLUMNS": columns, "BLOCK_H": min(ROW_BLOCK, max(16, next_power_of_two(h))), "num_warps": 4},
+            split_kernel, (rows,), (tensor, parts, unscale, h, stride),
+            {"COLUMNS": columns, "BLOCK_H": min(ROW_BLOCK, max(16, next_power_of_two(h))), "num_warps": 4}, site,
         )  # fmt: skip
     return parts, unscale
 

@@ -1,0 +1,180 @@
+"""The triton backend's host code on a CPU, its kernels never run: host work you can cut without a GPU.
+
+:func:`stub_triton_backend` builds a :class:`~mcore_ppo.backends.triton_backend.TritonBackend`
+whose launcher takes the kept-kernel path of a GPU (one launch through Triton's dispatch per
+site, then the kept compiled kernel's ``run``) with a compiled kernel whose ``run`` does nothing,
+and a driver that names device 0 and stream 0. A head call through it therefore runs every line
+of the backend's Python (plans, allocations, argument tuples, launch sites) and the head's above
+it, on CPU tensors, without a kernel: ``scripts/host_work.py --backend triton-stub`` times that
+on any machine. It differs from a CUDA call in what CUDA alone does: the allocator is the CPU's,
+a launch costs no C launcher, the operands take the pointer path (no TMA: no copy of gathered
+rows), and the backward's GEMMs run on the CPU (keep shapes small). Label values are not read
+on the host, as on CUDA (:func:`cuda_like_checks`). Outputs are garbage by design.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+
+from mcore_ppo import head_call
+from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
+from mcore_ppo.backends.triton_launch import Launcher
+from mcore_ppo_testing.launch_checks import CheckedLauncher
+
+try:
+    from triton.compiler import CompiledKernel
+except ModuleNotFoundError as err:  # pragma: no cover - exercised only without triton
+    if err.name != "triton":
+        raise
+    CompiledKernel = object
+
+
+class _IdleCompiled(CompiledKernel):
+    """A compiled kernel as the launcher keeps it, whose launch does nothing."""
+
+    def __init__(self) -> None:  # Triton's own __init__ loads a binary
+        self.function = 0
+        self.packed_metadata = ()
+
+    def run(self, *args) -> None:
+        """No kernel."""
+
+
+class _Device0:
+    """Triton's driver as the launcher asks it: device 0, stream 0."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+
+class StubLauncher(CheckedLauncher):
+    """The kept-kernel path with kernels that do nothing (module doc). Every launch with a site,
+    kept or not, is checked against Triton's own argument binder: a site key coarser than
+    Triton's specialisation raises :class:`~mcore_ppo_testing.launch_checks.SiteKeyError`."""
+
+    def __init__(self) -> None:
+        super().__init__(fast_here=True, driver=_Device0())
+        self.dispatched: Counter[str] = Counter()  # launches without a site, by kernel name
+
+    def launch_normal(self, kernel, grid, args, kwargs, site):
+        """What Triton's dispatch would return, without compiling or launching; a launch
+        without a site (Triton's dispatch on every call) is counted."""
+        if site is None:
+            self.dispatched[getattr(kernel, "__name__", str(kernel))] += 1
+        else:
+            self.check_binder(kernel, site, args, kwargs)
+        return _IdleCompiled()
+
+    def launch_kept(self, kept, kernel, grid, args, kwargs, site, stream) -> None:
+        """The kept kernel's (idle) launch, its arguments checked as the site's first were."""
+        self.check_binder(kernel, site, args, kwargs)
+        Launcher.launch_kept(self, kept, kernel, grid, args, kwargs, site, stream)
+
+
+def stub_triton_backend(config: TritonConfig | None = None) -> TritonBackend:
+    """A triton backend (of ``config``) that runs on CPU tensors without running a kernel (module doc)."""
+    backend = TritonBackend(config, launcher=StubLauncher())
+    backend.unsupported = lambda hidden: None  # CPU tensors, no interpreter: its kernels never run
+    return backend
+
+
+@contextlib.contextmanager
+def cuda_like_checks() -> Iterator[None]:
+    """The head's checks read no label or temperature value on the host, as on CUDA."""
+    readable = head_call.values_readable
+    head_call.values_readable = lambda tensor: False
+    try:
+        yield
+    finally:
+        head_call.values_readable = readable
+
+
+#: The head's modes :func:`launch_levels` runs: (precision, dtype, buffer budget, per-token
+#: temperature, entropy, sum_pi_squared, share of ignored tokens, misaligned ``hidden`` rows
+#: with int32 labels).
+MODES = {
+    "buffer": ("auto", torch.bfloat16, 1 << 30, False, True, False, 0.0, False),
+    "recompute": ("auto", torch.bfloat16, 0, False, True, False, 0.0, False),
+    "ignored_rows": ("auto", torch.bfloat16, 1 << 30, False, True, False, 0.3, False),
+    "row_temperature": ("auto", torch.bfloat16, 1 << 30, True, True, False, 0.0, False),
+    "no_entropy": ("auto", torch.bfloat16, 0, False, False, False, 0.2, False),
+    "sum_pi_squared": ("auto", torch.float16, 1 << 30, False, True, True, 0.0, False),
+    "fp32_parts": ("fp32_faithful", torch.float32, 1 << 30, False, True, False, 0.2, False),
+    "misaligned": ("auto", torch.bfloat16, 1 << 30, False, True, False, 0.2, True),
+    "fp32_parts_misaligned": ("fp32_faithful", torch.float32, 0, False, True, False, 0.2, True),
+}
+
+#: The launches each mode makes without a site in a step (Triton's dispatch on every call): fp32
+#: inputs' parts recompute ``dz`` in the backward without the forward's plan (it was keyed by
+#: the parts), one launch each of the gather, the recompute's one chunk and the scatter.
+DISPATCHED = {mode: {} for mode in MODES} | {
+    mode: {"gather_rows_kernel": 1, "dz_kernel": 1, "scatter_rows_kernel": 1}
+    for mode in ("fp32_parts", "fp32_parts_misaligned")
+}
+
+
+def launch_levels(mode: str, seed: int) -> dict:
+    """Two steps (a forward with its backward, then a no-grad forward) of the head in ``mode``
+    (:data:`MODES`) through a stub triton backend: the launches of each step, per kernel the
+    launch levels its sites reached after each (``compiled``: kept; ``normal``: Triton's
+    dispatch per call), and the second step's launches made without a site (``dispatched``, by
+    kernel). A misaligned mode first runs a step on aligned rows with int64 labels, so that the
+    same launcher meets both (a site key that left the difference out raises). Run it where
+    Triton compiles (``TRITON_INTERPRET`` unset): under the interpreter no site is kept."""
+    import mcore_ppo.kernels as kernels
+    from mcore_ppo import fused_log_probs_and_entropy
+
+    precision, dtype, budget, row_temp, entropy, square, ignored, misaligned = MODES[mode]
+    backend = stub_triton_backend(TritonConfig(precision=precision, buffer_budget_bytes=budget))
+    gen = torch.Generator().manual_seed(seed)
+    n, h, v = 48, 32, 96
+    base = torch.randn(n * h + 1, generator=gen).to(dtype)
+    w = torch.randn(v, h, generator=gen).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < ignored] = -100
+    temperature = torch.rand(n, generator=gen) + 0.5 if row_temp else 0.7
+
+    def levels() -> dict[str, list[str]]:
+        out = {}
+        for name in kernels.__all__:
+            found = sorted(set(backend.launcher.fast_level(getattr(kernels, name)).values()))
+            if found:
+                out[name] = found
+        return out
+
+    def step(offset: int, labels: torch.Tensor) -> int:
+        # ``offset`` elements in: rows that are not 16-byte aligned (Triton specialises on it).
+        x = base[offset : offset + n * h].view(n, h).detach().requires_grad_(True)
+        before = backend.launcher.launches
+        outputs = fused_log_probs_and_entropy(
+            x, w, labels, temperature=temperature, backend=backend, return_entropy=entropy,
+            return_sum_pi_squared=square,
+        )  # fmt: skip
+        torch.autograd.backward(outputs[0], torch.ones(n))
+        with torch.no_grad():
+            fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend=backend)
+        return backend.launcher.launches - before
+
+    with cuda_like_checks():
+        if misaligned:
+            step(0, labels)
+            labels = labels.int()
+        first = step(int(misaligned), labels)
+        after_first = levels()
+        backend.launcher.dispatched.clear()
+        second = step(int(misaligned), labels)
+    dispatched = dict(backend.launcher.dispatched)
+    return {"launches": [first, second], "levels": [after_first, levels()], "dispatched": dispatched}
+
+
+if __name__ == "__main__":  # python -m mcore_ppo_testing.stub_launch SEED: every mode's levels as JSON
+    print(json.dumps({mode: launch_levels(mode, int(sys.argv[1])) for mode in MODES}))
