@@ -57,12 +57,15 @@ class _Device0:
 
 
 class StubLauncher(CheckedLauncher):
-    """The kept-kernel path with kernels that do nothing (module doc). Every launch with a site,
-    kept or not, is checked against Triton's own argument binder: a site key coarser than
-    Triton's specialisation raises :class:`~mcore_ppo_testing.launch_checks.SiteKeyError`."""
+    """The kept-kernel path with kernels that do nothing (module doc). With ``check_sites``
+    every launch with a site, kept or not, is checked against Triton's own argument binder (a
+    site key coarser than Triton's specialisation raises
+    :class:`~mcore_ppo_testing.launch_checks.SiteKeyError`); without, a launch costs what the
+    launcher's own Python does (for timing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, check_sites: bool = True) -> None:
         super().__init__(fast_here=True, driver=_Device0())
+        self.check_sites = check_sites
         self.dispatched: Counter[str] = Counter()  # launches without a site, by kernel name
 
     def launch_normal(self, kernel, grid, args, kwargs, site):
@@ -70,19 +73,22 @@ class StubLauncher(CheckedLauncher):
         without a site (Triton's dispatch on every call) is counted."""
         if site is None:
             self.dispatched[getattr(kernel, "__name__", str(kernel))] += 1
-        else:
+        elif self.check_sites:
             self.check_binder(kernel, site, args, kwargs)
         return _IdleCompiled()
 
     def launch_kept(self, kept, kernel, grid, args, kwargs, site, stream) -> None:
-        """The kept kernel's (idle) launch, its arguments checked as the site's first were."""
-        self.check_binder(kernel, site, args, kwargs)
+        """The kept kernel's (idle) launch, with ``check_sites`` its arguments checked as the
+        site's first were."""
+        if self.check_sites:
+            self.check_binder(kernel, site, args, kwargs)
         Launcher.launch_kept(self, kept, kernel, grid, args, kwargs, site, stream)
 
 
-def stub_triton_backend(config: TritonConfig | None = None) -> TritonBackend:
-    """A triton backend (of ``config``) that runs on CPU tensors without running a kernel (module doc)."""
-    backend = TritonBackend(config, launcher=StubLauncher())
+def stub_triton_backend(config: TritonConfig | None = None, *, check_sites: bool = True) -> TritonBackend:
+    """A triton backend (of ``config``) that runs on CPU tensors without running a kernel (module
+    doc); ``check_sites``: as for :class:`StubLauncher` (off for timing)."""
+    backend = TritonBackend(config, launcher=StubLauncher(check_sites=check_sites))
     backend.unsupported = lambda hidden: None  # CPU tensors, no interpreter: its kernels never run
     return backend
 

@@ -338,7 +338,7 @@ def main() -> None:
             parser.error("--backend triton-stub is the CPU's stand-in for the triton backend's host work")
         from mcore_ppo_testing.stub_launch import cuda_like_checks, stub_triton_backend
 
-        backend = stub_triton_backend()
+        backend = stub_triton_backend(check_sites=False)
         options = HeadOptions(backend=backend, validate=args.validate)
         run_context.enter_context(cuda_like_checks())
     else:
