@@ -19,6 +19,7 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -104,32 +105,54 @@ def cuda_like_checks() -> Iterator[None]:
         head_call.values_readable = readable
 
 
-#: The head's modes :func:`launch_levels` runs: (precision, dtype, buffer budget, per-token
-#: temperature, entropy, sum_pi_squared, share of ignored tokens, misaligned ``hidden`` rows
-#: with int32 labels).
+class Mode(NamedTuple):
+    """One way of calling the head, for :func:`launch_levels`."""
+
+    precision: str = "auto"
+    dtype: torch.dtype = torch.bfloat16
+    buffer_budget: int = 1 << 30
+    row_temperature: bool = False
+    entropy: bool = True
+    sum_pi_squared: bool = False
+    ignored: float = 0.0  # share of ignored tokens
+    misaligned: bool = False  # hidden rows not 16-byte aligned, int32 labels (after a step without)
+    ids: int = 0  # k ids per token (``fused_log_probs_at``); 0: one label
+    tp_combine: bool = False  # the forward's TP branch (a one-rank combine), no backward
+    fused_forward: bool = True  # False: the generic one-label forward (statistics, then torch ops)
+
+
+#: The head's modes :func:`launch_levels` runs.
 MODES = {
-    "buffer": ("auto", torch.bfloat16, 1 << 30, False, True, False, 0.0, False),
-    "recompute": ("auto", torch.bfloat16, 0, False, True, False, 0.0, False),
-    "ignored_rows": ("auto", torch.bfloat16, 1 << 30, False, True, False, 0.3, False),
-    "row_temperature": ("auto", torch.bfloat16, 1 << 30, True, True, False, 0.0, False),
-    "no_entropy": ("auto", torch.bfloat16, 0, False, False, False, 0.2, False),
-    "sum_pi_squared": ("auto", torch.float16, 1 << 30, False, True, True, 0.0, False),
-    "fp32_parts": ("fp32_faithful", torch.float32, 1 << 30, False, True, False, 0.2, False),
-    "misaligned": ("auto", torch.bfloat16, 1 << 30, False, True, False, 0.2, True),
-    "fp32_parts_misaligned": ("fp32_faithful", torch.float32, 0, False, True, False, 0.2, True),
+    "buffer": Mode(),
+    "recompute": Mode(buffer_budget=0),
+    "ignored_rows": Mode(ignored=0.3),
+    "row_temperature": Mode(row_temperature=True),
+    "no_entropy": Mode(buffer_budget=0, entropy=False, ignored=0.2),
+    "sum_pi_squared": Mode(dtype=torch.float16, sum_pi_squared=True),
+    "fp32_parts": Mode(precision="fp32_faithful", dtype=torch.float32, ignored=0.2),
+    "misaligned": Mode(ignored=0.2, misaligned=True),
+    "fp32_parts_misaligned": Mode(
+        precision="fp32_faithful", dtype=torch.float32, buffer_budget=0, ignored=0.2, misaligned=True
+    ),
+    "ids": Mode(ids=4, ignored=0.2),
+    "ids_recompute": Mode(ids=4, buffer_budget=0, row_temperature=True),
+    "ids_misaligned": Mode(ids=4, ignored=0.2, misaligned=True, sum_pi_squared=True),
+    "generic_forward": Mode(ignored=0.2, fused_forward=False),
+    "generic_recompute": Mode(buffer_budget=0, row_temperature=True, fused_forward=False),
+    "tp_combine": Mode(ignored=0.2, tp_combine=True),
+    "tp_combine_row_temperature": Mode(row_temperature=True, sum_pi_squared=True, tp_combine=True),
 }
 
 #: The launches each mode makes without a site in a step (Triton's dispatch on every call): fp32
 #: inputs' parts recompute ``dz`` in the backward without the forward's plan (it was keyed by
 #: the parts), one launch each of the gather, the recompute's one chunk and the scatter.
-DISPATCHED = {mode: {} for mode in MODES} | {
-    mode: {"gather_rows_kernel": 1, "dz_kernel": 1, "scatter_rows_kernel": 1}
-    for mode in ("fp32_parts", "fp32_parts_misaligned")
-}
+_PARTS_RECOMPUTE = {"gather_rows_kernel": 1, "dz_kernel": 1, "scatter_rows_kernel": 1}
+DISPATCHED = {mode: _PARTS_RECOMPUTE if mode.startswith("fp32_parts") else {} for mode in MODES}
 
 
 def launch_levels(mode: str, seed: int) -> dict:
-    """Two steps (a forward with its backward, then a no-grad forward) of the head in ``mode``
+    """Two steps (a forward with its backward, then a no-grad forward; with ``tp_combine`` the
+    backend's forward over TP with and without a backward to follow) of the head in ``mode``
     (:data:`MODES`) through a stub triton backend: the launches of each step, per kernel the
     launch levels its sites reached after each (``compiled``: kept; ``normal``: Triton's
     dispatch per call), and the second step's launches made without a site (``dispatched``, by
@@ -137,17 +160,23 @@ def launch_levels(mode: str, seed: int) -> dict:
     same launcher meets both (a site key that left the difference out raises). Run it where
     Triton compiles (``TRITON_INTERPRET`` unset): under the interpreter no site is kept."""
     import mcore_ppo.kernels as kernels
-    from mcore_ppo import fused_log_probs_and_entropy
+    from mcore_ppo import fused_log_probs_and_entropy, fused_log_probs_at
+    from mcore_ppo.statistics import Statistics
 
-    precision, dtype, budget, row_temp, entropy, square, ignored, misaligned = MODES[mode]
-    backend = stub_triton_backend(TritonConfig(precision=precision, buffer_budget_bytes=budget))
+    spec = MODES[mode]
+    config = TritonConfig(
+        precision=spec.precision, buffer_budget_bytes=spec.buffer_budget, fused_forward=spec.fused_forward
+    )
+    backend = stub_triton_backend(config)
     gen = torch.Generator().manual_seed(seed)
     n, h, v = 48, 32, 96
-    base = torch.randn(n * h + 1, generator=gen).to(dtype)
-    w = torch.randn(v, h, generator=gen).to(dtype).requires_grad_(True)
-    labels = torch.randint(0, v, (n,), generator=gen)
-    labels[torch.rand(n, generator=gen) < ignored] = -100
-    temperature = torch.rand(n, generator=gen) + 0.5 if row_temp else 0.7
+    base = torch.randn(n * h + 1, generator=gen).to(spec.dtype)
+    w = torch.randn(v, h, generator=gen).to(spec.dtype).requires_grad_(True)
+    labels = torch.randint(0, v, (n, spec.ids) if spec.ids else (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < spec.ignored] = -100
+    temperature = torch.rand(n, generator=gen) + 0.5 if spec.row_temperature else 0.7
+    head = fused_log_probs_at if spec.ids else fused_log_probs_and_entropy
+    statistics = Statistics.named(["entropy", *(["sum_pi_squared"] if spec.sum_pi_squared else [])])
 
     def levels() -> dict[str, list[str]]:
         out = {}
@@ -157,27 +186,38 @@ def launch_levels(mode: str, seed: int) -> dict:
                 out[name] = found
         return out
 
+    def combine(shard_max: torch.Tensor, sums_relative_to) -> tuple[torch.Tensor, torch.Tensor]:
+        return shard_max, sums_relative_to(shard_max)  # one rank's all-reduces: the identity
+
     def step(offset: int, labels: torch.Tensor) -> int:
         # ``offset`` elements in: rows that are not 16-byte aligned (Triton specialises on it).
         x = base[offset : offset + n * h].view(n, h).detach().requires_grad_(True)
         before = backend.launcher.launches
-        outputs = fused_log_probs_and_entropy(
-            x, w, labels, temperature=temperature, backend=backend, return_entropy=entropy,
-            return_sum_pi_squared=square,
+        if spec.tp_combine:  # the backend's forward over TP, with and without a backward to follow
+            for grad_needed in (True, False):
+                backend.head_forward(
+                    x.detach(), w.detach(), labels, temperature, ignore_index=-100, vocab_start=0, vocab_size=v,
+                    labels_in_range=True, grad_needed=grad_needed, statistics=statistics, max_entropy=1.0,
+                    combine=combine,
+                )  # fmt: skip
+            return backend.launcher.launches - before
+        outputs = head(
+            x, w, labels, temperature=temperature, backend=backend, return_entropy=spec.entropy,
+            return_sum_pi_squared=spec.sum_pi_squared,
         )  # fmt: skip
-        torch.autograd.backward(outputs[0], torch.ones(n))
+        torch.autograd.backward(outputs[0], torch.ones_like(outputs[0]))
         with torch.no_grad():
-            fused_log_probs_and_entropy(x, w, labels, temperature=temperature, backend=backend)
+            head(x, w, labels, temperature=temperature, backend=backend)
         return backend.launcher.launches - before
 
     with cuda_like_checks():
-        if misaligned:
+        if spec.misaligned:
             step(0, labels)
             labels = labels.int()
-        first = step(int(misaligned), labels)
+        first = step(int(spec.misaligned), labels)
         after_first = levels()
         backend.launcher.dispatched.clear()
-        second = step(int(misaligned), labels)
+        second = step(int(spec.misaligned), labels)
     dispatched = dict(backend.launcher.dispatched)
     return {"launches": [first, second], "levels": [after_first, levels()], "dispatched": dispatched}
 

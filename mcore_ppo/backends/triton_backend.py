@@ -203,10 +203,13 @@ class TritonBackend:
         plan = self._forward_plan(hidden, weight, grad_needed, statistics, row_temp, unscale is not None)
         perm, count = compact_rows(valid, launch)
         y = torch.zeros(plan.n, dtype=torch.float32, device=hidden.device)
+        # The plan, the caller's labels' dtype and the fresh tensors here fix every launch's
+        # specialisation (the kernels do not specialise on the per-token vectors' alignment).
+        site = (plan, "shard_statistics", local_labels.dtype)
         parts, residual = statistics_launch(
-            plan, launch, hidden, weight, local_labels, perm, count, y, temperature, unscale=unscale
+            plan, launch, hidden, weight, local_labels, perm, count, y, temperature, unscale=unscale, site=site
         )
-        merged = merge_splits(parts, perm, count, launch, options=plan.merge_options)
+        merged = merge_splits(parts, perm, count, launch, options=plan.merge_options, site=(*site, "merge"))
         return ShardStatistics(merged[0], merged[1:], y, residual)
 
     def head_forward(
@@ -352,11 +355,11 @@ class TritonBackend:
         buffered = len(saved.residual) == len(BUFFER_RESIDUAL)
         plan = None
         # (fp32 inputs' parts: the forward's plan was keyed by the parts; Triton's own dispatch.)
-        if (buffered or saved.fused_forward) and not self._parts(hidden):
+        if not self._parts(hidden):
             # The forward's plan (cached under the same key when its statistics were the
             # entropy's alone; the backward reads only shapes and tiles from it): its tiles are
-            # the buffer's, and head_forward's per-token tensors, fresh allocations of its n, let
-            # it key the launches.
+            # the buffer's, and with the per-token tensors' dtypes (fresh allocations of its n,
+            # whose alignment the kernels do not specialise on) it keys the launches.
             statistics = Statistics.from_key("entropy" if saved.entropy is not None else "")
             plan = self._forward_plan(hidden, weight, True, statistics, isinstance(temperature, torch.Tensor))
         launch = self.launcher.bound()
@@ -364,7 +367,6 @@ class TritonBackend:
             return gradients_from_buffer(
                 self.config, launch, plan, hidden, weight, saved, request, temperature=temperature
             )
-        plan = plan if saved.fused_forward else None
         backward_config = self.backward_config_for(hidden.dtype)
         return gradients_by_recompute(
             self.config, backward_config, launch, plan, hidden, weight, saved, request, temperature=temperature

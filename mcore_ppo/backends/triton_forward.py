@@ -37,15 +37,16 @@ def statistics_launch(
     temperature: float | torch.Tensor,
     *,
     unscale: tuple[torch.Tensor, torch.Tensor] | None = None,
-    site: bool = False,
+    site: tuple | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The forward kernel's launch: the per-split partials ``[planes, splits, n]`` (the max, then
     one plane per term of the plan's statistics) and the label logits into ``y``; the
     probability buffer as residual when the plan stores it. ``unscale``: the operands' rows'
-    scale-backs when they are fp32 inputs' fp16 parts (the plan's ``PARTS``). ``site``: the caller's
-    ``local_labels``, ``perm``, ``count`` and ``y`` are the fresh int64 / int32 / int32 / fp32
-    tensors of :func:`fused_head_forward`, so the plan fixes every argument's specialisation
-    (the launch skips the per-argument key)."""
+    scale-backs when they are fp32 inputs' fp16 parts (the plan's ``PARTS``). ``site``: the
+    prefix of the launches' site keys (starting with ``plan``), given where the plan and the
+    prefix fix every argument's specialisation: ``perm``, ``count`` and ``y`` fresh int32 / int32
+    / fp32 tensors, and ``local_labels`` of the dtype the prefix names or int64 (the kernel does
+    not specialise on their alignment); None: Triton's dispatch per launch."""
     from mcore_ppo import kernels  # decorated on first use (under the interpreter where it is set)
 
     n, v, device = plan.n, plan.v, hidden.device
@@ -60,16 +61,14 @@ def statistics_launch(
     if plan.use_tma:
         # Only the blocks the kernel cannot read in place are copied (none when nothing is ignored).
         skip = plan.cfg.block_m if plan.direct else 0
-        gathered = gathered_rows(
-            hidden, perm, count, launch, skip_direct_blocks=skip, site=(plan, "gather") if site else None
-        )
+        gathered = gathered_rows(hidden, perm, count, launch, skip_direct_blocks=skip, site=site and (*site, "gather"))
     x_unscale, w_unscale = (y, y) if unscale is None else unscale  # never read without PARTS
     # The three after inv_temp_rows are the top-k's outputs (TOPK_C), never written here.
     args = (
         hidden, gathered, weight, perm, count, local_labels, parts, y, buf, tmax, n, v, plan.h, hidden.stride(0),
         weight.stride(0), plan.num_splits, inv_temp, plan.n_tiles_v, inv_temp_rows, y, count, y, x_unscale, w_unscale,
     )  # fmt: skip
-    launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, (plan, "stats") if site else None)
+    launch(kernels.stats_kernel, plan.stats_grid, args, plan.stats_options, site and (*site, "stats"))
     return parts, (buf, tmax, perm, count) if plan.store else ()
 
 
@@ -116,7 +115,7 @@ def fused_head_forward(
         (plan, "tokens", labels.dtype, stride_l, ignore_index, vocab_start),
     )  # fmt: skip
     parts, residual = statistics_launch(
-        plan, launch, hidden, weight, local_labels, perm, count, y, temperature, unscale=unscale, site=True
+        plan, launch, hidden, weight, local_labels, perm, count, y, temperature, unscale=unscale, site=(plan,)
     )
     log_prob = torch.empty(n, dtype=torch.float32, device=device)
     entropy_out = torch.empty(n, dtype=torch.float32, device=device) if statistics.entropy else None

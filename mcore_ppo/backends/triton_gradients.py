@@ -127,7 +127,7 @@ def gradients_by_recompute(
         )  # fmt: skip
         # The forward's plan fixes the operands' (and the chunk's) specialisation; the
         # upstream gradients' presence and the labels' dtype vary by call.
-        key = site and (*site, "dz", has_g, has_e, local_labels.dtype)
+        key = site and (*site, "dz", has_g, has_e, local_labels.dtype, lse.dtype, entropy.dtype)
         launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options, key)
         if onehot is not None:
             add_onehot(config, launch, dz, onehot, v0, vc)
@@ -160,8 +160,8 @@ def gradients_from_buffer(
     """Backward of the buffer mode: ``dz`` formed in place from the forward's buffer, then
     the two GEMMs over the whole shard at once (K = V/tp for ``d_hidden``: no fp32
     read-modify-write per chunk). Three GEMMs per step instead of four. ``plan``: the
-    forward's (its tiles are the buffer's); it keys the launch sites only for
-    ``head_forward``'s buffers. ``launch``: the call's bound launcher."""
+    forward's (its tiles are the buffer's); it keys the launch sites. ``launch``: the call's
+    bound launcher."""
     from mcore_ppo.kernels import dz_from_buffer_kernel
 
     buf, tmax, perm, count = saved.residual
@@ -169,7 +169,9 @@ def gradients_from_buffer(
     weight_grad = request.weight_grad
     n, v = hidden.shape[0], weight.shape[0]
     block_n = plan.cfg.block_n  # the forward's tiles, whose maxima tmax holds
-    site = plan if saved.fused_forward else None
+    # The forward's plan keys the launches; the per-token tensors' dtypes are in the keys (the
+    # kernels do not specialise on their alignment).
+    site = plan
     has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
     entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
@@ -186,7 +188,7 @@ def gradients_from_buffer(
             "FAST_LOG2": cfg.fast_log2 and buf.dtype == torch.bfloat16, "num_warps": cfg.num_warps,
             **({"ROW_TEMP": True} if row_temp else {}),
         },
-        None if site is None else (site, "dz_buffer", has_g, has_e, local_labels.dtype),
+        (site, "dz_buffer", has_g, has_e, local_labels.dtype, lse.dtype, entropy.dtype),
     )  # fmt: skip
     del tmax
     if request.sparse is not None:
@@ -196,14 +198,12 @@ def gradients_from_buffer(
     if request.need_hidden_grad:
         hidden_grad_c = mm_fp32(buf, weight)
     if weight_grad is not None:
-        x_c = gathered_rows(hidden, perm, count, launch, site=None if site is None else (site, "gather_backward"))
+        x_c = gathered_rows(hidden, perm, count, launch, site=(site, "gather_backward"))
         gemm_into(weight_grad, buf.t(), x_c, overwrite=request.weight_grad_unset)
         del x_c
     del buf
     if request.need_hidden_grad:
-        hidden_grad = scatter_rows(
-            hidden_grad_c, perm, hidden.dtype, launch, site=None if site is None else (site, "scatter")
-        )
+        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, launch, site=(site, "scatter"))
     return hidden_grad, weight_grad
 
 

@@ -114,6 +114,9 @@ def compact_rows(valid: torch.Tensor, launch: Callable) -> tuple[torch.Tensor, t
         (1,),
         (valid.contiguous().view(torch.uint8), perm, count, n),
         {"BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS},
+        # One site: the dtypes are fixed here and the kernel specialises on neither its
+        # pointers' alignment nor n.
+        ("compact",),
     )
     return perm, count
 

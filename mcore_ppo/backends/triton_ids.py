@@ -38,11 +38,19 @@ def gather_logits(
         return out
     hidden, weight = rowmajor(hidden), rowmajor(weight)
     block_j, block_h, warps = config.gather_rows
+    block_k, stride_x, stride_w = _scan_block(config, k), hidden.stride(0), weight.stride(0)
+    # What Triton specialises on (the ids' and the output's alignment and n, k, h it does not),
+    # and the block sizes: the launch's site.
+    site = (
+        "gather_dot", hidden.dtype, local_ids.dtype, hidden.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0,
+        stride_x, stride_w, block_j, block_h, block_k, warps,
+    )  # fmt: skip
     launch(
         gather_dot_kernel,
         (n,),
-        (hidden, weight, local_ids.contiguous(), out, n, k, h, hidden.stride(0), weight.stride(0)),
-        {"BLOCK_J": block_j, "BLOCK_H": block_h, "BLOCK_K": _scan_block(config, k), "num_warps": warps},
+        (hidden, weight, local_ids.contiguous(), out, n, k, h, stride_x, stride_w),
+        {"BLOCK_J": block_j, "BLOCK_H": block_h, "BLOCK_K": block_k, "num_warps": warps},
+        site,
     )
     scale = temperature[:, None] if isinstance(temperature, torch.Tensor) else temperature
     return torch.where(local_ids >= 0, out / scale, 0.0)
@@ -78,12 +86,15 @@ def merged_onehot(
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, placeholder)
     ids_out = torch.empty(n, k, dtype=torch.int64, device=ids.device)
     g_out = torch.empty(n, k, dtype=torch.float32, device=ids.device)
+    block_k = _onehot_block(config, k)
     if n and k:
         launch(
             onehot_merge_kernel,
             (n,),
             (ids.contiguous(), g.contiguous(), perm, count, ids_out, g_out, n, k, inv_temp, inv_temp_rows),
-            {"BLOCK_K": _onehot_block(config, k), "ROW_TEMP": row_temp, "num_warps": 4},
+            {"BLOCK_K": block_k, "ROW_TEMP": row_temp, "num_warps": 4},
+            # The dtypes are checked above; the kernel specialises on the row order's alignment.
+            ("onehot_merge", block_k, row_temp, perm.data_ptr() % 16 == 0, count.data_ptr() % 16 == 0),
         )
     return ids_out, g_out
 
@@ -110,6 +121,8 @@ def add_onehot(
         (cdiv(n, block_r),),
         (dz, ids, g, n, k, v0, vc, dz.stride(0)),
         {"BLOCK_R": block_r, "BLOCK_K": block_k, "num_warps": 4},
+        # The merged ids and g are fresh int64 / fp32; dz's dtype, alignment and row stride vary.
+        ("onehot_add", dz.dtype, dz.data_ptr() % 16 == 0, dz.stride(0), block_r, block_k),
     )
 
 

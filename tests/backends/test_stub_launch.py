@@ -8,7 +8,8 @@ stubbed (:mod:`mcore_ppo_testing.stub_launch`: the host code runs, no kernel doe
 on CPU tensors takes the same launch path. In a process of its own (the suite's kernels are the
 interpreter's, which keeps no site), each mode of the head (the probability buffer or the
 recompute, a per-token temperature, the statistics' options, fp32 inputs' fp16 parts, ignored
-tokens) runs a forward with its backward and a no-grad forward twice: every site of every
+tokens, misaligned rows, ``k`` ids per token, the forward's TP branch) runs a forward with its
+backward and a no-grad forward twice: every site of every
 launched kernel must be kept (``compiled``), the second step must launch as many kernels as
 the first and meet no new site, and the launches made without a site (Triton's dispatch on every
 call) must be the mode's known ones (:data:`~mcore_ppo_testing.stub_launch.DISPATCHED`).
