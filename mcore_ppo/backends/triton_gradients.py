@@ -126,7 +126,7 @@ def gradients_by_recompute(
             x_unscale, w_unscale,
         )  # fmt: skip
         # The forward's plan fixes the operands' (and the chunk's) specialisation; the
-        # upstream gradients' presence and the labels' dtype vary by call.
+        # upstream gradients' presence and the per-token tensors' dtypes vary by call.
         key = site and (*site, "dz", has_g, has_e, local_labels.dtype, lse.dtype, entropy.dtype)
         launch(dz_kernel, (cdiv(n, cfg.block_m) * cdiv(vc, cfg.block_n),), args, options, key)
         if onehot is not None:
@@ -169,16 +169,14 @@ def gradients_from_buffer(
     weight_grad = request.weight_grad
     n, v = hidden.shape[0], weight.shape[0]
     block_n = plan.cfg.block_n  # the forward's tiles, whose maxima tmax holds
-    # The forward's plan keys the launches; the per-token tensors' dtypes are in the keys (the
-    # kernels do not specialise on their alignment).
-    site = plan
     has_g, has_e, g, e = upstream_gradients(request.grad_log_prob, _entropy_grad(saved, request), lse)
     inv_temp, inv_temp_rows, row_temp = inverse_temperature(temperature, lse)
     entropy = lse if entropy is None else entropy  # a pointer the kernel never reads (HAS_E off)
     cfg = config.buffer_dz_config
     n_tiles_v = tmax.shape[1]
-    # The forward's plan (head_forward's buffers) fixes every argument's specialisation but
-    # the upstream gradients' presence and the labels' dtype.
+    # The forward's plan fixes every argument's specialisation but the upstream gradients'
+    # presence and the per-token tensors' dtypes (the kernel does not specialise on their
+    # alignment).
     launch(
         dz_from_buffer_kernel,
         (cdiv(n, cfg.block_m) * n_tiles_v,),
@@ -188,7 +186,7 @@ def gradients_from_buffer(
             "FAST_LOG2": cfg.fast_log2 and buf.dtype == torch.bfloat16, "num_warps": cfg.num_warps,
             **({"ROW_TEMP": True} if row_temp else {}),
         },
-        (site, "dz_buffer", has_g, has_e, local_labels.dtype, lse.dtype, entropy.dtype),
+        (plan, "dz_buffer", has_g, has_e, local_labels.dtype, lse.dtype, entropy.dtype),
     )  # fmt: skip
     del tmax
     if request.sparse is not None:
@@ -198,12 +196,12 @@ def gradients_from_buffer(
     if request.need_hidden_grad:
         hidden_grad_c = mm_fp32(buf, weight)
     if weight_grad is not None:
-        x_c = gathered_rows(hidden, perm, count, launch, site=(site, "gather_backward"))
+        x_c = gathered_rows(hidden, perm, count, launch, site=(plan, "gather_backward"))
         gemm_into(weight_grad, buf.t(), x_c, overwrite=request.weight_grad_unset)
         del x_c
     del buf
     if request.need_hidden_grad:
-        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, launch, site=(site, "scatter"))
+        hidden_grad = scatter_rows(hidden_grad_c, perm, hidden.dtype, launch, site=(plan, "scatter"))
     return hidden_grad, weight_grad
 
 
