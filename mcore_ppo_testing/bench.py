@@ -110,7 +110,7 @@ class Timer:
 def fp32_gemm_path(device_type: str = "cuda") -> dict[str, str]:
     """How the triton backend's ``mm_fp32`` and ``addmm_fp32`` form their fp32 results of
     16-bit operands on ``device_type`` (for a benchmark's record): the same answer for every call."""
-    from mcore_ppo.backends.triton_host import fp32_output_gemms
+    from mcore_ppo.backends.fp32_gemms import fp32_output_gemms
 
     mm, addmm = fp32_output_gemms(device_type)
     if device_type != "cuda":

@@ -64,7 +64,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcore_ppo.backends.triton_host import GemmConfig, mm_fp32
+from mcore_ppo.backends.fp32_gemms import mm_fp32
+from mcore_ppo.backends.triton_host import GemmConfig
 from mcore_ppo.distill import topk_triton
 from mcore_ppo.distill.topk import fused_topk, topk_and_statistics
 from mcore_ppo.distill.topk_config import TopKConfig

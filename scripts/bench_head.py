@@ -218,7 +218,7 @@ def _fastest(log: list, key: str, candidates: list[tuple], measure):
 def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, config) -> dict:
     """Where the time goes: backend calls alone vs the API, and a larger backward workspace
     (``config``: the run's :class:`TritonConfig`)."""
-    from mcore_ppo.backends import triton_host
+    from mcore_ppo.backends import fp32_gemms, triton_host
     from mcore_ppo.backends.base import GradientRequest, SavedTokens
     from mcore_ppo.backends.triton_backend import TritonBackend
     from mcore_ppo.statistics import DEFAULT
@@ -253,7 +253,7 @@ def breakdown(inputs: HeadInputs, temperature: float, timer: Timer, config) -> d
     dz = torch.randn(n, chunk, dtype=x.dtype, device=x.device)
     dh = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
     chunks = -(-v // chunk)
-    addmm = lambda: triton_host.addmm_fp32(dh, dz, w[:chunk])
+    addmm = lambda: fp32_gemms.addmm_fp32(dh, dz, w[:chunk])
     res["cublas_dhidden_all_chunks_ms"] = chunks * timer(addmm, reps)
     res["cublas_dweight_all_chunks_ms"] = chunks * timer(lambda: torch.mm(dz.t(), x), reps)
     dz = dh = None  # free the 0.5 GiB before the next measurement

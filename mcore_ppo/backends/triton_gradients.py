@@ -20,16 +20,14 @@ from collections.abc import Callable
 import torch
 
 from mcore_ppo.backends.base import GradientRequest, SavedTokens
+from mcore_ppo.backends.fp32_gemms import addmm_fp32, gemm_into, mm_fp32
 from mcore_ppo.backends.triton_config import TritonConfig
 from mcore_ppo.backends.triton_host import (
     GemmConfig,
-    addmm_fp32,
     compact_rows,
     for_dtype,
     gathered_rows,
-    gemm_into,
     kernel_flags,
-    mm_fp32,
     operand_parts,
     operands_by_tma,
     scatter_rows,

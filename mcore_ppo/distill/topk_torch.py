@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_ppo.backends.triton_host import fp32_output_gemms
+from mcore_ppo.backends.fp32_gemms import fp32_output_gemms
 from mcore_ppo.distill.topk_config import TopKConfig
 from mcore_ppo.distill.topk_triton import ShardPass
 from mcore_ppo.numerics import accumulation_dtype, chunks

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_ppo import verdict
-from mcore_ppo.backends import TorchBackend, clear_backend_cache, resolve_backend, triton_host
+from mcore_ppo.backends import TorchBackend, clear_backend_cache, fp32_gemms, resolve_backend
 from mcore_ppo_testing.bench import fp32_gemm_path
 
 
@@ -40,26 +40,26 @@ def _out_of_memory(*args, **kwargs):
 
 @pytest.mark.parametrize("capability", [(True, True), (True, False), (False, False)], ids=["addmm", "mm", "none"])
 def test_out_of_memory_of_the_real_product_propagates(monkeypatch, capability):
-    monkeypatch.setattr(triton_host, "fp32_output_gemms", lambda device_type="cuda": capability)
+    monkeypatch.setattr(fp32_gemms, "fp32_output_gemms", lambda device_type="cuda": capability)
     monkeypatch.setattr(torch, "mm", _out_of_memory)
     monkeypatch.setattr(torch, "addmm", _out_of_memory)
     a = _as_cuda(torch.zeros(4, 3, dtype=torch.bfloat16))
     b = _as_cuda(torch.zeros(3, 2, dtype=torch.bfloat16))
     out = torch.zeros(4, 2)
     with pytest.raises(torch.OutOfMemoryError):
-        triton_host.addmm_fp32(out, a, b)
+        fp32_gemms.addmm_fp32(out, a, b)
     with pytest.raises(torch.OutOfMemoryError):
-        triton_host.mm_fp32(a, b)
+        fp32_gemms.mm_fp32(a, b)
 
 
 def test_capability_probe(monkeypatch):
     # This CPU build has no out_dtype products: the probe says so (NotImplementedError is caught).
-    assert triton_host.probe_out_dtype("cpu") == (False, False)
-    assert triton_host.fp32_output_gemms("cpu") == (False, False)
+    assert fp32_gemms.probe_out_dtype("cpu") == (False, False)
+    assert fp32_gemms.fp32_output_gemms("cpu") == (False, False)
     # An out-of-memory error in the probe itself is not a "no".
     monkeypatch.setattr(torch, "mm", _out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        triton_host.probe_out_dtype("cpu")
+        fp32_gemms.probe_out_dtype("cpu")
     # A capability found is used without trying anything else.
     monkeypatch.undo()
     calls = []
@@ -69,9 +69,9 @@ def test_capability_probe(monkeypatch):
         return torch.ones(a.shape[0], b.shape[1], dtype=out_dtype)
 
     monkeypatch.setattr(torch, "mm", mm)
-    monkeypatch.setattr(triton_host, "fp32_output_gemms", lambda device_type="cuda": (True, False))
+    monkeypatch.setattr(fp32_gemms, "fp32_output_gemms", lambda device_type="cuda": (True, False))
     a = _as_cuda(torch.zeros(4, 3, dtype=torch.bfloat16))
-    assert triton_host.mm_fp32(a, a.t()).dtype == torch.float32 and calls == [torch.float32]
+    assert fp32_gemms.mm_fp32(a, a.t()).dtype == torch.float32 and calls == [torch.float32]
     assert fp32_gemm_path("cpu")["mm"] == "fp32 upcast + mm"
 
 

@@ -466,17 +466,17 @@ def test_compact_rows(n):
 def test_fp32_products_match_an_fp32_upcast(dtype):
     """``mm_fp32`` (a new fp32 result) and ``addmm_fp32`` (added into one) give the product of
     the fp32-upcast operands, the first as if added into zeros."""
-    from mcore_ppo.backends import triton_host
+    from mcore_ppo.backends import fp32_gemms
 
     gen = generator(next_seed())
     a = torch.randn(7, 33, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(33, 5, generator=gen).to(dtype).to(DEVICE)
     want = a.float() @ b.float()
-    got = triton_host.mm_fp32(a, b)
+    got = fp32_gemms.mm_fp32(a, b)
     assert got.dtype == torch.float32 and got.shape == (7, 5)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     acc = torch.ones(7, 5, device=DEVICE)
-    triton_host.addmm_fp32(acc, a, b)
+    fp32_gemms.addmm_fp32(acc, a, b)
     torch.testing.assert_close(acc, want + 1, rtol=1e-6, atol=1e-6)
 
 
