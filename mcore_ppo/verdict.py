@@ -107,7 +107,7 @@ def share_verdict(
         if local_error is not None:
             raise local_error
         return
-    if device.type != "cpu" or not every_call:
+    if not _per_call(device, every_call):
         seen = _shared_signatures(tp_group)
         if local_error is None and signature in seen:
             return
@@ -115,6 +115,17 @@ def share_verdict(
         seen.add(signature)
         return
     _share(tp_group, weight_rows, local_error, values, value_error, device)
+
+
+def shared_every_call(tp_group: ProcessGroup | None, *, every_call: bool) -> bool:
+    """Whether :func:`share_verdict` shares the verdict over ``tp_group`` on every call (a CPU
+    group, ``every_call`` on), rather than once per call signature (or never: one rank)."""
+    return group_size(tp_group) > 1 and _per_call(_collective_device(tp_group), every_call)
+
+
+def _per_call(device: torch.device, every_call: bool) -> bool:
+    # Over the CPU the all-reduce costs no device sync, so it carries each call's value flags.
+    return every_call and device.type == "cpu"
 
 
 def _share(tp_group, weight_rows, local_error, values, value_error, device) -> None:

@@ -172,6 +172,7 @@ def run_head(
     ignore_index: int = IGNORE,
     compiled: bool = False,
     precision: str | None = None,
+    validate: bool | None = None,
 ) -> HeadResult:
     """Forward and backward of the public API on copies of the inputs (leaves on ``device``).
 
@@ -191,6 +192,7 @@ def run_head(
         ignore_index=ignore_index,
         backend=small_chunks_backend(backend, precision) if small_chunks else backend,
         precision=precision,
+        validate=validate,
     )
     outputs, grads = [], []
     for out, grad in ((log_prob, grad_log_prob), (entropy, grad_entropy)):

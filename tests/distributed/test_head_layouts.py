@@ -16,18 +16,25 @@ import pytest
 import torch
 from conftest import shared_seed, tp_cp_groups
 from head_cases import (
+    BACKEND,
     DTYPES,
     LAYOUT_SHAPES,
+    NH,
     SBH,
+    THD,
     TP_SIZES,
+    GlobalCase,
     compare,
     compare_with_fp64,
     make_case,
     reference,
     run_head,
+    small_chunks_backend,
     tp_part,
     upcast,
 )
+
+from mcore_ppo import head_call
 
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 
@@ -124,6 +131,58 @@ def test_tp_deterministic(check):
             second = run_head(*args, tp_group=layout.tp_group, sequence_parallel=sp)
             for output, value in first.as_dict().items():
                 check.equal(output, second.as_dict()[output], value)
+    check.done()
+
+
+# Fewer tokens of the same layout (every sequence length still divides by 8, for SP at TP 8).
+SHORTER = {SBH: 8, THD: 16, NH: 24}
+
+
+def _shorter(case: GlobalCase) -> GlobalCase:
+    """The case's first tokens, in its own layout."""
+    keep = SHORTER[case.layout]
+    if case.labels.dim() == 1:
+        return GlobalCase(case.layout, case.hidden[:keep], case.weight, *(t[:keep] for t in _per_token(case)))
+    return GlobalCase(case.layout, case.hidden[:keep], case.weight, *(t[:, :keep] for t in _per_token(case)))
+
+
+def _per_token(case: GlobalCase) -> tuple[torch.Tensor, ...]:
+    return case.labels, case.grad_log_prob, case.grad_entropy
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_prepared_calls_match_single_rank(tp, check, monkeypatch):
+    """With ``validate=False`` the verdict is shared once per group and call signature, so a later
+    call of a signature is prepared (``head_call.Prepared``: no checks, no collective before the
+    head's own): each layout, SP off and on, called with its tokens, then fewer, then again with
+    its tokens, every call equal to the single-rank result."""
+    layout = tp_cp_groups(tp)
+    torch.manual_seed(shared_seed())
+    monkeypatch.setattr(head_call, "_PREPARED", {})
+    checked: list[int] = []
+    check_call = head_call.check_call
+    monkeypatch.setattr(head_call, "check_call", lambda *a, **k: checked.append(1) or check_call(*a, **k))
+    backend = small_chunks_backend(BACKEND)  # one object: one options object, one signature
+    for name in LAYOUT_SHAPES:
+        case = make_case(name, torch.float32)
+        cases = (case, _shorter(case), case)
+        refs = [reference(each) for each in cases]
+        if layout.tp_group is None:  # ranks outside this TP group only drew the data
+            continue
+        weight = case.weight.chunk(tp, dim=0)[layout.tp_rank]
+        for sp in (False, True):
+            head_call._PREPARED.clear()  # [s, b, h] and packed share a signature: b is a token count
+            before = len(checked)
+            for step, (each, ref) in enumerate(zip(cases, refs, strict=True)):
+                check.case(f"tp={tp} sp={sp} layout={name} float32 call {step} prepared")
+                hidden = each.hidden.chunk(tp, dim=0)[layout.tp_rank] if sp else each.hidden
+                args = (hidden, weight, each.labels, each.grad_log_prob, each.grad_entropy)
+                out = run_head(
+                    *args, tp_group=layout.tp_group, sequence_parallel=sp, backend=backend, small_chunks=False,
+                    validate=False,
+                )  # fmt: skip
+                compare(check, out, tp_part(ref, tp, layout.tp_rank, sp), torch.float32, f"TP{tp} prepared")
+            check.equal("checked calls", torch.tensor(len(checked) - before), torch.tensor(1))
     check.done()
 
 
