@@ -125,24 +125,36 @@ def _head_forward(
     hidden, weight, labels, temperature, temperature_value, given_statistics, ignore_index, vocab_start, vocab_size,
     backend, tp_group, hidden_grad, statistics, labels_in_range, grad_needed,
 ):  # fmt: skip
-    mode = HiddenGrad(hidden_grad)
-    stats = Statistics.from_key(statistics)
-    result, token_hidden = shard.forward(
-        hidden, weight, labels, _temperature(temperature, temperature_value), given_statistics,
-        backend=backend_from_key(backend), tp_group=group_from_key(tp_group), hidden_grad=mode,
-        ignore_index=ignore_index, vocab_start=vocab_start, vocab_size=vocab_size, statistics=stats,
-        labels_in_range=labels_in_range, grad_needed=grad_needed,
+    call = HeadCall(
+        backend, tp_group, HiddenGrad(hidden_grad), WeightGrad.GRAD, ignore_index, vocab_start, vocab_size,
+        temperature_value, Statistics.from_key(statistics), labels_in_range,
     )  # fmt: skip
-    log_prob = result.log_prob
-    entropy = _absent(log_prob) if result.entropy is None else result.entropy
-    detached = _absent(log_prob) if result.detached is None else result.detached
+    log_prob, entropy, detached, saved = _forward(
+        hidden, weight, labels, temperature, given_statistics, call, grad_needed
+    )
+    entropy = _absent(log_prob) if entropy is None else entropy
+    return log_prob, entropy, _absent(log_prob) if detached is None else detached, saved
+
+
+def _forward(hidden, weight, labels, temperature, given_statistics, call: HeadCall, grad_needed: bool):
+    """``head_forward``'s implementation on the call's parsed arguments (the op's, or a direct
+    eager call's: :func:`_run_forward`), None for an output not asked for (the op returns an
+    empty tensor in its place)."""
+    stats = call.statistics
+    result, token_hidden = shard.forward(
+        hidden, weight, labels, _temperature(temperature, call.temperature_value), given_statistics,
+        backend=backend_from_key(call.backend), tp_group=group_from_key(call.tp_group), hidden_grad=call.hidden_grad,
+        ignore_index=call.ignore_index, vocab_start=call.vocab_start, vocab_size=call.vocab_size, statistics=stats,
+        labels_in_range=call.labels_in_range, grad_needed=grad_needed,
+    )  # fmt: skip
+    log_prob, entropy, detached = result.log_prob, result.entropy, result.detached
     if not grad_needed:
         return log_prob, entropy, detached, []
     saved = result.saved
     if given_statistics is not None:
         # The given statistics are an input: an output that aliases them would break the op's contract.
         saved = dataclasses.replace(saved, lse=saved.lse.clone())
-    layout = SavedLayout.of(labels, stats, mode, tp_group)
+    layout = SavedLayout.of(labels, stats, call.hidden_grad, call.tp_group)
     return log_prob, entropy, detached, layout.pack(token_hidden, saved)
 
 
@@ -242,8 +254,9 @@ def head(
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         log_prob, entropy, detached = HeadFunction.apply(hidden, weight, labels, temperature, given_statistics, call)
     else:
-        args = _forward_args(hidden, weight, labels, temperature, given_statistics, call, grad_needed=False)
-        log_prob, entropy, detached, _ = _run_forward(args, hidden, weight)
+        log_prob, entropy, detached, _ = _run_forward(
+            hidden, weight, labels, temperature, given_statistics, call, False
+        )
     statistics = call.statistics
     return log_prob, entropy if statistics.entropy else None, detached if statistics.detached else None
 
@@ -279,13 +292,15 @@ def _dispatcher_needed(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
-def _run_forward(args: tuple, hidden: torch.Tensor, weight: torch.Tensor):
-    """``head_forward`` of ``args``: through the op where :func:`_dispatcher_needed`, else its
+def _run_forward(hidden, weight, labels, temperature, given_statistics, call: HeadCall, grad_needed: bool):
+    """``head_forward`` of the call: through the op where :func:`_dispatcher_needed`, else its
     implementation (autograd is the caller's: :class:`HeadFunction`, or none: ``hidden`` and
-    ``weight`` need no gradient and the temperature comes detached)."""
+    ``weight`` need no gradient and the temperature comes detached). An output not asked for is
+    None or, from the op, empty."""
     if _dispatcher_needed(hidden, weight):
+        args = _forward_args(hidden, weight, labels, temperature, given_statistics, call, grad_needed=grad_needed)
         return torch.ops.mcore_ppo.head_forward.default(*args)
-    return _head_forward(*args)
+    return _forward(hidden, weight, labels, temperature, given_statistics, call, grad_needed)
 
 
 class HeadFunction(torch.autograd.Function):
@@ -293,8 +308,9 @@ class HeadFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, given_statistics, call: HeadCall):
-        args = _forward_args(hidden, weight, labels, temperature, given_statistics, call, grad_needed=True)
-        log_prob, entropy, detached, saved = _run_forward(args, hidden, weight)
+        log_prob, entropy, detached, saved = _run_forward(
+            hidden, weight, labels, temperature, given_statistics, call, True
+        )
         _save(ctx, hidden, weight, labels, temperature, given_statistics, detached, saved, call)
         return log_prob, entropy, detached
 
@@ -314,7 +330,8 @@ def _save(ctx, hidden, weight, labels, temperature, given_statistics, detached, 
     ctx.weight = weight if call.weight_grad is WeightGrad.MAIN_GRAD else None
     # Under sequence parallelism the backward reads the gathered rows (in ``saved``) only.
     ctx.save_for_backward(None if layout.gathered else hidden, weight, temperature, *saved)
-    ctx.mark_non_differentiable(detached)
+    if detached is not None:
+        ctx.mark_non_differentiable(detached)
     # The residual is consumed by the first backward (the buffer becomes dz in place): a second
     # one (retain_graph) recomputes instead.
     ctx.residual_consumed = False

@@ -73,9 +73,16 @@ _NOTHING_TO_DISABLE = contextlib.nullcontext()
 def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast disabled for ``device``'s type: a no-op where it is not on (or does not exist,
     e.g. meta), which is most calls, and costs no context of its own there."""
-    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
+    kind = device.type
+    if _autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
     return _NOTHING_TO_DISABLE
+
+
+@functools.cache
+def _autocast_available(device_type: str) -> bool:
+    # A property of the torch build and the device type (asked once each).
+    return torch.amp.is_autocast_available(device_type)
 
 
 def refuse_double_backward() -> None:
