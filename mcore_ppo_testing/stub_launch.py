@@ -67,6 +67,7 @@ class StubLauncher(CheckedLauncher):
     def __init__(self, *, check_sites: bool = True) -> None:
         super().__init__(fast_here=True, driver=_Device0())
         self.check_sites = check_sites
+        self.inline_kept = not check_sites  # its launch_kept adds nothing then
         self.dispatched: Counter[str] = Counter()  # launches without a site, by kernel name
 
     def launch_normal(self, kernel, grid, args, kwargs, site):

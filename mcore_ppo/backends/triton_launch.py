@@ -44,6 +44,11 @@ call), and for a :class:`Launcher` built with ``kept=False``. Besides the key an
 hooks, the kept kernel skips one check of Triton's dispatch: that the module globals the
 kernel reads have not changed since it was compiled (the kernels read constants only).
 
+A backend call launches through a :class:`BoundLauncher`, which launches a kept kernel itself
+(the lookup of its site, then its ``run``) when, at binding, no launch hook was registered and the
+launcher's class does not check kept launches (:attr:`Launcher.inline_kept`); else each launch
+goes through :meth:`Launcher.launch`.
+
 What remains per launch is Python: the launcher's arguments and its C call. CUDA graphs are the
 supported way to remove it: capture the step once and replay it (docs/megatron.md#cuda-graphs).
 """
@@ -192,6 +197,8 @@ class Launcher:
         self.fast_here = fast_here
         self.driver = driver
         self.launches = 0
+        # Kept launches may bypass launch_kept (BoundLauncher): no subclass checks them.
+        self.inline_kept = type(self).launch_kept is Launcher.launch_kept
         # id(kernel) -> (kernel, {(device, site): Kept or None}); the kernel is kept alive with
         # its entry, so its id is not reused while the entry exists.
         self.tables: dict[int, tuple[Any, dict]] = {}
@@ -227,7 +234,7 @@ class Launcher:
             return BoundLauncher(self, None, None)
         driver = self.driver or triton_driver.active
         device = driver.get_current_device()
-        return BoundLauncher(self, device, driver.get_current_stream(device))
+        return BoundLauncher(self, device, driver.get_current_stream(device), self.inline_kept and unhooked())
 
     def launch(self, kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, site: object = None, where=None) -> None:
         """``kernel[grid](*args, **kwargs)``, through the kept compiled kernel when ``site`` was
@@ -292,16 +299,30 @@ class Launcher:
 
 class BoundLauncher:
     """A :class:`Launcher` with the device and stream of one backend call:
-    ``launch(kernel, grid, args, kwargs, site=None)``."""
+    ``launch(kernel, grid, args, kwargs, site=None)``.
 
-    __slots__ = ("launcher", "where")
+    ``inline``: a site's kept kernel is launched here, without the launcher's dispatch (what
+    :meth:`Launcher.launch` and :meth:`Launcher.launch_kept` would do for it, decided once per
+    backend call: no launch hook registered, no subclass checking kept launches)."""
 
-    def __init__(self, launcher: Launcher, device: int | None, stream: int | None):
+    __slots__ = ("device", "kept", "launcher", "stream", "where")
+
+    def __init__(self, launcher: Launcher, device: int | None, stream: int | None, inline: bool = False):
         self.launcher = launcher
         self.where = None if device is None else (device, stream)
+        self.device, self.stream = device, stream
+        self.kept = launcher.tables if inline else None
 
     def __call__(self, kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, site: object = None) -> None:
         """:meth:`Launcher.launch` on this call's device and stream."""
+        kept_tables = self.kept
+        if kept_tables is not None and site is not None:
+            table = kept_tables.get(id(kernel))
+            kept = None if table is None else table[1].get((self.device, site))
+            if kept is not None and not kernel.pre_run_hooks:
+                self.launcher.launches += 1
+                kept.launch(grid, args, self.stream)
+                return
         self.launcher.launch(kernel, grid, args, kwargs, site, self.where)
 
 

@@ -214,6 +214,35 @@ def test_a_bound_launcher_asks_the_device_and_stream_once_and_installs_the_scrat
     assert seen[0] is not allocator  # a new thread starts without it: each call installs it
 
 
+def test_a_bound_launcher_launches_kept_kernels_as_the_launcher_does(monkeypatch):
+    """A bound launcher launches a kept kernel itself (no hook registered when it was bound, no
+    subclass checking kept launches): what :meth:`Launcher.launch` would do, launches counted; a
+    hook registered before binding, a pre-run hook and a checking subclass each keep their path."""
+    launcher, _ = _launcher()
+    kernel = Kernel()
+    launch = launcher.bound()
+    for n in (4, 5, 6):
+        launch(kernel, (2,), (X, OUT, n, 1.0), {"BLOCK": 8}, "site")
+    compiled = kernel.returns
+    assert len(kernel.normal) == 1 and launcher.launches == 3
+    assert compiled.calls == [((2, 1, 1), (X, OUT, n, 1.0, 8, False), 1000) for n in (5, 6)]
+    chain = triton.knobs.HookChain()
+    chain.add(lambda metadata: None)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", chain)
+    launcher.bound()(kernel, (2,), (X, OUT, 7, 1.0), {"BLOCK": 8}, "site")
+    assert compiled.hooked == [((2, 1, 1), (X, OUT, 7, 1.0, 8, False), 1000)]  # through the runner
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", triton.knobs.HookChain())
+    kernel.pre_run_hooks.append(lambda *a, **k: None)
+    launcher.bound()(kernel, (2,), (X, OUT, 8, 1.0), {"BLOCK": 8}, "site")
+    assert len(kernel.normal) == 2 and launcher.launches == 5
+    checked, _ = _launcher(CheckedLauncher)
+    checked_kernel = Kernel()
+    launch = checked.bound()
+    for n in (4, 5, 6):
+        launch(checked_kernel, (2,), (X, OUT, n, 1.0), {"BLOCK": 8}, "site")
+    assert len(checked_kernel.warmups) == 2  # every kept launch asked Triton's dispatch
+
+
 def test_defaults_fill_the_tail_and_each_device_and_site_has_its_own_first_launch():
     launcher, driver = _launcher()
     kernel = Kernel()
