@@ -12,8 +12,9 @@
   every call, and a temperature tensor is checked on every call.
 - Property (hypothesis, seeded with ``MCORE_PPO_TEST_SEED``): any drawn sequence of good and
   flawed calls over signatures one field apart gives, call by call, the outputs and gradients or
-  the exception and message of the same calls through the checks. Dropping any field from the
-  signature's key, or the token-count check, fails it.
+  the exception and message of the same calls through the checks. Dropping the token-count
+  check, or the labels' dtype, the weight's shape, the temperature, the hidden's dtype or the
+  options from the signature's key, fails it.
 """
 
 from __future__ import annotations
