@@ -13,7 +13,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from mcore_ppo import validation
 from mcore_ppo.backends.base import Backend
 from mcore_ppo.head_call import attempt, run_head
-from mcore_ppo.options import HeadOptions, call_options, megatron_layout
+from mcore_ppo.options import HeadOptions, call_options, megatron_layout, replaced
 
 # megatron-core >= 0.20 gives ColumnParallelLinear an ``output_dtype`` (the logits GEMM's output
 # dtype, GPTModel's ``logit_dtype``) and passes it to the output layer; older versions have none.
@@ -109,7 +109,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
     def __setattr__(self, name: str, value) -> None:
         if name in _OPTION_NAMES:
             # Rebuilt (and so validated) now, not at the next forward.
-            value = dataclasses.replace(self.options, **{name: value})
+            value = replaced(self.options, **{name: value})
             name = "options"
         elif name == "options" and not isinstance(value, HeadOptions):
             raise TypeError(f"options must be a HeadOptions, got {validation.type_name(value)}")
@@ -176,7 +176,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         if return_sum_pi_squared is not None and return_sum_pi_squared is not options.return_sum_pi_squared:
             changes["return_sum_pi_squared"] = return_sum_pi_squared
         if changes:
-            options, error = attempt(lambda: dataclasses.replace(self.options, **changes), options)
+            options, error = attempt(lambda: replaced(self.options, **changes), options)
         # A number or a tensor here overrides the stored temperature for this call.
         temperature = self.temperature if temperature is None else temperature
         return self._run(input_, self._weight(weight), labels, options, temperature, error)
@@ -195,9 +195,7 @@ class VocabParallelFusedPPOHead(ColumnParallelLinear):
         def loss_options() -> HeadOptions:
             if reduction not in _LOSS_REDUCTIONS:
                 raise ValueError(f"reduction must be one of {_LOSS_REDUCTIONS}, got {reduction!r}")
-            return dataclasses.replace(
-                self.options, ignore_index=ignore, return_entropy=False, return_sum_pi_squared=False
-            )
+            return replaced(self.options, ignore_index=ignore, return_entropy=False, return_sum_pi_squared=False)
 
         options, error = attempt(loss_options, self.options)
         # The language-model loss has no sampling temperature: T = 1 whatever the head's default.

@@ -7,6 +7,7 @@ a per-call number is checked on its own, and the options object is reused as it 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -114,9 +115,7 @@ def call_options(
         except TypeError:  # an unhashable argument: no cache, the checks name it
             found, key = None, None
         if found is None:
-            found = _from_keywords(
-                None, ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision
-            )
+            found = _from_keywords(ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision)
             if key is not None:
                 if len(_PLAIN) >= 64:
                     _PLAIN.clear()
@@ -127,7 +126,33 @@ def call_options(
     given = (ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision)
     if all(value is None for value in given):
         return options
-    return _from_keywords(options, *given)
+    names = ("ignore_index", "backend", "return_entropy", "validate", "return_sum_pi_squared", "precision")
+    return replaced(options, **{name: value for name, value in zip(names, given, strict=True) if value is not None})
+
+
+def replaced(options: HeadOptions, **changes: object) -> HeadOptions:
+    """``options`` with the fields ``changes`` names replaced (checked as :class:`HeadOptions`
+    checks them), one object per options object and changes: a call's options are part of its
+    prepared signature by identity (:class:`mcore_ppo.head_call.Prepared`), so an override
+    given on every call (a keyword beside an options object, the head module's per-call
+    ``return_entropy``) must not make a new object each time, and a change to the values it
+    holds returns it as it is. A bad value raises each time."""
+    if all(_holds(options, name, value) for name, value in changes.items()):
+        return options
+    # The types are part of the key: True == 1, but return_entropy=1 is refused.
+    key = (id(options), *((name, type(value), value) for name, value in sorted(changes.items())))
+    try:
+        found = _REPLACED.get(key)
+    except TypeError:  # an unhashable value: no cache, the checks name it
+        return dataclasses.replace(options, **changes)
+    if found is None:
+        found = dataclasses.replace(options, **changes)
+        if len(_REPLACED) >= 64:
+            _REPLACED.clear()
+        # Holding the base options keeps its id from being reused while the entry lives.
+        _REPLACED[key] = (options, found)
+        return found
+    return found[1]
 
 
 # (type, value) of each keyword of a call without an options object -> its HeadOptions (frozen:
@@ -135,28 +160,24 @@ def call_options(
 _PLAIN: dict[tuple, HeadOptions] = {}
 
 
-def _from_keywords(
-    options, ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision
-) -> HeadOptions:
-    fields = {} if options is None else _fields(options)
-    for name, value in (
+def _holds(options: HeadOptions, name: str, value: object) -> bool:
+    """``options`` already has this value (and type) for the field ``name``."""
+    held = getattr(options, name, _NO_FIELD)
+    return type(held) is type(value) and held == value
+
+
+_NO_FIELD = object()
+
+# (id of an options object, (name, type, value) of each change) -> (that object, the replaced one).
+_REPLACED: dict[tuple, tuple[HeadOptions, HeadOptions]] = {}
+
+
+def _from_keywords(ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision) -> HeadOptions:
+    given = (
         ("ignore_index", ignore_index), ("backend", backend), ("return_entropy", return_entropy),
         ("validate", validate), ("return_sum_pi_squared", return_sum_pi_squared), ("precision", precision),
-    ):  # fmt: skip
-        if value is not None:
-            fields[name] = value
-    return HeadOptions(**fields)
-
-
-def _fields(options: HeadOptions) -> dict:
-    return {
-        "ignore_index": options.ignore_index,
-        "backend": options.backend,
-        "return_entropy": options.return_entropy,
-        "validate": options.validate,
-        "return_sum_pi_squared": options.return_sum_pi_squared,
-        "precision": options.precision,
-    }
+    )  # fmt: skip
+    return HeadOptions(**{name: value for name, value in given if value is not None})
 
 
 class TokenOrder(enum.Enum):

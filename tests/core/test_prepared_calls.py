@@ -28,13 +28,16 @@ from torch.autograd import forward_ad
 import mcore_ppo
 from mcore_ppo import head_call
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
-from mcore_ppo_testing.bad_inputs import BAD_ARGUMENTS, ENTRY_POINTS, IDS, make_case
+from mcore_ppo.options import call_options, replaced
+from mcore_ppo_testing.bad_inputs import BAD_ARGUMENTS, ENTRY_POINTS, IDS, make_case, with_model
 from mcore_ppo_testing.seeds import generator, next_seed
 from mcore_ppo_testing.stub_launch import cuda_like_checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, HIDDEN = 37, 16
+# The entry points of the bad-input table that run the head through run_head (its checks).
+RUN_HEAD_ENTRIES = ("api", "ids", "verl", "nemo_rl")
 
 
 @pytest.fixture
@@ -128,12 +131,44 @@ def test_a_16_bit_hidden_with_an_fp32_weight(checks, monkeypatch):
     assert fast[0][2].dtype == torch.bfloat16  # d_hidden in the hidden's dtype
 
 
+@pytest.mark.parametrize("override", [False, True], ids=["options", "per-call-override"])
+@pytest.mark.parametrize("entry", [*RUN_HEAD_ENTRIES, "head", "model"])
+def test_every_entry_point_prepares_its_later_calls(entry, override, checks, request):
+    """The function, ``[..., k]`` labels, the head module, verl's and NeMo-RL's entries and a
+    Megatron GPT through ``gpt_log_probs_and_entropy``: repeated calls (the head module rebuilt
+    each time, as its options are), with or without a per-call ``return_entropy`` beside the
+    options, take the checks once."""
+    case = make_case(next_seed())
+    if entry == "model":
+        request.getfixturevalue("megatron_tp1")
+        case = with_model(case)
+    keywords = {"temperature": 0.7, **({"return_entropy": False} if override else {})}
+    with cuda_like_checks():
+        for _ in range(3):
+            ENTRY_POINTS[entry](case, **keywords)
+    assert len(checks) == 1
+
+
+def test_an_override_on_every_call_keeps_one_options_object():
+    """:func:`mcore_ppo.options.replaced`: one object per options object and change, the
+    options themselves for a value they hold, a bad value refused on every call."""
+    base = mcore_ppo.HeadOptions(backend="torch")
+    first = replaced(base, return_entropy=False)
+    assert first.return_entropy is False and first.backend == "torch"
+    assert replaced(base, return_entropy=False) is first
+    assert replaced(base, return_entropy=True) is base
+    keywords = {"ignore_index": None, "backend": None, "validate": None}
+    assert call_options(base, return_entropy=False, **keywords) is first
+    for _ in range(2):  # True == 1, but an int is not a bool: refused each time, never kept
+        with pytest.raises(TypeError, match="return_entropy"):
+            replaced(base, return_entropy=1)
+
+
 # --- what is never skipped -------------------------------------------------------------------------
 
 # The table's bad values: with their values unread (as on CUDA) they give NaN, not an exception
 # (test_entry_points_contract.py checks that, prepared or not: the values are never part of it).
 VALUES = {"labels out of the vocab", "temperature tensor with a zero"}
-RUN_HEAD_ENTRIES = ("api", "ids", "verl", "nemo_rl")
 PAIRS = [
     pytest.param(entry, bad, id=f"{entry}-{bad.name.replace(' ', '_')}")
     for bad in BAD_ARGUMENTS

@@ -35,7 +35,7 @@ import torch
 from mcore_ppo.head_call import run_head
 from mcore_ppo.integrations.verl import distill_topk
 from mcore_ppo.logs import log_once
-from mcore_ppo.options import HeadOptions, HiddenGrad, Layout, TokenOrder, call_options
+from mcore_ppo.options import HeadOptions, HiddenGrad, Layout, TokenOrder, call_options, replaced
 
 __all__ = ["Collector", "StepRequest", "collect", "current_collector", "engine_step", "thd_packing"]
 
@@ -211,7 +211,7 @@ def _options(backend: str, return_entropy: bool, sum_pi_squared: bool) -> HeadOp
             "mcore_ppo verl plugin: calculate_sum_pi_squared=True needs a head with "
             "HeadOptions.return_sum_pi_squared (this mcore_ppo has none)"
         )
-    return dataclasses.replace(options, return_sum_pi_squared=True)
+    return replaced(options, return_sum_pi_squared=True)
 
 
 class _Nothing:
