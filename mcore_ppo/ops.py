@@ -125,15 +125,26 @@ def _head_forward(
     hidden, weight, labels, temperature, temperature_value, given_statistics, ignore_index, vocab_start, vocab_size,
     backend, tp_group, hidden_grad, statistics, labels_in_range, grad_needed,
 ):  # fmt: skip
-    call = HeadCall(
-        backend, tp_group, HiddenGrad(hidden_grad), WeightGrad.GRAD, ignore_index, vocab_start, vocab_size,
-        temperature_value, Statistics.from_key(statistics), labels_in_range,
+    call = _call_of(
+        temperature_value, ignore_index, vocab_start, vocab_size, backend, tp_group, hidden_grad, statistics,
+        labels_in_range,
     )  # fmt: skip
     log_prob, entropy, detached, saved = _forward(
         hidden, weight, labels, temperature, given_statistics, call, grad_needed
     )
     entropy = _absent(log_prob) if entropy is None else entropy
     return log_prob, entropy, _absent(log_prob) if detached is None else detached, saved
+
+
+def _call_of(
+    temperature_value, ignore_index, vocab_start, vocab_size, backend, tp_group, hidden_grad, statistics,
+    labels_in_range,
+) -> HeadCall:  # fmt: skip
+    """The :class:`HeadCall` of ``head_forward``'s other arguments (what :func:`_forward_args` made of it)."""
+    return HeadCall(
+        backend, tp_group, HiddenGrad(hidden_grad), WeightGrad.GRAD, ignore_index, vocab_start, vocab_size,
+        temperature_value, Statistics.from_key(statistics), labels_in_range,
+    )  # fmt: skip
 
 
 def _forward(hidden, weight, labels, temperature, given_statistics, call: HeadCall, grad_needed: bool):
@@ -374,12 +385,8 @@ def _backward(ctx, grad_log_prob, grad_entropy):
 
 def _setup_context(ctx, inputs, output):
     """``register_autograd``'s half of :class:`HeadFunction` (a direct call of the op)."""
-    hidden, weight, labels, temperature, temperature_value, given_statistics, *rest = inputs
-    ignore_index, vocab_start, vocab_size, backend, tp_group, hidden_grad, statistics, labels_in_range, _ = rest
-    call = HeadCall(
-        backend, tp_group, HiddenGrad(hidden_grad), WeightGrad.GRAD, ignore_index, vocab_start, vocab_size,
-        temperature_value, Statistics.from_key(statistics), labels_in_range,
-    )  # fmt: skip
+    hidden, weight, labels, temperature, temperature_value, given_statistics, *rest, _grad_needed = inputs
+    call = _call_of(temperature_value, *rest)
     _, _, detached, saved = output
     _save(ctx, hidden, weight, labels, temperature, given_statistics, detached, saved, call)
     # A direct caller holds the saved list (an output of the op): the backward must not turn the
