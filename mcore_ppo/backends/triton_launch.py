@@ -305,25 +305,25 @@ class BoundLauncher:
     :meth:`Launcher.launch` and :meth:`Launcher.launch_kept` would do for it, decided once per
     backend call: no launch hook registered, no subclass checking kept launches)."""
 
-    __slots__ = ("device", "kept", "launcher", "stream", "where")
+    __slots__ = ("kept", "launcher", "where")
 
     def __init__(self, launcher: Launcher, device: int | None, stream: int | None, inline: bool = False):
         self.launcher = launcher
         self.where = None if device is None else (device, stream)
-        self.device, self.stream = device, stream
-        self.kept = launcher.tables if inline else None
+        # Only a launcher on the kept-kernel path (a device) has kept kernels.
+        self.kept = launcher.tables if inline and device is not None else None
 
     def __call__(self, kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, site: object = None) -> None:
         """:meth:`Launcher.launch` on this call's device and stream."""
-        kept_tables = self.kept
+        kept_tables, where = self.kept, self.where
         if kept_tables is not None and site is not None:
             table = kept_tables.get(id(kernel))
-            kept = None if table is None else table[1].get((self.device, site))
+            kept = None if table is None else table[1].get((where[0], site))
             if kept is not None and not kernel.pre_run_hooks:
                 self.launcher.launches += 1
-                kept.launch(grid, args, self.stream)
+                kept.launch(grid, args, where[1])
                 return
-        self.launcher.launch(kernel, grid, args, kwargs, site, self.where)
+        self.launcher.launch(kernel, grid, args, kwargs, site, where)
 
 
 __all__ = [
