@@ -133,7 +133,7 @@ def call_options(
 def replaced(options: HeadOptions, **changes: object) -> HeadOptions:
     """``options`` with the fields ``changes`` names replaced (checked as :class:`HeadOptions`
     checks them), one object per options object and changes: a call's options are part of its
-    prepared signature by identity (:class:`mcore_ppo.head_call.Prepared`), so an override
+    prepared signature by identity (:class:`mcore_ppo.execution.Prepared`), so an override
     given on every call (a keyword beside an options object, the head module's per-call
     ``return_entropy``) must not make a new object each time, and a change to the values it
     holds returns it as it is. A bad value raises each time."""

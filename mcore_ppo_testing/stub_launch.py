@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from mcore_ppo import head_call
+from mcore_ppo import execution, head_call
 from mcore_ppo.backends.triton_backend import TritonBackend, TritonConfig
 from mcore_ppo.backends.triton_launch import Launcher
 from mcore_ppo_testing.launch_checks import CheckedLauncher
@@ -97,13 +97,17 @@ def stub_triton_backend(config: TritonConfig | None = None, *, check_sites: bool
 
 @contextlib.contextmanager
 def cuda_like_checks() -> Iterator[None]:
-    """The head's checks read no label or temperature value on the host, as on CUDA."""
-    readable = head_call.values_readable
-    head_call.values_readable = lambda tensor: False
+    """The head's checks read no label or temperature value on the host, as on CUDA (the checks
+    themselves, and the test of whether a call may skip them)."""
+    modules = (head_call, execution)
+    readable = [module.values_readable for module in modules]
+    for module in modules:
+        module.values_readable = lambda tensor: False
     try:
         yield
     finally:
-        head_call.values_readable = readable
+        for module, original in zip(modules, readable, strict=True):
+            module.values_readable = original
 
 
 class Mode(NamedTuple):

@@ -1,5 +1,5 @@
 """A call whose signature the head has met skips its checks and reuses that call's decisions
-(:class:`mcore_ppo.head_call.Prepared`), and gives what the checked call gives.
+(:class:`mcore_ppo.execution.Prepared`), and gives what the checked call gives.
 
 - Later calls of one signature (the dtypes, dims, weight shape, options, layout, group, a
   number for a temperature; any token count) run without :func:`~mcore_ppo.head_call.check_call`
@@ -26,7 +26,7 @@ import torch
 from torch.autograd import forward_ad
 
 import mcore_ppo
-from mcore_ppo import head_call
+from mcore_ppo import execution, head_call
 from mcore_ppo.integrations.verl.kernel import linear_cross_entropy
 from mcore_ppo.options import call_options, replaced
 from mcore_ppo_testing.bad_inputs import BAD_ARGUMENTS, ENTRY_POINTS, IDS, make_case, with_model
@@ -43,7 +43,7 @@ RUN_HEAD_ENTRIES = ("api", "ids", "verl", "nemo_rl")
 @pytest.fixture
 def checks(monkeypatch) -> list[int]:
     """A fresh table of prepared calls; the list grows by one per :func:`check_call`."""
-    monkeypatch.setattr(head_call, "_PREPARED", {})
+    monkeypatch.setattr(execution, "_PREPARED", {})
     seen: list[int] = []
     check_call = head_call.check_call
 
@@ -108,7 +108,7 @@ def test_later_calls_of_a_signature_skip_the_checks_and_match_checked_calls(layo
         later = [_inputs(layout, tokens, gen) for tokens in (24, 40, 8)]
         prepared = [_call(layout, *case, **options) for case in later]
         assert len(checks) == 1, "a later call of the signature took the checks"
-        monkeypatch.setattr(head_call, "_prepared_key", lambda *args: None)
+        monkeypatch.setattr(execution, "prepared_key", lambda *args: None)
         checked = [_call(layout, *case, **options) for case in later]
         assert len(checks) == 4
     assert len(first) == len(prepared[0])
@@ -123,7 +123,7 @@ def test_a_16_bit_hidden_with_an_fp32_weight(checks, monkeypatch):
     with cuda_like_checks():
         fast = [_call("2d", *case, precision="ieee") for case in cases]
         assert len(checks) == 1
-        monkeypatch.setattr(head_call, "_prepared_key", lambda *args: None)
+        monkeypatch.setattr(execution, "prepared_key", lambda *args: None)
         slow = [_call("2d", *case, precision="ieee") for case in cases]
     for fast_call, slow_call in zip(fast, slow, strict=True):
         for a, b in zip(fast_call, slow_call, strict=True):
@@ -202,7 +202,7 @@ def test_values_read_by_the_checks_are_read_on_every_call(entry, checks):
     labels[1, 3] = case.vocab
     with pytest.raises(ValueError, match="labels"):
         ENTRY_POINTS[entry](case, temperature=0.7, labels=labels.t() if entry == "verl" else labels)
-    assert len(checks) == 3 and not head_call._PREPARED
+    assert len(checks) == 3 and not execution._PREPARED
 
 
 @pytest.mark.parametrize("entry", ("api", "ids", "verl"))
@@ -211,7 +211,7 @@ def test_a_temperature_tensor_is_checked_on_every_call(entry, checks):
     with cuda_like_checks():
         for _ in range(2):
             ENTRY_POINTS[entry](case, validate=False)
-    assert len(checks) == 2 and not head_call._PREPARED
+    assert len(checks) == 2 and not execution._PREPARED
 
 
 def test_what_a_signature_is(checks):
@@ -243,13 +243,13 @@ def test_a_dual_tensor_is_refused_after_prepared_calls(checks):
 
 
 def test_the_table_is_bounded(checks, monkeypatch):
-    monkeypatch.setattr(head_call, "PREPARED_CALLS", 2)
+    monkeypatch.setattr(execution, "PREPARED_CALLS", 2)
     gen = generator(next_seed())
     hidden, weight, labels = _inputs("2d", 12, gen)
     with cuda_like_checks():
         for temperature in (0.5, 0.6, 0.7):
             mcore_ppo.fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, backend="torch")
-            assert len(head_call._PREPARED) <= 2
+            assert len(execution._PREPARED) <= 2
 
 
 # --- any sequence of calls: prepared or checked, the same outcome ---------------------------------
@@ -372,9 +372,9 @@ def test_any_sequence_of_calls_gives_what_checked_calls_give(calls):
     """Drawn sequences of good and flawed calls: with the table of prepared calls filling up as
     they run, each call's outputs and gradients, or its exception and message, are those of the
     same call through the checks."""
-    with cuda_like_checks(), mock.patch.object(head_call, "_PREPARED", {}):
+    with cuda_like_checks(), mock.patch.object(execution, "_PREPARED", {}):
         prepared = [_outcome(spec) for spec in calls]
-        with mock.patch.object(head_call, "_prepared_key", lambda *args: None):
+        with mock.patch.object(execution, "prepared_key", lambda *args: None):
             checked = [_outcome(spec) for spec in calls]
     for index, (a, b) in enumerate(zip(prepared, checked, strict=True)):
         assert _same(a, b), f"call {index} of {calls}: {a[:3]} against {b[:3]}"

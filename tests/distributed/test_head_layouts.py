@@ -34,7 +34,7 @@ from head_cases import (
     upcast,
 )
 
-from mcore_ppo import head_call
+from mcore_ppo import execution, head_call
 
 pytestmark = pytest.mark.usefixtures("fresh_parallel_state")
 
@@ -153,12 +153,12 @@ def _per_token(case: GlobalCase) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_prepared_calls_match_single_rank(tp, check, monkeypatch):
     """With ``validate=False`` the verdict is shared once per group and call signature, so a later
-    call of a signature is prepared (``head_call.Prepared``: no checks, no collective before the
+    call of a signature is prepared (``execution.Prepared``: no checks, no collective before the
     head's own): each layout, SP off and on, called with its tokens, then fewer, then again with
     its tokens, every call equal to the single-rank result."""
     layout = tp_cp_groups(tp)
     torch.manual_seed(shared_seed())
-    monkeypatch.setattr(head_call, "_PREPARED", {})
+    monkeypatch.setattr(execution, "_PREPARED", {})
     checked: list[int] = []
     check_call = head_call.check_call
     monkeypatch.setattr(head_call, "check_call", lambda *a, **k: checked.append(1) or check_call(*a, **k))
@@ -171,7 +171,7 @@ def test_prepared_calls_match_single_rank(tp, check, monkeypatch):
             continue
         weight = case.weight.chunk(tp, dim=0)[layout.tp_rank]
         for sp in (False, True):
-            head_call._PREPARED.clear()  # [s, b, h] and packed share a signature: b is a token count
+            execution._PREPARED.clear()  # [s, b, h] and packed share a signature: b is a token count
             before = len(checked)
             for step, (each, ref) in enumerate(zip(cases, refs, strict=True)):
                 check.case(f"tp={tp} sp={sp} layout={name} float32 call {step} prepared")
