@@ -93,16 +93,18 @@ def backend_key(backend: str | Backend, device: torch.device, precision: str = "
     once per device type and precision, as :func:`resolve_backend` does), else the key a backend
     object was registered under when its options were checked."""
     if isinstance(backend, str):
-        return f"{backend}:{device.type}" + ("" if precision == "auto" else f":{precision}")
+        return registry.name_key(backend, device.type, precision)
     key = getattr(backend, "op_key", None)
     return key if key is not None else registry.register(backend)
 
 
-def backend_from_key(key: str) -> Backend:
-    """The backend :func:`backend_key` named (inside the ops, and in their shape functions)."""
-    backend = registry.registered(key)
-    if backend is not None:
-        return backend
+#: The backend :func:`backend_key` named (:func:`mcore_ppo.backends.registry.backend_from_key`).
+backend_from_key = registry.backend_from_key
+
+
+def resolve_key(key: str) -> Backend:
+    """The backend a name key (:func:`backend_key` of a name) resolves to, as
+    :func:`resolve_backend` resolves it; ValueError for a key of no registered object."""
     name, _, rest = key.partition(":")
     device_type, _, precision = rest.partition(":")
     if device_type and "@" not in key:
@@ -113,16 +115,10 @@ def backend_from_key(key: str) -> Backend:
     )
 
 
-# (name, device type, precision) -> the backend object that name resolves to there. Backends are stateless
-# between calls, so one object serves every call; building one per call costs host time
-# (the triton backend reads its settings and the environment when built).
-_RESOLVED: dict[tuple[str, str, str], Backend] = {}
-
-
 def clear_backend_cache() -> None:
     """Forget the backends :func:`resolve_backend` built, so the next call builds them again
     from the current module defaults and environment (tests that patch those defaults)."""
-    _RESOLVED.clear()
+    registry.forget_resolved()
 
 
 def resolve_backend(name: str | Backend, device: torch.device, precision: str = "auto") -> Backend:
@@ -146,12 +142,15 @@ def resolve_backend(name: str | Backend, device: torch.device, precision: str = 
     if not isinstance(name, str):
         check_backend(name)
         return name
-    key = (name, device.type, precision)
-    backend = _RESOLVED.get(key)
+    # Backends are stateless between calls, so one object serves every call of a name; building
+    # one per call costs host time (the triton backend reads its settings and the environment).
+    key = registry.name_key(name, device.type, precision)
+    backend = registry.resolved(key)
     if backend is None:
         check_backend(name)
         check_precision(precision)
-        backend = _RESOLVED[key] = _build(name, device, precision)
+        backend = _build(name, device, precision)
+        registry.keep_resolved(key, backend)
     return backend
 
 
@@ -219,4 +218,5 @@ __all__ = [
     "clear_backend_cache",
     "import_optional",
     "resolve_backend",
+    "resolve_key",
 ]

@@ -17,10 +17,10 @@ from collections.abc import Callable
 import torch
 
 from mcore_ppo.backends.base import HeadForward, SavedTokens
-from mcore_ppo.backends.triton_host import COMPACT_BLOCK, COMPACT_WARPS, MERGE_BLOCK_T, gathered_rows
+from mcore_ppo.backends.triton_host import COMPACT_BLOCK, COMPACT_WARPS, gathered_rows
 from mcore_ppo.backends.triton_launch import BoundLauncher
 from mcore_ppo.backends.triton_plan import LaunchPlan
-from mcore_ppo.numerics import cdiv, inverse_temperature
+from mcore_ppo.numerics import inverse_temperature
 
 _TOKENS_OPTIONS = {save: {"BLOCK": COMPACT_BLOCK, "num_warps": COMPACT_WARPS, "SAVE": save} for save in (False, True)}
 
@@ -124,7 +124,7 @@ def fused_head_forward(
     if statistics.detached:
         detached = torch.empty(len(statistics.detached), n, dtype=torch.float32, device=device)
     detached_arg = log_prob if detached is None else detached  # nor without a detached statistic
-    merge_grid = (cdiv(n, MERGE_BLOCK_T),)
+    merge_grid = plan.merge_grid
     lse = torch.empty(n, dtype=torch.float32, device=device) if grad_needed else None
     entropy = torch.empty(n, dtype=torch.float32, device=device) if grad_needed and statistics.entropy else None
     lse_arg = log_prob if lse is None else lse  # never written without SAVE

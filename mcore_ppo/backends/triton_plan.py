@@ -49,17 +49,13 @@ class LaunchPlan:
     use_tma: bool
     buf_tma: bool
     direct: bool
+    n_parts: int  # planes of the per-split partials and of the TP sums: the max (the label logit), then one per term
     stats_grid: tuple[int]
+    merge_grid: tuple[int]  # the merge and finish launches' (one program per MERGE_BLOCK_T tokens)
     stats_options: dict
     merge_options: dict  # merge_splits_kernel's and merge_to_max_kernel's constexprs
     finish_options: dict  # by (labels_in_range, grad_needed): the launch options of merge_finish_kernel
     tp_options: dict  # over TP: split_max_kernel's ("max"), merge_to_max_kernel's ("merge"), finish_kernel's (as above)
-
-    @property
-    def n_parts(self) -> int:
-        """Planes of the per-split partials and of the TP sums: the max (the label logit), then
-        one per term of the statistics."""
-        return self.statistics.n_planes
 
     @staticmethod
     def build(
@@ -119,7 +115,8 @@ class LaunchPlan:
         }
         return LaunchPlan(
             n, h, v, numerics, cfg, num_splits, n_tiles_v, statistics, store, use_tma, buf_tma, direct,
-            (cdiv(n, cfg.block_m) * num_splits,), stats_options, merged, finish_options, tp_options,
+            statistics.n_planes, (cdiv(n, cfg.block_m) * num_splits,), (cdiv(n, MERGE_BLOCK_T),), stats_options, merged,
+            finish_options, tp_options,
         )  # fmt: skip
 
 

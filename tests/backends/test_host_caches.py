@@ -12,13 +12,22 @@
 from __future__ import annotations
 
 import gc
+from unittest.mock import patch
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_ppo import verdict
-from mcore_ppo.backends import TorchBackend, clear_backend_cache, fp32_gemms, resolve_backend
+from mcore_ppo import backends, verdict
+from mcore_ppo.backends import (
+    TorchBackend,
+    backend_from_key,
+    backend_key,
+    clear_backend_cache,
+    fp32_gemms,
+    registry,
+    resolve_backend,
+)
 from mcore_ppo_testing.bench import fp32_gemm_path
 
 
@@ -83,6 +92,23 @@ def test_named_backends_are_built_once():
     assert resolve_backend("torch", cpu) is first and resolve_backend("auto", cpu) is resolve_backend("auto", cpu)
     clear_backend_cache()
     assert resolve_backend("torch", cpu) is not first
+
+
+def test_a_named_key_resolves_once_and_is_then_found_by_the_ops():
+    """The ops' lookup of a name key (``backend_from_key``) resolves it the first time, as
+    ``resolve_backend`` does, and finds that object afterwards without resolving; a cleared
+    cache resolves anew; an object key nothing registered is refused by name."""
+    clear_backend_cache()
+    cpu = torch.device("cpu")
+    key = backend_key("torch", cpu)
+    first = backend_from_key(key)
+    assert first is resolve_backend("torch", cpu) and registry.resolved(key) is first
+    with patch.object(backends, "resolve_key", side_effect=AssertionError("resolved again")):
+        assert backend_from_key(key) is first
+    clear_backend_cache()
+    assert registry.resolved(key) is None and backend_from_key(key) is not first
+    with pytest.raises(ValueError, match="not registered"):
+        backend_from_key("torch@dead")
 
 
 def test_shared_signatures_are_keyed_by_the_group_object(gloo_world):

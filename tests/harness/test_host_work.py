@@ -62,7 +62,8 @@ def test_host_work_above_the_backend_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_call_files_lists_the_product_files_of_one_call(backend):
     """``scripts/call_files.py``: the files a call's forward and backward enter, the op boundary
-    and the backend's own among them, the kernels' module left out."""
+    and the backend's own among them, the kernels' module left out; the first call of a
+    signature takes the checks (the verdict), a later one does not."""
     if backend == "triton":
         pytest.importorskip("triton")
     done = subprocess.run(
@@ -72,7 +73,9 @@ def test_call_files_lists_the_product_files_of_one_call(backend):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     files = json.loads(done.stdout)
     own = f"backends/{backend}_backend.py"
-    for phase in ("forward", "backward"):
+    for phase in ("forward_first", "forward", "backward"):
         assert {"ops.py", "shard.py", own} <= set(files[phase]), (phase, files[phase])
         assert not any(name.startswith("kernels/") for name in files[phase]), files[phase]
     assert "head_call.py" in files["forward"] and "head_call.py" not in files["backward"]
+    assert "check_call" in files["forward_first"]["head_call.py"]
+    assert "check_call" not in files["forward"]["head_call.py"]
