@@ -10,7 +10,10 @@ can run an 80 GB card out of memory. So, in every process where CUDA is initiali
   tests that should not run beside each other;
 - after each test the caching allocator gives back the blocks it keeps
   (``torch.cuda.empty_cache``), so memory a finished test reserved is there for a large test in
-  another worker instead of held by an idle one.
+  another worker instead of held by an idle one;
+- a test marked ``gpu_heavy`` (a peak of about 9 GiB or more in that summary) runs with the card
+  to itself (:class:`mcore_ppo_testing.card_share.CardShare`, held by every test on a GPU
+  machine: shared by most, alone by a heavy one). Without CUDA nothing is locked.
 
 Nothing here initialises CUDA (a process that forks workers must not have done so): a test
 that never touched CUDA, in a process that never did, is skipped by both.

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_ppo_testing import gpu_memory, megatron_tracker, seeds
+from mcore_ppo_testing import card_share, gpu_memory, megatron_tracker, seeds
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -58,13 +58,24 @@ def _fresh_mtp_tracker():
 _GPU_PEAKS: list[tuple[float, str]] = []
 
 
+# The card, shared by the workers of a GPU machine (card_share.CardShare); None without CUDA.
+_CARD = card_share.CardShare() if torch.cuda.is_available() else None
+
+
 @pytest.fixture(autouse=True)
 def _gpu_memory(request):
     """The test's GPU memory peak recorded, and its process's cached blocks given back after it
-    (mcore_ppo_testing.gpu_memory); nothing where CUDA is not initialised."""
-    gpu_memory.start_test()
-    yield
-    gpu_memory.end_test(request.node.nodeid, _GPU_PEAKS)
+    (mcore_ppo_testing.gpu_memory); nothing where CUDA is not initialised. On a GPU machine the
+    test holds the card, alone when it is marked ``gpu_heavy``."""
+    card = (
+        contextlib.nullcontext()
+        if _CARD is None
+        else _CARD.for_test(alone=request.node.get_closest_marker("gpu_heavy") is not None)
+    )
+    with card:
+        gpu_memory.start_test()
+        yield
+        gpu_memory.end_test(request.node.nodeid, _GPU_PEAKS)
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,7 @@ def run(x, w, labels, g, e, temperature, backend=None):
     return logp.detach(), ent.detach(), xg.grad, wg.grad
 
 
+@pytest.mark.gpu_heavy  # peaks of 9 GiB and more: the card to itself
 @pytest.mark.parametrize(
     ("h", "v", "ignored"),
     [(3584, 152064, 0.0), (3584, 38016, 0.3), (4096, 16032, 0.0), (4096, 64128, 0.5)],
@@ -132,6 +133,7 @@ def test_all_ignored(use_tma):
         assert torch.isfinite(t).all() and (t == 0).all()
 
 
+@pytest.mark.gpu_heavy  # peaks of 9 GiB and more: the card to itself
 @pytest.mark.parametrize(("h", "v"), [(3584, 152064), (4096, 128256)], ids=["qwen7b", "llama3-8b"])
 def test_no_grad_forward_keeps_nothing_and_memory_budget(h, v):
     from mcore_ppo import fused_log_probs_and_entropy
@@ -209,6 +211,7 @@ def test_cuda_graph_capture(use_tma, budget):
     assert torch.equal(grads[0], eager_grads[0]) and torch.equal(grads[1], eager_grads[1])
 
 
+@pytest.mark.gpu_heavy  # peaks of 9 GiB and more: the card to itself
 @pytest.mark.parametrize(("h", "v"), [(3584, 152064), (3584, 19008)], ids=["qwen7b-tp1", "qwen7b-tp8"])
 def test_buffer_mode_full_shape(h, v, monkeypatch):
     """The budgeted bf16 probability buffer (no recompute) at full shapes vs fp64."""

@@ -171,6 +171,7 @@ def fp64_top_rows(x, w, k, temperature, rows):
     return ids[:, :k], vals[:, :k], torch.logsumexp(vals[:, k:], dim=-1), lp
 
 
+@pytest.mark.gpu_heavy  # peaks of 9 GiB and more: the card to itself
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize(("n", "h", "v", "k"), [(4096, 3584, 18992, 128), (3000, 1024, 40077, 64)],
                          ids=["tp8-shard-k128", "ragged-k64"])  # fmt: skip
@@ -221,6 +222,7 @@ def test_per_token_temperature(n, h, v, k, dtype):
     torch.testing.assert_close(constant.log_probs, number.log_probs, rtol=0, atol=1e-6)
 
 
+@pytest.mark.gpu_heavy  # peaks of 9 GiB and more: the card to itself
 @pytest.mark.parametrize(("world", "k"), [(8, 8), (8, 128), (2, 64)])
 def test_rank_merge_kernel_matches_the_reference_selection(world, k):
     """The ranks' merge through the selection kernel (``topk_triton.select_merged``, the Triton
