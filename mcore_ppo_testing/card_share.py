@@ -6,6 +6,10 @@ others. :class:`CardShare` is a readers-writer lock across processes, ``flock`` 
 every test holds the *room* shared, a heavy one exclusively; a heavy test takes the *turnstile*
 first and holds it while it waits, and an ordinary test passes the turnstile on its way in, so no
 new test enters while a heavy one waits (it is not starved by a stream of ordinary ones).
+A heavy test waits for the tests inside to end, and while it waits no test starts: the suite
+stands still for the longest of them. So the heavy tests run last (:func:`heavy_last`, the
+collection's order), when little is left to wait for.
+
 A test's subprocesses (a torchrun of pytest ranks, a launch script) run inside its hold: the
 hold is marked in the environment they inherit (:data:`HELD`), and a process that finds the mark
 takes no lock of its own (:meth:`CardShare.for_test`). Without that, ordinary ranks queued behind
@@ -22,6 +26,9 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+#: The marker of a test that runs with the card to itself.
+HEAVY = "gpu_heavy"
 
 #: Set in the environment while a test holds the card: its subprocesses hold nothing more.
 HELD = "MCORE_PPO_CARD_HELD"
@@ -74,3 +81,11 @@ class CardShare:
                 yield
             finally:
                 del os.environ[HELD]
+
+
+def heavy_last(items: list) -> None:
+    """Move the tests marked :data:`HEAVY` to the end of the collection ``items``, in place,
+    each group keeping its order (module doc)."""
+    heavy = [item for item in items if item.get_closest_marker(HEAVY) is not None]
+    if heavy:
+        items[:] = [item for item in items if item.get_closest_marker(HEAVY) is None] + heavy

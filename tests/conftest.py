@@ -70,7 +70,7 @@ def _gpu_memory(request):
     card = (
         contextlib.nullcontext()
         if _CARD is None
-        else _CARD.for_test(alone=request.node.get_closest_marker("gpu_heavy") is not None)
+        else _CARD.for_test(alone=request.node.get_closest_marker(card_share.HEAVY) is not None)
     )
     with card:
         gpu_memory.start_test()
@@ -175,6 +175,12 @@ def summary_section():
         _SUMMARY_SECTIONS[title] = list(lines)
 
     return add
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """On a GPU machine the tests that need the card to themselves run last (card_share.heavy_last)."""
+    if _CARD is not None:
+        card_share.heavy_last(items)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

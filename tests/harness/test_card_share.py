@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_ppo_testing.card_share import HELD, CardShare
+from mcore_ppo_testing.card_share import HEAVY, HELD, CardShare, heavy_last
 
 MODULE = Path(__file__).resolve().parents[2] / "mcore_ppo_testing" / "card_share.py"
 
@@ -122,3 +122,20 @@ def test_a_tests_subprocesses_hold_nothing_more(tmp_path, monkeypatch):
         )  # fmt: skip
         assert child.returncode == 0 and _log(tmp_path) == ["child"]  # it ran inside this exclusive hold
     assert HELD not in os.environ
+
+
+class _Item:
+    def __init__(self, name: str, heavy: bool):
+        self.name, self.heavy = name, heavy
+
+    def get_closest_marker(self, name: str):
+        return "marker" if self.heavy and name == HEAVY else None
+
+
+def test_heavy_tests_run_last_in_their_order():
+    items = [_Item("a", False), _Item("H1", True), _Item("b", False), _Item("H2", True), _Item("c", False)]
+    heavy_last(items)
+    assert [item.name for item in items] == ["a", "b", "c", "H1", "H2"]
+    light = [_Item("a", False), _Item("b", False)]
+    heavy_last(light)
+    assert [item.name for item in light] == ["a", "b"]
