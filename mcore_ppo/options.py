@@ -115,7 +115,9 @@ def call_options(
         except TypeError:  # an unhashable argument: no cache, the checks name it
             found, key = None, None
         if found is None:
-            found = _from_keywords(ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision)
+            found = HeadOptions(
+                **_given(ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision)
+            )
             if key is not None:
                 if len(_PLAIN) >= 64:
                     _PLAIN.clear()
@@ -123,11 +125,8 @@ def call_options(
         return found
     if not isinstance(options, HeadOptions):
         raise TypeError(f"options must be a HeadOptions or None, got {validation.type_name(options)}")
-    given = (ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision)
-    if all(value is None for value in given):
-        return options
-    names = ("ignore_index", "backend", "return_entropy", "validate", "return_sum_pi_squared", "precision")
-    return replaced(options, **{name: value for name, value in zip(names, given, strict=True) if value is not None})
+    changes = _given(ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision)
+    return replaced(options, **changes) if changes else options
 
 
 def replaced(options: HeadOptions, **changes: object) -> HeadOptions:
@@ -172,12 +171,13 @@ _NO_FIELD = object()
 _REPLACED: dict[tuple, tuple[HeadOptions, HeadOptions]] = {}
 
 
-def _from_keywords(ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision) -> HeadOptions:
+def _given(ignore_index, backend, return_entropy, validate, return_sum_pi_squared, precision) -> dict[str, object]:
+    """The entry point's keywords that are not None, by field name."""
     given = (
         ("ignore_index", ignore_index), ("backend", backend), ("return_entropy", return_entropy),
         ("validate", validate), ("return_sum_pi_squared", return_sum_pi_squared), ("precision", precision),
     )  # fmt: skip
-    return HeadOptions(**{name: value for name, value in given if value is not None})
+    return {name: value for name, value in given if value is not None}
 
 
 class TokenOrder(enum.Enum):

@@ -74,11 +74,6 @@ def register(backend: Any) -> str:
     return key
 
 
-def registered(key: str) -> Any | None:
-    """The backend registered under ``key``, or None."""
-    return _BY_KEY.get(key)
-
-
 def holds(backend: Any) -> bool:
     """``backend`` itself is registered under the key it carries (not a copy, not a forgery)."""
     key = getattr(backend, "op_key", None)
